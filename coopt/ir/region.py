@@ -1,0 +1,125 @@
+"""Region summaries: the plain-data contract between the IR and everything after fusion.
+
+A fused kernel region (`coopt.kernel` in the IR) is summarised as a `RegionSummary`. Templates,
+the advisor, the verifier and the tuner read only this, never the IR, so they stay testable
+without xDSL. Everything here is JSON-ready (see `to_json` / `from_json`).
+
+Family attributes (`RegionSummary.attrs`), one schema per template family:
+
+elementwise
+    inputs: tensors broadcastable to the output shape (numpy rules).
+    attrs = {"program": [[name, fn, [arg, ...]], ...], "outputs": [name, ...]}
+    `arg` is an input name "in0", "in1", ..., an earlier result name, or a float literal.
+    fn is one of ELEMENTWISE_FNS. Arithmetic is done in fp32; outputs are cast to their dtype.
+
+row_reduction (reduction over the last dim, one row per program)
+    attrs = {"kind": "softmax" | "layer_norm" | "rms_norm", "eps": float,
+             "has_weight": bool, "has_bias": bool, "residual": bool}
+    inputs, in order: x, [residual if residual], [weight if has_weight], [bias if has_bias]
+    outputs: y = norm(x + residual) (or norm(x)), and when residual also h = x + residual.
+
+matmul_epilogue (C = A @ B' (+ bias) then an elementwise epilogue)
+    attrs = {"b_layout": "nk" | "kn", "has_bias": bool, "epilogue": program, "outputs": [...]}
+    inputs, in order: a [..., K], b ([N, K] for "nk" i.e. nn.Linear weight, [K, N] for "kn"),
+    [bias [N] if has_bias], extra epilogue tensors (broadcastable to [..., N]).
+    The epilogue program (same form as elementwise) names the matmul(+bias) result "acc" and
+    the extra epilogue tensors "in0", "in1", ...; an empty program with outputs ["acc"] is a
+    plain (biased) matmul.
+
+attention (softmax(q k^T * scale [+ causal mask]) v)
+    attrs = {"causal": bool, "scale": float, "num_heads": int, "num_kv_heads": int}
+    inputs: q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, D]; output [B, H, Sq, D].
+    H is a multiple of Hkv (GQA: query head h reads kv head h // (H // Hkv)). With causal and
+    Sq != Sk the mask is aligned to the bottom right, as in SDPA with a KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+ELEMENTWISE_FNS = {
+    # fn name -> arity
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "maximum": 2, "minimum": 2, "pow": 2,
+    "neg": 1, "relu": 1, "silu": 1, "sigmoid": 1, "gelu": 1, "gelu_tanh": 1, "tanh": 1,
+    "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "abs": 1, "square": 1, "reciprocal": 1,
+}
+
+FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention")
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int64": 8, "int32": 4, "bool": 1}
+
+Dim = int | str  # a str is a symbolic dim, its range in RegionSummary.dims
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[Dim, ...]
+    dtype: str
+
+    def concrete(self, dims: dict[str, int]) -> tuple[int, ...]:
+        return tuple(dims[d] if isinstance(d, str) else d for d in self.shape)
+
+
+@dataclass(frozen=True)
+class RegionSummary:
+    name: str
+    family: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    attrs: dict = field(default_factory=dict)
+    # symbolic dim -> (min, max) inclusive, and the value seen in the example inputs
+    dims: dict[str, tuple[int, int]] = field(default_factory=dict)
+    example_dims: dict[str, int] = field(default_factory=dict)
+    input_names: tuple[str, ...] = ()  # weight names ("fc1.weight") or "" for activations
+
+    def bytes_moved(self, dims: dict[str, int] | None = None) -> int:
+        """Fewest bytes a kernel must move: every input read once, every output written once."""
+        dims = dims or self.example_dims
+        total = 0
+        for spec in (*self.inputs, *self.outputs):
+            n = 1
+            for d in spec.concrete(dims):
+                n *= d
+            total += n * DTYPE_BYTES.get(spec.dtype, 4)
+        return total
+
+    def flops(self, dims: dict[str, int] | None = None) -> int:
+        dims = dims or self.example_dims
+        if self.family == "matmul_epilogue":
+            a = self.inputs[0].concrete(dims)
+            b = self.inputs[1].concrete(dims)
+            m = 1
+            for d in a[:-1]:
+                m *= d
+            n = b[0] if self.attrs.get("b_layout") == "nk" else b[1]
+            return 2 * m * n * a[-1]
+        if self.family == "attention":
+            bq, h, sq, d = self.inputs[0].concrete(dims)
+            sk = self.inputs[1].concrete(dims)[2]
+            return 4 * bq * h * sq * sk * d
+        out = self.outputs[0].concrete(dims)
+        n = 1
+        for d in out:
+            n *= d
+        return n * max(1, len(self.attrs.get("program", [])) or 5)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict) -> "RegionSummary":
+        return RegionSummary(
+            name=data["name"],
+            family=data["family"],
+            inputs=tuple(TensorSpec(tuple(s["shape"]), s["dtype"]) for s in data["inputs"]),
+            outputs=tuple(TensorSpec(tuple(s["shape"]), s["dtype"]) for s in data["outputs"]),
+            attrs=data.get("attrs", {}),
+            dims={k: tuple(v) for k, v in data.get("dims", {}).items()},
+            example_dims=dict(data.get("example_dims", {})),
+            input_names=tuple(data.get("input_names", ())),
+        )
+
+    def key(self) -> str:
+        """Stable text key (for caches): the summary as canonical JSON."""
+        return json.dumps(self.to_json(), sort_keys=True)

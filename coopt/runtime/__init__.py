@@ -1,0 +1,1 @@
+"""What a built `out/` directory runs. Imports torch and triton only (never xdsl/jinja2/hypothesis)."""

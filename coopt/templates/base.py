@@ -1,0 +1,91 @@
+"""What every template family declares, and how a candidate's source is rendered.
+
+A family turns a `RegionSummary` plus one choice of parameters into the source of a plain Python
+module (torch + triton only) that defines
+
+    def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]
+
+taking the region's inputs in `RegionSummary.inputs` order and returning its outputs in
+`RegionSummary.outputs` order. The module is written to `out/kernels/` and imported by the
+emitted program, so it must not import coopt's compiler (xdsl, jinja2, hypothesis).
+
+Legality lives here, not in the advisor: `param_space` is bounded and every point of it that
+`check` accepts must be correct. The advisor only ranks points.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import jinja2
+
+from coopt.ir.region import RegionSummary
+from coopt.targets import Target
+
+TEMPLATE_DIR = Path(__file__).parent
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def render_template(relative_path: str, **context) -> str:
+    """Render `templates/<relative_path>` with StrictUndefined (a missing variable is an error)."""
+    return _ENV.get_template(relative_path).render(**context)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One instantiation of a family for one region: what verify/tune/emit handle."""
+
+    region: str
+    family: str
+    params: dict
+    source: str  # Python module source defining run(*inputs)
+
+    @property
+    def label(self) -> str:
+        return f"{self.family}[" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items())) + "]"
+
+
+class TemplateFamily:
+    """Base class: subclasses set `name` and implement the four methods."""
+
+    name: ClassVar[str]
+
+    def matches(self, region: RegionSummary) -> bool:
+        """Whether this family can implement the region at all (family name and attrs)."""
+        return region.family == self.name
+
+    def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
+        """Bounded space: knob -> allowed values. Every knob's list is short and explicit."""
+        raise NotImplementedError
+
+    def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        """None when `params` is legal for `region` on `target`, else a one-line reason."""
+        return None
+
+    def render(self, region: RegionSummary, params: dict) -> str:
+        raise NotImplementedError
+
+    # -- shared helpers --------------------------------------------------------------
+    def legal_points(self, region: RegionSummary, target: Target) -> list[dict]:
+        """Every legal point of the space, in a deterministic order."""
+        space = self.param_space(region, target)
+        keys = sorted(space)
+        points = []
+        for values in itertools.product(*(space[k] for k in keys)):
+            params = dict(zip(keys, values))
+            if self.check(region, params, target) is None:
+                points.append(params)
+        return points
+
+    def instantiate(self, region: RegionSummary, params: dict) -> Candidate:
+        return Candidate(region.name, self.name, dict(params), self.render(region, params))

@@ -1,0 +1,87 @@
+"""Elementwise programs (see coopt.ir.region) rendered as Triton and as torch expressions.
+
+Both renderings come from one table so the Triton kernel and the eager reference agree on what
+each fn means. Triton lines compute in fp32: callers load inputs with `.to(tl.float32)`.
+"""
+
+from __future__ import annotations
+
+from coopt.ir.region import ELEMENTWISE_FNS
+
+# fn -> Triton expression over fp32 operands {0}, {1}
+_TRITON = {
+    "add": "{0} + {1}",
+    "sub": "{0} - {1}",
+    "mul": "{0} * {1}",
+    "div": "{0} / {1}",
+    "maximum": "tl.maximum({0}, {1})",
+    "minimum": "tl.minimum({0}, {1})",
+    "pow": "tl.exp2(tl.log2({0}) * {1})",
+    "neg": "-{0}",
+    "relu": "tl.maximum({0}, 0.0)",
+    "silu": "{0} / (1.0 + tl.exp(-{0}))",
+    "sigmoid": "1.0 / (1.0 + tl.exp(-{0}))",
+    "gelu": "0.5 * {0} * (1.0 + tl.erf({0} * 0.7071067811865476))",
+    # tanh(u) = 2*sigmoid(2u) - 1, written without tl.tanh (absent from older Triton releases)
+    "gelu_tanh": "0.5 * {0} * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * (0.7978845608028654 * ({0} + 0.044715 * {0} * {0} * {0})))) - 1.0))",
+    "tanh": "2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0",
+    "exp": "tl.exp({0})",
+    "log": "tl.log({0})",
+    "sqrt": "tl.sqrt({0})",
+    "rsqrt": "tl.rsqrt({0})",
+    "abs": "tl.abs({0})",
+    "square": "{0} * {0}",
+    "reciprocal": "1.0 / {0}",
+}
+
+# fn -> torch expression (module `torch` in scope), used by the eager reference
+_TORCH = {
+    "add": "{0} + {1}",
+    "sub": "{0} - {1}",
+    "mul": "{0} * {1}",
+    "div": "{0} / {1}",
+    "maximum": "torch.maximum({0}, {1})",
+    "minimum": "torch.minimum({0}, {1})",
+    "pow": "torch.pow({0}, {1})",
+    "neg": "-{0}",
+    "relu": "torch.relu({0})",
+    "silu": "torch.nn.functional.silu({0})",
+    "sigmoid": "torch.sigmoid({0})",
+    "gelu": "torch.nn.functional.gelu({0})",
+    "gelu_tanh": "torch.nn.functional.gelu({0}, approximate='tanh')",
+    "tanh": "torch.tanh({0})",
+    "exp": "torch.exp({0})",
+    "log": "torch.log({0})",
+    "sqrt": "torch.sqrt({0})",
+    "rsqrt": "torch.rsqrt({0})",
+    "abs": "torch.abs({0})",
+    "square": "{0} * {0}",
+    "reciprocal": "torch.reciprocal({0})",
+}
+
+assert set(_TRITON) == set(ELEMENTWISE_FNS) == set(_TORCH)
+
+
+def _operand(arg, names: dict[str, str]) -> str:
+    if isinstance(arg, (int, float)):
+        return repr(float(arg))
+    return names[arg]
+
+
+def render_program(program: list, names: dict[str, str], dialect: str = "triton") -> list[str]:
+    """Statements computing `program`, one per instruction.
+
+    `names` maps program names ("in0", "acc", ...) to expressions already in scope; each result
+    is assigned to a fresh local `v_<name>` and added to `names` (the dict is updated in place,
+    so callers can look up the outputs afterwards).
+    """
+    table = _TRITON if dialect == "triton" else _TORCH
+    lines = []
+    for result, fn, args in program:
+        if fn not in table:
+            raise ValueError(f"unknown elementwise fn '{fn}'")
+        expr = table[fn].format(*(_operand(a, names) for a in args))
+        local = f"v_{result}"
+        lines.append(f"{local} = {expr}")
+        names[result] = local
+    return lines

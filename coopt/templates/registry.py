@@ -1,0 +1,33 @@
+"""Template families by name; built-ins import lazily, plugins add more (coopt.plugins)."""
+
+from __future__ import annotations
+
+import importlib
+
+from coopt.templates.base import TemplateFamily
+
+_BUILTIN = {
+    "elementwise": "coopt.templates.elementwise:ElementwiseFamily",
+    "row_reduction": "coopt.templates.row_reduction:RowReductionFamily",
+    "matmul_epilogue": "coopt.templates.matmul_epilogue:MatmulEpilogueFamily",
+    "attention": "coopt.templates.attention:AttentionFamily",
+}
+
+
+def _load(ref: str) -> type[TemplateFamily]:
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def template_families() -> dict[str, TemplateFamily]:
+    """All families (built-in and plugin), instantiated, keyed by name."""
+    from coopt.plugins import plugin_templates
+
+    families = {name: _load(ref)() for name, ref in _BUILTIN.items()}
+    for name, cls in plugin_templates().items():
+        families[name] = cls()
+    return families
+
+
+def families_for(region) -> list[TemplateFamily]:
+    return [f for f in template_families().values() if f.matches(region)]
