@@ -1,0 +1,25 @@
+"""coopt: an ahead-of-time compiler that makes PyTorch inference fast on NVIDIA GPUs.
+
+    import coopt
+    coopt.build("examples/mlp.py", "out/mlp", target="h100")
+    model = coopt.load("out/mlp")
+
+Names are imported lazily so that `coopt.load` (and the runtime of a built `out/`) needs only
+torch and triton, never the compiler's xdsl / jinja2 / hypothesis.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["Pipeline", "build", "load"]
+
+
+def __getattr__(name):
+    if name in ("Pipeline", "build"):
+        from coopt import api
+
+        return getattr(api, name)
+    if name == "load":
+        from coopt.runtime.loader import load
+
+        return load
+    raise AttributeError(f"module 'coopt' has no attribute {name!r}")

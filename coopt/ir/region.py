@@ -49,7 +49,18 @@ FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int64": 8, "int32": 4, "bool": 1}
 
-Dim = int | str  # a str is a symbolic dim, its range in RegionSummary.dims
+Dim = int | str  # a str is a symbolic dim ("s0") or an expression of them ("4*s0")
+
+
+def eval_dim(dim: Dim, dims: dict[str, int]) -> int:
+    """Value of a dim given values of the symbols; expressions are sympy's printing (+ - * //)."""
+    if isinstance(dim, int):
+        return dim
+    if dim in dims:
+        return dims[dim]
+    if not all(c.isalnum() or c in "_+-*/() " for c in dim):
+        raise ValueError(f"unsupported dim expression {dim!r}")
+    return int(eval(dim, {"__builtins__": {}}, dict(dims)))  # noqa: S307 - checked charset above
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,7 @@ class TensorSpec:
     dtype: str
 
     def concrete(self, dims: dict[str, int]) -> tuple[int, ...]:
-        return tuple(dims[d] if isinstance(d, str) else d for d in self.shape)
+        return tuple(eval_dim(d, dims) for d in self.shape)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,108 @@
+"""The public API: `coopt.Pipeline`, `coopt.build`, `coopt.load`. The CLI is a thin layer over it.
+
+Example:
+
+    import coopt
+    pipe = coopt.Pipeline("raise-patterns,fuse-elementwise{max-ops=8}", target="h100")
+    result = pipe.build(model, (x,), "out/mlp")
+    fast = coopt.load("out/mlp")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coopt.runtime.kernel_loader import use_interpreter_without_gpu
+
+# Before anything imports triton.language: its own jit helpers (tl.cdiv, ...) are decorated
+# at import, and the interpreter cannot call non-interpreted ones (measured: RuntimeError
+# "Cannot call @triton.jit'd outside of the scope of a kernel" after torch.export had
+# imported triton).
+use_interpreter_without_gpu()
+
+from coopt.compile import BuildConfig, BuildResult, compile_model  # noqa: E402
+from coopt.emit.outdir import staged_out_dir  # noqa: E402
+from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text  # noqa: E402
+from coopt.targets import Target, get_target  # noqa: E402
+
+
+class Pipeline:
+    """A configured compiler: passes (a pipeline string or pass objects), a target, an advisor.
+
+    `advisor` is a name ("heuristic", "openai", "replay", or a plugin's) or an Advisor object.
+    """
+
+    def __init__(
+        self,
+        passes: str | list = DEFAULT_PIPELINE,
+        target: str | Target = "h100",
+        advisor="heuristic",
+        *,
+        advisor_url: str | None = None,
+        advisor_model: str | None = None,
+        advice_file: str | Path | None = None,
+        strict_advice: bool = False,
+        top_k: int = 3,
+        verify_profile: str = "ci",
+        seed: int = 0,
+        candidate_timeout_s: float = 300.0,
+    ):
+        from coopt.llm_advisor import make_advisor
+
+        self.pipeline_text = passes if isinstance(passes, str) else ",".join(p.name for p in passes)
+        self.passes = parse_pipeline_text(passes) if isinstance(passes, str) else list(passes)
+        self.target = target if isinstance(target, Target) else get_target(target)
+        if advice_file is not None and advisor == "heuristic":
+            advisor = "replay"
+        if isinstance(advisor, str):
+            self.advisor_name = advisor
+            self.advisor = make_advisor(
+                advisor, base_url=advisor_url, model=advisor_model, advice_file=advice_file, strict=strict_advice
+            )
+        else:
+            self.advisor_name = getattr(advisor, "name", type(advisor).__name__)
+            self.advisor = advisor
+        self.top_k = top_k
+        self.verify_profile = verify_profile
+        self.seed = seed
+        self.candidate_timeout_s = candidate_timeout_s
+
+    def config(self) -> BuildConfig:
+        return BuildConfig(
+            target=self.target,
+            passes=self.passes,
+            pipeline_text=self.pipeline_text,
+            advisor=self.advisor,
+            advisor_name=self.advisor_name,
+            top_k=self.top_k,
+            verify_profile=self.verify_profile,
+            seed=self.seed,
+            candidate_timeout_s=self.candidate_timeout_s,
+        )
+
+    def build(self, model, example_inputs, out_dir, *, dynamic_shapes=None, force=False, progress=None, model_path=None) -> BuildResult:
+        """Compile `model` on `example_inputs` into `out_dir` (written atomically)."""
+        kwargs = {"progress": progress} if progress else {}
+        with staged_out_dir(Path(out_dir), force) as staging:
+            result = compile_model(
+                model, tuple(example_inputs), staging, self.config(), dynamic_shapes=dynamic_shapes, model_path=model_path, **kwargs
+            )
+        result.out_dir = Path(out_dir).resolve()
+        return result
+
+    def build_file(self, model_file, out_dir, *, force=False, progress=None) -> BuildResult:
+        """Compile a KernelBench-style model file (Model, get_inputs, get_init_inputs)."""
+        from coopt.emit.outdir import check_out_dir
+        from coopt.frontend.model_file import load_model_file
+
+        check_out_dir(Path(out_dir).resolve(), force)  # refuse before spending time on the model
+        loaded = load_model_file(model_file)
+        return self.build(
+            loaded.model, loaded.example_inputs, out_dir,
+            dynamic_shapes=loaded.dynamic_shapes, force=force, progress=progress, model_path=loaded.path,
+        )
+
+
+def build(model_file, out_dir, *, target: str = "h100", pipeline: str = DEFAULT_PIPELINE, force: bool = False, progress=None, **options) -> BuildResult:
+    """`coopt build` as a function: `coopt.build("examples/mlp.py", "out/mlp")`."""
+    return Pipeline(pipeline, target, **options).build_file(model_file, out_dir, force=force, progress=progress)

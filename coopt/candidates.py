@@ -1,0 +1,75 @@
+"""Per region: the reference plus the advisor's top-k legal template points, as module files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coopt.codegen.torch_lines import reference_module_source
+from coopt.ir.dialect import KernelOp
+from coopt.ir.region import RegionSummary
+from coopt.targets import Target
+
+REFERENCE = "reference"
+
+
+@dataclass
+class CandidateEntry:
+    """One row of selection.json (docs/contracts.md)."""
+
+    label: str
+    family: str
+    module: str  # path relative to out/
+    params: dict = field(default_factory=dict)
+    rank: int = 0  # advisor rank within its family (0 = best); the reference has rank 0
+    verified: bool = False
+    verify: dict = field(default_factory=dict)
+    latency_ms: float | None = None
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RegionBuild:
+    summary: RegionSummary
+    candidates: list[CandidateEntry]
+    selected: str = REFERENCE
+    reason: str = ""
+    advice_sources: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "family": self.summary.family,
+            "summary": self.summary.to_json(),
+            "selected": self.selected,
+            "reason": self.reason,
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+
+def make_candidates(kernel: KernelOp, summary: RegionSummary, target: Target, advisor, advice_log, out: Path, top_k: int) -> RegionBuild:
+    from coopt.llm_advisor.protocol import AdviceRequest
+    from coopt.templates.registry import families_for
+
+    kernels_dir = out / "kernels"
+    kernels_dir.mkdir(parents=True, exist_ok=True)
+    ref_file = f"{summary.name}__reference.py"
+    (kernels_dir / ref_file).write_text(reference_module_source(kernel))
+    # the reference is the original computation: verified by construction, never fuzzed away
+    entries = [CandidateEntry(REFERENCE, REFERENCE, f"kernels/{ref_file}", verified=True)]
+    build = RegionBuild(summary, entries)
+    for family in families_for(summary):
+        legal = family.legal_points(summary, target)
+        if not legal:
+            continue
+        request = AdviceRequest(summary, family.name, family.param_space(summary, target), tuple(legal), target.facts(), top_k)
+        advice = advisor.advise(request)
+        advice_log.record(request, advice)
+        build.advice_sources.append(advice.source)
+        for rank, params in enumerate(advice.ranked[:top_k]):
+            label = f"c{len(entries) - 1}"
+            filename = f"{summary.name}__{label}.py"
+            (kernels_dir / filename).write_text(family.render(summary, params))
+            entries.append(CandidateEntry(label, family.name, f"kernels/{filename}", dict(params), rank))
+    return build

@@ -1,0 +1,175 @@
+"""IR ops → lines of eager PyTorch code. One table serves the emitted program and the reference
+module of every kernel region, so what is verified is exactly what would run unfused.
+"""
+
+from __future__ import annotations
+
+from xdsl.dialects import func
+from xdsl.ir import Block, SSAValue
+
+from coopt.ir.dialect import (
+    AtenOp,
+    AttentionOp,
+    ElementwiseOp,
+    FallbackOp,
+    KernelOp,
+    LayerNormOp,
+    LinearOp,
+    RMSNormOp,
+    SoftmaxOp,
+    StateWriteOp,
+    WeightOp,
+    YieldOp,
+)
+from coopt.templates.ewprogram import render_program
+
+# header every generated module starts with: all the names emitted lines may use
+PRELUDE = "import math\nimport operator\n\nimport torch\n"
+
+
+class Names:
+    """SSA value → Python local name (v0, v1, ...)."""
+
+    def __init__(self):
+        self._names: dict[SSAValue, str] = {}
+
+    def bind(self, value: SSAValue, name: str) -> None:
+        self._names[value] = name
+
+    def __getitem__(self, value: SSAValue) -> str:
+        if value not in self._names:
+            self._names[value] = f"v{len(self._names)}"
+        return self._names[value]
+
+    def new(self, value: SSAValue) -> str:
+        return self[value]
+
+
+def _literal(value) -> str:
+    if isinstance(value, dict):
+        if "$f" in value:
+            return f"float({value['$f']!r})"
+        if "$dtype" in value:
+            return f"torch.{value['$dtype']}"
+        if "$device" in value:
+            return "_device"  # the device the program runs on, not the one it was captured on
+        if "$memory_format" in value:
+            return f"torch.{value['$memory_format']}"
+        if "$layout" in value:
+            return f"torch.{value['$layout']}"
+        raise ValueError(f"unknown encoded literal {value}")
+    return repr(value)
+
+
+def _decode(arg, operands: list[str]) -> str:
+    if isinstance(arg, dict) and "$t" in arg:
+        return operands[arg["$t"]]
+    if isinstance(arg, list):
+        inner = ", ".join(_decode(a, operands) for a in arg)
+        return f"[{inner}]"
+    return _literal(arg)
+
+
+def callable_expr(target: str) -> str:
+    """'aten.mm.default' → 'torch.ops.aten.mm.default'; 'operator.mul' stays as is."""
+    namespace = target.split(".", 1)[0]
+    if namespace in ("operator", "math", "builtins"):
+        return target.removeprefix("builtins.")
+    return f"torch.ops.{target}"
+
+
+def aten_call(op: AtenOp | FallbackOp, names: Names) -> list[str]:
+    call = op.call
+    operands = [names[v] for v in op.inputs]
+    parts = [_decode(a, operands) for a in call["args"]]
+    parts += [f"{k}={_decode(v, operands)}" for k, v in call["kwargs"].items()]
+    expr = f"{callable_expr(op.target.data)}({', '.join(parts)})"
+    results = [names.new(r) for r in op.results]
+    if not results:
+        return [expr]
+    if "results" not in call:
+        return [f"{results[0]} = {expr}"]
+    tmp = f"_t_{results[0]}"
+    return [f"{tmp} = {expr}"] + [f"{r} = {tmp}[{i}]" for r, i in zip(results, call["results"])]
+
+
+def _high_level(op, names: Names) -> str:
+    out = names.new(op.results[0])
+    if isinstance(op, LinearOp):
+        x, w = names[op.x], names[op.w]
+        b = names[op.bias] if op.bias is not None else "None"
+        if op.b_layout.data == "nk":
+            return f"{out} = torch.nn.functional.linear({x}, {w}, {b})"
+        return f"{out} = torch.matmul({x}, {w})" + (f" + {b}" if op.bias is not None else "")
+    if isinstance(op, ElementwiseOp):
+        operands = [names[v] for v in op.inputs]
+        refs = {f"in{i}": n for i, n in enumerate(operands)}
+        program_args = [a["$f"] if isinstance(a, dict) else f"in{a}" for a in op.arg_refs]
+        (line,) = render_program([["r", op.fn.data, program_args]], refs, dialect="torch")
+        return f"{out} = {line.split(' = ', 1)[1]}"
+    if isinstance(op, (RMSNormOp, LayerNormOp)):
+        x = names[op.x]
+        w = names[op.weight] if op.weight is not None else "None"
+        eps = op.eps.value.data
+        if isinstance(op, RMSNormOp):
+            return f"{out} = torch.nn.functional.rms_norm({x}, ({x}.shape[-1],), {w}, {eps!r})"
+        b = names[op.bias] if op.bias is not None else "None"
+        return f"{out} = torch.nn.functional.layer_norm({x}, ({x}.shape[-1],), {w}, {b}, {eps!r})"
+    if isinstance(op, SoftmaxOp):
+        return f"{out} = torch.softmax({names[op.x]}, -1)"
+    if isinstance(op, AttentionOp):
+        q, k, v = names[op.q], names[op.k], names[op.v]
+        causal = bool(op.causal.value.data)
+        scale = op.scale.value.data
+        gqa = f"{q}.shape[1] != {k}.shape[1]"
+        return (
+            f"{out} = torch.nn.functional.scaled_dot_product_attention({q}, {k}, {v}, is_causal={causal}, "
+            f"scale={scale!r}, enable_gqa={gqa})"
+        )
+    raise NotImplementedError(type(op).__name__)
+
+
+def op_lines(op, names: Names, *, weight_expr, state_expr, kernel_expr) -> list[str]:
+    """Python lines for one op. The three callbacks say how the surrounding module reaches
+    weights, state buffers and kernels (the program uses attributes; references never do)."""
+    if isinstance(op, WeightOp):
+        return [f"{names.new(op.result)} = {weight_expr(op.ref.data)}"]
+    if isinstance(op, (AtenOp, FallbackOp)):
+        return aten_call(op, names)
+    if isinstance(op, StateWriteOp):
+        return [f"{state_expr(op.ref.data)}.copy_({names[op.value]})"]
+    if isinstance(op, KernelOp):
+        outs = [names.new(r) for r in op.results]
+        args = ", ".join(names[v] for v in op.inputs)
+        return [f"{', '.join(outs)}{',' if len(outs) == 1 else ''} = {kernel_expr(op.sym_name.data)}({args})"]
+    return [_high_level(op, names)]
+
+
+def block_lines(block: Block, names: Names, **callbacks) -> tuple[list[str], list[str]]:
+    """Lines for every op of `block` but its terminator, and the names the terminator returns."""
+    lines: list[str] = []
+    returned: list[str] = []
+    for op in block.ops:
+        if isinstance(op, (func.ReturnOp, YieldOp)):
+            returned = [names[v] for v in op.operands]
+        else:
+            lines += op_lines(op, names, **callbacks)
+    return lines, returned
+
+
+def _no_weights(name):  # references receive weights as inputs; reaching one is a fusion bug
+    raise AssertionError(f"weight '{name}' referenced inside a kernel region")
+
+
+def reference_module_source(kernel: KernelOp) -> str:
+    """Source of the eager reference of a region: `run(*inputs)` over its body, unfused."""
+    names = Names()
+    block = kernel.body.block
+    params = [names.new(a) for a in block.args]
+    lines, returned = block_lines(
+        block, names, weight_expr=_no_weights, state_expr=_no_weights, kernel_expr=_no_weights
+    )
+    body = [f"{', '.join(params)}{',' if len(params) == 1 else ''} = inputs", "_device = inputs[0].device", *lines]
+    body.append(f"return ({', '.join(returned)}{',' if len(returned) == 1 else ''})")
+    header = f'"""Reference for region {kernel.sym_name.data}: the ops it replaced, run by eager PyTorch."""\n\n'
+    return header + PRELUDE + "\n\ndef run(*inputs):\n" + "".join(f"    {l}\n" for l in body)

@@ -1,0 +1,255 @@
+"""The whole build, top to bottom. Read this first: every step says why it is there.
+
+`compile_model` writes into a staging directory (coopt.emit.outdir) that becomes `out/` only
+when every step succeeded, so a failed build leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.printer import Printer
+
+from coopt.candidates import REFERENCE, RegionBuild, make_candidates
+from coopt.codegen.program import program_source
+from coopt.frontend.capture import capture
+from coopt.frontend.importer import import_program
+from coopt.ir.summary import kernels, name_regions, summarize, symbol_table
+from coopt.passes.stats import collect_counters
+from coopt.targets import Target
+
+
+@dataclass
+class BuildConfig:
+    target: Target
+    passes: list  # pass objects, in order
+    pipeline_text: str
+    advisor: object
+    advisor_name: str = "heuristic"
+    top_k: int = 3
+    verify_profile: str = "ci"
+    seed: int = 0
+    candidate_timeout_s: float = 300.0
+    e2e_trials: int = 3
+
+
+@dataclass
+class BuildResult:
+    out_dir: Path
+    regions: list[RegionBuild]
+    counters: dict
+    fallback_ops: dict
+    measured: bool
+    e2e: dict
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "out_dir": str(self.out_dir),
+            "regions": {r.summary.name: {"family": r.summary.family, "selected": r.selected, "reason": r.reason} for r in self.regions},
+            "counters": self.counters,
+            "fallback_ops": self.fallback_ops,
+            "measured": self.measured,
+            "end_to_end": self.e2e,
+            "warnings": self.warnings,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def _noop(step: str, detail: str = "") -> None:
+    pass
+
+
+def dump_ir(module: ModuleOp, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as stream:
+        Printer(stream=stream).print_op(module)
+        stream.write("\n")
+
+
+def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dynamic_shapes=None, model_path=None, progress=_noop) -> BuildResult:
+    from coopt.emit.manifest import write_manifest
+    from coopt.emit.report import write_report
+    from coopt.llm_advisor.replay import AdviceLog
+
+    start = time.monotonic()
+    warnings: list[str] = []
+
+    # 1. capture: torch.export gives a functional ATen graph; buffer writes become outputs
+    progress("capture", "torch.export")
+    program = capture(model, example_inputs, dynamic_shapes, model_path)
+
+    # 2. import: ATen → coopt dialect; weights by name, unknown ops kept as fallback ops
+    progress("import", "ATen graph → coopt IR")
+    imported = import_program(program, example_inputs)
+    module = imported.module
+    dump_ir(module, out / "ir" / "00-import.mlir")
+
+    # 3. passes: raise patterns, then fuse into kernel regions; an IR dump after each pass
+    ctx = Context(allow_unregistered=True)
+    with collect_counters() as counters:
+        for index, compiler_pass in enumerate(config.passes, start=1):
+            progress("passes", compiler_pass.name)
+            compiler_pass.apply(ctx, module)
+            module.verify()
+            dump_ir(module, out / "ir" / f"{index:02d}-{compiler_pass.name}.mlir")
+    name_regions(module)
+
+    # 4. candidates: the reference (the replaced ATen ops) plus the advisor's top-k legal points
+    advice_log = AdviceLog(config.advisor)
+    symbols = symbol_table(module)
+    regions: list[RegionBuild] = []
+    for kernel in kernels(module):
+        summary = summarize(kernel, symbols)
+        progress("advise", summary.name)
+        regions.append(make_candidates(kernel, summary, config.target, config.advisor, advice_log, out, config.top_k))
+    warnings += _advice_warnings(advice_log)
+
+    # 5. verify: fuzz every template candidate against its region's reference, in a worker
+    #    process so a crashing or hanging kernel only fails itself
+    _verify(regions, out, config, progress)
+
+    # 6. select: measured latency on a GPU; without one, the advisor's best verified choice
+    measured = _select(regions, out, progress)
+
+    # 7. emit: the program, the weights, the selection
+    progress("emit", "program.py")
+    _emit(module, program, imported, model, example_inputs, regions, out, config, measured)
+
+    # 8. end to end: the built model against the original on fresh inputs; if a mix of verified
+    #    kernels still disagrees, fall back to the references rather than ship a wrong model
+    progress("end-to-end", "built model vs original")
+    e2e = _end_to_end(model, example_inputs, regions, out, config, measured, warnings)
+
+    # 9. record: report for people, manifest for tools, advice for replay
+    result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings)
+    result.seconds = time.monotonic() - start
+    advice_log.write(out / "advice.json")
+    write_manifest(out, config, model_path, result)
+    write_report(out, config, model_path, result)
+    return result
+
+
+def _advice_warnings(advice_log) -> list[str]:
+    """Advisor warnings (fallbacks, rejections), each once, for the report and the CLI."""
+    seen: list[str] = []
+    for entry in advice_log.entries.values():
+        for line in entry.get("warnings", []):
+            if line not in seen:
+                seen.append(line)
+    return seen
+
+
+def _verify(regions: list[RegionBuild], out: Path, config: BuildConfig, progress) -> None:
+    from coopt.verify import verify_candidates_isolated
+
+    results = {}
+    for region in regions:
+        templates = [c for c in region.candidates if c.family != REFERENCE]
+        if not templates:
+            continue
+        progress("verify", f"{region.summary.name}: {len(templates)} candidates")
+        verdicts = verify_candidates_isolated(
+            region.summary,
+            out / region.candidates[0].module,
+            {c.label: out / c.module for c in templates},
+            timeout_s=config.candidate_timeout_s,
+            profile=config.verify_profile,
+            seed=config.seed,
+            repro_dir=out / "verify" / "repro",
+        )
+        for candidate in templates:
+            verdict = verdicts[candidate.label]
+            candidate.verified = verdict.ok
+            candidate.verify = _verdict_json(verdict)
+        results[region.summary.name] = {c.label: c.verify for c in templates}
+    (out / "verify").mkdir(parents=True, exist_ok=True)
+    (out / "verify" / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+
+
+def _verdict_json(verdict) -> dict:
+    data = dict(verdict.__dict__) if hasattr(verdict, "__dict__") else dict(verdict)
+    if data.get("repro"):
+        data["repro"] = str(data["repro"])
+    return {k: (v if isinstance(v, (str, int, float, bool, type(None))) else str(v)) for k, v in data.items()}
+
+
+def _select(regions: list[RegionBuild], out: Path, progress) -> bool:
+    from coopt.tune.measure import gpu_available, measure_candidates
+    from coopt.tune.select import select_candidate
+
+    measured = gpu_available()
+    for region in regions:
+        measurements = {}
+        if measured:
+            progress("measure", region.summary.name)
+            timed = {c.label: out / c.module for c in region.candidates if c.verified}
+            measurements = measure_candidates(region.summary, timed)
+            for c in region.candidates:
+                if c.label in measurements and measurements[c.label].error is None:
+                    c.latency_ms = measurements[c.label].median_ms
+        region.selected, region.reason = select_candidate([c.to_json() for c in region.candidates], measurements)
+    return measured
+
+
+def _emit(module, program, imported, model, example_inputs, regions, out, config, measured) -> None:
+    params = _forward_params(model, len(imported.user_input_names))
+    out_spec = torch.utils._pytree.treespec_dumps(program.call_spec.out_spec)
+    source = program_source(
+        module,
+        model_name=type(model).__name__,
+        target=config.target.name,
+        params=params,
+        out_spec=out_spec,
+        regions=[r.summary.name for r in regions],
+    )
+    (out / "program.py").write_text(source)
+    state = {**program.state_dict, **program.constants}
+    weights = {name: state[name].detach().clone() for name in imported.state_names}
+    torch.save(weights, out / "weights.pt")
+    write_selection(out, regions, measured)
+
+
+def write_selection(out: Path, regions: list[RegionBuild], measured: bool) -> None:
+    data = {"measured": measured, "regions": {r.summary.name: r.to_json() for r in regions}}
+    (out / "selection.json").write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _forward_params(model, count: int) -> list[str]:
+    import inspect
+
+    names = []
+    for p in inspect.signature(model.forward).parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    names = names[:count]
+    return names if len(names) == count else [f"input_{i}" for i in range(count)]
+
+
+def _end_to_end(model, example_inputs, regions, out, config, measured, warnings) -> dict:
+    from coopt.runtime.loader import load
+    from coopt.verify import verify_end_to_end
+    from coopt.errors import EndToEndMismatch
+
+    built = load(out)
+    verdict = verify_end_to_end(model, built, example_inputs, trials=config.e2e_trials, seed=config.seed)
+    if verdict.ok:
+        return _verdict_json(verdict)
+    kernel_regions = [r for r in regions if r.selected != REFERENCE]
+    if not kernel_regions:
+        raise EndToEndMismatch(f"the built model does not match the original: {verdict.failure}")
+    warnings.append(f"end-to-end check failed with kernels ({verdict.failure}); every region fell back to its reference")
+    for region in kernel_regions:
+        region.selected, region.reason = REFERENCE, "end-to-end mismatch with kernels: fell back to the reference"
+    write_selection(out, regions, measured)
+    verdict = verify_end_to_end(model, load(out), example_inputs, trials=config.e2e_trials, seed=config.seed)
+    if not verdict.ok:
+        raise EndToEndMismatch(f"the built model does not match the original: {verdict.failure}")
+    return _verdict_json(verdict)

@@ -1,0 +1,89 @@
+"""Load a KernelBench-style model file: `Model`, `get_inputs()`, `get_init_inputs()`.
+
+Optional hooks: `load_weights(model)` (real checkpoints) and `dynamic_shapes()` (the
+`dynamic_shapes` argument of torch.export: which input dims vary).
+Every failure becomes a one-line ModelFileError (exit code 3) naming the file and the cause.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from coopt.errors import ModelFileError
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    module: ModuleType
+    model: torch.nn.Module
+    example_inputs: tuple
+    dynamic_shapes: object | None
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """'model.py:12' for the deepest frame inside the model file, else ''."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+    return f"{path.name}:{frames[-1].lineno}: " if frames else f"{path.name}: "
+
+
+def import_model_file(path: str | Path) -> ModuleType:
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ModelFileError(f"model file '{path}' not found")
+    try:
+        source = path.read_text()
+        compile(source, str(path), "exec")
+    except SyntaxError as exc:
+        raise ModelFileError(f"{path.name}:{exc.lineno}: syntax error: {exc.msg}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelFileError(f"cannot read model file '{path}': {exc}") from exc
+    name = f"coopt_user_model_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ModelFileError(f"{_where(exc, path)}importing the model file failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _call_hook(module: ModuleType, path: Path, hook: str, *args):
+    try:
+        return getattr(module, hook)(*args)
+    except Exception as exc:
+        raise ModelFileError(f"{_where(exc, path)}{hook}() failed: {type(exc).__name__}: {exc}") from exc
+
+
+def load_model_file(path: str | Path) -> LoadedModel:
+    """Import the file, construct `Model(*get_init_inputs())` in eval mode, get example inputs."""
+    path = Path(path).resolve()
+    module = import_model_file(path)
+    if not isinstance(getattr(module, "Model", None), type):
+        raise ModelFileError(f"{path.name} defines no class `Model` (KernelBench convention)")
+    if not callable(getattr(module, "get_inputs", None)):
+        raise ModelFileError(f"{path.name} defines no function `get_inputs()` returning example inputs")
+    init_inputs = _call_hook(module, path, "get_init_inputs") if hasattr(module, "get_init_inputs") else []
+    try:
+        model = module.Model(*init_inputs)
+    except Exception as exc:
+        raise ModelFileError(f"{_where(exc, path)}Model(*get_init_inputs()) failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(f"{path.name}: Model(...) is not a torch.nn.Module")
+    if hasattr(module, "load_weights"):
+        _call_hook(module, path, "load_weights", model)
+    model.eval()
+    inputs = _call_hook(module, path, "get_inputs")
+    if not isinstance(inputs, (list, tuple)):
+        raise ModelFileError(f"{path.name}: get_inputs() must return a list or tuple, got {type(inputs).__name__}")
+    dynamic = _call_hook(module, path, "dynamic_shapes") if hasattr(module, "dynamic_shapes") else None
+    return LoadedModel(path, module, model, tuple(inputs), dynamic)

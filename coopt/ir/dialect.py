@@ -1,0 +1,261 @@
+"""The `coopt` dialect: tensor ops with value semantics, weights by name, explicit state writes.
+
+Levels, from import to fusion:
+  coopt.weight / coopt.aten / coopt.fallback / coopt.state_write   what the importer emits
+  coopt.linear / coopt.ew / coopt.rms_norm / ...                    what raise-patterns makes
+  coopt.kernel (+ coopt.yield)                                      what the fusion passes make
+
+Non-tensor call arguments of `coopt.aten` / `coopt.fallback` live in the `args` property as JSON
+(tensor operands appear there as {"$t": i}); that keeps one op class for the hundreds of ATen ops
+while passes still match on `target`. Symbolic dims travel in the tensor type's encoding, an
+array of dim names ("" for a static dim): `tensor<?x16xf32, ["s0", ""]>`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from xdsl.dialects.builtin import (
+    ArrayAttr,
+    BoolAttr,
+    DictionaryAttr,
+    FloatAttr,
+    StringAttr,
+    TensorType,
+    f64,
+)
+from xdsl.ir import Dialect
+from xdsl.irdl import (
+    AttrSizedOperandSegments,
+    IRDLOperation,
+    irdl_op_definition,
+    opt_operand_def,
+    prop_def,
+    region_def,
+    result_def,
+    traits_def,
+    var_operand_def,
+    var_result_def,
+    operand_def,
+)
+from xdsl.traits import IsTerminator, MemoryWriteEffect, Pure
+
+
+def json_prop(value) -> StringAttr:
+    return StringAttr(json.dumps(value, sort_keys=True))
+
+
+@irdl_op_definition
+class WeightOp(IRDLOperation):
+    """A parameter or buffer of the model, by its state-dict name (never an inlined constant)."""
+
+    name = "coopt.weight"
+    ref = prop_def(StringAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, ref: str, type_: TensorType):
+        super().__init__(properties={"ref": StringAttr(ref)}, result_types=[type_])
+
+
+class _AtenCallBase(IRDLOperation):
+    target = prop_def(StringAttr)  # "aten.linear.default"
+    args = prop_def(StringAttr)  # JSON: {"args": [...], "kwargs": {...}} with {"$t": i} for values
+    inputs = var_operand_def()  # tensors, and `index` values for symbolic sizes
+    outs = var_result_def()
+
+    def __init__(self, target: str, call: dict, inputs, result_types):
+        super().__init__(
+            operands=[inputs],
+            properties={"target": StringAttr(target), "args": json_prop(call)},
+            result_types=[result_types],
+        )
+
+    @property
+    def call(self) -> dict:
+        return json.loads(self.args.data)
+
+
+@irdl_op_definition
+class AtenOp(_AtenCallBase):
+    """An ATen op coopt understands; raise-patterns turns the interesting ones into high-level ops."""
+
+    name = "coopt.aten"
+    traits = traits_def(Pure())
+
+
+@irdl_op_definition
+class FallbackOp(_AtenCallBase):
+    """An ATen op the importer does not know: run as is by PyTorch, listed in the report."""
+
+    name = "coopt.fallback"
+
+
+@irdl_op_definition
+class StateWriteOp(IRDLOperation):
+    """Write a new value into a buffer (KV cache, running stats): the state-update of the model.
+
+    Not Pure: it has a write effect, so dead-code elimination never removes it.
+    """
+
+    name = "coopt.state_write"
+    ref = prop_def(StringAttr)
+    value = operand_def(TensorType)
+    traits = traits_def(MemoryWriteEffect())
+
+    def __init__(self, ref: str, value):
+        super().__init__(operands=[value], properties={"ref": StringAttr(ref)})
+
+
+# -- high-level ops (made by raise-patterns) ------------------------------------------------
+
+
+@irdl_op_definition
+class LinearOp(IRDLOperation):
+    """y = x @ W' (+ b); b_layout "nk" means W is [N, K] (nn.Linear), "kn" means [K, N]."""
+
+    name = "coopt.linear"
+    x = operand_def(TensorType)
+    w = operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
+    b_layout = prop_def(StringAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x, w, bias, b_layout: str, type_):
+        super().__init__(
+            operands=[x, w, [bias] if bias is not None else []],
+            properties={"b_layout": StringAttr(b_layout)},
+            result_types=[type_],
+        )
+
+
+@irdl_op_definition
+class ElementwiseOp(IRDLOperation):
+    """One elementwise fn (coopt.ir.region.ELEMENTWISE_FNS) of tensors and float literals.
+
+    `args` is JSON: a list whose ints index the operands and whose {"$f": x} are literals.
+    """
+
+    name = "coopt.ew"
+    fn = prop_def(StringAttr)
+    args = prop_def(StringAttr)
+    inputs = var_operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, fn: str, arg_refs: list, inputs, type_):
+        super().__init__(
+            operands=[inputs],
+            properties={"fn": StringAttr(fn), "args": json_prop(arg_refs)},
+            result_types=[type_],
+        )
+
+    @property
+    def arg_refs(self) -> list:
+        return json.loads(self.args.data)
+
+
+class _NormBase(IRDLOperation):
+    x = operand_def(TensorType)
+    weight = opt_operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
+    eps = prop_def(FloatAttr)
+    result = result_def(TensorType)
+    irdl_options = (AttrSizedOperandSegments(as_property=True),)
+
+    def __init__(self, x, weight, bias, eps: float, type_):
+        super().__init__(
+            operands=[x, [weight] if weight is not None else [], [bias] if bias is not None else []],
+            properties={"eps": FloatAttr(float(eps), f64)},
+            result_types=[type_],
+        )
+
+
+@irdl_op_definition
+class RMSNormOp(_NormBase):
+    name = "coopt.rms_norm"
+    traits = traits_def(Pure())
+
+
+@irdl_op_definition
+class LayerNormOp(_NormBase):
+    name = "coopt.layer_norm"
+    traits = traits_def(Pure())
+
+
+@irdl_op_definition
+class SoftmaxOp(IRDLOperation):
+    """Softmax over the last dim."""
+
+    name = "coopt.softmax"
+    x = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x, type_):
+        super().__init__(operands=[x], result_types=[type_])
+
+
+@irdl_op_definition
+class AttentionOp(IRDLOperation):
+    """softmax(q k^T * scale [+ causal mask]) v, q [B,H,Sq,D], k/v [B,Hkv,Sk,D] (GQA when Hkv < H)."""
+
+    name = "coopt.attention"
+    q = operand_def(TensorType)
+    k = operand_def(TensorType)
+    v = operand_def(TensorType)
+    causal = prop_def(BoolAttr)
+    scale = prop_def(FloatAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, q, k, v, causal: bool, scale: float, type_):
+        super().__init__(
+            operands=[q, k, v],
+            properties={"causal": BoolAttr.from_bool(causal), "scale": FloatAttr(float(scale), f64)},
+            result_types=[type_],
+        )
+
+
+# -- fusion ----------------------------------------------------------------------------------
+
+
+@irdl_op_definition
+class KernelOp(IRDLOperation):
+    """A kernel region: one launch in the output. Its body is the reference computation.
+
+    `family` names the template family that can implement it; `attrs` (JSON) are the family
+    attributes of coopt.ir.region; `sym_name` names the region in reports and out/kernels/.
+    """
+
+    name = "coopt.kernel"
+    sym_name = prop_def(StringAttr)
+    family = prop_def(StringAttr)
+    attrs = prop_def(StringAttr)
+    inputs = var_operand_def(TensorType)
+    outs = var_result_def(TensorType)
+    body = region_def("single_block")
+
+    @property
+    def family_attrs(self) -> dict:
+        return json.loads(self.attrs.data)
+
+
+@irdl_op_definition
+class YieldOp(IRDLOperation):
+    name = "coopt.yield"
+    values = var_operand_def(TensorType)
+    traits = traits_def(IsTerminator())
+
+    def __init__(self, values):
+        super().__init__(operands=[values])
+
+
+HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, AttentionOp)
+
+Coopt = Dialect(
+    "coopt",
+    [WeightOp, AtenOp, FallbackOp, StateWriteOp, *HIGH_LEVEL_OPS, KernelOp, YieldOp],
+    [],
+)

@@ -1,0 +1,62 @@
+"""What every coopt pass shares: metadata that the registry, `coopt passes` and the report read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from xdsl.dialects.builtin import DYNAMIC_INDEX, TensorType
+from xdsl.ir import SSAValue
+from xdsl.passes import ModulePass
+
+from coopt.ir.dialect import AtenOp
+
+
+@dataclass(frozen=True)
+class CooptPass(ModulePass):
+    """A coopt pass: an xDSL ModulePass plus a one-line summary and a lossy flag.
+
+    Fields of subclasses are the knobs (`name{knob=value}` in pipeline strings). A lossy pass
+    changes numerics (fp8 KV cache, GQA conversion): it is never in the default pipeline and
+    every build that uses it reports its measured accuracy impact.
+    """
+
+    summary: ClassVar[str] = ""
+    lossy: ClassVar[bool] = False
+
+
+FLOAT_TYPES = ("f32", "f16", "bf16")
+
+
+def is_float_tensor(value: SSAValue) -> bool:
+    t = value.type
+    return isinstance(t, TensorType) and str(t.element_type) in FLOAT_TYPES
+
+
+def static_shape(value: SSAValue) -> list[int | None]:
+    """Shape with None for symbolic dims."""
+    return [None if d == DYNAMIC_INDEX else d for d in value.type.get_shape()]
+
+
+def same_shape(a: SSAValue, b: SSAValue) -> bool:
+    return a.type.get_shape() == b.type.get_shape() and a.type.encoding == b.type.encoding
+
+
+def aten_target(op) -> str | None:
+    return op.target.data if isinstance(op, AtenOp) else None
+
+
+def tensor_arg(op: AtenOp, position: int, kw: str | None = None) -> SSAValue | None:
+    """The operand passed as positional arg `position` (or keyword `kw`), if it is a value."""
+    call = op.call
+    arg = call["args"][position] if position < len(call["args"]) else call["kwargs"].get(kw)
+    if isinstance(arg, dict) and "$t" in arg:
+        return op.inputs[arg["$t"]]
+    return None
+
+
+def literal_arg(op: AtenOp, position: int, kw: str | None = None, default=None):
+    call = op.call
+    if position < len(call["args"]):
+        return call["args"][position]
+    return call["kwargs"].get(kw, default) if kw else default

@@ -1,0 +1,33 @@
+"""fuse-attention: each coopt.attention → an attention region (flash-attention candidates)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp
+
+from coopt.ir.dialect import AttentionOp, KernelOp
+from coopt.ir.outline import outline
+from coopt.passes.base import CooptPass, static_shape
+from coopt.passes.stats import count
+
+
+@dataclass(frozen=True)
+class FuseAttention(CooptPass):
+    name = "fuse-attention"
+    summary = "attention (SDPA or the explicit pattern, MHA or GQA) → attention region"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        for attn in [o for o in op.walk() if isinstance(o, AttentionOp)]:
+            if isinstance(attn.parent_op(), KernelOp):
+                continue
+            heads, kv_heads = static_shape(attn.q)[1], static_shape(attn.k)[1]
+            attrs = {
+                "causal": bool(attn.causal.value.data),
+                "scale": attn.scale.value.data,
+                "num_heads": heads,
+                "num_kv_heads": kv_heads,
+            }
+            outline([attn], "attention", attrs, inputs=[attn.q, attn.k, attn.v], outputs=[attn.result])
+            count("fuse.attention" + (".gqa" if kv_heads != heads else ""))

@@ -1,0 +1,258 @@
+"""raise-patterns: recognise linear, elementwise fns, norms, softmax, attention and SwiGLU.
+
+Each pattern does one rewrite, from `coopt.aten` (or already raised ops) to a high-level op,
+and counts itself. Anything not matched stays as it was and still runs (unfused).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.pattern_rewriter import (
+    GreedyRewritePatternApplier,
+    PatternRewriter,
+    PatternRewriteWalker,
+    RewritePattern,
+    op_type_rewrite_pattern,
+)
+
+from coopt.frontend.aten_table import ELEMENTWISE
+from coopt.ir.dialect import (
+    AtenOp,
+    AttentionOp,
+    ElementwiseOp,
+    LayerNormOp,
+    LinearOp,
+    RMSNormOp,
+    SoftmaxOp,
+)
+from coopt.passes.base import (
+    CooptPass,
+    aten_target,
+    is_float_tensor,
+    literal_arg,
+    static_shape,
+    tensor_arg,
+)
+from coopt.passes.stats import count
+
+_DTYPE_EPS = {"f32": 1.1920928955078125e-07, "bf16": 0.0078125, "f16": 0.0009765625}
+
+
+def _transposed_weight(value):
+    """If `value` is W^T of a 2-D tensor W (t / permute(1,0) / transpose(0,1)), return W."""
+    op = value.owner
+    target = aten_target(op)
+    if target == "aten.t.default":
+        return tensor_arg(op, 0)
+    if target == "aten.permute.default" and literal_arg(op, 1) in ([1, 0], [-1, -2]):
+        return tensor_arg(op, 0)
+    if target == "aten.transpose.int" and len(static_shape(value)) == 2:
+        if {literal_arg(op, 1) % 2, literal_arg(op, 2) % 2} == {0, 1}:
+            return tensor_arg(op, 0)
+    return None
+
+
+class RaiseLinear(RewritePattern):
+    """linear / mm / addmm / matmul with a 2-D right operand → coopt.linear."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
+        target = op.target.data
+        if target == "aten.linear.default":
+            x, w, b = tensor_arg(op, 0), tensor_arg(op, 1), tensor_arg(op, 2, "bias")
+            layout = "nk"
+        elif target in ("aten.mm.default", "aten.matmul.default"):
+            x, w, b = tensor_arg(op, 0), tensor_arg(op, 1), None
+            layout = "kn"
+        elif target == "aten.addmm.default" and literal_arg(op, 3, "beta", 1) == 1 and literal_arg(op, 4, "alpha", 1) == 1:
+            b, x, w = tensor_arg(op, 0), tensor_arg(op, 1), tensor_arg(op, 2)
+            layout = "kn"
+        else:
+            return
+        if x is None or w is None or len(static_shape(w)) != 2 or not is_float_tensor(x):
+            return
+        if b is not None and len(static_shape(b)) != 1:
+            return
+        if layout == "kn" and (inner := _transposed_weight(w)) is not None:
+            w, layout = inner, "nk"  # read W [N, K] through strides instead of materialising W^T
+        rewriter.replace_matched_op(LinearOp(x, w, b, layout, op.results[0].type))
+        count("raise.linear")
+
+
+class RaiseElementwise(RewritePattern):
+    """Float elementwise ATen ops → coopt.ew (gelu with approximate='tanh' → gelu_tanh)."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
+        fn = ELEMENTWISE.get(op.target.data)
+        if fn is None or not all(is_float_tensor(v) for v in op.inputs) or not is_float_tensor(op.results[0]):
+            return
+        call = op.call
+        if call["kwargs"].get("alpha", 1) != 1 or call["kwargs"].get("rounding_mode") is not None:
+            return
+        if fn == "gelu":
+            if call["kwargs"].get("approximate", "none") == "tanh":
+                fn = "gelu_tanh"
+            elif call["kwargs"].get("approximate", "none") != "none":
+                return
+        refs = []
+        for arg in call["args"]:
+            if isinstance(arg, dict) and "$t" in arg:
+                refs.append(arg["$t"])
+            elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
+                refs.append({"$f": float(arg)})
+            else:
+                return
+        if fn == "pow" and refs[1] == {"$f": 2.0}:
+            fn, refs = "square", refs[:1]
+        rewriter.replace_matched_op(ElementwiseOp(fn, refs, list(op.inputs), op.results[0].type))
+        count(f"raise.ew.{fn}")
+
+
+class RaiseNorms(RewritePattern):
+    """layer_norm / rms_norm over the last dim and softmax over the last dim."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
+        target = op.target.data
+        x = tensor_arg(op, 0)
+        if x is None or not is_float_tensor(x):
+            return
+        shape = static_shape(x)
+        out_type = op.results[0].type
+        if target in ("aten.layer_norm.default", "aten.rms_norm.default"):
+            if literal_arg(op, 1) != [shape[-1]]:
+                return
+            w = tensor_arg(op, 2, "weight")
+            if target == "aten.layer_norm.default":
+                b = tensor_arg(op, 3, "bias")
+                eps = literal_arg(op, 4, "eps", 1e-5)
+                rewriter.replace_matched_op(LayerNormOp(x, w, b, eps, out_type))
+                count("raise.layer_norm")
+            else:
+                eps = literal_arg(op, 3, "eps", None)
+                eps = _DTYPE_EPS[str(x.type.element_type)] if eps is None else eps
+                rewriter.replace_matched_op(RMSNormOp(x, w, None, eps, out_type))
+                count("raise.rms_norm")
+        elif target in ("aten.softmax.int", "aten._softmax.default"):
+            dim = literal_arg(op, 1)
+            if dim not in (-1, len(shape) - 1) or literal_arg(op, 2, "dtype") not in (None, False):
+                return
+            rewriter.replace_matched_op(SoftmaxOp(x, out_type))
+            count("raise.softmax")
+
+
+class RaiseSDPA(RewritePattern):
+    """scaled_dot_product_attention without mask/dropout → coopt.attention (MHA or GQA)."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
+        if op.target.data != "aten.scaled_dot_product_attention.default":
+            return
+        q, k, v = tensor_arg(op, 0), tensor_arg(op, 1), tensor_arg(op, 2)
+        if tensor_arg(op, 3, "attn_mask") is not None or literal_arg(op, 3, "attn_mask") is not None:
+            return
+        if literal_arg(op, 4, "dropout_p", 0.0) != 0.0:
+            return
+        causal = bool(literal_arg(op, 5, "is_causal", False))
+        qs, ks = static_shape(q), static_shape(k)
+        if len(qs) != 4 or len(ks) != 4:
+            return
+        # SDPA's causal mask is top-left aligned; raise only when that equals bottom-right (Sq == Sk)
+        if causal and (qs[2] != ks[2] or q.type.encoding != k.type.encoding and qs[2] is None):
+            return
+        if qs[1] is None or ks[1] is None or qs[1] % ks[1] != 0:
+            return
+        scale = literal_arg(op, 6, "scale", None)
+        scale = 1.0 / math.sqrt(qs[3]) if scale is None else scale
+        rewriter.replace_matched_op(AttentionOp(q, k, v, causal, scale, op.results[0].type))
+        count("raise.attention.sdpa")
+
+
+def _ew(value, fn):
+    op = value.owner
+    return op if isinstance(op, ElementwiseOp) and op.fn.data == fn else None
+
+
+class RaiseExplicitRMSNorm(RewritePattern):
+    """x * rsqrt(mean(x², -1, keepdim) + eps) * w (either multiplication order) → coopt.rms_norm."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ElementwiseOp, rewriter: PatternRewriter) -> None:
+        if op.fn.data != "mul" or len(op.inputs) != 2:
+            return
+        for scaled, w in (tuple(op.inputs), tuple(reversed(op.inputs))):
+            inner = _ew(scaled, "mul")
+            if inner is None or len(inner.inputs) != 2:
+                continue
+            for x, r in (tuple(inner.inputs), tuple(reversed(inner.inputs))):
+                eps = _match_rsqrt_mean_square(r, x)
+                if eps is None or static_shape(w) != [static_shape(x)[-1]]:
+                    continue
+                rewriter.replace_matched_op(RMSNormOp(x, w, None, eps, op.results[0].type))
+                count("raise.rms_norm.explicit")
+                return
+
+
+def _match_rsqrt_mean_square(r, x) -> float | None:
+    rsqrt = _ew(r, "rsqrt")
+    add = _ew(rsqrt.inputs[0], "add") if rsqrt else None
+    if add is None or len(add.inputs) != 1:
+        return None
+    eps = next((a["$f"] for a in add.arg_refs if isinstance(a, dict)), None)
+    mean = add.inputs[0].owner
+    if eps is None or aten_target(mean) != "aten.mean.dim" or literal_arg(mean, 1) not in ([-1], [len(static_shape(x)) - 1]):
+        return None
+    if literal_arg(mean, 2, "keepdim", False) is not True:
+        return None
+    square = tensor_arg(mean, 0)
+    sq = _ew(square, "square")
+    if sq is None or sq.inputs[0] is not x:
+        return None
+    return float(eps)
+
+
+class RecognizeSwiGLU(RewritePattern):
+    """silu(x Wg) * (x Wu): counted so the report can say the MLP was recognised; fusion then
+    makes it two GEMMs with epilogues (silu, then ·gate) — no separate kernel needed yet."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ElementwiseOp, rewriter: PatternRewriter) -> None:
+        if op.fn.data != "mul" or len(op.inputs) != 2 or "coopt.swiglu" in op.attributes:
+            return
+        a, b = op.inputs
+        for gate, up in ((a, b), (b, a)):
+            silu = _ew(gate, "silu")
+            if silu and isinstance(silu.inputs[0].owner, LinearOp) and isinstance(up.owner, LinearOp):
+                if silu.inputs[0].owner.x is up.owner.x:
+                    from xdsl.dialects.builtin import UnitAttr
+
+                    op.attributes["coopt.swiglu"] = UnitAttr()
+                    rewriter.handle_operation_modification(op)
+                    count("raise.swiglu")
+                    return
+
+
+@dataclass(frozen=True)
+class RaisePatterns(CooptPass):
+    name = "raise-patterns"
+    summary = "recognise linear, elementwise, norms, softmax, attention, SwiGLU in the ATen graph"
+
+    explicit_rms_norm: bool = True
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        PatternRewriteWalker(
+            GreedyRewritePatternApplier([RaiseLinear(), RaiseElementwise(), RaiseNorms(), RaiseSDPA()]),
+            apply_recursively=False,
+        ).rewrite_module(op)
+        later = [RecognizeSwiGLU()] + ([RaiseExplicitRMSNorm()] if self.explicit_rms_norm else [])
+        PatternRewriteWalker(GreedyRewritePatternApplier(later)).rewrite_module(op)
+        # the explicit RMSNorm leaves its square/mean/rsqrt chain dead: drop it (all pure)
+        from xdsl.transforms.dead_code_elimination import region_dce
+
+        for region in op.regions:
+            region_dce(region)

@@ -1,0 +1,68 @@
+"""Pass registry ({name: "module:Class"}, imported lazily) and pipeline-string parsing."""
+
+from __future__ import annotations
+
+import importlib
+
+from xdsl.passes import get_pass_option_infos
+from xdsl.utils.arg_spec import parse_pipeline
+from xdsl.utils.exceptions import ArgSpecParseError
+
+from coopt.errors import ConfigError
+
+_BUILTIN = {
+    "raise-patterns": "coopt.passes.raise_patterns:RaisePatterns",
+    "fuse-norm-residual": "coopt.passes.fuse_norm_residual:FuseNormResidual",
+    "fuse-attention": "coopt.passes.fuse_attention:FuseAttention",
+    "fuse-linear-epilogue": "coopt.passes.fuse_linear_epilogue:FuseLinearEpilogue",
+    "fuse-elementwise": "coopt.passes.fuse_elementwise:FuseElementwise",
+}
+
+# Phase order matters: raise first (fusion matches raised ops), then the big regions (norms,
+# attention, GEMM epilogues) before plain elementwise chains take what is left.
+DEFAULT_PIPELINE = "raise-patterns,fuse-norm-residual,fuse-attention,fuse-linear-epilogue,fuse-elementwise"
+
+
+def _load(ref: str):
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def available_passes() -> dict[str, type]:
+    """Every pass by name: built-in and from plugins (a plugin may not reuse a built-in name)."""
+    from coopt.plugins import check_builtin_clash, plugin_passes
+
+    check_builtin_clash("passes", _BUILTIN)
+    passes = {name: _load(ref) for name, ref in _BUILTIN.items()}
+    passes.update(plugin_passes())
+    return passes
+
+
+def pass_knobs(cls) -> list[tuple[str, str, object]]:
+    """(kebab-case knob, type, default) for `coopt passes`."""
+    return [(info.name.replace("_", "-"), info.expected_type.strip("'"), info.default_value) for info in get_pass_option_infos(cls)]
+
+
+def parse_pipeline_text(text: str) -> list:
+    """'raise-patterns,fuse-elementwise{max-ops=8}' → pass objects; errors name the culprit."""
+    passes = available_passes()
+    try:
+        specs = list(parse_pipeline(text))
+    except ArgSpecParseError as exc:
+        detail = str(exc).strip().splitlines()[-1].strip()
+        raise ConfigError(f"malformed pipeline string '{text}': {detail}") from None
+    result = []
+    for spec in specs:
+        if spec.name not in passes:
+            raise ConfigError(f"unknown pass '{spec.name}' in pipeline; known passes: {', '.join(sorted(passes))}")
+        cls = passes[spec.name]
+        knobs = {info.name.replace("_", "-") for info in get_pass_option_infos(cls)}
+        for key in spec.parameters:
+            if key.replace("_", "-") not in knobs:
+                known = ", ".join(sorted(knobs)) or "none"
+                raise ConfigError(f"unknown knob '{key}' for pass '{spec.name}'; its knobs: {known}")
+        try:
+            result.append(cls.from_spec(spec))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"bad knob value for pass '{spec.name}': {exc}") from None
+    return result

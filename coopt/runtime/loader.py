@@ -1,0 +1,23 @@
+"""coopt.load(out_dir): the built model as an nn.Module (torch + triton only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coopt.runtime.kernel_loader import load_module_from_file
+
+
+def load(out_dir, device=None):
+    """Load a build directory: `coopt.load("out/mlp")(x)` runs the built model.
+
+    `device` maps the weights (default: where they were saved, i.e. the CPU; move the module
+    with `.to("cuda")` as any nn.Module).
+    """
+    out_dir = Path(out_dir)
+    program = out_dir / "program.py"
+    if not program.is_file():
+        from coopt.errors import InputFileError
+
+        raise InputFileError(f"'{out_dir}' is not a coopt build directory (no program.py)")
+    module = load_module_from_file(program, name=None)
+    return module.load(out_dir, device=device)
