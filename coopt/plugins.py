@@ -15,6 +15,7 @@ from coopt.errors import PluginError
 
 GROUP = "coopt.plugins"
 KINDS = ("passes", "templates", "advisors", "targets")
+_SINGULAR = {"passes": "pass", "templates": "template", "advisors": "advisor", "targets": "target"}
 
 
 @functools.cache
@@ -32,7 +33,7 @@ def _collect() -> dict[str, dict[str, tuple[str, object]]]:
                 if name in found[kind]:
                     other = found[kind][name][0]
                     raise PluginError(
-                        f"plugin clash: {kind[:-1]} '{name}' is provided by both '{other}' and '{package}'"
+                        f"plugin clash: {_SINGULAR[kind]} '{name}' is provided by both '{other}' and '{package}'"
                     )
                 found[kind][name] = (package, obj)
     return found
@@ -67,4 +68,4 @@ def check_builtin_clash(kind: str, builtin_names) -> None:
     """A plugin may not reuse a built-in name."""
     for name, (pkg, _) in _collect()[kind].items():
         if name in builtin_names:
-            raise PluginError(f"plugin clash: {kind[:-1]} '{name}' is provided by both 'coopt' and '{pkg}'")
+            raise PluginError(f"plugin clash: {_SINGULAR[kind]} '{name}' is provided by both 'coopt' and '{pkg}'")

@@ -70,8 +70,15 @@ def _decode(arg, operands: list[str]) -> str:
     return _literal(arg)
 
 
+# In the functional graph a view only differs from a reshape by aliasing, which nothing can
+# observe any more; but a kernel may return other strides than the op it replaced (SDPA's
+# output is not contiguous on every backend), and `view` would then refuse them.
+_STRIDE_TOLERANT = {"aten.view.default": "aten.reshape.default", "aten._unsafe_view.default": "aten.reshape.default"}
+
+
 def callable_expr(target: str) -> str:
     """'aten.mm.default' → 'torch.ops.aten.mm.default'; 'operator.mul' stays as is."""
+    target = _STRIDE_TOLERANT.get(target, target)
     namespace = target.split(".", 1)[0]
     if namespace in ("operator", "math", "builtins"):
         return target.removeprefix("builtins.")

@@ -26,6 +26,7 @@ from xdsl.dialects.builtin import (
     ModuleOp,
     StringAttr,
     TensorType,
+    UnitAttr,
     f16,
     f32,
     f64,
@@ -120,6 +121,14 @@ class _ArgEncoder:
         raise CaptureError(f"unsupported argument of type {type(arg).__name__} in the captured graph")
 
 
+def _bound(value, default: int) -> int:
+    """An int from a sympy bound; `default` for infinities (oo, int_oo)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return default
+
+
 def _symbol_table(program, user_placeholders, example_inputs) -> dict:
     """symbol -> [min, max, example] from torch.export's range constraints (unbounded max
     capped at 2**20) and the example inputs' sizes."""
@@ -130,10 +139,20 @@ def _symbol_table(program, user_placeholders, example_inputs) -> dict:
                 examples[str(fake.node.expr)] = int(real)
     table = {}
     for sym, rng in program.range_constraints.items():
-        lo = int(rng.lower) if rng.lower.is_finite else 1
-        hi = int(rng.upper) if rng.upper.is_finite else 1 << 20
+        lo, hi = _bound(rng.lower, 1), _bound(rng.upper, 1 << 20)
         table[str(sym)] = [lo, hi, examples.get(str(sym), lo)]
     return table
+
+
+def _is_causal_mask(tensor) -> bool:
+    """A buffer of lower-triangular ones (minGPT's `bias`/`mask`): masked_fill(mask == 0, -inf)
+    with it is causal attention. Checked on the values, once, at import."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or tensor.shape[-1] != tensor.shape[-2]:
+        return False
+    if tensor.numel() > (1 << 26) or tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.bool):
+        return False
+    ones = torch.ones(tensor.shape[-2:], dtype=torch.bool).tril()
+    return bool((tensor.bool() == ones).all() and ((tensor == 0) | (tensor == 1)).all())
 
 
 def import_program(program, example_inputs=()) -> ImportResult:
@@ -142,6 +161,7 @@ def import_program(program, example_inputs=()) -> ImportResult:
     input_kinds = {spec.arg.name: spec for spec in sig.input_specs}
     graph = program.graph_module.graph
 
+    state = {**program.state_dict, **program.constants}
     user_placeholders = [
         n for n in graph.nodes if n.op == "placeholder" and input_kinds[n.name].kind == InputKind.USER_INPUT
     ]
@@ -160,6 +180,8 @@ def import_program(program, example_inputs=()) -> ImportResult:
             if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                 raise CaptureError(f"unsupported graph input kind {spec.kind.name} for '{node.name}'")
             op = WeightOp(spec.target, tensor_type(node.meta["val"]))
+            if _is_causal_mask(state.get(spec.target)):
+                op.attributes["coopt.causal_mask"] = UnitAttr()  # lets raise-patterns see causal masking
             state_names.append(spec.target)
             ops.append(op)
             values[node] = op.result

@@ -26,11 +26,10 @@ class FuseLinearEpilogue(CooptPass):
         for linear in [o for o in op.walk() if isinstance(o, LinearOp)]:
             if isinstance(linear.parent_op(), KernelOp):
                 continue
-            operands = {linear.x, linear.w, linear.bias}
             out = linear.result
 
-            def allowed(v):
-                return v not in operands and is_float_tensor(v) and broadcasts_to(v, out)
+            def allowed(v):  # the GEMM input itself may come back as the residual: x + f(x W)
+                return is_float_tensor(v) and broadcasts_to(v, out)
 
             chain = extend_chain(out, allowed, self.max_ops, lambda v: True)
             while not can_outline([linear, *chain]):

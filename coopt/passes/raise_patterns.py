@@ -28,6 +28,7 @@ from coopt.ir.dialect import (
     LinearOp,
     RMSNormOp,
     SoftmaxOp,
+    WeightOp,
 )
 from coopt.passes.base import (
     CooptPass,
@@ -216,6 +217,62 @@ def _match_rsqrt_mean_square(r, x) -> float | None:
     return float(eps)
 
 
+def _causal_mask_source(mask) -> bool:
+    """mask == eq(M, 0) with M a causal-mask weight seen through alias / leading slices."""
+    eq = mask.owner
+    if aten_target(eq) != "aten.eq.Scalar" or literal_arg(eq, 1) != 0:
+        return False
+    value = tensor_arg(eq, 0)
+    while aten_target(value.owner) in ("aten.alias.default", "aten.slice.Tensor"):
+        op = value.owner
+        if aten_target(op) == "aten.slice.Tensor" and literal_arg(op, 2, "start", 0) not in (0, None):
+            return False  # a slice that does not start at 0 shifts the diagonal
+        value = tensor_arg(op, 0)
+    return isinstance(value.owner, WeightOp) and "coopt.causal_mask" in value.owner.attributes
+
+
+class RaiseExplicitAttention(RewritePattern):
+    """softmax((q @ k^T) * scale [masked_fill(causal == 0, -inf)]) @ v → coopt.attention.
+
+    The form written out in minGPT-style models; scale may be a multiplication or a division
+    by a literal, the causal mask a lower-triangular buffer (checked on its values at import).
+    """
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
+        if op.target.data != "aten.matmul.default":
+            return
+        probs, v = tensor_arg(op, 0), tensor_arg(op, 1)
+        if probs is None or v is None or not isinstance(probs.owner, SoftmaxOp) or len(static_shape(v)) != 4:
+            return
+        scores = probs.owner.x
+        causal = False
+        if aten_target(scores.owner) == "aten.masked_fill.Scalar":
+            fill = scores.owner
+            if literal_arg(fill, 2) != {"$f": "-inf"} or not _causal_mask_source(tensor_arg(fill, 1)):
+                return
+            causal, scores = True, tensor_arg(fill, 0)
+        scale = 1.0
+        scaled = scores.owner
+        if isinstance(scaled, ElementwiseOp) and scaled.fn.data in ("mul", "div") and len(scaled.inputs) == 1:
+            literal = next(a["$f"] for a in scaled.arg_refs if isinstance(a, dict))
+            scale = literal if scaled.fn.data == "mul" else 1.0 / literal
+            scores = scaled.inputs[0]
+        qk = scores.owner
+        if aten_target(qk) != "aten.matmul.default":
+            return
+        q, k_t = tensor_arg(qk, 0), tensor_arg(qk, 1)
+        transpose = k_t.owner
+        if aten_target(transpose) != "aten.transpose.int" or {literal_arg(transpose, 1) % 4, literal_arg(transpose, 2) % 4} != {2, 3}:
+            return
+        k = tensor_arg(transpose, 0)
+        qs, ks = static_shape(q), static_shape(k)
+        if len(qs) != 4 or qs[1] != ks[1] or (causal and qs[2] != ks[2]):
+            return
+        rewriter.replace_matched_op(AttentionOp(q, k, v, causal, float(scale), op.results[0].type))
+        count("raise.attention.explicit" + (".causal" if causal else ""))
+
+
 class RecognizeSwiGLU(RewritePattern):
     """silu(x Wg) * (x Wu): counted so the report can say the MLP was recognised; fusion then
     makes it two GEMMs with epilogues (silu, then ·gate) — no separate kernel needed yet."""
@@ -249,7 +306,8 @@ class RaisePatterns(CooptPass):
             GreedyRewritePatternApplier([RaiseLinear(), RaiseElementwise(), RaiseNorms(), RaiseSDPA()]),
             apply_recursively=False,
         ).rewrite_module(op)
-        later = [RecognizeSwiGLU()] + ([RaiseExplicitRMSNorm()] if self.explicit_rms_norm else [])
+        later = [RecognizeSwiGLU(), RaiseExplicitAttention()]
+        later += [RaiseExplicitRMSNorm()] if self.explicit_rms_norm else []
         PatternRewriteWalker(GreedyRewritePatternApplier(later)).rewrite_module(op)
         # the explicit RMSNorm leaves its square/mean/rsqrt chain dead: drop it (all pure)
         from xdsl.transforms.dead_code_elimination import region_dce

@@ -34,7 +34,11 @@ def load_module_from_file(path: str | Path, name: str | None = None) -> ModuleTy
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a later load must retry and report the real error
+        raise
     return module
 
 

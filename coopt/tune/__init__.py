@@ -1,0 +1,17 @@
+"""Latency measurement, tuning cache and selection of verified candidates.
+
+Legality is decided elsewhere (templates check, verify proves); this package only times what
+was verified and picks the fastest, keeping the reference when nothing beats it.
+
+    measure_candidates(region, {label: path})  -> {label: Measurement}   (measure.py)
+    select_candidate(candidates, measurements) -> (label, reason)        (select.py)
+    tune_build_dir(out_dir)                    -> `coopt tune out/`      (retune.py)
+    TuningDB(path)                             -> sqlite cache of measurements (db.py)
+
+Each candidate is timed in its own `python -m coopt.tune.worker` subprocess (worker.py), so a
+crashing or hanging kernel costs one error entry, never the build.
+"""
+
+from coopt.tune.measurement import Measurement
+
+__all__ = ["Measurement"]

@@ -1,0 +1,260 @@
+"""Per-family cost rules for the heuristic advisor (lower cost = try first).
+
+Each rule reads the region's shapes once, then scores points by how far each knob is from the
+value that simple performance reasoning suggests, measured in factors of two
+(`_log_gap(64, 128) == 1`). Knobs a rule does not know cost nothing, so unknown knobs keep the
+family's legal order. Knob names are matched case-insensitively with a few aliases, because the
+rules must not depend on the exact spelling a template family picks.
+
+A rule is `rule(request) -> (cost(point) -> float, rationale)`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from coopt.llm_advisor.protocol import AdviceRequest
+
+CostFn = Callable[[dict], float]
+
+BLOCK_M = ("BLOCK_M", "BLOCK_SIZE_M")
+BLOCK_N = ("BLOCK_N", "BLOCK_SIZE_N")
+BLOCK_K = ("BLOCK_K", "BLOCK_SIZE_K")
+BLOCK = ("BLOCK", "BLOCK_SIZE", "XBLOCK")
+WARPS = ("num_warps", "WARPS")
+STAGES = ("num_stages", "STAGES")
+GROUP_M = ("GROUP_M", "GROUP_SIZE_M")
+SPLIT_K = ("SPLIT_K",)
+
+# "Enough tiles" means at least this share of the SMs has a tile: a short last wave costs
+# less than tiles so small that each one does too little work to hide memory latency.
+FILL_SHARE = 0.75
+
+
+# -- helpers -------------------------------------------------------------------------------
+def knob(mapping: dict, aliases: tuple[str, ...]):
+    """The value under the first alias present (case-insensitive), or None."""
+    lowered = {str(k).lower(): v for k, v in mapping.items()}
+    for alias in aliases:
+        if alias.lower() in lowered:
+            return lowered[alias.lower()]
+    return None
+
+
+def _numbers(values) -> list[float]:
+    return sorted(v for v in (values or []) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0)
+
+
+def _log_gap(value, target) -> float:
+    """Factors of two between value and target; 0 when the knob is absent or not numeric."""
+    if value is None or target is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or target <= 0:
+        return 0.0 if value == target else 1.0
+    return abs(math.log2(value / target))
+
+
+def _smallest_at_least(allowed: list[float], n: float):
+    """Smallest allowed value >= n (one tile covers n), else the largest allowed."""
+    fitting = [v for v in allowed if v >= n]
+    return min(fitting) if fitting else (max(allowed) if allowed else None)
+
+
+def _largest_at_most(allowed: list[float], n: float):
+    fitting = [v for v in allowed if v <= n]
+    return max(fitting) if fitting else (min(allowed) if allowed else None)
+
+
+def _shape(request: AdviceRequest, index: int, outputs: bool = False) -> tuple[int, ...]:
+    """Concrete shape: symbolic dims take the example value, else their max, else 1."""
+    region = request.region
+    specs = region.outputs if outputs else region.inputs
+    if index >= len(specs):
+        return ()
+    dims = []
+    for d in specs[index].shape:
+        if isinstance(d, str):
+            d = region.example_dims.get(d) or (region.dims.get(d) or (1, 1))[1]
+        dims.append(max(1, int(d)))
+    return tuple(dims)
+
+
+def _prod(values) -> int:
+    return math.prod(values) if values else 1
+
+
+def _fill_penalty(tiles: int, num_sms: int) -> float:
+    """Factors of two short of giving most SMs a tile (0 when enough tiles)."""
+    wanted = FILL_SHARE * num_sms
+    return math.log2(wanted / tiles) if 0 < tiles < wanted else 0.0
+
+
+def _warps_for(elements: float, most: int) -> int:
+    """About 8 elements per thread (256 per warp): enough loads in flight, few registers."""
+    return int(min(most, max(1, 2 ** round(math.log2(max(1.0, elements / 256))))))
+
+
+def _stages_gap(stages, low: int, high: int) -> float:
+    if stages is None or not isinstance(stages, int):
+        return 0.0
+    return _log_gap(stages, low) if stages < low else _log_gap(stages, high) if stages > high else 0.0
+
+
+# -- families ------------------------------------------------------------------------------
+def matmul_epilogue(request: AdviceRequest) -> tuple[CostFn, str]:
+    a, b = _shape(request, 0), _shape(request, 1)
+    m, k = _prod(a[:-1]), (a[-1] if a else 1)
+    n = (b[0] if request.region.attrs.get("b_layout") == "nk" else b[-1]) if b else 1
+    sms = int(request.target.get("num_sms") or 132)
+    bm_vals, bn_vals, bk_vals = (_numbers(knob(request.space, names)) for names in (BLOCK_M, BLOCK_N, BLOCK_K))
+
+    if m <= 16:
+        # Decode / GEMV: the kernel streams the weight matrix once; anything above M rows in a
+        # tile is wasted tensor-core work, so the smallest BLOCK_M that covers M. Long BLOCK_K
+        # slabs make each weight read long and contiguous; BLOCK_N as large as possible while
+        # still giving most SMs a column tile (bandwidth needs every SM loading).
+        regime = f"decode-shaped matmul (M={m})"
+        bm_t = _smallest_at_least(bm_vals, m)
+        bk_t = _largest_at_most([v for v in bk_vals if v <= 256], max(k, 16))
+        filling = [v for v in bn_vals if v <= 128 and math.ceil(n / v) >= FILL_SHARE * sms]
+        bn_t = max(filling) if filling else (min(bn_vals) if bn_vals else None)
+        stages_range = (4, 5)  # deep pipelining keeps weight loads in flight
+    elif math.ceil(m / 128) * math.ceil(n / 128) >= FILL_SHARE * sms:
+        # Large: 128x128 output tiles with BLOCK_K 64 reach tensor-core peak on Hopper and
+        # still fill the SMs; 3-4 stages of 32 KiB (bf16) fit shared memory.
+        regime = f"large matmul (M={m}, N={n}, K={k})"
+        bm_t, bn_t, bk_t = 128, 128, 64
+        stages_range = (3, 4)
+    else:
+        # Medium: 128x128 tiles would leave SMs idle; 64-wide tiles (BLOCK_M no larger than M)
+        # and the fill penalty below trade tile efficiency for parallelism.
+        regime = f"medium matmul (M={m}, N={n}, K={k})"
+        bm_t = min(64, _smallest_at_least(bm_vals, m) or 64)
+        bn_t, bk_t = 64, 64
+        stages_range = (3, 4)
+
+    def cost(point: dict) -> float:
+        bm, bn, bk = knob(point, BLOCK_M), knob(point, BLOCK_N), knob(point, BLOCK_K)
+        split = knob(point, SPLIT_K)
+        split = split if isinstance(split, int) and split > 0 else 1
+        c = 2 * _log_gap(bm, bm_t) + _log_gap(bn, bn_t) + _log_gap(bk, bk_t)
+        if isinstance(bm, int) and isinstance(bn, int) and bm > 0 and bn > 0:
+            # Idle SMs are the largest loss on small problems: weigh it like BLOCK_M. Split-K
+            # multiplies the programs (each one reduces a slice of K).
+            c += 2 * _fill_penalty(math.ceil(m / bm) * math.ceil(n / bn) * split, sms)
+            # 8 warps for 128x128 accumulators (64 fp32 registers per thread), else 4.
+            c += _log_gap(knob(point, WARPS), 8 if bm * bn >= 128 * 128 else 4)
+        c += 0.5 * _stages_gap(knob(point, STAGES), *stages_range)
+        # Grouped tile order reuses B tiles in L2 only when there are several row tiles.
+        c += 0.25 * _log_gap(knob(point, GROUP_M), 8 if bm_t and m > bm_t else 1)
+        # Split-K adds a second reduction of the partial tiles: worth it only for the fill.
+        c += 0.5 * math.log2(split)
+        return c
+
+    return cost, f"{regime}: BLOCK_M~{bm_t}, BLOCK_N~{bn_t}, BLOCK_K~{bk_t}, fill {sms} SMs"
+
+
+def attention(request: AdviceRequest) -> tuple[CostFn, str]:
+    q, kv = _shape(request, 0), _shape(request, 1)
+    batch, heads, sq, d = (1,) * (4 - len(q)) + q if len(q) < 4 else q[-4:]
+    kv_heads = kv[-3] if len(kv) >= 3 else heads
+    sk = kv[-2] if len(kv) >= 2 else sq
+    group = max(1, heads // max(1, kv_heads))
+    sms = int(request.target.get("num_sms") or 132)
+    bm_vals, bn_vals = _numbers(knob(request.space, BLOCK_M)), _numbers(knob(request.space, BLOCK_N))
+
+    def query_tile(rows: int, head_programs: int):
+        # For few query rows (decode) one tile covering them: more is wasted work. For many,
+        # 128 rows amortise each K/V tile load over more queries, unless SMs would sit idle.
+        if rows <= 64:
+            return _smallest_at_least(bm_vals, rows)
+        return 128 if head_programs * math.ceil(rows / 128) >= FILL_SHARE * sms else 64
+
+    # Key tile 64: the S = QK^T tile stays in registers next to the output accumulator.
+    bn_t = 64 if sk >= 64 else _smallest_at_least(bn_vals, sk)
+    # Head dim > 64 doubles the accumulator and Q tile: 8 warps share the registers.
+    warps_t = 4 if d <= 64 else 8
+
+    def cost(point: dict) -> float:
+        bm, bn = knob(point, BLOCK_M), knob(point, BLOCK_N)
+        # PACK_GQA puts a kv group's query heads in one tile's rows: K/V are loaded once per
+        # group instead of once per query head, which is what decode (few rows) is bound by.
+        pack = bool(knob(point, ("PACK_GQA",))) and group > 1
+        rows, head_programs = (sq * group, batch * kv_heads) if pack else (sq, batch * heads)
+        split = knob(point, ("SPLIT_KV",))
+        split = split if isinstance(split, int) and split > 0 else 1
+        c = 2 * _log_gap(bm, query_tile(rows, head_programs)) + _log_gap(bn, bn_t)
+        c += _log_gap(knob(point, WARPS), warps_t) + 0.5 * _stages_gap(knob(point, STAGES), 2, 3)
+        if isinstance(bm, int) and bm > 0:
+            # Split-KV (flash-decoding) multiplies the programs when heads x tiles are too few.
+            c += 2 * _fill_penalty(head_programs * math.ceil(rows / bm) * split, sms)
+        c += 0.25 * math.log2(split)  # a small combine step over the partial results
+        if group > 1 and sq <= 64 and not pack:
+            c += math.log2(group)  # K/V read group times over: the factor packing saves
+        return c
+
+    return cost, (
+        f"attention (Sq={sq}, Sk={sk}, D={d}, group={group}): BLOCK_N~{bn_t}, {warps_t} warps, "
+        f"query tile and splits to fill {sms} SMs"
+    )
+
+
+def row_reduction(request: AdviceRequest) -> tuple[CostFn, str]:
+    x = _shape(request, 0)
+    n = x[-1] if x else 1
+    bn_vals = _numbers(knob(request.space, BLOCK_N) or knob(request.space, BLOCK))
+
+    # A row that fits in one block is read once (single pass); a looped kernel re-reads it
+    # from memory for the second pass. Past 8192 elements the registers run out, so loop
+    # over 4096-wide chunks.
+    single_pass = n <= 8192
+    bn_t = _smallest_at_least(bn_vals, n) if single_pass else _largest_at_most(bn_vals, 4096)
+
+    def cost(point: dict) -> float:
+        bn = knob(point, BLOCK_N)
+        bn = knob(point, BLOCK) if bn is None else bn
+        c = _log_gap(bn, bn_t)
+        if single_pass and isinstance(bn, (int, float)) and bn < n:
+            c += 3.0  # a second pass over the row costs more than any tile-size mismatch
+        if isinstance(bn, (int, float)) and bn > 0:
+            # Warps grow with the elements a program holds (never more than the row); capped at
+            # 8 as in Triton's layer-norm tutorial (more warps add cross-warp reduction cost).
+            c += _log_gap(knob(point, WARPS), _warps_for(min(bn, 2 ** math.ceil(math.log2(n))), 8))
+        return c
+
+    mode = "single pass" if single_pass else "looped"
+    return cost, f"row reduction (N={n}): {mode}, BLOCK_N~{bn_t}"
+
+
+def elementwise(request: AdviceRequest) -> tuple[CostFn, str]:
+    numel = _prod(_shape(request, 0, outputs=True))
+    sms = int(request.target.get("num_sms") or 132)
+    block_vals = _numbers(knob(request.space, BLOCK))
+
+    # 1024 elements per program is the memory-bound sweet spot; when there are at least 8
+    # waves of larger blocks, larger blocks cut per-program overhead. Never plan a block much
+    # larger than the tensor.
+    block_t = 1024
+    if numel >= 8 * sms * 4096:
+        block_t = 4096
+    elif numel >= 8 * sms * 2048:
+        block_t = 2048
+    block_t = min(block_t, max(min(block_vals) if block_vals else 1, 2 ** math.ceil(math.log2(numel))))
+
+    def cost(point: dict) -> float:
+        block = knob(point, BLOCK)
+        c = _log_gap(block, block_t)
+        if isinstance(block, (int, float)) and block > 0:
+            c += _log_gap(knob(point, WARPS), _warps_for(block, 8))
+        return c
+
+    return cost, f"elementwise (numel={numel}): BLOCK~{block_t}"
+
+
+RULES: dict[str, Callable[[AdviceRequest], tuple[CostFn, str]]] = {
+    "matmul_epilogue": matmul_epilogue,
+    "attention": attention,
+    "row_reduction": row_reduction,
+    "elementwise": elementwise,
+}

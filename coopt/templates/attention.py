@@ -1,0 +1,147 @@
+"""attention: flash-attention forward, softmax(q k^T * scale [+ causal mask]) v, in one kernel.
+
+Region schema (coopt.ir.region): q [B, H, Sq, D], k / v [B, Hkv, Sk, D] (any strides: q is
+often a transpose view), output [B, H, Sq, D]; attrs {"causal", "scale", "num_heads",
+"num_kv_heads"}. Query head h reads kv head h // (H // Hkv). A causal mask with Sq != Sk is
+aligned to the bottom right (query i sees keys j <= i + Sk - Sq); a query that sees no key
+gets zeros, as eager SDPA does.
+
+Online softmax with fp32 statistics and accumulator; each program owns BLOCK_M query rows and
+streams K/V in BLOCK_N blocks: first the blocks every row may see (no masking), then the
+partly visible ones (masked). A head dim that is not a power of two is padded with masks.
+
+Knobs (explicit lists, pruned by `check`):
+    BLOCK_M, BLOCK_N      query rows per program, keys per step
+    PACK_GQA              (GQA only) one program takes the query rows of all H // Hkv heads
+                          that share a kv head, so K/V are read once per group and a decode
+                          step (Sq = 1) fills BLOCK_M with real rows instead of padding
+    SPLIT_KV              flash-decoding: the keys of each row are split over SPLIT_KV programs
+                          whose fp32 partials (acc, max, sum) a second kernel merges; for
+                          small batch x heads x Sq that would leave SMs idle
+    num_warps, num_stages launch options
+
+Example:
+    >>> AttentionFamily().render(region, {"BLOCK_M": 64, "BLOCK_N": 64, "PACK_GQA": False,
+    ...                                   "SPLIT_KV": 1, "num_warps": 4, "num_stages": 2})
+"""
+
+from __future__ import annotations
+
+import math
+
+from coopt.ir.region import DTYPE_BYTES, RegionSummary
+from coopt.targets import Target
+from coopt.templates.base import TemplateFamily, render_template
+from coopt.templates.matmul_epilogue import dim_range, next_pow2
+
+_TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16"}
+_TORCH_DTYPE = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
+
+_MAX_HEAD_DIM = 256
+# fp32 values per thread of the S = q k^T tile plus the output accumulator above which the
+# kernel spills registers (ptxas for sm_90, triton 3.9). bf16 runs on wgmma, operands in shared
+# memory; fp32 (IEEE, no tensor cores) keeps its operand slices in registers too.
+_MAX_TILE_REGS_PER_THREAD = {"bf16/fp16": 160, "fp32": 24}
+
+
+class AttentionFamily(TemplateFamily):
+    name = "attention"
+
+    # -- shape facts -------------------------------------------------------------------
+    @staticmethod
+    def _head_dim(region: RegionSummary) -> int | str:
+        return region.inputs[0].shape[3]
+
+    @staticmethod
+    def _group(region: RegionSummary) -> int:
+        return region.attrs["num_heads"] // region.attrs["num_kv_heads"]
+
+    def matches(self, region: RegionSummary) -> bool:
+        if region.family != self.name or len(region.inputs) != 3 or len(region.outputs) != 1:
+            return False
+        q, k, v = region.inputs
+        if any(len(s.shape) != 4 for s in (q, k, v, region.outputs[0])):
+            return False
+        head_dim = self._head_dim(region)
+        heads, kv_heads = region.attrs.get("num_heads"), region.attrs.get("num_kv_heads")
+        return (
+            isinstance(head_dim, int)
+            and 1 <= head_dim <= _MAX_HEAD_DIM
+            and k.shape[3] == v.shape[3] == head_dim
+            and isinstance(heads, int) and isinstance(kv_heads, int)
+            and kv_heads >= 1 and heads % kv_heads == 0
+            and q.dtype == k.dtype == v.dtype
+            and all(s.dtype in _TL_DTYPE for s in (q, region.outputs[0]))
+        )
+
+    # -- the space -----------------------------------------------------------------------
+    def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
+        return {
+            "BLOCK_M": [16, 32, 64, 128],
+            "BLOCK_N": [16, 32, 64, 128],
+            "PACK_GQA": [False, True] if self._group(region) > 1 else [False],
+            "SPLIT_KV": [1, 2, 4, 8, 16],
+            "num_warps": [4, 8],
+            "num_stages": [1, 2, 3, 4],
+        }
+
+    def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        bm, bn, warps, stages = params["BLOCK_M"], params["BLOCK_N"], params["num_warps"], params["num_stages"]
+        block_d = max(16, next_pow2(self._head_dim(region)))
+        elem = DTYPE_BYTES[region.inputs[0].dtype]
+        if params["PACK_GQA"] and self._group(region) == 1:
+            return "PACK_GQA needs grouped kv heads (num_heads > num_kv_heads)"
+        smem = (bm * block_d + 2 * bn * block_d * stages) * elem
+        if smem > target.smem_per_block_bytes:
+            return f"q tile and {stages} K/V stages need {smem} B of shared memory > {target.smem_per_block_bytes} B"
+        regs_kind = "fp32" if region.inputs[0].dtype == "float32" else "bf16/fp16"
+        if bm * (block_d + bn) // (32 * warps) > _MAX_TILE_REGS_PER_THREAD[regs_kind]:
+            return f"{bm}x{bn} scores and {bm}x{block_d} accumulator over {warps} warps spill registers"
+        if warps == 8 and bm < 64:
+            return f"8 warps on {bm} query rows leave most threads idle"
+        # A tile may cover the largest problem, never more (floor 16: tl.dot's minimum).
+        _, sq_hi = dim_range(region, [region.inputs[0].shape[2]])
+        _, sk_hi = dim_range(region, [region.inputs[1].shape[2]])
+        rows_hi = None if sq_hi is None else sq_hi * (self._group(region) if params["PACK_GQA"] else 1)
+        for knob, size, hi in (("BLOCK_M", bm, rows_hi), ("BLOCK_N", bn, sk_hi)):
+            if hi is not None and size > max(16, next_pow2(hi)):
+                return f"{knob}={size} exceeds the problem (at most {hi})"
+        split_kv = params["SPLIT_KV"]
+        if split_kv > 1:
+            if sk_hi is not None and sk_hi < 2 * split_kv * bn:
+                return f"SPLIT_KV={split_kv} leaves fewer than 2 key blocks of {bn} per split (Sk <= {sk_hi})"
+            programs = self._programs(region, params)
+            if programs >= target.num_sms:
+                return f"{programs} programs already fill {target.num_sms} SMs without SPLIT_KV"
+        return None
+
+    def _programs(self, region: RegionSummary, params: dict) -> int:
+        """Programs of the smallest problem in the region's range, before splitting keys."""
+        q_shape = region.inputs[0].shape
+        batch_lo, _ = dim_range(region, [q_shape[0]])
+        sq_lo, _ = dim_range(region, [q_shape[2]])
+        if params["PACK_GQA"]:
+            rows, heads = sq_lo * self._group(region), region.attrs["num_kv_heads"]
+        else:
+            rows, heads = sq_lo, region.attrs["num_heads"]
+        return -(-rows // params["BLOCK_M"]) * batch_lo * heads
+
+    # -- rendering -------------------------------------------------------------------------
+    def render(self, region: RegionSummary, params: dict) -> str:
+        head_dim = self._head_dim(region)
+        scale = region.attrs.get("scale")
+        dtype = region.inputs[0].dtype
+        return render_template(
+            "triton/attention.py.j2",
+            region_name=region.name,
+            params=params,
+            causal=bool(region.attrs["causal"]),
+            scale=repr(float(scale if scale is not None else 1.0 / math.sqrt(head_dim))),
+            num_heads=region.attrs["num_heads"],
+            num_kv_heads=region.attrs["num_kv_heads"],
+            head_dim=head_dim,
+            block_d=max(16, next_pow2(head_dim)),
+            ieee_dot=dtype == "float32",
+            out_tl_dtype=_TL_DTYPE[region.outputs[0].dtype],
+            out_torch_dtype=_TORCH_DTYPE[region.outputs[0].dtype],
+        )

@@ -1,0 +1,147 @@
+"""matmul_epilogue: C = A @ B' (+ bias), then an elementwise epilogue, in one Triton kernel.
+
+Region schema (coopt.ir.region): inputs a [..., K], b ([N, K] "nk" or [K, N] "kn"), [bias [N]],
+extra epilogue tensors broadcastable to [..., N]; attrs {"b_layout", "has_bias", "epilogue",
+"outputs"}. The leading dims of `a` are flattened into M; b is read through its strides (an
+nn.Linear weight is never transposed in memory).
+
+Knobs (all explicit lists, pruned by `check`):
+    BLOCK_M, BLOCK_N, BLOCK_K  output / reduction tile
+    GROUP_M                    row-tiles that share a column of B while it is hot in L2
+    SPLIT_K                    K split across programs (fp32 partials + a reduce/epilogue kernel);
+                               for small-M (decode) shapes that would leave SMs idle
+    num_warps, num_stages      launch options (num_stages = software-pipeline depth)
+
+Example:
+    >>> fam = MatmulEpilogueFamily()
+    >>> src = fam.render(region, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
+    ...                           "SPLIT_K": 1, "num_warps": 4, "num_stages": 3})
+"""
+
+from __future__ import annotations
+
+from coopt.ir.region import DTYPE_BYTES, RegionSummary
+from coopt.targets import Target
+from coopt.templates.base import TemplateFamily, render_template
+from coopt.templates.ewprogram import render_program
+
+_TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16"}
+_TORCH_DTYPE = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
+
+# Registers per thread above which a tile spills (ptxas for sm_90, triton 3.9). bf16/fp16 run on
+# wgmma with operands in shared memory: the fp32 accumulator counts. fp32 (IEEE, no tensor
+# cores) also holds operand slices in registers.
+_MAX_ACC_REGS_PER_THREAD = {"bf16/fp16": 128, "fp32": 64}
+_MAX_FP32_ACC_AND_OPERAND_REGS = 144
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def dim_range(region: RegionSummary, dims) -> tuple[int, int | None]:
+    """(min, max) of the product of `dims`; max is None when a symbolic dim has no known bound."""
+    lo, hi = 1, 1
+    for d in dims:
+        if isinstance(d, int):
+            lo, hi = lo * d, (hi * d if hi is not None else None)
+        elif d in region.dims:
+            d_lo, d_hi = region.dims[d]
+            lo, hi = lo * d_lo, (hi * d_hi if hi is not None else None)
+        else:
+            hi = None
+    return lo, hi
+
+
+class MatmulEpilogueFamily(TemplateFamily):
+    name = "matmul_epilogue"
+
+    # -- shape facts -------------------------------------------------------------------
+    @staticmethod
+    def _mnk(region: RegionSummary):
+        a, b = region.inputs[0].shape, region.inputs[1].shape
+        n_dim, k_dim = (b[0], b[1]) if region.attrs["b_layout"] == "nk" else (b[1], b[0])
+        return dim_range(region, a[:-1]), dim_range(region, [n_dim]), dim_range(region, [k_dim])
+
+    @staticmethod
+    def _ieee_dot(region: RegionSummary) -> bool:
+        """fp32 operands keep IEEE fp32 (no TF32); mixed dtypes are computed in fp32 too."""
+        a_dtype, b_dtype = region.inputs[0].dtype, region.inputs[1].dtype
+        return not (a_dtype == b_dtype and a_dtype in ("bfloat16", "float16"))
+
+    def matches(self, region: RegionSummary) -> bool:
+        if region.family != self.name or len(region.inputs) < 2:
+            return False
+        a, b = region.inputs[0], region.inputs[1]
+        if len(a.shape) < 1 or len(b.shape) != 2 or region.attrs.get("b_layout") not in ("nk", "kn"):
+            return False
+        n_extra = len(region.inputs) - 2 - int(bool(region.attrs.get("has_bias")))
+        dtypes_ok = all(s.dtype in _TL_DTYPE for s in (*region.inputs, *region.outputs))
+        return n_extra >= 0 and dtypes_ok and len(region.outputs) == len(region.attrs.get("outputs", []))
+
+    # -- the space -----------------------------------------------------------------------
+    def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
+        return {
+            "BLOCK_M": [16, 32, 64, 128],
+            "BLOCK_N": [32, 64, 128, 256],
+            "BLOCK_K": [32, 64, 128],
+            "GROUP_M": [1, 8],
+            "SPLIT_K": [1, 2, 4, 8],
+            "num_warps": [4, 8],
+            "num_stages": [2, 3, 4, 5],
+        }
+
+    def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        bm, bn, bk = params["BLOCK_M"], params["BLOCK_N"], params["BLOCK_K"]
+        warps, stages, split_k = params["num_warps"], params["num_stages"], params["SPLIT_K"]
+        (m_lo, m_hi), (n_lo, n_hi), (k_lo, k_hi) = self._mnk(region)
+        elem = max(DTYPE_BYTES[region.inputs[0].dtype], DTYPE_BYTES[region.inputs[1].dtype])
+        smem = (bm * bk + bk * bn) * elem * stages
+        if smem > target.smem_per_block_bytes:
+            return f"operand tiles need {smem} B of shared memory > {target.smem_per_block_bytes} B"
+        threads = 32 * warps
+        fp32 = self._ieee_dot(region)
+        if bm * bn // threads > _MAX_ACC_REGS_PER_THREAD["fp32" if fp32 else "bf16/fp16"]:
+            return f"{bm}x{bn} fp32 accumulator over {warps} warps spills registers"
+        if fp32 and (bm * bn + bm * bk + bk * bn) // threads > _MAX_FP32_ACC_AND_OPERAND_REGS:
+            return f"{bm}x{bn}x{bk} fp32 accumulator and operands over {warps} warps spill registers"
+        if warps == 8 and bm * bn < 64 * 128:
+            return f"8 warps on a {bm}x{bn} tile leave most threads idle"
+        # A tile may cover the largest problem, never more (floors keep tl.dot's minimum sizes).
+        for knob, size, hi, floor in (("BLOCK_M", bm, m_hi, 16), ("BLOCK_N", bn, n_hi, 32), ("BLOCK_K", bk, k_hi, 32)):
+            if hi is not None and size > max(floor, next_pow2(hi)):
+                return f"{knob}={size} exceeds the problem (at most {hi})"
+        if split_k > 1:
+            if -(-k_lo // bk) < 2 * split_k:
+                return f"SPLIT_K={split_k} leaves fewer than 2 K-steps of {bk} per split (K >= {k_lo})"
+            tiles = -(-m_lo // bm) * -(-n_lo // bn)
+            if tiles >= target.num_sms:
+                return f"{tiles} output tiles already fill {target.num_sms} SMs without SPLIT_K"
+        return None
+
+    # -- rendering -------------------------------------------------------------------------
+    def render(self, region: RegionSummary, params: dict) -> str:
+        attrs = region.attrs
+        has_bias = bool(attrs.get("has_bias"))
+        n_extra = len(region.inputs) - 2 - int(has_bias)
+        extras = [f"in{i}" for i in range(n_extra)]
+        program = attrs.get("epilogue", [])
+        names = {"acc": "acc", **{e: e for e in extras}}
+        epilogue_lines = render_program(program, names)
+        used = {a for _, _, args in program for a in args if isinstance(a, str)} | set(attrs["outputs"])
+        outputs = [
+            {"value": names[out], "tl_dtype": _TL_DTYPE[spec.dtype], "torch_dtype": _TORCH_DTYPE[spec.dtype]}
+            for out, spec in zip(attrs["outputs"], region.outputs)
+        ]
+        return render_template(
+            "triton/matmul_epilogue.py.j2",
+            region_name=region.name,
+            params=params,
+            b_layout=attrs["b_layout"],
+            has_bias=has_bias,
+            extras=extras,
+            loaded_extras=[e for e in extras if e in used],
+            epilogue_lines=epilogue_lines,
+            outputs=outputs,
+            ieee_dot=self._ieee_dot(region),
+        )

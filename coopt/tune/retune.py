@@ -1,0 +1,136 @@
+"""`coopt tune out/`: measure a build's verified candidates on this GPU and re-select.
+
+A build made without a GPU records "unmeasured" selections (advisor rank); this finishes the
+selection on the target. It rewrites only out/selection.json, atomically, so an interrupted tune
+leaves the previous selection intact. program.py reads selection.json at load time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from coopt.errors import ConfigError, InputFileError
+from coopt.ir.region import RegionSummary
+from coopt.tune import measure
+from coopt.tune.db import TuningDB
+from coopt.tune.select import REFERENCE_FAMILY, select_candidate
+
+SELECTION_FILE = "selection.json"
+
+
+def tune_build_dir(
+    out_dir: Path,
+    *,
+    timeout_s: float = 60,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    allow_cpu: bool = False,
+    db: TuningDB | None = None,
+) -> dict:
+    """Measure every verified candidate (and the reference) of every region, re-select, rewrite.
+
+    Each timed candidate entry gets `latency_ms` (median, or null when timing failed) and
+    `timing` (quantiles, achieved GB/s and TFLOP/s, error); each region gets `selected` and
+    `reason`; the file gets `"measured": true`. `allow_cpu` is for tests only.
+
+    Returns {region: {"old_selected", "selected", "reason"}}.
+    Raises InputFileError when `out_dir` is not a build directory, ConfigError without a GPU.
+
+    >>> tune_build_dir(Path("out"))                                   # doctest: +SKIP
+    {'r0': {'old_selected': 'r0.c1', 'selected': 'r0.c0', 'reason': 'fastest of 3 verified: ...'}}
+    """
+    out_dir = Path(out_dir)
+    selection = read_selection(out_dir)  # validate first: a wrong directory is the likelier mistake
+    if not allow_cpu and not measure.gpu_available():
+        raise ConfigError("coopt tune needs a CUDA GPU; none found")
+
+    summary = {}
+    for name, region_entry in selection["regions"].items():
+        region = RegionSummary.from_json(region_entry["summary"])
+        candidates = region_entry["candidates"]
+        to_time = {c["label"]: out_dir / c["module"] for c in candidates if _worth_timing(c)}
+        measurements = measure.measure_candidates(
+            region, to_time, timeout_s=timeout_s, warmup_ms=warmup_ms, rep_ms=rep_ms, allow_cpu=allow_cpu, db=db
+        )
+        for candidate in candidates:
+            timing = measurements.get(candidate["label"])
+            # A latency from another GPU (or none) must not survive next to this GPU's numbers.
+            candidate["latency_ms"] = timing.median_ms if timing is not None and timing.ok else None
+            if timing is not None:
+                candidate["timing"] = timing.to_json()
+            else:
+                candidate.pop("timing", None)
+        selected, reason = select_candidate(candidates, measurements)
+        summary[name] = {"old_selected": region_entry.get("selected"), "selected": selected, "reason": reason}
+        region_entry["selected"] = selected
+        region_entry["reason"] = reason  # the key the build writes (coopt/candidates.py)
+
+    selection["measured"] = True
+    write_json_atomic(out_dir / SELECTION_FILE, selection)
+    return summary
+
+
+def read_selection(out_dir: Path) -> dict:
+    """Load and check out/selection.json (docs/contracts.md); InputFileError if it is not one."""
+    path = Path(out_dir) / SELECTION_FILE
+    not_build_dir = f"{out_dir} is not a coopt build directory"
+    if not path.is_file():
+        raise InputFileError(f"{not_build_dir}: no {SELECTION_FILE}")
+    try:
+        selection = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputFileError(f"{not_build_dir}: {SELECTION_FILE} is not valid JSON ({exc})") from None
+    regions = selection.get("regions") if isinstance(selection, dict) else None
+    if not isinstance(regions, dict):
+        raise InputFileError(f"{not_build_dir}: {SELECTION_FILE} has no 'regions' object")
+    for name, entry in regions.items():
+        problem = _region_problem(Path(out_dir), entry)
+        if problem:
+            raise InputFileError(f"{not_build_dir}: region {name}: {problem}")
+    return selection
+
+
+def _region_problem(out_dir: Path, entry) -> str | None:
+    """One line saying what is wrong with a region entry, or None."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("summary"), dict):
+        return "no 'summary'"
+    candidates = entry.get("candidates")
+    if not isinstance(candidates, list) or not all(isinstance(c, dict) and "label" in c for c in candidates):
+        return "'candidates' is not a list of labelled entries"
+    if not any(c.get("family") == REFERENCE_FAMILY for c in candidates):
+        return "no reference candidate"
+    try:
+        RegionSummary.from_json(entry["summary"])
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"malformed summary ({exc!r})"
+    for candidate in candidates:
+        if _worth_timing(candidate):
+            module = candidate.get("module")
+            if not isinstance(module, str) or not (out_dir / module).is_file():
+                return f"candidate {candidate['label']}: module file {module!r} missing"
+    return None
+
+
+def _worth_timing(candidate: dict) -> bool:
+    # Unverified candidates can never be selected, so timing them only costs GPU time.
+    return candidate.get("family") == REFERENCE_FAMILY or bool(candidate.get("verified"))
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON to a temp file beside `path`, then rename over it: readers never see half a file."""
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        # mkstemp makes the file private (0600); keep the permissions the old file had.
+        os.chmod(tmp_name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,138 @@
+"""Time one candidate module in this process: `python -m coopt.tune.worker < request.json`.
+
+Run by `coopt.tune.measure` in a fresh subprocess per candidate, so a kernel that crashes the
+process, hangs, or corrupts the CUDA context costs one error entry and never the caller.
+
+Request (JSON on stdin):
+    {"module": path, "region": RegionSummary.to_json(), "dims": {name: int},
+     "warmup_ms": 25, "rep_ms": 100, "seed": 0, "allow_cpu": false}
+Result (one JSON line on stdout):
+    {"median_ms": f, "p20_ms": f, "p80_ms": f, "device": name}   or   {"error": "one line"}
+
+Everything the candidate (or Triton, or C code) prints goes to stderr: file descriptor 1 is
+pointed at stderr before the candidate is imported, and the result goes to a saved copy of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+
+from coopt.ir.region import RegionSummary
+from coopt.tune.inputs import make_input_sets, rotation_count
+
+
+def main() -> int:
+    request = json.loads(sys.stdin.read())
+    sys.stdout.flush()
+    result_stream = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints from the candidate must not corrupt the JSON result
+    try:
+        result = time_candidate(request)
+    except Exception as exc:  # anything not already classified: report it, don't crash
+        traceback.print_exc()
+        result = {"error": f"worker failed: {_one_line(exc)}"}
+    result_stream.write(json.dumps(result) + "\n")
+    result_stream.flush()
+    return 0
+
+
+def time_candidate(request: dict) -> dict:
+    """Load the module, make inputs, warm up (first call compiles), then time; see module doc."""
+    import torch
+
+    from coopt.runtime.kernel_loader import load_module_from_file
+
+    region = RegionSummary.from_json(request["region"])
+    dims = request["dims"]
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not request.get("allow_cpu", False):
+        return {"error": "no CUDA device in the timing worker"}
+    device = "cuda" if on_gpu else "cpu"
+
+    try:
+        module = load_module_from_file(request["module"])
+        run = module.run
+    except Exception as exc:
+        traceback.print_exc()
+        return {"error": f"import failed: {_one_line(exc)}"}
+
+    n_sets = rotation_count(region, dims)
+    input_sets = make_input_sets(region, dims, n_sets, device=device, seed=request.get("seed", 0))
+    rotation = itertools.cycle(input_sets)
+
+    def call_next_set():
+        return run(*next(rotation))
+
+    warmup_ms, rep_ms = request.get("warmup_ms", 25), request.get("rep_ms", 100)
+    with torch.inference_mode():
+        try:
+            for inputs in input_sets:  # first call per set compiles / autotunes; keep it untimed
+                run(*inputs)
+            if on_gpu:
+                torch.cuda.synchronize()  # surfaces asynchronous launch errors here, not in timing
+        except Exception as exc:
+            traceback.print_exc()
+            return {"error": f"run() raised {_one_line(exc)}"}
+        if on_gpu:
+            median, p20, p80 = bench_on_gpu(call_next_set, warmup_ms, rep_ms)
+            name = torch.cuda.get_device_name()
+        else:
+            median, p20, p80 = bench_on_cpu_for_tests(call_next_set, warmup_ms, rep_ms)
+            name = "cpu"
+    return {"median_ms": median, "p20_ms": p20, "p80_ms": p80, "device": name}
+
+
+def bench_on_gpu(fn, warmup_ms: float, rep_ms: float) -> tuple[float, float, float]:
+    """(median, p20, p80) in ms via triton.testing.do_bench: CUDA events, L2 flushed per run.
+
+    `quantiles=` is used rather than `return_mode="median"` because it yields all three numbers
+    from one run; both exist with the same meaning in Triton 3.6 and 3.9.
+    """
+    from triton.testing import do_bench
+
+    median, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return float(median), float(p20), float(p80)
+
+
+def bench_on_cpu_for_tests(fn, warmup_ms: float, rep_ms: float) -> tuple[float, float, float]:
+    """(median, p20, p80) in ms of host wall time per call: NOT a GPU measurement.
+
+    Only for tests and CPU smoke runs (`allow_cpu=True`), so the subprocess protocol can be
+    exercised without a GPU. Mirrors do_bench's shape: estimate, warm up for warmup_ms, then
+    time individual calls for about rep_ms.
+    """
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    estimate_ms = max((time.perf_counter() - start) * 1e3 / 3, 1e-6)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    times_ms = []
+    for _ in range(max(5, min(10_000, int(rep_ms / estimate_ms)))):
+        t0 = time.perf_counter()
+        fn()
+        times_ms.append((time.perf_counter() - t0) * 1e3)
+    times_ms.sort()
+    return _quantile(times_ms, 0.5), _quantile(times_ms, 0.2), _quantile(times_ms, 0.8)
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated quantile, as torch.quantile computes it."""
+    position = q * (len(sorted_values) - 1)
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""One differential check: a candidate vs the region's reference on one `Example`.
+
+Used by the Hypothesis search (runner.py) and by repro scripts (repro.py), so a repro applies
+exactly the rule that failed the build.
+
+    >>> example = Example((("n", 3),), seed=0, magnitude=1.0)
+    >>> outcome = check_example(region, reference_module, candidate_module, example,
+    ...                         "cpu")  # doctest: +SKIP
+    >>> outcome.ok, outcome.failure  # doctest: +SKIP
+    (True, None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from coopt.ir.region import RegionSummary
+from coopt.runtime.kernel_loader import load_module_from_file
+from coopt.verify.strategies import Example, make_inputs
+from coopt.verify.tolerances import compare
+
+
+@dataclass(frozen=True)
+class ExampleOutcome:
+    ok: bool
+    max_abs_err: float
+    max_rel_err: float
+    failure: str | None = None  # one line, without the example's description
+
+
+def check_example(
+    region: RegionSummary,
+    reference: ModuleType,
+    candidate: ModuleType,
+    example: Example,
+    device: str | torch.device,
+) -> ExampleOutcome:
+    """Run reference (float64 and native) and candidate on the example's inputs and compare."""
+    inputs = make_inputs(region, example, device)
+    with torch.inference_mode():
+        try:
+            ref_hi = run_upcast(reference, inputs)
+        except Exception as error:  # noqa: BLE001 - a broken reference fails every candidate
+            return _failed(f"reference raised {one_line(error)}")
+        try:
+            ref_native = _as_outputs(reference.run(*_clones(inputs)))
+        except Exception:  # noqa: BLE001 - eager may lack a kernel (fp8): judge by the floor
+            ref_native = None
+        try:
+            outputs = candidate.run(*_clones(inputs))
+            _synchronize(device)  # GPU faults surface asynchronously: attribute them here
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - candidate errors are verdicts
+            return _failed(f"candidate raised {one_line(error)}")
+    return _compare_outputs(region, example, outputs, ref_hi, ref_native)
+
+
+def load_module(path: str | Path) -> ModuleType | str:
+    """The candidate module at `path`, or a one-line reason it cannot be used."""
+    try:
+        module = load_module_from_file(path)
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - a broken file is a verdict
+        return f"failed to import: {one_line(error)}"
+    if not callable(getattr(module, "run", None)):
+        return f"{Path(path).name} defines no run()"
+    return module
+
+
+def run_upcast(reference: ModuleType, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The reference on floating inputs upcast to float64 (float32 if float64 is unsupported)."""
+    try:
+        return _as_outputs(reference.run(*_upcast(inputs, torch.float64)))
+    except Exception:  # noqa: BLE001 - e.g. an op without a float64 kernel on this device
+        return _as_outputs(reference.run(*_upcast(inputs, torch.float32)))
+
+
+def _compare_outputs(region, example, outputs, ref_hi, ref_native) -> ExampleOutcome:
+    if not isinstance(outputs, (tuple, list)):
+        return _failed(f"run() returned {type(outputs).__name__}, expected a tuple of tensors")
+    if len(outputs) != len(region.outputs):
+        return _failed(f"run() returned {len(outputs)} outputs, expected {len(region.outputs)}")
+    if len(ref_hi) != len(region.outputs):
+        return _failed(f"reference returned {len(ref_hi)} outputs, expected {len(region.outputs)}")
+    dims = example.dim_values()
+    max_abs = max_rel = 0.0
+    for i, spec in enumerate(region.outputs):
+        output = outputs[i]
+        if isinstance(output, torch.Tensor) and output.device.type != ref_hi[i].device.type:
+            return _failed(f"output {i}: on {output.device.type}, expected "
+                           f"{ref_hi[i].device.type}")
+        native = ref_native[i] if ref_native is not None and len(ref_native) > i else None
+        verdict = compare(output, ref_hi[i], native, dtype=spec.dtype,
+                          shape=spec.concrete(dims))
+        max_abs = _nanmax(max_abs, verdict.max_abs_err)
+        max_rel = _nanmax(max_rel, verdict.max_rel_err)
+        if not verdict.ok:
+            return ExampleOutcome(False, max_abs, max_rel, f"output {i}: {verdict.reason}")
+    return ExampleOutcome(True, max_abs, max_rel)
+
+
+def _upcast(inputs, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [t.to(dtype) if t.is_floating_point() else t.clone() for t in inputs]
+
+
+def _clones(inputs) -> list[torch.Tensor]:
+    # Each module gets its own copies: an in-place candidate must not corrupt the reference's.
+    return [t.clone() for t in inputs]
+
+
+def _as_outputs(result) -> tuple:
+    if isinstance(result, torch.Tensor):
+        return (result,)
+    return tuple(result)
+
+
+def _synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _nanmax(a: float, b: float) -> float:
+    return b if b > a else a  # a NaN b (no measurement) never wins
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """'ValueError: first line of the message' (at most `limit` characters)."""
+    message = str(error).strip().splitlines()
+    text = type(error).__name__ + (f": {message[0]}" if message else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _failed(failure: str) -> ExampleOutcome:
+    nan = float("nan")
+    return ExampleOutcome(False, nan, nan, failure)

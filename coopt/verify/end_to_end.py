@@ -1,0 +1,193 @@
+"""`verify_end_to_end`: the whole built model against the original, on fresh random inputs.
+
+Per trial, inputs of the example inputs' shapes (trial 0), or with the dynamic dims at their
+minimum (trial 1) or at random sizes up to the example's (later trials), are drawn afresh:
+floating inputs ~ N(mean, std) of the corresponding example input, integer inputs uniform in
+the example's [min, max] (token ids stay in the vocabulary), bool inputs a fair coin. Non-tensor
+inputs are passed through.
+
+References, as in tolerances.py: `ref_hi` is a float64 deep copy of the original module run on
+upcast inputs; `ref_native` the original itself. When the module cannot be copied or run in
+float64, ref_hi falls back to the native outputs (the rule then reduces to the floor around
+eager). Every tensor leaf of the (nested tuple/list/dict) output is compared with `compare` at
+the dtype of the original's output; non-tensor leaves must be equal.
+
+    >>> result = verify_end_to_end(model, built, (torch.randn(2, 16),), trials=3)  # doctest: +SKIP
+    >>> result.ok  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from coopt.verify.check import one_line
+from coopt.verify.result import VerifyResult
+from coopt.verify.tolerances import compare
+
+
+def verify_end_to_end(
+    original_module: torch.nn.Module,
+    built_module,
+    example_inputs: Sequence,
+    *,
+    dynamic_shapes: Sequence[Mapping[int, object] | None] | None = None,
+    trials: int = 3,
+    seed: int = 0,
+    float64_reference: bool = True,
+) -> VerifyResult:
+    """Compare `built_module(*inputs)` with `original_module(*inputs)` over `trials` trials.
+
+    `dynamic_shapes` (optional) is aligned with `example_inputs`, in torch.export's form: per
+    input None or {dim_index: torch.export.Dim(name, min=, max=)} (or a (name, min, max)
+    tuple); dims sharing a name get the same size. Modules and inputs stay on their device.
+    `float64_reference=False` skips the float64 copy (it takes 4x the memory of bf16 weights).
+    """
+    hi_model = _float64_copy(original_module) if float64_reference else None
+    sizes_rng = random.Random(seed)
+    max_abs = max_rel = 0.0
+    for trial in range(trials):
+        sizes = _trial_sizes(example_inputs, dynamic_shapes, trial, sizes_rng)
+        generator = torch.Generator().manual_seed(seed * 1000 + trial)
+        inputs = [_fresh_like(x, sizes.get(i), generator) for i, x in enumerate(example_inputs)]
+        where = f"trial {trial}, input shapes {_shapes(inputs)}"
+        with torch.inference_mode():
+            native = original_module(*_clones(inputs))
+            hi = _run_float64(hi_model, inputs)
+            try:
+                built = built_module(*_clones(inputs))
+            except Exception as error:  # noqa: BLE001 - a failing build is a verdict
+                return VerifyResult.failed(f"built model raised {one_line(error)} [{where}]",
+                                           trial + 1)
+        hi_leaves = _leaves(hi) if hi is not None else None
+        native_leaves, built_leaves = _leaves(native), _leaves(built)
+        if [p for p, _ in built_leaves] != [p for p, _ in native_leaves]:
+            return VerifyResult.failed(
+                f"output structure {[p for p, _ in built_leaves]} differs from the original's "
+                f"{[p for p, _ in native_leaves]} [{where}]", trial + 1)
+        for i, ((path, native_leaf), (_, built_leaf)) in enumerate(
+                zip(native_leaves, built_leaves)):
+            hi_leaf = hi_leaves[i][1] if hi_leaves and len(hi_leaves) > i else None
+            reason, abs_err, rel_err = _compare_leaf(native_leaf, built_leaf, hi_leaf)
+            max_abs = abs_err if abs_err > max_abs else max_abs
+            max_rel = rel_err if rel_err > max_rel else max_rel
+            if reason is not None:
+                return VerifyResult(False, trial + 1, max_abs, max_rel,
+                                    f"{path}: {reason} [{where}]")
+    return VerifyResult(True, trials, max_abs, max_rel)
+
+
+def _compare_leaf(native, built, hi) -> tuple[str | None, float, float]:
+    if not isinstance(native, torch.Tensor):
+        same = built == native
+        return (None if same else f"{built!r} != {native!r}"), 0.0, 0.0
+    dtype, shape = native.dtype, tuple(native.shape)
+    if hi is None or not isinstance(hi, torch.Tensor) or tuple(hi.shape) != shape:
+        hi, native = native, None  # no float64 reference: judge by the floor around eager
+    verdict = compare(built, hi.double(), native, dtype=dtype, shape=shape)
+    return verdict.reason, verdict.max_abs_err, verdict.max_rel_err
+
+
+def _float64_copy(module):
+    try:
+        return copy.deepcopy(module).to(torch.float64)
+    except Exception:  # noqa: BLE001 - uncopyable module: fall back to native outputs
+        return None
+
+
+def _run_float64(hi_model, inputs):
+    if hi_model is None:
+        return None
+    upcast = [x.to(torch.float64) if _is_float_tensor(x) else _clone(x) for x in inputs]
+    try:
+        return hi_model(*upcast)
+    except Exception:  # noqa: BLE001 - e.g. a dtype-specific op: fall back to native outputs
+        return None
+
+
+def _trial_sizes(example_inputs, dynamic_shapes, trial: int, rng: random.Random):
+    """{input index: {dim index: size}} for this trial; trial 0 keeps the example shapes."""
+    if not dynamic_shapes or trial == 0:
+        return {}
+    chosen: dict[str, int] = {}
+    sizes: dict[int, dict[int, int]] = {}
+    for i, spec in enumerate(dynamic_shapes):
+        if not spec or not isinstance(example_inputs[i], torch.Tensor):
+            continue
+        for dim_index, dim in spec.items():
+            name, lo, hi = _dim_bounds(dim)
+            if name is None:
+                continue  # Dim.AUTO / Dim.STATIC style markers: keep the example's size
+            example_size = example_inputs[i].shape[dim_index]
+            lo = max(lo, 1)
+            hi = max(lo, min(hi, example_size))  # never larger than the example: cost bound
+            if name not in chosen:
+                chosen[name] = lo if trial == 1 else rng.randint(lo, hi)
+            sizes.setdefault(i, {})[dim_index] = chosen[name]
+    return sizes
+
+
+def _dim_bounds(dim) -> tuple[str | None, int, int]:
+    if isinstance(dim, tuple):
+        name, lo, hi = dim
+        return name, int(lo), int(hi)
+    name = getattr(dim, "__name__", None)
+    lo, hi = getattr(dim, "min", None), getattr(dim, "max", None)
+    if name is None or lo is None or hi is None:
+        return None, 0, 0
+    try:
+        return name, int(lo), int(hi)
+    except (TypeError, OverflowError, ValueError):  # unbounded max (int_oo)
+        return name, int(lo), 2**31
+
+
+def _fresh_like(example, sizes: dict[int, int] | None, generator: torch.Generator):
+    if not isinstance(example, torch.Tensor):
+        return example
+    shape = list(example.shape)
+    for dim_index, size in (sizes or {}).items():
+        shape[dim_index] = size
+    if example.is_floating_point():
+        stats = example.detach().double()
+        mean = float(stats.mean()) if stats.numel() else 0.0
+        std = float(stats.std()) if stats.numel() > 1 else 1.0
+        std = std if std == std and std > 0 else 1.0
+        values = torch.randn(shape, generator=generator, dtype=torch.float64) * std + mean
+        return values.to(example.dtype).to(example.device)
+    if example.dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool().to(example.device)
+    lo = int(example.min()) if example.numel() else 0
+    hi = int(example.max()) if example.numel() else 1
+    values = torch.randint(lo, hi + 1, shape, generator=generator, dtype=torch.int64)
+    return values.to(example.dtype).to(example.device)
+
+
+def _leaves(value, path: str = "output") -> list[tuple[str, object]]:
+    """(path, leaf) for every leaf of nested tuples/lists/dicts, in order."""
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if isinstance(value, Mapping):
+        return [leaf for key, item in value.items() for leaf in _leaves(item, f"{path}[{key!r}]")]
+    if isinstance(value, (tuple, list)):
+        return [leaf for i, item in enumerate(value) for leaf in _leaves(item, f"{path}[{i}]")]
+    return [(path, value)]
+
+
+def _is_float_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _clone(x):
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _clones(inputs):
+    return [_clone(x) for x in inputs]
+
+
+def _shapes(inputs) -> list:
+    return [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs]

@@ -1,0 +1,207 @@
+"""Hypothesis strategies for a region: symbolic dims, a value seed and a magnitude.
+
+An `Example` is all that is needed to rebuild the inputs of one check: the size of every
+symbolic dim, an integer seed for `torch.Generator` and a magnitude. Hypothesis draws and
+shrinks only these few integers; tensors are generated from them by `make_inputs` (drawing
+tensors element by element through Hypothesis would be far too slow).
+
+Dims: each symbolic dim is drawn from its (min, max) range in `RegionSummary.dims` (capped by
+the profile): a third of the time the minimum, a third an edge value (1, small odd sizes,
+non-powers of two, the example's size, the maximum), a third anywhere in the range. Shrinking
+moves toward the minimum. `anchor_examples` adds fixed examples checked on every run. Static
+dims are ints in the spec, so regions whose attrs pin a dim need nothing here.
+
+Values: standard normal times a magnitude drawn from (1, 1e-3, 30, 1e3), one magnitude per
+example for all inputs; shrinking moves toward 1.
+
+    >>> from coopt.ir.region import RegionSummary, TensorSpec
+    >>> region = RegionSummary("r0", "elementwise", (TensorSpec(("n", 8), "float32"),),
+    ...                        (TensorSpec(("n", 8), "float32"),), dims={"n": (1, 4096)})
+    >>> example = Example((("n", 3),), seed=7, magnitude=30.0)
+    >>> [tuple(t.shape) for t in make_inputs(region, example)]
+    [(3, 8)]
+    >>> examples(region, resolve_profile("ci"))  # a SearchStrategy[Example]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from coopt.ir.region import RegionSummary
+from coopt.verify.profiles import Profile, resolve_profile  # noqa: F401  (doctest)
+from coopt.verify.tolerances import torch_dtype
+
+MAGNITUDES = (1.0, 1e-3, 30.0, 1e3)
+# Odd sizes and non-powers of two that catch tail-masking bugs, plus powers of two that catch
+# off-by-one at block boundaries.
+_INTERESTING_SIZES = (3, 7, 17, 31, 33, 63, 65, 127, 129, 1000, 1023, 1025, 4095, 4097)
+_MAX_SEED = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Example:
+    """One point of the search: sizes of the symbolic dims, a value seed and a magnitude."""
+
+    dims: tuple[tuple[str, int], ...]
+    seed: int
+    magnitude: float
+
+    def dim_values(self) -> dict[str, int]:
+        return dict(self.dims)
+
+    def describe(self) -> str:
+        """'dims n=3 m=1, seed 7, magnitude 30' (the form failures and repros print)."""
+        dims = " ".join(f"{name}={value}" for name, value in self.dims) or "(static)"
+        return f"dims {dims}, seed {self.seed}, magnitude {self.magnitude:g}"
+
+    def to_json(self) -> dict:
+        return {"dims": dict(self.dims), "seed": self.seed, "magnitude": self.magnitude}
+
+    @staticmethod
+    def from_json(data: dict) -> "Example":
+        return Example(tuple(data["dims"].items()), int(data["seed"]), float(data["magnitude"]))
+
+
+def symbolic_dims(region: RegionSummary) -> list[str]:
+    """Symbolic dim names in order of first appearance in the inputs, then the outputs."""
+    names: list[str] = []
+    for spec in (*region.inputs, *region.outputs):
+        for dim in spec.shape:
+            if isinstance(dim, str) and dim not in names:
+                names.append(dim)
+    return names
+
+
+def dim_range(region: RegionSummary, name: str, profile: Profile) -> tuple[int, int]:
+    """(min, max) of a symbolic dim after the profile's cap.
+
+    A dim missing from `region.dims` ranges over 1..its example size.
+    """
+    default_hi = max(1, region.example_dims.get(name, profile.dim_cap or 1))
+    lo, hi = region.dims.get(name, (1, default_hi))
+    lo = max(int(lo), 0)
+    hi = max(int(hi), lo)
+    if profile.dim_cap is not None:
+        hi = max(lo, min(hi, profile.dim_cap))
+    return lo, hi
+
+
+def edge_values(lo: int, hi: int, example_size: int | None = None) -> list[int]:
+    """Edge sizes within [lo, hi], the minimum first (it is where shrinking ends up)."""
+    wanted = [lo, 1, 2, *_INTERESTING_SIZES, example_size, hi - 1, hi]
+    edges: list[int] = []
+    for size in wanted:
+        if size is not None and lo <= size <= hi and size not in edges:
+            edges.append(size)
+    return edges
+
+
+def _dim_strategy(lo: int, hi: int, example_size: int | None) -> st.SearchStrategy[int]:
+    # The minimum gets a branch of its own (about a third of the draws): "wrong only when
+    # dim == 1" is the commonest shape bug. one_of shrinks toward its first branch, so
+    # failures end on the minimum, or else on an edge value, when one of those fails.
+    return st.one_of(st.just(lo), st.sampled_from(edge_values(lo, hi, example_size)),
+                     st.integers(lo, hi))
+
+
+def examples(region: RegionSummary, profile: Profile) -> st.SearchStrategy[Example]:
+    """The strategy Hypothesis draws `Example`s from for `region` under `profile`."""
+    names = symbolic_dims(region)
+    per_dim = {
+        name: _dim_strategy(*dim_range(region, name, profile), region.example_dims.get(name))
+        for name in names
+    }
+    dims = st.fixed_dictionaries(per_dim).map(lambda d: fit_dims(region, d, profile))
+    return st.builds(
+        lambda dim_values, seed, magnitude: Example(
+            tuple((n, dim_values[n]) for n in names), seed, magnitude),
+        dims,
+        st.integers(0, _MAX_SEED),
+        st.sampled_from(MAGNITUDES),
+    )
+
+
+def anchor_examples(region: RegionSummary, profile: Profile, seed: int) -> list[Example]:
+    """Fixed examples always checked, whatever Hypothesis drew: the example dims; each
+    symbolic dim alone at its minimum (the others at the example's); all at the maximum."""
+    names = symbolic_dims(region)
+    ranges = {name: dim_range(region, name, profile) for name in names}
+    example_dims = {n: min(max(region.example_dims.get(n, ranges[n][1]), ranges[n][0]),
+                           ranges[n][1]) for n in names}
+    candidates = [example_dims]
+    candidates += [{**example_dims, n: ranges[n][0]} for n in names]
+    candidates.append({n: ranges[n][1] for n in names})
+    anchors: list[Example] = []
+    for dims in candidates:
+        fitted = fit_dims(region, dims, profile)
+        example = Example(tuple((n, fitted[n]) for n in names), seed % (_MAX_SEED + 1), 1.0)
+        if example not in anchors:
+            anchors.append(example)
+    return anchors
+
+
+def fit_dims(region: RegionSummary, dims: dict[str, int], profile: Profile) -> dict[str, int]:
+    """Apply family constraints, then halve the largest symbolic dims of any tensor larger
+    than the profile's element budget (deterministic, so shrinking still works)."""
+    dims = _family_constraints(region, dict(dims), profile)
+    if profile.max_elements is None:
+        return dims
+    for spec in (*region.inputs, *region.outputs):
+        while _numel(spec.concrete(dims)) > profile.max_elements:
+            shrinkable = [d for d in spec.shape if isinstance(d, str)
+                          and dims[d] > dim_range(region, d, profile)[0]]
+            if not shrinkable:
+                break  # static dims alone exceed the budget: nothing to do
+            largest = max(shrinkable, key=lambda d: dims[d])
+            dims[largest] = max(dim_range(region, largest, profile)[0], dims[largest] // 2)
+    return dims
+
+
+def _family_constraints(region: RegionSummary, dims: dict[str, int], profile: Profile):
+    # Causal attention with Sq > Sk fully masks some query rows (softmax of all -inf is NaN in
+    # the reference); such inputs never occur in a model (queries are the newest keys).
+    if region.family == "attention" and region.attrs.get("causal") and len(region.inputs) >= 2:
+        sq, sk = region.inputs[0].shape[2], region.inputs[1].shape[2]
+        if isinstance(sq, str) and isinstance(sk, str) and sq != sk and dims[sq] > dims[sk]:
+            sk_hi = dim_range(region, sk, profile)[1]
+            dims[sk] = min(dims[sq], sk_hi)
+            dims[sq] = min(dims[sq], dims[sk])
+    return dims
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def make_inputs(region: RegionSummary, example: Example, device: str | torch.device = "cpu"):
+    """The example's input tensors, in `region.inputs` order, identical on every machine.
+
+    Values are drawn on the CPU from torch.Generator(seed) (so CPU and GPU see the same
+    numbers) and then moved to `device`. Floating inputs: N(0, 1) * magnitude (fp8: clamped to
+    the dtype's finite range first); integer inputs: uniform in [0, 8); bool: fair coin.
+    """
+    generator = torch.Generator().manual_seed(example.seed)
+    dims = example.dim_values()
+    tensors = []
+    for spec in region.inputs:
+        shape = spec.concrete(dims)
+        dtype = torch_dtype(spec.dtype)
+        if dtype.is_floating_point:
+            values = torch.randn(shape, generator=generator, dtype=torch.float32)
+            values = values * example.magnitude
+            if dtype.itemsize == 1:  # fp8 has no inf: out-of-range casts would give NaN
+                limit = torch.finfo(dtype).max
+                values = values.clamp(-limit, limit)
+            tensor = values.to(dtype)
+        elif dtype == torch.bool:
+            tensor = torch.randint(0, 2, shape, generator=generator).bool()
+        else:
+            tensor = torch.randint(0, 8, shape, generator=generator, dtype=dtype)
+        tensors.append(tensor.to(device))
+    return tensors

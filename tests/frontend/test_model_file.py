@@ -1,0 +1,65 @@
+"""Bad model files: each gives one ModelFileError line naming the file and the cause."""
+
+import textwrap
+
+import pytest
+
+from coopt.errors import ModelFileError
+from coopt.frontend.model_file import load_model_file
+
+GOOD = """
+import torch
+class Model(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.fc = torch.nn.Linear(n, n)
+    def forward(self, x):
+        return self.fc(x)
+def get_init_inputs():
+    return [4]
+def get_inputs():
+    return [torch.randn(2, 4)]
+"""
+
+
+def write(tmp_path, text, name="model.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_good_file_loads_in_eval_mode(tmp_path):
+    loaded = load_model_file(write(tmp_path, GOOD))
+    assert not loaded.model.training
+    assert loaded.example_inputs[0].shape == (2, 4)
+    assert loaded.dynamic_shapes is None
+
+
+def test_load_weights_hook_runs(tmp_path):
+    path = write(tmp_path, GOOD + "\ndef load_weights(model):\n    torch.nn.init.zeros_(model.fc.bias)\n    model.fc.bias.data += 3\n")
+    assert float(load_model_file(path).model.fc.bias[0].detach()) == 3.0
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("x = (", "model.py:1: syntax error"),
+        ("import torch\n", "defines no class `Model`"),
+        (GOOD.replace("def get_inputs", "def not_inputs"), "no function `get_inputs()`"),
+        (GOOD.replace("return [torch.randn(2, 4)]", "raise ValueError('no data')"), "get_inputs() failed: ValueError: no data"),
+        (GOOD.replace("return [4]", "return ['x']"), "Model(*get_init_inputs()) failed"),
+        ("import torch\nraise RuntimeError('boom')\n", "model.py:2: importing the model file failed: RuntimeError: boom"),
+        (GOOD.replace("return [torch.randn(2, 4)]", "return torch.randn(2, 4)"), "must return a list or tuple"),
+    ],
+)
+def test_bad_files_give_one_clear_line(tmp_path, text, message):
+    with pytest.raises(ModelFileError) as info:
+        load_model_file(write(tmp_path, text))
+    assert message in info.value.message
+    assert "\n" not in info.value.message
+    assert info.value.exit_code == 3
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelFileError, match="not found"):
+        load_model_file(tmp_path / "nope.py")

@@ -1,0 +1,30 @@
+"""Run a pipeline on a small torch model and look at the result (shared by the pass tests)."""
+
+from __future__ import annotations
+
+from xdsl.context import Context
+
+from coopt.frontend.capture import capture
+from coopt.frontend.importer import import_program
+from coopt.ir.dialect import KernelOp
+from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text
+from coopt.passes.stats import collect_counters
+
+
+def run_pipeline(model, inputs, pipeline: str = DEFAULT_PIPELINE):
+    """(module, counters) after `pipeline`; the module is verified after every pass."""
+    result = import_program(capture(model.eval(), tuple(inputs)), tuple(inputs))
+    ctx = Context(allow_unregistered=True)
+    with collect_counters() as counters:
+        for compiler_pass in parse_pipeline_text(pipeline):
+            compiler_pass.apply(ctx, result.module)
+            result.module.verify()
+    return result.module, counters
+
+
+def kernel_families(module) -> list[str]:
+    return [op.family.data for op in module.walk() if isinstance(op, KernelOp)]
+
+
+def kernels(module) -> list[KernelOp]:
+    return [op for op in module.walk() if isinstance(op, KernelOp)]

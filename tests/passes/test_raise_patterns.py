@@ -1,0 +1,105 @@
+"""raise-patterns: every recognised pattern counts itself; near-misses are left alone."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pass_helpers import run_pipeline
+
+x4 = torch.randn(2, 3, 16)
+
+
+class Lambda(torch.nn.Module):
+    def __init__(self, fn, **params):
+        super().__init__()
+        self.fn = fn
+        for name, value in params.items():
+            setattr(self, name, torch.nn.Parameter(value))
+
+    def forward(self, *args):
+        return self.fn(self, *args)
+
+
+def raised(model, *inputs):
+    _, counters = run_pipeline(model, inputs, "raise-patterns")
+    return counters
+
+
+def test_linear_forms():
+    w, b = torch.randn(8, 16), torch.randn(8)
+    assert raised(Lambda(lambda m, x: F.linear(x, m.w, m.b), w=w, b=b), x4)["raise.linear"] == 1
+    assert raised(Lambda(lambda m, x: x @ m.w.t(), w=w), x4[0])["raise.linear"] == 1
+    assert raised(Lambda(lambda m, x: torch.addmm(m.b, x, m.w.t()), w=w, b=b), x4[0])["raise.linear"] == 1
+    # batched right operand: not a linear
+    assert raised(Lambda(lambda m, x: x @ x.transpose(-1, -2)), x4)["raise.linear"] == 0
+
+
+def test_gelu_tanh_and_plain_gelu_are_distinct_fns():
+    c = raised(Lambda(lambda m, x: F.gelu(x, approximate="tanh") + F.gelu(x)), x4)
+    assert c["raise.ew.gelu_tanh"] == 1 and c["raise.ew.gelu"] == 1
+
+
+def test_norms_and_softmax():
+    w, b = torch.randn(16), torch.randn(16)
+    c = raised(Lambda(lambda m, x: F.layer_norm(x, (16,), m.w, m.b) + F.rms_norm(x, (16,), m.w) + x.softmax(-1), w=w, b=b), x4)
+    assert (c["raise.layer_norm"], c["raise.rms_norm"], c["raise.softmax"]) == (1, 1, 1)
+    # softmax over another dim is not a row reduction
+    assert raised(Lambda(lambda m, x: x.softmax(1)), x4)["raise.softmax"] == 0
+
+
+def test_explicit_rms_norm_both_orders():
+    w = torch.randn(16)
+    fwd = lambda m, x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * m.w
+    rev = lambda m, x: m.w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert raised(Lambda(fwd, w=w), x4)["raise.rms_norm.explicit"] == 1
+    assert raised(Lambda(rev, w=w), x4)["raise.rms_norm.explicit"] == 1
+    # mean over the wrong dim: not an RMSNorm
+    wrong = lambda m, x: x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6) * m.w
+    assert raised(Lambda(wrong, w=w), x4)["raise.rms_norm.explicit"] == 0
+
+
+@pytest.mark.parametrize("heads, kv_heads, causal", [(4, 4, True), (4, 2, False), (4, 1, True)])
+def test_sdpa_mha_and_gqa(heads, kv_heads, causal):
+    q, k = torch.randn(2, heads, 8, 16), torch.randn(2, kv_heads, 8, 16)
+    model = Lambda(lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=heads != kv_heads))
+    assert raised(model, q, k, k.clone())["raise.attention.sdpa"] == 1
+
+
+def test_sdpa_with_mask_is_not_raised():
+    q = torch.randn(1, 2, 4, 8)
+    model = Lambda(lambda m, q, mask: F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    assert raised(model, q, torch.zeros(4, 4))["raise.attention.sdpa"] == 0
+
+
+class ExplicitAttention(torch.nn.Module):
+    def __init__(self, masked: bool, mask_values=None):
+        super().__init__()
+        self.masked = masked
+        self.register_buffer("mask", mask_values if mask_values is not None else torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8))
+
+    def forward(self, q, k, v):
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        if self.masked:
+            att = att.masked_fill(self.mask[:, :, :8, :8] == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+def test_explicit_attention_causal_and_plain():
+    q = torch.randn(2, 4, 8, 16)
+    assert raised(ExplicitAttention(True), q, q, q)["raise.attention.explicit.causal"] == 1
+    assert raised(ExplicitAttention(False), q, q, q)["raise.attention.explicit"] == 1
+
+
+def test_explicit_attention_with_a_non_causal_mask_is_left_alone():
+    q = torch.randn(2, 4, 8, 16)
+    mask = torch.ones(8, 8).triu().view(1, 1, 8, 8)  # upper triangle: not causal
+    c = raised(ExplicitAttention(True, mask), q, q, q)
+    assert c["raise.attention.explicit.causal"] == 0 and c["raise.attention.explicit"] == 0
+
+
+def test_swiglu_is_recognised():
+    wg, wu = torch.randn(32, 16), torch.randn(32, 16)
+    model = Lambda(lambda m, x: F.silu(F.linear(x, m.wg)) * F.linear(x, m.wu), wg=wg, wu=wu)
+    assert raised(model, x4)["raise.swiglu"] == 1

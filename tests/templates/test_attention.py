@@ -1,0 +1,209 @@
+"""attention family: every knob value runs, masks and GQA are right, the space is bounded.
+
+Kernels run in Triton's interpreter without a GPU (on the GPU machine, for real): shapes stay
+small. The reference is eager SDPA in fp32 on the same inputs, with an explicit bottom-right
+causal mask (SDPA's is_causal aligns top-left when Sq != Sk).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coopt.ir.region import RegionSummary, TensorSpec
+from coopt.targets import H200
+from coopt.templates.attention import AttentionFamily
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FAMILY = AttentionFamily()
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "PACK_GQA": False, "SPLIT_KV": 1, "num_warps": 4, "num_stages": 2}
+
+
+def make_region(batch, heads, kv_heads, seq_q, seq_k, head_dim, causal, dtype="float32", scale=None,
+                dims=None) -> RegionSummary:
+    kv = TensorSpec((batch, kv_heads, seq_k, head_dim), dtype)
+    return RegionSummary(
+        name="attn", family="attention",
+        inputs=(TensorSpec((batch, heads, seq_q, head_dim), dtype), kv, kv),
+        outputs=(TensorSpec((batch, heads, seq_q, head_dim), dtype),),
+        attrs={"causal": causal, "scale": head_dim ** -0.5 if scale is None else scale,
+               "num_heads": heads, "num_kv_heads": kv_heads},
+        dims=dims or {},
+    )
+
+
+def make_inputs(region: RegionSummary, concrete: dict | None = None, seed: int = 0):
+    """q as a transpose view of [B, Sq, H, D] (what a model's q projection gives), k/v contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[region.inputs[0].dtype]
+    batch, heads, seq_q, head_dim = region.inputs[0].concrete(concrete or {})
+    q = torch.randn(batch, seq_q, heads, head_dim, generator=gen).to(dtype).to(DEVICE).transpose(1, 2)
+    k, v = (torch.randn(region.inputs[1].concrete(concrete or {}), generator=gen).to(dtype).to(DEVICE) for _ in "kv")
+    return [q, k, v]
+
+
+def reference(region: RegionSummary, q, k, v) -> torch.Tensor:
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    mask = None
+    if region.attrs["causal"]:
+        mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(diagonal=seq_k - seq_q)
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=region.attrs["scale"])
+
+
+def check_close(actual: torch.Tensor, expected: torch.Tensor):
+    assert actual.shape == expected.shape and actual.device.type == DEVICE
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    else:  # bf16 inputs: p is rounded to bf16 before p @ v, and the output once more
+        torch.testing.assert_close(actual.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def run_candidate(load_candidate, region, params, inputs, stem="candidate"):
+    assert FAMILY.check(region, params, H200) is None, FAMILY.check(region, params, H200)
+    module = load_candidate(FAMILY.render(region, params), stem)
+    return module.run(*inputs)
+
+
+def covering_points(points: list[dict]) -> list[dict]:
+    """A few points that together use every value of every knob (greedy, deterministic)."""
+    todo = {(k, v) for p in points for k, v in p.items()}
+    chosen = []
+    while todo:
+        best = max(points, key=lambda p: len(todo & set(p.items())))
+        chosen.append(best)
+        todo -= set(best.items())
+    return chosen
+
+
+# -- every knob value -------------------------------------------------------------------
+
+# Symbolic lengths whose ranges make every tile and split legal; run at small lengths.
+COVERAGE_REGION = {
+    dtype: make_region(1, 4, 2, "Sq", "Sk", 32, True, dtype, dims={"Sq": (1, 256), "Sk": (1, 1024)})
+    for dtype in ("float32", "bfloat16")
+}
+
+
+def test_space_values_are_all_legal_somewhere():
+    for region in COVERAGE_REGION.values():
+        space = FAMILY.param_space(region, H200)
+        points = FAMILY.legal_points(region, H200)
+        used = {(k, v) for p in points for k, v in p.items()}
+        assert used == {(k, v) for k, values in space.items() for v in values}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_covering_points_match_sdpa(dtype, load_candidate):
+    region = COVERAGE_REGION[dtype]
+    cases = [make_inputs(region, {"Sq": 33, "Sk": 70}), make_inputs(region, {"Sq": 1, "Sk": 40}, seed=1)]
+    for i, params in enumerate(covering_points(FAMILY.legal_points(region, H200))):
+        for q, k, v in cases:
+            (out,) = run_candidate(load_candidate, region, params, [q, k, v], stem=f"cover_{dtype}_{i}")
+            check_close(out, reference(region, q, k, v))
+
+
+# -- masks, lengths, heads --------------------------------------------------------------
+
+@pytest.mark.parametrize("causal,seq_q,seq_k", [
+    (True, 33, 33), (True, 7, 33), (True, 1, 33), (False, 1, 7), (False, 33, 7), (False, 7, 1),
+])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lengths_and_heads(causal, seq_q, seq_k, heads, kv_heads, dtype, load_candidate):
+    region = make_region(2, heads, kv_heads, seq_q, seq_k, 16, causal, dtype)
+    q, k, v = make_inputs(region)
+    (out,) = run_candidate(load_candidate, region, SMALL, [q, k, v])
+    check_close(out, reference(region, q, k, v))
+
+
+@pytest.mark.parametrize("pack,split", [(True, 1), (False, 4), (True, 4)])
+def test_decode_packing_and_split_kv(pack, split, load_candidate):
+    region = make_region(2, 8, 2, 1, 150, 32, True)  # GQA group of 4, one new token
+    q, k, v = make_inputs(region)
+    params = {**SMALL, "PACK_GQA": pack, "SPLIT_KV": split}
+    (out,) = run_candidate(load_candidate, region, params, [q, k, v])
+    check_close(out, reference(region, q, k, v))
+
+
+def test_packed_causal_prefill_with_splits(load_candidate):
+    # packed rows of one program span several positions: the causal bounds come from them
+    region = make_region(1, 4, 1, 9, 70, 16, True)
+    q, k, v = make_inputs(region)
+    params = {**SMALL, "BLOCK_M": 32, "PACK_GQA": True, "SPLIT_KV": 2}
+    (out,) = run_candidate(load_candidate, region, params, [q, k, v])
+    check_close(out, reference(region, q, k, v))
+
+
+def test_causal_query_without_keys_gets_zeros(load_candidate):
+    # Sq > Sk, bottom-right: the first Sq - Sk queries see no key (SDPA returns zeros there)
+    region = make_region(1, 2, 2, 9, "Sk", 16, True, dims={"Sk": (1, 64)})
+    q, k, v = make_inputs(region, {"Sk": 5})  # with SPLIT_KV=2 the second split is empty
+    for split in (1, 2):
+        (out,) = run_candidate(load_candidate, region, {**SMALL, "SPLIT_KV": split}, [q, k, v], stem=f"s{split}")
+        check_close(out, reference(region, q, k, v))
+        assert out[:, :, :4].abs().max() == 0
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 80])
+def test_head_dim_not_a_power_of_two(head_dim, load_candidate):
+    region = make_region(1, 2, 1, 7, 20, head_dim, False, scale=0.3)
+    q, k, v = make_inputs(region)
+    (out,) = run_candidate(load_candidate, region, {**SMALL, "PACK_GQA": True}, [q, k, v])
+    check_close(out, reference(region, q, k, v))
+
+
+def test_strided_cache_views(load_candidate):
+    # k / v are the first Sk positions of a longer cache, q a transpose view, out written fresh
+    region = make_region(2, 4, 2, 5, 21, 16, True)
+    cache = torch.randn(2, 2, 2, 64, 16, device=DEVICE)
+    k, v = cache[0, :, :, :21], cache[1, :, :, :21]
+    q = torch.randn(2, 5, 4, 16, device=DEVICE).transpose(1, 2)
+    (out,) = run_candidate(load_candidate, region, SMALL, [q, k, v])
+    assert out.is_contiguous()
+    check_close(out, reference(region, q, k, v))
+
+
+# -- the space stays bounded and legal ---------------------------------------------------
+
+def test_check_rejections():
+    prefill = make_region(4, 32, 8, 2048, 2048, 128, True, "bfloat16")
+    ok = {"BLOCK_M": 128, "BLOCK_N": 64, "PACK_GQA": False, "SPLIT_KV": 1, "num_warps": 8, "num_stages": 3}
+    assert FAMILY.check(prefill, ok, H200) is None
+    assert "shared memory" in FAMILY.check(prefill, {**ok, "BLOCK_N": 128, "num_stages": 4}, H200)
+    assert "spill" in FAMILY.check(prefill, {**ok, "num_warps": 4}, H200)
+    assert "idle" in FAMILY.check(prefill, {**ok, "BLOCK_M": 32}, H200)
+    assert "fill" in FAMILY.check(prefill, {**ok, "SPLIT_KV": 2}, H200)
+    decode = make_region(1, 32, 8, 1, "Sk", 128, True, "bfloat16", dims={"Sk": (1, 4096)})
+    assert "exceeds the problem" in FAMILY.check(decode, ok, H200)
+    packed = {**SMALL, "BLOCK_N": 64, "PACK_GQA": True}
+    assert FAMILY.check(decode, {**packed, "SPLIT_KV": 16}, H200) is None
+    assert "key blocks" in FAMILY.check(make_region(1, 32, 8, 1, 256, 128, True, "bfloat16"),
+                                        {**packed, "SPLIT_KV": 16}, H200)
+    mha = make_region(1, 4, 4, 16, 16, 64, False)
+    assert FAMILY.param_space(mha, H200)["PACK_GQA"] == [False]
+    assert "grouped" in FAMILY.check(mha, {**SMALL, "PACK_GQA": True}, H200)
+    assert "spill" in FAMILY.check(make_region(1, 4, 4, 512, 512, 64, False), {**ok, "BLOCK_M": 64, "num_warps": 4}, H200)
+
+
+def test_space_is_bounded():
+    region = make_region("B", 32, 8, "Sq", "Sk", 128, True, "bfloat16", dims={"B": (1, 64), "Sq": (1, 4096), "Sk": (1, 4096)})
+    space = FAMILY.param_space(region, H200)
+    assert all(len(v) <= 5 for v in space.values())
+    assert 0 < len(FAMILY.legal_points(region, H200)) < 1000
+
+
+def test_matches():
+    assert FAMILY.matches(make_region(1, 4, 2, 8, 8, 64, True))
+    assert not FAMILY.matches(make_region(1, 4, 3, 8, 8, 64, True))  # heads not a multiple
+    assert not FAMILY.matches(make_region(1, 4, 2, 8, 8, 512, True))  # head dim too large
+    assert not FAMILY.matches(make_region(1, 4, 2, 8, 8, "D", True, scale=0.1))  # symbolic head dim
+
+
+def test_golden_rendering(golden):
+    region = make_region("B", 32, 8, "Sq", "Sk", 128, True, "bfloat16", dims={"B": (1, 8), "Sq": (1, 1), "Sk": (1, 4096)})
+    params = {"BLOCK_M": 32, "BLOCK_N": 64, "PACK_GQA": True, "SPLIT_KV": 8, "num_warps": 4, "num_stages": 3}
+    golden("attention.py", FAMILY.render(region, params))

@@ -1,0 +1,208 @@
+"""The elementwise family: every legal point runs and matches torch under Triton's interpreter.
+
+Fixtures (load_candidate, assert_close, compile_for_sm90, golden) live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coopt.ir.region import ELEMENTWISE_FNS, RegionSummary, TensorSpec
+from coopt.targets import H200
+from coopt.templates.elementwise import BLOCKS, NUM_WARPS, ElementwiseFamily
+from coopt.templates.ewprogram import render_program
+
+# Masked-off lanes compute on padding (log(0), exp(inf - inf)) and numpy warns about it under the
+# interpreter; those lanes are never stored.
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+FAMILY = ElementwiseFamily()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def region(input_shapes, program, outputs, dtype="float32", output_dtypes=None, out_shape=None, dims=None):
+    """An elementwise RegionSummary; the output shape defaults to the broadcast of the inputs."""
+    if out_shape is None:
+        out_shape = tuple(torch.broadcast_shapes(*input_shapes))
+    output_dtypes = output_dtypes or [dtype] * len(outputs)
+    return RegionSummary(
+        name="ew",
+        family="elementwise",
+        inputs=tuple(TensorSpec(tuple(shape), dtype) for shape in input_shapes),
+        outputs=tuple(TensorSpec(tuple(out_shape), d) for d in output_dtypes),
+        attrs={"program": program, "outputs": outputs},
+        dims=dims or {},
+    )
+
+
+def torch_reference(summary, inputs):
+    """The region's program in eager torch (fp32), via ewprogram's torch dialect."""
+    names = {f"in{i}": f"in{i}" for i in range(len(inputs))}
+    lines = render_program(summary.attrs["program"], names, dialect="torch")
+    scope = {"torch": torch, **{f"in{i}": x.float() for i, x in enumerate(inputs)}}
+    exec("\n".join(lines), scope)  # noqa: S102 - test reference built from our own table
+    shape = torch.broadcast_shapes(*(x.shape for x in inputs))
+    return [torch.broadcast_to(scope[names[out]], shape) for out in summary.attrs["outputs"]]
+
+
+def run_candidate(load_candidate, summary, params, inputs, stem="candidate"):
+    module = load_candidate(FAMILY.render(summary, params), stem)
+    return module.run(*inputs)
+
+
+BIAS_GELU = region(
+    [("B", 7, 33), (33,)],
+    [["h", "add", ["in0", "in1"]], ["y", "gelu", ["h"]]],
+    ["y"],
+    dtype="bfloat16",
+    out_shape=("B", 7, 33),
+    dims={"B": (1, 64)},  # large enough that every BLOCK stays in the space
+)
+# two outputs of different dtypes from a scalar, a column and a full tensor
+SCALE_SHIFT = region(
+    [("B", 5, 4), (), (5, 1)],
+    [["scaled", "mul", ["in0", "in1"]], ["y", "add", ["scaled", "in2"]], ["z", "silu", ["y"]]],
+    ["z", "y"],
+    output_dtypes=["float16", "float32"],
+    dtype="float32",
+    out_shape=("B", 5, 4),
+    dims={"B": (1, 1024)},
+)
+
+
+def _points(summary):
+    points = FAMILY.legal_points(summary, H200)
+    # every knob value must be exercised
+    assert {p["BLOCK"] for p in points} == set(BLOCKS)
+    assert {p["num_warps"] for p in points} == set(NUM_WARPS)
+    return points
+
+
+@pytest.mark.parametrize("params", _points(BIAS_GELU), ids=lambda p: f"B{p['BLOCK']}w{p['num_warps']}")
+def test_every_point_bias_gelu(load_candidate, assert_close, params):
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 33, dtype=torch.bfloat16)
+    bias = torch.randn(33, dtype=torch.bfloat16)
+    (y,) = run_candidate(load_candidate, BIAS_GELU, params, [x, bias])
+    assert y.dtype == torch.bfloat16
+    assert_close(y, F.gelu(x.float() + bias.float()))
+
+
+@pytest.mark.parametrize("params", _points(SCALE_SHIFT), ids=lambda p: f"B{p['BLOCK']}w{p['num_warps']}")
+def test_every_point_multiple_outputs(load_candidate, assert_close, params):
+    torch.manual_seed(1)
+    x, scale, shift = torch.randn(2, 5, 4), torch.tensor(0.5), torch.randn(5, 1)
+    z, y = run_candidate(load_candidate, SCALE_SHIFT, params, [x, scale, shift])
+    assert (z.dtype, y.dtype) == (torch.float16, torch.float32)
+    assert_close(y, x * 0.5 + shift)
+    assert_close(z, F.silu(x * 0.5 + shift))
+
+
+BROADCASTS = {
+    "row_vector": [(4, 6, 10), (10,)],
+    "column": [(4, 6, 10), (6, 1)],
+    "scalar_0d": [(4, 6, 10), ()],
+    "both_sides": [(4, 1, 10), (6, 1)],  # output (4, 6, 10) is larger than either input
+    "rank4": [(2, 3, 4, 5), (3, 1, 5)],
+    "all_0d": [(), ()],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes", BROADCASTS.values(), ids=BROADCASTS.keys())
+def test_broadcasting(load_candidate, assert_close, shapes, dtype):
+    summary = region(shapes, [["y", "mul", ["in0", "in1"]], ["z", "sub", ["y", 1.5]]], ["z"],
+                     dtype=str(dtype).removeprefix("torch."))
+    torch.manual_seed(2)
+    a, b = (torch.randn(s, dtype=dtype) for s in shapes)
+    (z,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 4}, [a, b])
+    assert z.shape == torch.broadcast_shapes(a.shape, b.shape)
+    assert_close(z, a.float() * b.float() - 1.5)
+
+
+def test_non_contiguous_inputs(load_candidate, assert_close):
+    torch.manual_seed(3)
+    transposed = torch.randn(6, 5).t()  # (5, 6), strides (1, 5)
+    strided = torch.randn(5, 12)[:, ::2]  # (5, 6), strides (12, 2)
+    expanded = torch.randn(5, 1).expand(5, 6)  # stride 0 already in the input
+    summary = region([(5, 6)] * 3, [["s", "add", ["in0", "in1"]], ["y", "mul", ["s", "in2"]]], ["y"])
+    (y,) = run_candidate(load_candidate, summary, {"BLOCK": 256, "num_warps": 2}, [transposed, strided, expanded])
+    assert_close(y, (transposed + strided) * expanded)
+
+
+@pytest.mark.parametrize("numel", [1, 7, 33, 100])
+def test_odd_sizes_cross_block_edges(load_candidate, assert_close, numel):
+    summary = region([(numel,), (numel,)], [["y", "maximum", ["in0", "in1"]]], ["y"], dtype="float16")
+    torch.manual_seed(4)
+    a, b = torch.randn(numel, dtype=torch.float16), torch.randn(numel, dtype=torch.float16)
+    # numel not a multiple of BLOCK: the block is partly masked (test_every_point_* crosses blocks)
+    (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, [a, b])
+    assert_close(y, torch.maximum(a, b))
+
+
+def test_empty_output_launches_nothing(load_candidate):
+    summary = region([(0, 4), (4,)], [["y", "add", ["in0", "in1"]]], ["y"])
+    (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, [torch.randn(0, 4), torch.randn(4)])
+    assert y.shape == (0, 4)
+
+
+def test_output_is_a_broadcast_input(load_candidate, assert_close):
+    # outputs may name inputs directly: a cast-and-broadcast copy
+    summary = region([(3, 4), (4,)], [["y", "add", ["in0", "in1"]]], ["y", "in1"], dtype="bfloat16")
+    a, b = torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(4, dtype=torch.bfloat16)
+    y, copied = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, [a, b])
+    assert_close(copied, b.float().expand(3, 4))
+
+
+# fns whose domain is positive reals get positive inputs
+_POSITIVE_DOMAIN = {"log", "sqrt", "rsqrt", "pow"}
+
+
+@pytest.mark.parametrize("fn", sorted(ELEMENTWISE_FNS))
+def test_every_fn_matches_torch_dialect(load_candidate, assert_close, fn):
+    args = ["in0", "in1"][: ELEMENTWISE_FNS[fn]]
+    summary = region([(3, 11), (3, 11)], [["y", fn, args]], ["y"])
+    torch.manual_seed(5)
+    a, b = torch.randn(3, 11) * 3, torch.randn(3, 11)
+    if fn in _POSITIVE_DOMAIN:
+        a = a.abs() + 0.1
+    (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, [a, b])
+    assert_close(y, torch_reference(summary, [a, b])[0])
+
+
+def test_check_rejects_illegal_points():
+    assert FAMILY.check(BIAS_GELU, {"BLOCK": 128, "num_warps": 8}, H200) is not None  # idle threads
+    assert FAMILY.check(BIAS_GELU, {"BLOCK": 4096, "num_warps": 1}, H200) is not None  # 128 per thread
+    assert FAMILY.check(BIAS_GELU, {"BLOCK": 256, "num_warps": 8}, H200) is None
+
+
+def test_space_drops_blocks_beyond_the_output():
+    tiny = region([(10, 10), (10,)], [["y", "add", ["in0", "in1"]]], ["y"])
+    assert FAMILY.param_space(tiny, H200)["BLOCK"] == [128]
+    unbounded = region([("s", 10)], [["y", "relu", ["in0"]]], ["y"], out_shape=("s", 10))
+    assert FAMILY.param_space(unbounded, H200)["BLOCK"] == list(BLOCKS)
+
+
+def test_matches_only_what_the_kernel_handles():
+    assert FAMILY.matches(BIAS_GELU)
+    rank5 = region([(1, 2, 3, 4, 5)], [["y", "relu", ["in0"]]], ["y"])
+    assert not FAMILY.matches(rank5)
+    int_output = region([(4,)], [["y", "relu", ["in0"]]], ["y"], output_dtypes=["int32"])
+    assert not FAMILY.matches(int_output)
+
+
+def test_kernels_compile_for_sm90(compile_for_sm90):
+    bias = torch.randn(3, 7, 33, dtype=torch.bfloat16), torch.randn(33, dtype=torch.bfloat16)
+    flat = torch.randn(3, 7, 33, dtype=torch.bfloat16), torch.randn(3, 7, 33, dtype=torch.bfloat16)
+    scale_shift = torch.randn(2, 5, 4), torch.tensor(0.5), torch.randn(5, 1)
+    compile_for_sm90([
+        ("bias_gelu_broadcast", FAMILY.render(BIAS_GELU, {"BLOCK": 1024, "num_warps": 4}), bias, "elementwise_kernel"),
+        ("bias_gelu_flat", FAMILY.render(BIAS_GELU, {"BLOCK": 4096, "num_warps": 8}), flat, "elementwise_kernel"),
+        ("scale_shift", FAMILY.render(SCALE_SHIFT, {"BLOCK": 128, "num_warps": 1}), scale_shift, "elementwise_kernel"),
+    ])
+
+
+def test_golden_rendering(golden):
+    golden("elementwise_scale_shift.py", FAMILY.render(SCALE_SHIFT, {"BLOCK": 1024, "num_warps": 4}))

@@ -1,0 +1,346 @@
+"""matmul_epilogue family: every knob value runs, edges are correct, the space is bounded.
+
+Kernels run in Triton's interpreter without a GPU (on the GPU machine, for real): shapes stay
+small. References are computed in fp32 from the same (possibly bf16) inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from coopt.ir.region import RegionSummary, TensorSpec
+from coopt.targets import H200
+from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FAMILY = MatmulEpilogueFamily()
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+
+GELU_RESIDUAL = [["t", "gelu_tanh", ["acc"]], ["y", "add", ["t", "in0"]]]
+
+
+def make_region(lead, n, k, dtype="float32", b_layout="nk", has_bias=False, extras=(), epilogue=(),
+                outputs=("acc",), out_dtypes=None, dims=None) -> RegionSummary:
+    """A matmul_epilogue region for a [*lead, k] @ weight -> [*lead, n]; extras are shapes."""
+    b_shape = (n, k) if b_layout == "nk" else (k, n)
+    inputs = [TensorSpec((*lead, k), dtype), TensorSpec(b_shape, dtype)]
+    if has_bias:
+        inputs.append(TensorSpec((n,), dtype))
+    inputs += [TensorSpec(tuple(shape), dtype) for shape in extras]
+    out_dtypes = out_dtypes or [dtype] * len(outputs)
+    return RegionSummary(
+        name="linear", family="matmul_epilogue", inputs=tuple(inputs),
+        outputs=tuple(TensorSpec((*lead, n), d) for d in out_dtypes),
+        attrs={"b_layout": b_layout, "has_bias": has_bias, "epilogue": [list(i) for i in epilogue],
+               "outputs": list(outputs)},
+        dims=dims or {},
+    )
+
+
+def make_inputs(region: RegionSummary, concrete: dict | None = None, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for spec in region.inputs:
+        shape = spec.concrete(concrete or {})
+        tensors.append(torch.randn(shape, generator=gen).to(DTYPES[spec.dtype]).to(DEVICE))
+    return tensors
+
+
+def reference(region: RegionSummary, inputs) -> torch.Tensor:
+    """fp32 matmul (+ bias): the epilogue is applied by each test."""
+    a, b = inputs[0].float(), inputs[1].float()
+    acc = a @ (b.T if region.attrs["b_layout"] == "nk" else b)
+    if region.attrs["has_bias"]:
+        acc = acc + inputs[2].float()
+    return acc
+
+
+def check_close(actual: torch.Tensor, expected: torch.Tensor):
+    assert actual.shape == expected.shape and actual.device.type == DEVICE
+    scale = expected.abs().max().item() + 1e-6
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * scale)
+    else:  # bf16 output: rounding (truncation in the interpreter) of the result
+        torch.testing.assert_close(actual.float(), expected, rtol=1.6e-2, atol=1e-2 * scale)
+
+
+def run_candidate(load_candidate, region, params, inputs, stem="candidate"):
+    assert FAMILY.check(region, params, H200) is None, FAMILY.check(region, params, H200)
+    module = load_candidate(FAMILY.render(region, params), stem)
+    return module.run(*inputs)
+
+
+def covering_points(points: list[dict]) -> list[dict]:
+    """A few points that together use every value of every knob (greedy, deterministic)."""
+    todo = {(k, v) for p in points for k, v in p.items()}
+    chosen = []
+    while todo:
+        best = max(points, key=lambda p: len(todo & set(p.items())))
+        chosen.append(best)
+        todo -= set(best.items())
+    return chosen
+
+
+# -- every knob value -------------------------------------------------------------------
+
+# Big enough that every tile size is legal (M <= 128, N <= 256), K long enough for SPLIT_K=8
+# with BLOCK_K=32 (>= 2 steps per split), few enough tiles that SPLIT_K is legal at all.
+COVERAGE_REGION = {
+    "float32": make_region((4, 25), 200, 520, "float32", has_bias=True),
+    "bfloat16": make_region((100,), 200, 520, "bfloat16", b_layout="kn", extras=[(100, 200)],
+                            epilogue=[["y", "add", ["acc", "in0"]]], outputs=["y"]),
+}
+
+
+def test_space_values_are_all_legal_somewhere():
+    for region in COVERAGE_REGION.values():
+        space = FAMILY.param_space(region, H200)
+        points = FAMILY.legal_points(region, H200)
+        used = {(k, v) for p in points for k, v in p.items()}
+        assert used == {(k, v) for k, values in space.items() for v in values}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_covering_points_match_torch(dtype, load_candidate):
+    region = COVERAGE_REGION[dtype]
+    inputs = make_inputs(region)
+    expected = reference(region, inputs)
+    if dtype == "bfloat16":
+        expected = expected + inputs[2].float()
+    for i, params in enumerate(covering_points(FAMILY.legal_points(region, H200))):
+        (out,) = run_candidate(load_candidate, region, params, inputs, stem=f"cover_{dtype}_{i}")
+        check_close(out, expected)
+
+
+# -- shapes and layouts -----------------------------------------------------------------
+
+@pytest.mark.parametrize("m,n,k", [(1, 7, 33), (7, 33, 100), (33, 100, 7), (100, 1, 1)])
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_odd_shapes(m, n, k, b_layout, dtype, load_candidate):
+    region = make_region((m,), n, k, dtype, b_layout=b_layout, has_bias=True)
+    inputs = make_inputs(region)
+    (out,) = run_candidate(load_candidate, region, SMALL, inputs)
+    check_close(out, reference(region, inputs))
+
+
+def test_split_k_with_ragged_k(load_candidate):
+    # 300 = 9 full BLOCK_K=32 steps + a partial one, split 4 ways (the last split is shorter)
+    region = make_region((5,), 40, 300, has_bias=True, extras=[(5, 40)], epilogue=GELU_RESIDUAL, outputs=["y"])
+    inputs = make_inputs(region)
+    params = {**SMALL, "SPLIT_K": 4}
+    (out,) = run_candidate(load_candidate, region, params, inputs)
+    expected = torch.nn.functional.gelu(reference(region, inputs), approximate="tanh") + inputs[3]
+    check_close(out, expected)
+
+
+def test_strided_operands_are_read_in_place(load_candidate):
+    region = make_region((33,), 40, 48, b_layout="kn")
+    a = torch.randn(48, 33, device=DEVICE).T  # column-major a
+    b = torch.randn(60, 48, device=DEVICE)[:40].T  # [K, N] view of a row-major [N, K] slice
+    (out,) = run_candidate(load_candidate, region, SMALL, [a, b])
+    check_close(out, a @ b)
+
+
+# -- epilogues --------------------------------------------------------------------------
+
+def test_bias_relu(load_candidate):
+    region = make_region((33,), 100, 64, has_bias=True, epilogue=[["y", "relu", ["acc"]]], outputs=["y"])
+    inputs = make_inputs(region)
+    (out,) = run_candidate(load_candidate, region, SMALL, inputs)
+    check_close(out, torch.relu(reference(region, inputs)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_3d_input_gelu_tanh_residual(dtype, load_candidate):
+    region = make_region(("B", 7), 33, 40, dtype, has_bias=True, extras=[("B", 7, 33)],
+                         epilogue=GELU_RESIDUAL, outputs=["y"], dims={"B": (1, 4)})
+    inputs = make_inputs(region, {"B": 3})
+    (out,) = run_candidate(load_candidate, region, SMALL, inputs)
+    expected = torch.nn.functional.gelu(reference(region, inputs), approximate="tanh") + inputs[3].float()
+    check_close(out, expected)
+
+
+def test_broadcast_extras_and_two_outputs(load_candidate):
+    # a row vector [N] and a per-row column [B, S, 1]; outputs in two dtypes
+    region = make_region((2, 9), 50, 24, extras=[(50,), (2, 9, 1)],
+                         epilogue=[["s", "mul", ["acc", "in0"]], ["y", "sub", ["s", "in1"]]],
+                         outputs=["acc", "y"], out_dtypes=["bfloat16", "float32"])
+    inputs = make_inputs(region)
+    acc, y = run_candidate(load_candidate, region, SMALL, inputs)
+    expected = reference(region, inputs)
+    check_close(acc, expected)
+    check_close(y, expected * inputs[2] - inputs[3])
+
+
+def test_empty_rows(load_candidate):
+    region = make_region((0,), 8, 16)
+    (out,) = run_candidate(load_candidate, region, SMALL, make_inputs(region))
+    assert out.shape == (0, 8)
+
+
+# -- the space stays bounded and legal ---------------------------------------------------
+
+def test_check_rejections():
+    big = make_region((4096,), 4096, 4096, "float32")
+    assert "shared memory" in FAMILY.check(big, {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 3}, H200)
+    bf16 = make_region((4096,), 4096, 4096, "bfloat16")
+    assert "spills" in FAMILY.check(bf16, {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 4}, H200)
+    assert FAMILY.check(bf16, {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}, H200) is None
+    assert "idle" in FAMILY.check(bf16, {**SMALL, "num_warps": 8}, H200)
+    decode = make_region((1,), 4096, 4096, "bfloat16")
+    assert "exceeds the problem" in FAMILY.check(decode, {**SMALL, "BLOCK_M": 32}, H200)
+    assert FAMILY.check(decode, {**SMALL, "SPLIT_K": 8}, H200) is None
+    assert "K-steps" in FAMILY.check(make_region((1,), 4096, 256, "bfloat16"), {**SMALL, "SPLIT_K": 8}, H200)
+    assert "fill" in FAMILY.check(bf16, {**SMALL, "SPLIT_K": 2}, H200)
+    # symbolic M: bounded by its range, unbounded when the range is unknown
+    ranged = make_region(("S",), 64, 64, dims={"S": (1, 8)})
+    assert "exceeds the problem" in FAMILY.check(ranged, {**SMALL, "BLOCK_M": 32}, H200)
+    assert FAMILY.check(make_region(("S",), 64, 64), {**SMALL, "BLOCK_M": 128}, H200) is None
+
+
+def test_space_is_bounded():
+    region = make_region((4096,), 4096, 4096, "bfloat16")
+    space = FAMILY.param_space(region, H200)
+    assert all(len(v) <= 5 for v in space.values())
+    points = FAMILY.legal_points(region, H200)
+    assert 0 < len(points) < 1000
+    decode = FAMILY.legal_points(make_region((1,), 4096, 4096, "bfloat16"), H200)
+    assert {p["BLOCK_M"] for p in decode} == {16} and {p["SPLIT_K"] for p in decode} == {1, 2, 4, 8}
+
+
+def test_matches():
+    region = make_region((8,), 8, 8)
+    assert FAMILY.matches(region)
+    assert not FAMILY.matches(RegionSummary(**{**region.__dict__, "family": "attention"}))
+    fp8 = RegionSummary(**{**region.__dict__, "inputs": (TensorSpec((8, 8), "float8_e4m3fn"), region.inputs[1])})
+    assert not FAMILY.matches(fp8)
+
+
+def test_golden_rendering(golden):
+    region = make_region(("B", 128), 512, 256, "bfloat16", has_bias=True, extras=[("B", 128, 512)],
+                         epilogue=GELU_RESIDUAL, outputs=["y"], dims={"B": (1, 8)})
+    params = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3}
+    golden("matmul_epilogue.py", FAMILY.render(region, params))
+
+
+# -- Hopper compilation (no GPU needed) ---------------------------------------------------
+
+def compile_for_hopper(jobs, tmp_path) -> dict:
+    """Compile for sm_90 every kernel that each job's `run(*inputs)` launches.
+
+    jobs: [(label, source, inputs)]. Returns {label: {kernel: {"wgmma", "pipelined", "shared"}}}.
+    Runs in a fresh process: triton.language's own @jit helpers were built for the interpreter
+    when this one imported triton. Arguments are specialised as a real launch does (16-byte
+    aligned pointers, ints divisible by 16, ints equal to 1): without that nothing is vectorised
+    or pipelined, and the pipelining checks would mean nothing.
+    """
+    records = []
+    for label, source, inputs in jobs:
+        path = tmp_path / f"sm90_{label}.py"
+        path.write_text(source)
+        records.append((label, str(path), [t.cpu() for t in inputs]))
+    torch.save(records, tmp_path / "jobs.pt")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    result = subprocess.run([sys.executable, __file__, str(tmp_path / "jobs.pt"), str(tmp_path / "compiled.json")],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"sm_90 compilation failed:\n{result.stdout}\n{result.stderr[-3000:]}"
+    return json.loads((tmp_path / "compiled.json").read_text())
+
+
+def _compile_launches(path: str, inputs) -> dict:
+    import importlib.util
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    triton_type = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    spec = importlib.util.spec_from_file_location(f"sm90_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    launches = []
+
+    class Recorder:  # stands in for a kernel: kernel[grid](*args) records the launch
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, self.kernel, args, kwargs))
+
+    for name, value in list(vars(module).items()):
+        if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+            setattr(module, name, Recorder(name, value))
+    module.run(*inputs)
+    results = {}
+    for name, kernel, args, kwargs in launches:
+        options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages", 3)}
+        bound = dict(zip(kernel.arg_names, args)) | kwargs
+        signature, constexprs, attrs = {}, {}, {}
+        for i, param in enumerate(kernel.params):
+            value = bound[param.name]
+            if param.is_constexpr or (type(value) is int and value == 1):
+                signature[param.name], constexprs[param.name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[param.name] = "*" + triton_type[value.dtype]
+                if value.data_ptr() % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(value, float):
+                signature[param.name] = "fp32"
+            else:
+                signature[param.name] = "i32"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        ttgir = compiled.asm["ttgir"]
+        results[name] = {"wgmma": "warp_group_dot" in ttgir, "pipelined": "async_copy_global_to_local" in ttgir,
+                         "shared": compiled.metadata.shared}
+    return results
+
+
+def _compile_worker(jobs_file: str, results_file: str) -> int:
+    """`python test_matmul_epilogue.py JOBS RESULTS`: compile every job, report failures."""
+    results, failures = {}, 0
+    for label, path, inputs in torch.load(jobs_file):
+        try:
+            results[label] = _compile_launches(path, inputs)
+        except Exception as error:  # report every job, not just the first
+            failures += 1
+            print(f"{label}: {type(error).__name__}: {error}")
+    Path(results_file).write_text(json.dumps(results))
+    return 1 if failures else 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_covering_points_compile_for_hopper(tmp_path):
+    jobs, expected = [], {}
+    for dtype in ("float32", "bfloat16"):
+        region = make_region((256,), 512, 512, dtype, has_bias=True, extras=[(256, 512)],
+                             epilogue=GELU_RESIDUAL, outputs=["y"])
+        inputs = make_inputs(region)
+        for i, params in enumerate(covering_points(FAMILY.legal_points(region, H200))):
+            jobs.append((f"{dtype}_{i}", FAMILY.render(region, params), inputs))
+            expected[f"{dtype}_{i}"] = (dtype, params)
+    compiled = compile_for_hopper(jobs, tmp_path)
+    for label, (dtype, params) in expected.items():
+        kernels = compiled[label]
+        assert set(kernels) == {"_matmul_kernel"} | ({"_split_k_reduce_kernel"} if params["SPLIT_K"] > 1 else set())
+        main = kernels["_matmul_kernel"]
+        assert main["pipelined"], f"operand loads not pipelined for {dtype} {params}"
+        assert main["wgmma"] == (dtype == "bfloat16" and params["BLOCK_M"] >= 64), f"wgmma use for {dtype} {params}"
+
+
+if __name__ == "__main__":
+    sys.exit(_compile_worker(*sys.argv[1:]))

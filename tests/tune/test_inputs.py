@@ -1,0 +1,75 @@
+"""Timing inputs: deterministic, right dtypes and shapes, independent sets, never zeros."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coopt.ir.region import RegionSummary, TensorSpec
+from coopt.tune.inputs import make_input_sets, make_inputs, resolve_dims, rotation_count
+
+from tune_helpers import add_region
+
+
+def mixed_region() -> RegionSummary:
+    return RegionSummary(
+        name="mixed",
+        family="elementwise",
+        inputs=(
+            TensorSpec(("B", 3), "bfloat16"),
+            TensorSpec((5,), "float8_e4m3fn"),
+            TensorSpec(("B",), "int64"),
+            TensorSpec((2, 2), "bool"),
+        ),
+        outputs=(TensorSpec(("B", 3), "bfloat16"),),
+        example_dims={"B": 7},
+    )
+
+
+def test_dtypes_and_shapes():
+    region = mixed_region()
+    tensors = make_inputs(region, resolve_dims(region))
+    assert [t.dtype for t in tensors] == [torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool]
+    assert [tuple(t.shape) for t in tensors] == [(7, 3), (5,), (7,), (2, 2)]
+
+
+def test_deterministic_and_not_zero():
+    region = add_region()
+    first = make_inputs(region, {"B": 4}, seed=3)
+    again = make_inputs(region, {"B": 4}, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(t.abs().sum() > 0 for t in first)
+    assert not torch.equal(first[0], first[1])  # inputs within a set differ too
+
+
+def test_sets_are_independent():
+    sets = make_input_sets(add_region(), {"B": 4}, 3)
+    assert len(sets) == 3
+    assert not torch.equal(sets[0][0], sets[1][0])
+    assert not torch.equal(sets[1][0], sets[2][0])
+
+
+def test_resolve_dims():
+    region = add_region()
+    assert resolve_dims(region) == {"B": 4}
+    assert resolve_dims(region, {"B": 9}) == {"B": 9}
+    with pytest.raises(ValueError, match="no value for symbolic dims"):
+        resolve_dims(RegionSummary("r", "elementwise", (TensorSpec(("S",), "float32"),), ()))
+
+
+def test_expression_dims():
+    region = RegionSummary(
+        "r", "elementwise", (TensorSpec(("s0", "4*s0"), "float32"),), (TensorSpec(("s0", "4*s0"), "float32"),),
+        example_dims={"s0": 3},
+    )
+    dims = resolve_dims(region)
+    assert dims == {"s0": 3}
+    assert tuple(make_inputs(region, dims)[0].shape) == (3, 12)
+    with pytest.raises(ValueError, match=r"\['s1'\]"):
+        resolve_dims(RegionSummary("r", "elementwise", (TensorSpec(("2*s1",), "float32"),), ()))
+
+
+def test_rotation_count_bounded_by_budget():
+    assert rotation_count(add_region(), {"B": 4}) == 4
+    huge = {"B": 2**22}  # 2 inputs x 4 Mi x 64 x 4 B = 2 GiB a set
+    assert rotation_count(add_region(), huge) == 1

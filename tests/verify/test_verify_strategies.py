@@ -1,0 +1,121 @@
+"""Strategies and profiles: dims stay in (capped) ranges, edges come first, inputs are
+deterministic."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+from hypothesis import given, settings
+from verify_helpers import matrix_region, vector_region
+
+from coopt.ir.region import RegionSummary, TensorSpec
+from coopt.verify import profiles, strategies
+from coopt.verify.profiles import PROFILES, resolve_profile
+from coopt.verify.strategies import (
+    Example, anchor_examples, edge_values, examples, fit_dims, make_inputs,
+)
+
+CI = PROFILES["ci"]
+THOROUGH = PROFILES["thorough"]
+
+
+def test_docstring_examples():
+    assert doctest.testmod(strategies).failed == 0
+    assert doctest.testmod(profiles).failed == 0
+
+
+def test_edge_values_start_at_the_minimum_and_include_odd_and_maximum():
+    edges = edge_values(2, 48, 40)
+    assert edges[0] == 2
+    assert {3, 7, 17, 31, 33, 40, 47, 48} <= set(edges)
+    assert all(2 <= e <= 48 for e in edges)
+    assert edge_values(5, 5) == [5]
+
+
+@settings(max_examples=150, database=None)
+@given(examples(matrix_region(), CI))
+def test_ci_profile_caps_every_symbolic_dim(example):
+    dims = example.dim_values()
+    assert set(dims) == {"rows", "cols"}
+    assert all(1 <= v <= CI.dim_cap for v in dims.values())
+    assert example.magnitude in strategies.MAGNITUDES
+
+
+@settings(max_examples=100, database=None)
+@given(examples(matrix_region(), THOROUGH))
+def test_thorough_profile_uses_the_real_range(example):
+    assert all(1 <= v <= 512 for v in example.dim_values().values())
+
+
+def test_static_dims_are_never_drawn():
+    spec = TensorSpec(("batch", 4096), "bfloat16")
+    region = RegionSummary("r", "elementwise", (spec,), (spec,), dims={"batch": (1, 64)})
+    example = Example((("batch", 3),), 0, 1.0)
+    (x,) = make_inputs(region, example)
+    assert x.shape == (3, 4096) and x.dtype == torch.bfloat16
+
+
+def test_element_budget_halves_the_largest_symbolic_dim():
+    spec = TensorSpec(("batch", "seq", 256), "float32")
+    region = RegionSummary("r", "elementwise", (spec,), (spec,),
+                           dims={"batch": (1, 48), "seq": (1, 48)})
+    dims = fit_dims(region, {"batch": 48, "seq": 48}, CI)
+    assert dims["batch"] * dims["seq"] * 256 <= CI.max_elements
+
+
+def test_causal_attention_never_has_more_queries_than_keys():
+    q = TensorSpec(("b", 4, "sq", 16), "float32")
+    kv = TensorSpec(("b", 4, "sk", 16), "float32")
+    region = RegionSummary("a", "attention", (q, kv, kv), (q,),
+                           attrs={"causal": True, "scale": 0.25, "num_heads": 4,
+                                  "num_kv_heads": 4},
+                           dims={"b": (1, 4), "sq": (1, 64), "sk": (1, 64)})
+    dims = fit_dims(region, {"b": 1, "sq": 30, "sk": 5}, CI)
+    assert dims["sq"] <= dims["sk"]
+
+
+def test_anchor_examples_cover_example_dims_each_minimum_and_the_maximum():
+    anchors = anchor_examples(matrix_region(), THOROUGH, seed=5)
+    assert [a.dim_values() for a in anchors] == [
+        {"rows": 8, "cols": 32}, {"rows": 1, "cols": 32}, {"rows": 8, "cols": 1},
+        {"rows": 512, "cols": 512}]
+    assert {(a.seed, a.magnitude) for a in anchors} == {(5, 1.0)}
+    capped = anchor_examples(vector_region(hi=4096), CI, seed=5)
+    assert [a.dim_values()["n"] for a in capped] == [48, 1]  # example 64 capped to 48
+
+
+def test_inputs_are_a_function_of_the_example_only():
+    region = vector_region()
+    example = Example((("n", 17),), seed=123, magnitude=30.0)
+    first, second = make_inputs(region, example), make_inputs(region, example)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    other = make_inputs(region, Example((("n", 17),), seed=124, magnitude=30.0))
+    assert not torch.equal(first[0], other[0])
+    assert 5 < float(first[0].abs().max()) < 200  # magnitude 30
+
+
+def test_fp8_inputs_are_clamped_not_nan_and_int_inputs_are_small():
+    specs = (TensorSpec(("n",), "float8_e4m3fn"), TensorSpec(("n",), "int64"))
+    region = RegionSummary("q", "elementwise", specs, (specs[0],), dims={"n": (1, 64)})
+    fp8, ints = make_inputs(region, Example((("n", 64),), seed=0, magnitude=1e3))
+    assert not torch.isnan(fp8.float()).any()
+    assert ints.dtype == torch.int64 and 0 <= int(ints.min()) and int(ints.max()) < 8
+
+
+def test_profile_is_chosen_by_argument_then_environment(monkeypatch):
+    monkeypatch.delenv(profiles.ENV_VAR, raising=False)
+    assert resolve_profile().name == "ci"
+    monkeypatch.setenv(profiles.ENV_VAR, "thorough")
+    assert resolve_profile().name == "thorough"
+    assert resolve_profile("ci").name == "ci"
+    with pytest.raises(ValueError, match="unknown verify profile"):
+        resolve_profile("fast")
+
+
+def test_profiles_are_registered_without_replacing_hypothesis_ci_profile():
+    assert settings.get_profile("coopt-ci").max_examples == CI.max_examples
+    assert settings.get_profile("coopt-thorough").max_examples == THOROUGH.max_examples
+    assert settings.get_profile("coopt-ci").database is None
+    assert settings.get_profile("ci") is not settings.get_profile("coopt-ci")

@@ -1,0 +1,117 @@
+"""The comparison rule of coopt/verify/tolerances.py, one clause per test."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+
+from coopt.verify import tolerances
+from coopt.verify.tolerances import compare
+
+
+def test_module_docstring_examples():
+    assert doctest.testmod(tolerances).failed == 0
+
+
+def test_exact_match_passes():
+    x = torch.randn(5, 7)
+    verdict = compare(x, x.double(), x, dtype="float32")
+    assert verdict.ok and verdict.max_abs_err == 0.0
+
+
+@pytest.mark.parametrize("candidate, expected", [
+    (torch.zeros(3, dtype=torch.float16), "dtype float16, expected float32"),
+    (torch.zeros(4), "shape (4,), expected (3,)"),
+    ("not a tensor", "expected a tensor, got str"),
+])
+def test_dtype_shape_and_type_mismatch_fail(candidate, expected):
+    verdict = compare(candidate, torch.zeros(3, dtype=torch.float64), None, dtype="float32")
+    assert not verdict.ok and verdict.reason == expected
+
+
+def test_atol_scales_with_output_magnitude():
+    # Values around 1e6: an absolute error of 1 on an element near zero is 1e-6 of S.
+    hi = torch.tensor([1e6, -2e6, 0.5], dtype=torch.float64)
+    candidate = torch.tensor([1e6, -2e6, 1.5], dtype=torch.float32)
+    assert compare(candidate, hi, None, dtype="float32").ok
+    # The same absolute error on an output of magnitude 1 fails.
+    small = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    assert not compare(torch.tensor([1.0, -2.0, 1.5]), small, None, dtype="float32").ok
+
+
+def test_relative_error_on_large_elements_is_bounded_by_rtol():
+    hi = torch.tensor([1e6, 1.0], dtype=torch.float64)
+    off = torch.tensor([1e6 * (1 + 1e-3), 1.0], dtype=torch.float32)
+    verdict = compare(off, hi, None, dtype="float32")
+    assert not verdict.ok
+    assert verdict.max_rel_err == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_nan_where_reference_is_finite_fails_whatever_the_tolerance():
+    hi = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    verdict = compare(torch.tensor([1.0, float("nan")]), hi, hi.float(), dtype="float32")
+    assert not verdict.ok and "non-finite mismatch" in verdict.reason
+
+
+def test_nan_where_reference_is_nan_passes():
+    hi = torch.tensor([1.0, float("nan")], dtype=torch.float64)
+    assert compare(torch.tensor([1.0, float("nan")]), hi, None, dtype="float32").ok
+
+
+def test_overflow_of_the_output_dtype_is_expected_inf():
+    hi = torch.tensor([1e39, 1.0], dtype=torch.float64)  # beyond fp32's range
+    assert compare(torch.tensor([float("inf"), 1.0]), hi, None, dtype="float32").ok
+    assert not compare(torch.tensor([float("-inf"), 1.0]), hi, None, dtype="float32").ok
+
+
+def test_candidate_may_reproduce_eager_non_finite_values():
+    # fp64 says finite, eager fp16 overflowed to inf inside the computation; a kernel that
+    # does the same is not penalised for NaN/inf classes (its finite values are still judged).
+    hi = torch.tensor([3.0, 1.0], dtype=torch.float64)
+    native = torch.tensor([float("inf"), 1.0], dtype=torch.float16)
+    assert compare(native.clone(), hi, native, dtype="float16").ok
+
+
+def test_bf16_is_judged_against_what_eager_bf16_achieves():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    y = torch.randn(4096, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def f(a, b):
+        return torch.tanh(a) * b + a * a
+
+    hi, native = f(x.double(), y.double()), f(x, y)
+    assert compare(native.clone(), hi, native, dtype="bfloat16").ok
+    assert not compare((native.float() * 1.1).to(torch.bfloat16), hi, native,
+                       dtype="bfloat16").ok
+
+
+def test_native_test_rescues_what_the_floor_rejects():
+    hi = torch.linspace(-1, 1, 101, dtype=torch.float64)
+    native = (hi + 0.05).to(torch.bfloat16)  # eager itself is 0.05 off
+    as_bad_as_eager = (hi - 0.1).to(torch.bfloat16)  # 2x eager's error: allowed
+    far_worse = (hi + 0.3).to(torch.bfloat16)  # 6x: not allowed
+    assert compare(as_bad_as_eager, hi, native, dtype="bfloat16").ok
+    verdict = compare(far_worse, hi, native, dtype="bfloat16")
+    assert not verdict.ok and "4x eager bfloat16 error" in verdict.reason
+
+
+def test_integer_outputs_must_be_exact():
+    hi = torch.tensor([1, 2, 3], dtype=torch.float64)
+    assert compare(torch.tensor([1, 2, 3]), hi, None, dtype="int64").ok
+    verdict = compare(torch.tensor([1, 2, 4]), hi, None, dtype="int64")
+    assert not verdict.ok and "first at (2,)" in verdict.reason
+
+
+def test_every_region_dtype_has_a_tolerance():
+    for name in ("float32", "bfloat16", "float16", "float8_e4m3fn"):
+        tol = tolerances.tolerance_for(name)
+        assert 0 < tol.atol < 1 and 0 < tol.rtol < 1
+
+
+def test_saturating_fp8_cast_is_correct():
+    hi = torch.tensor([1000.0, 3.3, -0.01], dtype=torch.float64)  # 1000 > e4m3fn's 448
+    saturated = hi.to(torch.float8_e4m3fn)
+    assert float(saturated[0]) == 448.0
+    assert compare(saturated, hi, None, dtype="float8_e4m3fn").ok
