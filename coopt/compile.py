@@ -82,6 +82,9 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     start = time.monotonic()
     warnings: list[str] = []
 
+    # 0. device: capture, verify and check where the kernels will run — the GPU when there is one
+    model, example_inputs = _on_build_device(model, example_inputs)
+
     # 1. capture: torch.export gives a functional ATen graph; buffer writes become outputs
     progress("capture", "torch.export")
     program = capture(model, example_inputs, dynamic_shapes, model_path)
@@ -137,6 +140,16 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     return result
 
 
+def _on_build_device(model, example_inputs):
+    """Model and inputs on the GPU if there is one (a copy: the caller's model is not moved)."""
+    if not torch.cuda.is_available() or _device_of(example_inputs).type == "cuda":
+        return model, example_inputs
+    import copy
+
+    moved = [x.cuda() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    return copy.deepcopy(model).cuda(), tuple(moved)
+
+
 def _advice_warnings(advice_log) -> list[str]:
     """Advisor warnings (fallbacks, rejections), each once, for the report and the CLI."""
     seen: list[str] = []
@@ -148,28 +161,25 @@ def _advice_warnings(advice_log) -> list[str]:
 
 
 def _verify(regions: list[RegionBuild], out: Path, config: BuildConfig, progress) -> None:
-    from coopt.verify import verify_candidates_isolated
+    from coopt.verify.isolated import VerifyWorker
 
     results = {}
-    for region in regions:
-        templates = [c for c in region.candidates if c.family != REFERENCE]
-        if not templates:
-            continue
-        progress("verify", f"{region.summary.name}: {len(templates)} candidates")
-        verdicts = verify_candidates_isolated(
-            region.summary,
-            out / region.candidates[0].module,
-            {c.label: out / c.module for c in templates},
-            timeout_s=config.candidate_timeout_s,
-            profile=config.verify_profile,
-            seed=config.seed,
-            repro_dir=out / "verify" / "repro",
-        )
-        for candidate in templates:
-            verdict = verdicts[candidate.label]
-            candidate.verified = verdict.ok
-            candidate.verify = _verdict_json(verdict)
-        results[region.summary.name] = {c.label: c.verify for c in templates}
+    # one worker for the whole build (restarted only when a candidate kills it): a process
+    # start costs seconds (torch import, CUDA init), a candidate's check usually less
+    with VerifyWorker() as worker:
+        for region in regions:
+            templates = [c for c in region.candidates if c.family != REFERENCE]
+            for index, candidate in enumerate(templates, start=1):
+                progress("verify", f"{region.summary.name}: {candidate.label} ({index}/{len(templates)})")
+                verdict = worker.verify(
+                    region.summary, out / region.candidates[0].module, out / candidate.module,
+                    label=candidate.label, timeout_s=config.candidate_timeout_s, profile=config.verify_profile,
+                    seed=config.seed, repro_dir=out / "verify" / "repro",
+                )
+                candidate.verified = verdict.ok
+                candidate.verify = _verdict_json(verdict)
+            if templates:
+                results[region.summary.name] = {c.label: c.verify for c in templates}
     (out / "verify").mkdir(parents=True, exist_ok=True)
     (out / "verify" / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True))
 
@@ -238,10 +248,11 @@ def _end_to_end(model, example_inputs, regions, out, config, measured, warnings)
     from coopt.verify import verify_end_to_end
     from coopt.errors import EndToEndMismatch
 
-    built = load(out)
+    device = _device_of(example_inputs)
+    built = load(out, device=device)
     verdict = verify_end_to_end(model, built, example_inputs, trials=config.e2e_trials, seed=config.seed)
     if verdict.ok:
-        return _verdict_json(verdict)
+        return {**_verdict_json(verdict), **(_timing(model, built, example_inputs) if measured else {})}
     kernel_regions = [r for r in regions if r.selected != REFERENCE]
     if not kernel_regions:
         raise EndToEndMismatch(f"the built model does not match the original: {verdict.failure}")
@@ -249,7 +260,22 @@ def _end_to_end(model, example_inputs, regions, out, config, measured, warnings)
     for region in kernel_regions:
         region.selected, region.reason = REFERENCE, "end-to-end mismatch with kernels: fell back to the reference"
     write_selection(out, regions, measured)
-    verdict = verify_end_to_end(model, load(out), example_inputs, trials=config.e2e_trials, seed=config.seed)
+    built = load(out, device=device)
+    verdict = verify_end_to_end(model, built, example_inputs, trials=config.e2e_trials, seed=config.seed)
     if not verdict.ok:
         raise EndToEndMismatch(f"the built model does not match the original: {verdict.failure}")
-    return _verdict_json(verdict)
+    return {**_verdict_json(verdict), **(_timing(model, built, example_inputs) if measured else {})}
+
+
+def _device_of(example_inputs):
+    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def _timing(model, built, example_inputs) -> dict:
+    """Median latency of the original (eager) and the built model on the example inputs."""
+    from triton.testing import do_bench
+
+    with torch.no_grad():
+        eager_ms = do_bench(lambda: model(*example_inputs), warmup=25, rep=100, return_mode="median")
+        built_ms = do_bench(lambda: built(*example_inputs), warmup=25, rep=100, return_mode="median")
+    return {"eager_ms": eager_ms, "built_ms": built_ms, "speedup": eager_ms / built_ms}

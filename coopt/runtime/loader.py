@@ -10,9 +10,13 @@ from coopt.runtime.kernel_loader import load_module_from_file
 def load(out_dir, device=None):
     """Load a build directory: `coopt.load("out/mlp")(x)` runs the built model.
 
-    `device` maps the weights (default: where they were saved, i.e. the CPU; move the module
-    with `.to("cuda")` as any nn.Module).
+    `device` is where the weights go: by default the GPU when there is one (coopt builds for
+    GPUs), else the CPU. Move the module later with `.to(...)` as any nn.Module.
     """
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     out_dir = Path(out_dir)
     program = out_dir / "program.py"
     if not program.is_file():

@@ -20,9 +20,25 @@ Knobs (explicit lists, pruned by `check`):
                           small batch x heads x Sq that would leave SMs idle
     num_warps, num_stages launch options
 
-Example:
-    >>> AttentionFamily().render(region, {"BLOCK_M": 64, "BLOCK_N": 64, "PACK_GQA": False,
-    ...                                   "SPLIT_KV": 1, "num_warps": 4, "num_stages": 2})
+Example (one decode step of a 32-head model with 8 kv heads, cache of up to 4096 positions):
+    >>> from coopt.ir.region import RegionSummary, TensorSpec
+    >>> from coopt.targets import H200
+    >>> kv = TensorSpec((1, 8, "T", 128), "bfloat16")
+    >>> region = RegionSummary(
+    ...     "decode_attention", "attention",
+    ...     inputs=(TensorSpec((1, 32, 1, 128), "bfloat16"), kv, kv),
+    ...     outputs=(TensorSpec((1, 32, 1, 128), "bfloat16"),),
+    ...     attrs={"causal": True, "scale": 128 ** -0.5, "num_heads": 32, "num_kv_heads": 8},
+    ...     dims={"T": (1, 4096)})
+    >>> family = AttentionFamily()
+    >>> params = {"BLOCK_M": 16, "BLOCK_N": 64, "PACK_GQA": True, "SPLIT_KV": 16,
+    ...           "num_warps": 4, "num_stages": 3}
+    >>> family.check(region, params, H200) is None
+    True
+    >>> family.check(region, {**params, "BLOCK_M": 64}, H200)
+    'BLOCK_M=64 exceeds the problem (at most 4)'
+    >>> "_combine_splits_kernel[" in family.render(region, params)
+    True
 """
 
 from __future__ import annotations
@@ -38,6 +54,7 @@ _TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.
 _TORCH_DTYPE = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
 
 _MAX_HEAD_DIM = 256
+_MAX_GRID_Y = 65535  # batch x heads go in grid dim 1
 # fp32 values per thread of the S = q k^T tile plus the output accumulator above which the
 # kernel spills registers (ptxas for sm_90, triton 3.9). bf16 runs on wgmma, operands in shared
 # memory; fp32 (IEEE, no tensor cores) keeps its operand slices in registers too.
@@ -106,6 +123,10 @@ class AttentionFamily(TemplateFamily):
         for knob, size, hi in (("BLOCK_M", bm, rows_hi), ("BLOCK_N", bn, sk_hi)):
             if hi is not None and size > max(16, next_pow2(hi)):
                 return f"{knob}={size} exceeds the problem (at most {hi})"
+        batch_hi = dim_range(region, [region.inputs[0].shape[0]])[1]
+        heads = region.attrs["num_kv_heads" if params["PACK_GQA"] else "num_heads"]
+        if batch_hi is not None and batch_hi * heads > _MAX_GRID_Y:
+            return f"batch x heads = {batch_hi * heads} programs exceed CUDA's grid limit {_MAX_GRID_Y}"
         split_kv = params["SPLIT_KV"]
         if split_kv > 1:
             if sk_hi is not None and sk_hi < 2 * split_kv * bn:

@@ -12,15 +12,29 @@ Knobs (all explicit lists, pruned by `check`):
                                for small-M (decode) shapes that would leave SMs idle
     num_warps, num_stages      launch options (num_stages = software-pipeline depth)
 
-Example:
-    >>> fam = MatmulEpilogueFamily()
-    >>> src = fam.render(region, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
-    ...                           "SPLIT_K": 1, "num_warps": 4, "num_stages": 3})
+Example (an MLP up-projection with SiLU, for 1..2048 tokens):
+    >>> from coopt.ir.region import RegionSummary, TensorSpec
+    >>> from coopt.targets import H200
+    >>> region = RegionSummary(
+    ...     "mlp_up", "matmul_epilogue",
+    ...     inputs=(TensorSpec(("S", 4096), "bfloat16"), TensorSpec((11008, 4096), "bfloat16")),
+    ...     outputs=(TensorSpec(("S", 11008), "bfloat16"),),
+    ...     attrs={"b_layout": "nk", "has_bias": False, "epilogue": [["y", "silu", ["acc"]]], "outputs": ["y"]},
+    ...     dims={"S": (1, 2048)})
+    >>> family = MatmulEpilogueFamily()
+    >>> params = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1,
+    ...           "num_warps": 4, "num_stages": 3}
+    >>> family.check(region, params, H200)
+    '128x256 fp32 accumulator over 4 warps spills registers'
+    >>> family.check(region, {**params, "num_warps": 8}, H200) is None
+    True
+    >>> "def run(a, b):" in family.render(region, {**params, "num_warps": 8})
+    True
 """
 
 from __future__ import annotations
 
-from coopt.ir.region import DTYPE_BYTES, RegionSummary
+from coopt.ir.region import DTYPE_BYTES, RegionSummary, TensorSpec
 from coopt.targets import Target
 from coopt.templates.base import TemplateFamily, render_template
 from coopt.templates.ewprogram import render_program
@@ -40,16 +54,24 @@ def next_pow2(n: int) -> int:
 
 
 def dim_range(region: RegionSummary, dims) -> tuple[int, int | None]:
-    """(min, max) of the product of `dims`; max is None when a symbolic dim has no known bound."""
+    """(min, max) of the product of `dims`; max is None when a symbolic dim has no known bound.
+
+    A dim is an int, a symbol with a range in `region.dims`, or an expression of symbols
+    ("4*s0"), bounded by evaluating it at the symbols' minima and maxima (monotone without "-").
+    """
+    lows = {name: r[0] for name, r in region.dims.items()}
+    highs = {name: r[1] for name, r in region.dims.items()}
     lo, hi = 1, 1
     for d in dims:
-        if isinstance(d, int):
-            lo, hi = lo * d, (hi * d if hi is not None else None)
-        elif d in region.dims:
-            d_lo, d_hi = region.dims[d]
-            lo, hi = lo * d_lo, (hi * d_hi if hi is not None else None)
-        else:
-            hi = None
+        try:
+            if isinstance(d, str) and "-" in d:
+                raise ValueError(d)
+            d_lo = TensorSpec((d,), "float32").concrete(lows)[0]
+            d_hi = TensorSpec((d,), "float32").concrete(highs)[0]
+        except Exception:  # unknown symbol or expression: unbounded
+            d_lo, d_hi = 1, None
+        lo = lo * d_lo
+        hi = None if hi is None or d_hi is None else hi * d_hi
     return lo, hi
 
 

@@ -92,6 +92,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Families whose result amplifies rounding of intermediate values: attention's softmax turns an
+# error e in a logit of size L into a relative error of about e in the probabilities while e
+# itself grows with L, so at the fuzzer's large magnitudes (logits ~1e3) a flash kernel, which
+# sums q·k in another order and rescales online, lands a few times over the fp32 floor while
+# being as right as eager (measured on the H200: 1.6e-5 of S against the 1e-5 floor).
+FAMILY_SLACK = {"attention": 8.0}
+
+
 def tolerance_for(dtype: str | torch.dtype) -> Tolerance:
     """The floor for a floating dtype; unknown floating dtypes get one ulp / two ulps of eps."""
     dtype = torch_dtype(dtype)
@@ -119,8 +127,10 @@ def compare(
     *,
     dtype: str | torch.dtype,
     shape: tuple[int, ...] | None = None,
+    slack: float = 1.0,
 ) -> Comparison:
-    """Apply the module docstring's rule to one output; `reason` is one line when not ok."""
+    """Apply the module docstring's rule to one output; `reason` is one line when not ok.
+    `slack` multiplies the floor (FAMILY_SLACK of the region's family)."""
     expected_dtype = torch_dtype(dtype)
     shape = tuple(ref_hi.shape) if shape is None else tuple(shape)
     if not isinstance(candidate, torch.Tensor):
@@ -141,7 +151,7 @@ def compare(
         return Comparison(True, 0.0, 0.0)
     if not expected_dtype.is_floating_point:
         return _compare_exact(candidate, ref_hi, expected_dtype)
-    return _compare_floating(candidate, ref_hi, ref_native, expected_dtype)
+    return _compare_floating(candidate, ref_hi, ref_native, expected_dtype, slack)
 
 
 def _compare_exact(candidate: torch.Tensor, ref_hi: torch.Tensor, dtype: torch.dtype) -> Comparison:
@@ -157,7 +167,7 @@ def _compare_exact(candidate: torch.Tensor, ref_hi: torch.Tensor, dtype: torch.d
     )
 
 
-def _compare_floating(candidate, ref_hi, ref_native, dtype: torch.dtype) -> Comparison:
+def _compare_floating(candidate, ref_hi, ref_native, dtype: torch.dtype, slack: float = 1.0) -> Comparison:
     cand = candidate.double()
     hi = ref_hi.double()
     native = None if ref_native is None else ref_native.double()
@@ -189,7 +199,7 @@ def _compare_floating(candidate, ref_hi, ref_native, dtype: torch.dtype) -> Comp
     max_rel = max_abs / max(scale, tiny)
 
     tol = tolerance_for(dtype)
-    bound = tol.atol * scale + tol.rtol * magnitude + tiny
+    bound = slack * (tol.atol * scale + tol.rtol * magnitude) + tiny
     if bool((err <= bound).all()):
         return Comparison(True, max_abs, max_rel)
     native_err = _native_error(native, hi, both_finite)

@@ -7,6 +7,12 @@ causal mask (SDPA's is_causal aligns top-left when Sq != Sk).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,11 +192,15 @@ def test_check_rejections():
     mha = make_region(1, 4, 4, 16, 16, 64, False)
     assert FAMILY.param_space(mha, H200)["PACK_GQA"] == [False]
     assert "grouped" in FAMILY.check(mha, {**SMALL, "PACK_GQA": True}, H200)
-    assert "spill" in FAMILY.check(make_region(1, 4, 4, 512, 512, 64, False), {**ok, "BLOCK_M": 64, "num_warps": 4}, H200)
+    fp32 = make_region(1, 4, 4, 512, 512, 64, False)
+    assert "spill" in FAMILY.check(fp32, {**ok, "BLOCK_M": 64, "num_warps": 4}, H200)
+    many_heads = make_region(1024, 128, 128, 1, 64, 64, False, "bfloat16")
+    assert "grid limit" in FAMILY.check(many_heads, SMALL, H200)
 
 
 def test_space_is_bounded():
-    region = make_region("B", 32, 8, "Sq", "Sk", 128, True, "bfloat16", dims={"B": (1, 64), "Sq": (1, 4096), "Sk": (1, 4096)})
+    dims = {"B": (1, 64), "Sq": (1, 4096), "Sk": (1, 4096)}
+    region = make_region("B", 32, 8, "Sq", "Sk", 128, True, "bfloat16", dims=dims)
     space = FAMILY.param_space(region, H200)
     assert all(len(v) <= 5 for v in space.values())
     assert 0 < len(FAMILY.legal_points(region, H200)) < 1000
@@ -203,7 +213,63 @@ def test_matches():
     assert not FAMILY.matches(make_region(1, 4, 2, 8, 8, "D", True, scale=0.1))  # symbolic head dim
 
 
+def test_docstring_examples():
+    import doctest
+
+    from coopt.templates import attention
+
+    result = doctest.testmod(attention)
+    assert result.attempted > 0 and result.failed == 0
+
+
 def test_golden_rendering(golden):
-    region = make_region("B", 32, 8, "Sq", "Sk", 128, True, "bfloat16", dims={"B": (1, 8), "Sq": (1, 1), "Sk": (1, 4096)})
+    dims = {"B": (1, 8), "Sq": (1, 1), "Sk": (1, 4096)}
+    region = make_region("B", 32, 8, "Sq", "Sk", 128, True, "bfloat16", dims=dims)
     params = {"BLOCK_M": 32, "BLOCK_N": 64, "PACK_GQA": True, "SPLIT_KV": 8, "num_warps": 4, "num_stages": 3}
     golden("attention.py", FAMILY.render(region, params))
+
+
+# -- Hopper compilation (no GPU needed) ---------------------------------------------------
+
+def compile_for_hopper(jobs, tmp_path) -> dict:
+    """Compile for sm_90 every kernel each job's `run(*inputs)` launches, in a fresh process.
+
+    The worker (and why it is a fresh process) lives in test_matmul_epilogue.py; this only
+    hands it the jobs [(label, source, inputs)] and reads {label: {kernel: facts}} back.
+    """
+    records = []
+    for label, source, inputs in jobs:
+        path = tmp_path / f"sm90_{label}.py"
+        path.write_text(source)
+        records.append((label, str(path), [t.cpu() for t in inputs]))
+    torch.save(records, tmp_path / "jobs.pt")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    worker = Path(__file__).with_name("test_matmul_epilogue.py")
+    result = subprocess.run([sys.executable, str(worker), str(tmp_path / "jobs.pt"), str(tmp_path / "compiled.json")],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"sm_90 compilation failed:\n{result.stdout}\n{result.stderr[-3000:]}"
+    return json.loads((tmp_path / "compiled.json").read_text())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_covering_points_compile_for_hopper(tmp_path):
+    jobs, expected = [], {}
+    for dtype in ("float32", "bfloat16"):
+        for head_dim in (128, 80):  # 80: padded to 128 with masks
+            region = make_region(2, 8, 2, "Sq", "Sk", head_dim, True, dtype, dims={"Sq": (1, 512), "Sk": (1, 4096)})
+            inputs = make_inputs(region, {"Sq": 128, "Sk": 512})
+            points = covering_points(FAMILY.legal_points(region, H200))
+            for i, params in enumerate(points if head_dim == 128 else points[:1]):
+                label = f"{dtype}_{head_dim}_{i}"
+                jobs.append((label, FAMILY.render(region, params), inputs))
+                expected[label] = (dtype, head_dim, params)
+    compiled = compile_for_hopper(jobs, tmp_path)
+    for label, (dtype, head_dim, params) in expected.items():
+        kernels = compiled[label]
+        assert set(kernels) == {"_attention_kernel"} | ({"_combine_splits_kernel"} if params["SPLIT_KV"] > 1 else set())
+        main = kernels["_attention_kernel"]
+        if params["num_stages"] > 1 and head_dim == 128:
+            assert main["pipelined"], f"K/V loads not pipelined for {label} {params}"
+        if dtype == "bfloat16" and params["BLOCK_M"] >= 64:
+            assert main["wgmma"], f"no wgmma for {label} {params}"

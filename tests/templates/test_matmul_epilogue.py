@@ -193,10 +193,12 @@ def test_empty_rows(load_candidate):
 
 def test_check_rejections():
     big = make_region((4096,), 4096, 4096, "float32")
-    assert "shared memory" in FAMILY.check(big, {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 3}, H200)
+    huge_tile = {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 3}
+    assert "shared memory" in FAMILY.check(big, huge_tile, H200)
     bf16 = make_region((4096,), 4096, 4096, "bfloat16")
-    assert "spills" in FAMILY.check(bf16, {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 4}, H200)
-    assert FAMILY.check(bf16, {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}, H200) is None
+    wide = {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_stages": 4}
+    assert "spills" in FAMILY.check(bf16, {**wide, "num_warps": 4}, H200)
+    assert FAMILY.check(bf16, {**wide, "num_warps": 8}, H200) is None
     assert "idle" in FAMILY.check(bf16, {**SMALL, "num_warps": 8}, H200)
     decode = make_region((1,), 4096, 4096, "bfloat16")
     assert "exceeds the problem" in FAMILY.check(decode, {**SMALL, "BLOCK_M": 32}, H200)
@@ -207,6 +209,8 @@ def test_check_rejections():
     ranged = make_region(("S",), 64, 64, dims={"S": (1, 8)})
     assert "exceeds the problem" in FAMILY.check(ranged, {**SMALL, "BLOCK_M": 32}, H200)
     assert FAMILY.check(make_region(("S",), 64, 64), {**SMALL, "BLOCK_M": 128}, H200) is None
+    flattened = make_region(("4*s0",), 64, 64, dims={"s0": (1, 2)})  # sympy-printed dim expression
+    assert "at most 8" in FAMILY.check(flattened, {**SMALL, "BLOCK_M": 32}, H200)
 
 
 def test_space_is_bounded():
@@ -225,6 +229,15 @@ def test_matches():
     assert not FAMILY.matches(RegionSummary(**{**region.__dict__, "family": "attention"}))
     fp8 = RegionSummary(**{**region.__dict__, "inputs": (TensorSpec((8, 8), "float8_e4m3fn"), region.inputs[1])})
     assert not FAMILY.matches(fp8)
+
+
+def test_docstring_examples():
+    import doctest
+
+    from coopt.templates import matmul_epilogue
+
+    result = doctest.testmod(matmul_epilogue)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_golden_rendering(golden):

@@ -115,3 +115,17 @@ def test_saturating_fp8_cast_is_correct():
     saturated = hi.to(torch.float8_e4m3fn)
     assert float(saturated[0]) == 448.0
     assert compare(saturated, hi, None, dtype="float8_e4m3fn").ok
+
+
+def test_family_slack_widens_only_the_floor():
+    """Attention's slack admits 8x the fp32 floor, not an arbitrary error."""
+    import torch
+
+    from coopt.verify.tolerances import FAMILY_SLACK, compare
+
+    hi = torch.full((4,), 100.0, dtype=torch.float64)
+    off = (hi + 100.0 * 4e-5).float()  # 4x the fp32 floor at S=100
+    assert not compare(off, hi, None, dtype="float32").ok
+    assert compare(off, hi, None, dtype="float32", slack=FAMILY_SLACK["attention"]).ok
+    far = (hi + 100.0 * 1e-3).float()
+    assert not compare(far, hi, None, dtype="float32", slack=FAMILY_SLACK["attention"]).ok

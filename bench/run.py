@@ -1,0 +1,140 @@
+"""Benchmark coopt against eager PyTorch and torch.compile, in one run on one GPU.
+
+    python bench/run.py                                  # all examples, bench sizes, bf16
+    python bench/run.py --examples mlp --size small --dtype float32 --out results.json
+
+For each example: build with coopt (verified, measured selection), then time eager,
+torch.compile (default), torch.compile (max-autotune) and the coopt build with
+triton.testing.do_bench (median, L2 flushed between reps), and print one table. Every variant is
+checked against eager first; a wrong variant is reported, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", default="mlp,minigpt_block,llama_layer")
+    parser.add_argument("--size", default="bench", choices=["bench", "small"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--modes", default="eager,compile,max-autotune,coopt")
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="write full results as JSON here")
+    return parser.parse_args()
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def load_example(name: str, size: str, dtype: str):
+    os.environ["COOPT_EXAMPLE_SIZE"] = size
+    os.environ["COOPT_EXAMPLE_DTYPE"] = dtype
+    from coopt.frontend.model_file import load_model_file
+
+    loaded = load_model_file(EXAMPLES / f"{name}.py")
+    model = loaded.model.cuda()
+    inputs = tuple(x.cuda() for x in loaded.example_inputs)
+    return model, inputs
+
+
+def max_rel_err(actual, expected) -> float:
+    import torch
+
+    a, e = actual.float(), expected.float()
+    return float((a - e).abs().max() / e.abs().max().clamp_min(1e-12))
+
+
+def bench_example(name: str, args) -> dict:
+    import torch
+    from triton.testing import do_bench
+
+    import coopt
+
+    model, inputs = load_example(name, args.size, args.dtype)
+    modes = args.modes.split(",")
+    with torch.no_grad():
+        expected = model(*inputs)
+    row: dict = {"example": name, "dtype": args.dtype, "size": args.size, "ms": {}, "err": {}, "setup_s": {}}
+
+    def record(mode: str, fn, setup_s: float):
+        with torch.no_grad():
+            row["err"][mode] = max_rel_err(fn(), expected)
+            row["ms"][mode] = do_bench(fn, warmup=50, rep=300, return_mode="median")
+        row["setup_s"][mode] = setup_s
+        print(f"  {name:14s} {mode:13s} {row['ms'][mode]:9.4f} ms  rel err {row['err'][mode]:.2e}  setup {setup_s:6.1f}s", flush=True)
+
+    if "eager" in modes:
+        record("eager", lambda: model(*inputs), 0.0)
+    for mode, options in (("compile", {}), ("max-autotune", {"mode": "max-autotune"})):
+        if mode in modes:
+            torch._dynamo.reset()
+            compiled = torch.compile(model, **options)
+            start = time.monotonic()
+            with torch.no_grad():
+                compiled(*inputs)
+            record(mode, lambda: compiled(*inputs), time.monotonic() - start)
+    if "coopt" in modes:
+        out = Path(tempfile.mkdtemp(prefix=f"coopt-bench-{name}-")) / "out"
+        start = time.monotonic()
+        result = coopt.Pipeline(top_k=args.top_k).build(model, inputs, out)
+        built = coopt.load(out)
+        record("coopt", lambda: built(*inputs), time.monotonic() - start)
+        row["coopt_regions"] = {r.summary.name: {"selected": r.selected, "reason": r.reason,
+                                                   "latency": {c.label: c.latency_ms for c in r.candidates}}
+                                for r in result.regions}
+        row["coopt_out"] = str(out)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    modes = ["eager", "compile", "max-autotune", "coopt"]
+    head = "| example | " + " | ".join(f"{m} ms" for m in modes) + " | coopt vs eager | vs compile | vs max-autotune | coopt build s |"
+    lines = [head, "|" + " --- |" * (len(modes) + 5)]
+    for row in rows:
+        ms = row["ms"]
+        cells = [f"{ms[m]:.4f}" if m in ms else "—" for m in modes]
+        ratio = lambda m: f"{ms[m] / ms['coopt']:.2f}x" if m in ms and "coopt" in ms else "—"
+        build = f"{row['setup_s'].get('coopt', 0):.0f}"
+        lines.append(f"| {row['example']} | " + " | ".join(cells) + f" | {ratio('eager')} | {ratio('compile')} | {ratio('max-autotune')} | {build} |")
+    return "\n".join(lines)
+
+
+def main():
+    args = parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench/run.py needs a CUDA GPU")
+    env = environment()
+    print(json.dumps(env), flush=True)
+    rows = [bench_example(name, args) for name in args.examples.split(",")]
+    text = table(rows)
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(json.dumps({"environment": env, "args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
