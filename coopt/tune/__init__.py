@@ -8,8 +8,9 @@ was verified and picks the fastest, keeping the reference when nothing beats it.
     tune_build_dir(out_dir)                    -> `coopt tune out/`      (retune.py)
     TuningDB(path)                             -> sqlite cache of measurements (db.py)
 
-Each candidate is timed in its own `python -m coopt.tune.worker` subprocess (worker.py), so a
-crashing or hanging kernel costs one error entry, never the build.
+A region's candidates are timed one after another in a `python -m coopt.tune.worker`
+subprocess (worker.py); a crashing, hanging or failing kernel costs one error entry and a fresh
+worker for the candidates after it, never the build.
 """
 
 from coopt.tune.measurement import Measurement

@@ -1,17 +1,27 @@
-"""Time verified candidates of one region, one subprocess per candidate, one at a time.
+"""Time verified candidates of one region, one after another, in worker subprocesses.
 
 One at a time because they share one GPU: two candidates timed together would each measure the
-other's load. A subprocess each because a bad kernel may segfault, hang, or leave the CUDA context
+other's load. In a subprocess because a bad kernel may segfault, hang, or leave the CUDA context
 unusable; the caller only ever sees an error entry.
+
+A worker start costs seconds on a GPU machine (torch import, CUDA init), so one worker times the
+whole batch of a region's candidates and reports each as it finishes (protocol: worker.py). When
+a candidate hangs past its timeout or kills the worker, that candidate gets the error, the
+worker's process group is killed, and a fresh worker takes the candidates not yet reported. The
+worker also exits after any candidate error (the CUDA context may be poisoned), so each failure
+followed by more candidates costs one restart.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import coopt
@@ -20,11 +30,16 @@ from coopt.tune.db import TuningDB, TuningKey
 from coopt.tune.inputs import resolve_dims
 from coopt.tune.measurement import Measurement
 
-__all__ = ["Measurement", "gpu_available", "measure_candidates", "run_worker"]
+__all__ = ["Measurement", "gpu_available", "measure_candidates", "time_in_workers"]
 
 # Last lines of a dead worker's stderr worth quoting in its error (the Python traceback's last line
 # or the fatal signal message).
 _STDERR_TAIL_CHARS = 300
+# Extra time a fresh worker gets to say it is ready (torch import and CUDA init happen then),
+# on top of the per-candidate timeout.
+STARTUP_ALLOWANCE_S = 30.0
+# How long a worker that reported everything may take to exit before its group is killed.
+_EXIT_GRACE_S = 5.0
 
 
 def gpu_available() -> bool:
@@ -47,9 +62,10 @@ def measure_candidates(
 ) -> dict[str, Measurement]:
     """Time each candidate module (label -> path) at `dims` (default: the region's example dims).
 
-    Returns {label: Measurement}; a candidate that crashes, hangs past `timeout_s` or raises gets
-    a Measurement with `error` set. Without CUDA returns {} (the caller marks "unmeasured"),
-    unless `allow_cpu`, a test-only path that times host wall clock instead of GPU events.
+    Returns {label: Measurement}; a candidate that crashes, hangs past `timeout_s` (each
+    candidate's own limit, see `time_in_workers`) or raises gets a Measurement with `error` set.
+    Without CUDA returns {} (the caller marks "unmeasured"), unless `allow_cpu`, a test-only path
+    that times host wall clock instead of GPU events.
     With `db`, cached measurements are reused and new successful ones stored.
 
     >>> measure_candidates(region, {"c0": Path("out/kernels/r0__c0.py")})    # doctest: +SKIP
@@ -62,14 +78,18 @@ def measure_candidates(
     floors = {"bytes_moved": region.bytes_moved(dims), "flops": region.flops(dims)}
     device = _device_name(on_gpu) if db is not None else ""
     results: dict[str, Measurement] = {}
+    keys: dict[str, TuningKey | None] = {}
+    to_time: dict[str, str] = {}
     for label, path in module_paths.items():
         key = TuningKey.for_candidate(path, region, dims, device) if db is not None else None
         cached = db.get(key) if key is not None else None
         if cached is not None:
             results[label] = cached
-            continue
+        else:
+            keys[label] = key
+            to_time[label] = str(Path(path).resolve())
+    if to_time:
         request = {
-            "module": str(Path(path).resolve()),
             "region": region.to_json(),
             "dims": dims,
             "warmup_ms": warmup_ms,
@@ -77,22 +97,108 @@ def measure_candidates(
             "seed": 0,
             "allow_cpu": allow_cpu,
         }
-        outcome = run_worker(request, timeout_s)
-        if "error" in outcome:
-            measurement = Measurement.failed(outcome["error"], **floors)
-        else:
-            measurement = Measurement(
-                median_ms=outcome["median_ms"], p20_ms=outcome["p20_ms"], p80_ms=outcome["p80_ms"],
-                device=outcome.get("device", ""), **floors,
-            )
-        if key is not None:
-            db.put(key, measurement)
-        results[label] = measurement
-    return results
+        outcomes = time_in_workers(request, to_time, timeout_s)
+        for label in to_time:
+            outcome = outcomes[label]
+            if "error" in outcome:
+                measurement = Measurement.failed(outcome["error"], **floors)
+            else:
+                measurement = Measurement(
+                    median_ms=outcome["median_ms"], p20_ms=outcome["p20_ms"], p80_ms=outcome["p80_ms"],
+                    device=outcome.get("device", ""), **floors,
+                )
+            if keys[label] is not None:
+                db.put(keys[label], measurement)
+            results[label] = measurement
+    return {label: results[label] for label in module_paths}
 
 
-def run_worker(request: dict, timeout_s: float) -> dict:
-    """Run `python -m coopt.tune.worker` on `request`; its result dict, or {"error": one line}."""
+def time_in_workers(request: dict, candidates: dict[str, str], timeout_s: float) -> dict[str, dict]:
+    """Time `candidates` (label -> module path) in as few worker processes as failures allow.
+
+    `request` is the worker request without "candidates". Returns {label: the worker's result
+    dict, or {"error": one line}} for every label. `timeout_s` applies to each candidate, counted
+    from the previous result line, or from the worker's "ready" line for the first one; start-up
+    itself gets `timeout_s + STARTUP_ALLOWANCE_S`. A worker that fails during start-up (nothing
+    candidate-specific ran yet) fails all remaining candidates with that one error.
+    """
+    outcomes: dict[str, dict] = {}
+    while len(outcomes) < len(candidates):
+        pending = {label: path for label, path in candidates.items() if label not in outcomes}
+        reported = _run_one_worker({**request, "candidates": pending}, timeout_s)
+        assert reported and set(reported) <= set(pending), "each worker run must settle a candidate"
+        outcomes.update(reported)
+    return {label: outcomes[label] for label in candidates}
+
+
+def _run_one_worker(request: dict, timeout_s: float) -> dict[str, dict]:
+    """Start one worker on request["candidates"]; the outcomes it settled (at least one).
+
+    Stops at the first failure: the candidate in progress gets the error (all pending ones when
+    the worker never got ready), and the caller starts a fresh worker for what is left.
+    """
+    labels = list(request["candidates"])
+    outcomes: dict[str, dict] = {}
+    startup_limit = timeout_s + STARTUP_ALLOWANCE_S
+    # stderr goes to a file, not a pipe: a chatty candidate can never block on a full pipe.
+    with tempfile.TemporaryFile() as stderr_file:
+        proc = _start_worker(stderr_file)
+        ready = False
+
+        def fail(error: str) -> None:
+            if ready:
+                outcomes[labels[len(outcomes)]] = {"error": error}
+            else:  # nothing candidate-specific ran yet: a fresh worker would fail the same way
+                outcomes.update({label: {"error": error} for label in labels if label not in outcomes})
+
+        try:
+            try:
+                proc.stdin.write(json.dumps(request).encode())
+                proc.stdin.close()
+            except OSError:  # died before reading its request; the read below says how
+                pass
+            reader = _LineReader(proc.stdout)
+            deadline = time.monotonic() + startup_limit
+            while len(outcomes) < len(labels):
+                timed_out = (f"timed out after {timeout_s:g} s" if ready
+                             else f"worker start-up timed out after {startup_limit:g} s")
+                try:
+                    line = reader.next_line(deadline)
+                except TimeoutError:
+                    fail(timed_out)
+                    break
+                if line is None:  # end of stream: the worker is exiting or dead
+                    fail(_exit_reason(proc, stderr_file, deadline, timed_out))
+                    break
+                try:
+                    message = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    message = None
+                if not isinstance(message, dict):
+                    fail(_malformed(line))
+                    break
+                if message.get("ready") is True and not ready:
+                    ready = True
+                elif "startup_error" in message and not ready:
+                    fail(str(message["startup_error"]))
+                    break
+                elif message.get("label") == labels[len(outcomes)] and ("error" in message or "median_ms" in message):
+                    ready = True
+                    result = {k: v for k, v in message.items() if k != "label"}
+                    outcomes[message["label"]] = result
+                    if "error" in result:
+                        break  # the worker exits after an error; a fresh one takes the rest
+                else:
+                    fail(_malformed(line))
+                    break
+                deadline = time.monotonic() + timeout_s
+        finally:
+            _finish(proc, graceful=len(outcomes) == len(labels))
+    return outcomes
+
+
+def _start_worker(stderr_file) -> subprocess.Popen:
+    """`python -m coopt.tune.worker` in its own process group, binary pipes on stdin/stdout."""
     env = dict(os.environ)
     # The interpreter would time Python, not the GPU; the worker re-enables it itself when there
     # is no GPU (kernel_loader), so drop any inherited setting.
@@ -100,28 +206,81 @@ def run_worker(request: dict, timeout_s: float) -> dict:
     # The worker must import this very coopt, installed or not.
     package_root = str(Path(coopt.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "coopt.tune.worker"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=env, text=True,
-        start_new_session=True,  # own process group, so a timeout also ends its children
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file,
+        env=env,
+        start_new_session=True,  # own process group, so a kill also ends its children
     )
+
+
+class _LineReader:
+    """Complete lines from a pipe, each waited for until a deadline (time.monotonic())."""
+
+    def __init__(self, pipe):
+        self._fd = pipe.fileno()
+        self._buffer = b""
+        self._eof = False
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._fd, selectors.EVENT_READ)
+
+    def next_line(self, deadline: float) -> bytes | None:
+        """The next line without its newline; None at end of stream (a cut-off last line is
+        dropped: the writer died mid-line); raises TimeoutError once `deadline` has passed."""
+        while b"\n" not in self._buffer:
+            if self._eof:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            if self._selector.select(remaining):
+                chunk = os.read(self._fd, 1 << 16)
+                if chunk:
+                    self._buffer += chunk
+                else:
+                    self._eof = True
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+
+def _exit_reason(proc: subprocess.Popen, stderr_file, deadline: float, timed_out: str) -> str:
+    """Why a worker closed its result stream before reporting the candidate in progress."""
     try:
-        stdout, stderr = proc.communicate(json.dumps(request), timeout=timeout_s)
+        returncode = proc.wait(timeout=max(deadline - time.monotonic(), 0) + _EXIT_GRACE_S)
     except subprocess.TimeoutExpired:
+        return timed_out
+    stderr = _read_tail(stderr_file)
+    if returncode != 0:
+        return _describe_death(returncode, stderr)
+    return "worker returned no result" + _tail(stderr)
+
+
+def _finish(proc: subprocess.Popen, graceful: bool) -> None:
+    """End the worker: let it exit by itself briefly when it reported everything, else kill it."""
+    if graceful and proc.poll() is None:
+        try:
+            proc.wait(timeout=_EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:  # still ours (not reaped), so its pid names its group only
         _kill_group(proc)
-        proc.communicate()
-        return {"error": f"timed out after {timeout_s:g} s"}
-    if proc.returncode != 0:
-        return {"error": _describe_death(proc.returncode, stderr)}
-    lines = stdout.strip().splitlines()
+    proc.wait()
+    proc.stdout.close()
     try:
-        result = json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"error": "worker returned no result" + _tail(stderr)}
-    if not isinstance(result, dict) or ("error" not in result and "median_ms" not in result):
-        return {"error": f"worker returned a malformed result: {lines[-1][:200]}"}
-    return result
+        proc.stdin.close()
+    except OSError:  # unflushed request bytes and a worker that died before reading them
+        pass
+
+
+def _malformed(line: bytes) -> str:
+    return f"worker returned a malformed result: {line.decode(errors='replace')[:200]}"
+
+
+def _read_tail(stderr_file) -> str:
+    stderr_file.seek(0, os.SEEK_END)
+    size = stderr_file.tell()
+    stderr_file.seek(max(0, size - 8192))
+    return stderr_file.read().decode(errors="replace")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

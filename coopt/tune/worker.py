@@ -1,16 +1,26 @@
-"""Time one candidate module in this process: `python -m coopt.tune.worker < request.json`.
+"""Time candidate modules in this process: `python -m coopt.tune.worker < request.json`.
 
-Run by `coopt.tune.measure` in a fresh subprocess per candidate, so a kernel that crashes the
-process, hangs, or corrupts the CUDA context costs one error entry and never the caller.
+Run by `coopt.tune.measure` in a subprocess, so a kernel that crashes the process, hangs, or
+corrupts the CUDA context costs one error entry and never the caller.
 
-Request (JSON on stdin):
-    {"module": path, "region": RegionSummary.to_json(), "dims": {name: int},
+Batch request (JSON on stdin), what `measure` sends:
+    {"candidates": {label: path, ...}, "region": RegionSummary.to_json(), "dims": {name: int},
      "warmup_ms": 25, "rep_ms": 100, "seed": 0, "allow_cpu": false}
-Result (one JSON line on stdout):
-    {"median_ms": f, "p20_ms": f, "p80_ms": f, "device": name}   or   {"error": "one line"}
+Result stream (stdout), one JSON line each, flushed as soon as it is known:
+    {"ready": true}                      start-up (torch import, CUDA init) is done
+    {"startup_error": "one line"}        start-up failed; nothing was timed (the worker exits)
+    {"label": l, "median_ms": f, "p20_ms": f, "p80_ms": f, "device": name}
+    {"label": l, "error": "one line"}    the worker exits right after this line
+The candidates are timed one after another in the order given. After any candidate error the
+worker exits: a failed launch can leave the CUDA context unusable for everything after it, so
+the parent starts a fresh worker for the rest. A line that never comes means the candidate in
+progress hung or killed the process.
+
+Single request (the original protocol, still accepted): {"module": path, ...the rest as above}
+gives exactly one line, {"median_ms": ..., "device": ...} or {"error": "one line"}.
 
 Everything the candidate (or Triton, or C code) prints goes to stderr: file descriptor 1 is
-pointed at stderr before the candidate is imported, and the result goes to a saved copy of it.
+pointed at stderr before any candidate is imported, and results go to a saved copy of it.
 """
 
 from __future__ import annotations
@@ -29,16 +39,67 @@ from coopt.tune.inputs import make_input_sets, rotation_count
 def main() -> int:
     request = json.loads(sys.stdin.read())
     sys.stdout.flush()
-    result_stream = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # stray prints from the candidate must not corrupt the JSON result
+    result_stream = os.fdopen(os.dup(1), "w")  # os.dup: not inherited by the candidate's children
+    os.dup2(2, 1)  # stray prints from the candidate must not corrupt the JSON results
+    if "candidates" in request:
+        return time_batch(request, result_stream)
+    _emit(result_stream, _time_guarded(request))
+    return 0
+
+
+def time_batch(request: dict, result_stream) -> int:
+    """Time request["candidates"] in order, one result line each; exit after the first error."""
+    problem = start_up(request)
+    if problem is not None:
+        _emit(result_stream, {"startup_error": problem})
+        return 0
+    _emit(result_stream, {"ready": True})
+    for label, module in request["candidates"].items():
+        result = _time_guarded({**request, "module": module})
+        _emit(result_stream, {"label": label, **result})
+        if "error" in result:
+            # The CUDA context may be poisoned (an illegal address is sticky), so nothing more is
+            # timed here. os._exit: interpreter teardown could hang on a broken context.
+            sys.stderr.flush()
+            os._exit(0)
+    return 0
+
+
+def start_up(request: dict) -> str | None:
+    """Import torch, initialise CUDA, import Triton's timer: the per-process cost paid once.
+
+    Returns None, or a one-line reason that applies to every candidate of the batch.
+    """
     try:
-        result = time_candidate(request)
+        import torch
+
+        from coopt.runtime.kernel_loader import use_interpreter_without_gpu
+
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu and not request.get("allow_cpu", False):
+            return "no CUDA device in the timing worker"
+        use_interpreter_without_gpu()  # before Triton sees any kernel
+        if on_gpu:
+            torch.cuda.init()
+            torch.cuda.get_device_name()
+            import triton.testing  # noqa: F401  (do_bench; importing Triton is seconds)
+    except Exception as exc:
+        traceback.print_exc()
+        return f"worker start-up failed: {_one_line(exc)}"
+    return None
+
+
+def _time_guarded(request: dict) -> dict:
+    try:
+        return time_candidate(request)
     except Exception as exc:  # anything not already classified: report it, don't crash
         traceback.print_exc()
-        result = {"error": f"worker failed: {_one_line(exc)}"}
+        return {"error": f"worker failed: {_one_line(exc)}"}
+
+
+def _emit(result_stream, result: dict) -> None:
     result_stream.write(json.dumps(result) + "\n")
     result_stream.flush()
-    return 0
 
 
 def time_candidate(request: dict) -> dict:
