@@ -129,11 +129,12 @@ def main():
         sys.exit("bench/run.py needs a CUDA GPU")
     env = environment()
     print(json.dumps(env), flush=True)
-    rows = [bench_example(name, args) for name in args.examples.split(",")]
-    text = table(rows)
-    print("\n" + text)
-    if args.out:
-        args.out.write_text(json.dumps({"environment": env, "args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2, default=str))
+    rows = []
+    for name in args.examples.split(","):
+        rows.append(bench_example(name, args))
+        if args.out:  # after every example: a run cut short still leaves its finished rows
+            args.out.write_text(json.dumps({"environment": env, "args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2, default=str))
+    print("\n" + table(rows))
 
 
 if __name__ == "__main__":

@@ -140,10 +140,14 @@ def _run_one_worker(request: dict, timeout_s: float) -> dict[str, dict]:
     labels = list(request["candidates"])
     outcomes: dict[str, dict] = {}
     startup_limit = timeout_s + STARTUP_ALLOWANCE_S
-    # stderr goes to a file, not a pipe: a chatty candidate can never block on a full pipe.
-    with tempfile.TemporaryFile() as stderr_file:
-        proc = _start_worker(stderr_file)
+    # The request and stderr go through files, not pipes: neither side can block on a full pipe
+    # (a worker stuck before reading its request, a chatty candidate).
+    with tempfile.TemporaryFile() as request_file, tempfile.TemporaryFile() as stderr_file:
+        request_file.write(json.dumps(request).encode())
+        request_file.seek(0)
+        proc = _start_worker(request_file, stderr_file)
         ready = False
+        reported_all = False  # every candidate reported by the worker itself, none failed
 
         def fail(error: str) -> None:
             if ready:
@@ -152,11 +156,6 @@ def _run_one_worker(request: dict, timeout_s: float) -> dict[str, dict]:
                 outcomes.update({label: {"error": error} for label in labels if label not in outcomes})
 
         try:
-            try:
-                proc.stdin.write(json.dumps(request).encode())
-                proc.stdin.close()
-            except OSError:  # died before reading its request; the read below says how
-                pass
             reader = _LineReader(proc.stdout)
             deadline = time.monotonic() + startup_limit
             while len(outcomes) < len(labels):
@@ -192,13 +191,15 @@ def _run_one_worker(request: dict, timeout_s: float) -> dict[str, dict]:
                     fail(_malformed(line))
                     break
                 deadline = time.monotonic() + timeout_s
+            else:
+                reported_all = True
         finally:
-            _finish(proc, graceful=len(outcomes) == len(labels))
+            _finish(proc, graceful=reported_all)
     return outcomes
 
 
-def _start_worker(stderr_file) -> subprocess.Popen:
-    """`python -m coopt.tune.worker` in its own process group, binary pipes on stdin/stdout."""
+def _start_worker(request_file, stderr_file) -> subprocess.Popen:
+    """`python -m coopt.tune.worker` in its own process group; its stdout is a pipe to us."""
     env = dict(os.environ)
     # The interpreter would time Python, not the GPU; the worker re-enables it itself when there
     # is no GPU (kernel_loader), so drop any inherited setting.
@@ -208,7 +209,7 @@ def _start_worker(stderr_file) -> subprocess.Popen:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return subprocess.Popen(
         [sys.executable, "-m", "coopt.tune.worker"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file,
+        stdin=request_file, stdout=subprocess.PIPE, stderr=stderr_file,
         env=env,
         start_new_session=True,  # own process group, so a kill also ends its children
     )
@@ -266,10 +267,6 @@ def _finish(proc: subprocess.Popen, graceful: bool) -> None:
         _kill_group(proc)
     proc.wait()
     proc.stdout.close()
-    try:
-        proc.stdin.close()
-    except OSError:  # unflushed request bytes and a worker that died before reading them
-        pass
 
 
 def _malformed(line: bytes) -> str:

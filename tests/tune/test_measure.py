@@ -1,6 +1,7 @@
-"""The timing worker protocol, on CPU (allow_cpu): success, crash, hang, exception, cache.
+"""The timing worker protocol, on CPU (allow_cpu): success, crash, hang, exception, cache,
+and batches: one worker per region, restarted only after a failure.
 
-Each worker is a fresh Python that imports torch (~2 s here), so the failure modes share one
+Each worker is a fresh Python that imports torch (~1-2 s here), so the failure modes share one
 module-scoped measurement call instead of one call each.
 """
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from tune_helpers import ADD, add_region, write_module
 
 from coopt.tune import measure
@@ -126,10 +128,10 @@ def test_db_hit_skips_the_worker(tmp_path, monkeypatch):
     first = measure.measure_candidates(add_region(), {"ok": module}, db=db, **FAST)["ok"]
     assert first.ok and len(db) == 1
 
-    def no_worker(request, timeout_s):
+    def no_worker(request, candidates, timeout_s):
         raise AssertionError("a cached measurement was re-timed")
 
-    monkeypatch.setattr(measure, "run_worker", no_worker)
+    monkeypatch.setattr(measure, "time_in_workers", no_worker)
     assert measure.measure_candidates(add_region(), {"ok": module}, db=db, **FAST) == {"ok": first}
 
 
@@ -138,3 +140,104 @@ def test_cpu_bench_quantiles():
     assert 0 < p20 <= median <= p80
     assert _quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert _quantile([1.0, 2.0, 3.0, 4.0], 0.2) == pytest.approx(1.6)
+
+
+# Every module of the batch test appends "label pid" to a file when imported, so the test can see
+# which candidates shared a worker process.
+RECORDS_PID = """
+    import os
+
+    with open({pids!r}, "a") as _f:
+        _f.write("{label} %d\\n" % os.getpid())
+"""
+
+BATCH = {
+    "good0": ADD,
+    "good1": ADD,
+    "hang": """
+        import time
+
+        def run(a, b):
+            while True:
+                time.sleep(1)
+    """,
+    "good2": ADD,
+    "crash": """
+        import os
+
+        def run(a, b):
+            os._exit(3)
+    """,
+    "good3": ADD,
+    "raises": """
+        def run(a, b):
+            raise RuntimeError("boom")
+    """,
+    "good4": ADD,
+}
+
+
+def test_batch_restarts_a_worker_only_after_a_failure(tmp_path, monkeypatch):
+    pids_file = tmp_path / "pids"
+    paths = {
+        label: write_module(tmp_path, label, RECORDS_PID.format(pids=str(pids_file), label=label) + body)
+        for label, body in BATCH.items()
+    }
+    starts = []
+    start_worker = measure._start_worker
+
+    def counting_start(*args, **kwargs):
+        starts.append(1)
+        return start_worker(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "_start_worker", counting_start)
+    outcomes = measure.measure_candidates(add_region(), paths, timeout_s=3, **FAST)
+
+    assert list(outcomes) == list(BATCH)
+    goods = [label for label in BATCH if label.startswith("good")]
+    assert all(outcomes[label].ok for label in goods), {label: outcomes[label].error for label in goods}
+    assert outcomes["hang"].error == "timed out after 3 s"
+    assert outcomes["crash"].error.startswith("worker exited with code 3")
+    assert outcomes["raises"].error == "run() raised RuntimeError: boom"
+
+    failures = sum(not timing.ok for timing in outcomes.values())
+    assert failures == 3 and len(starts) == 1 + failures
+    pid = dict(line.split() for line in pids_file.read_text().splitlines())
+    assert pid["good0"] == pid["good1"] == pid["hang"]  # no failure between them: one process
+    assert pid["good2"] == pid["crash"]
+    assert pid["good3"] == pid["raises"]
+    assert len({pid["good0"], pid["good2"], pid["good3"], pid["good4"]}) == 4
+
+
+def test_worker_batch_stream_is_one_line_per_candidate(tmp_path):
+    noisy = write_module(tmp_path, "noisy", """
+        def run(a, b):
+            print("python noise")
+            return (a + b,)
+    """)
+    raises = write_module(tmp_path, "raises", FAILING["raises"])
+    request = {"candidates": {"a": str(noisy), "b": str(noisy), "c": str(raises), "d": str(noisy)},
+               "region": add_region().to_json(), "dims": {"B": 4}, "warmup_ms": 1, "rep_ms": 2,
+               "allow_cpu": True}
+    proc = subprocess.run([sys.executable, "-m", "coopt.tune.worker"], input=json.dumps(request),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines[0] == {"ready": True}
+    assert [line["label"] for line in lines[1:]] == ["a", "b", "c"]  # exits after c's error
+    assert set(lines[1]) == {"label", "median_ms", "p20_ms", "p80_ms", "device"}
+    assert lines[3] == {"label": "c", "error": "run() raised RuntimeError: boom"}
+    assert "python noise" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_startup_failure_fails_the_whole_batch_in_one_worker(tmp_path, monkeypatch):
+    module = write_module(tmp_path, "ok", ADD)
+    starts = []
+    start_worker = measure._start_worker
+    monkeypatch.setattr(measure, "_start_worker", lambda *a: starts.append(1) or start_worker(*a))
+    request = {"region": add_region().to_json(), "dims": {"B": 4}, "allow_cpu": False}
+    outcomes = measure.time_in_workers(request, {"x": str(module), "y": str(module)}, timeout_s=30)
+    assert outcomes == {"x": {"error": "no CUDA device in the timing worker"},
+                        "y": {"error": "no CUDA device in the timing worker"}}
+    assert len(starts) == 1
