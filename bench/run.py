@@ -30,7 +30,7 @@ def parse_args():
     parser.add_argument("--size", default="bench", choices=["bench", "small"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--modes", default="eager,compile,max-autotune,coopt")
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="write full results as JSON here")
     return parser.parse_args()
 

@@ -48,6 +48,26 @@ class RegionBuild:
         }
 
 
+def _tile(params: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in params.items() if k.upper().startswith("BLOCK")))
+
+
+def diverse_top_k(ranked: list[dict], k: int) -> list[tuple[int, dict]]:
+    """The best k points, preferring distinct tile shapes: an advisor's next-best points often
+    differ only in num_stages, and measuring three of those teaches little. Returns
+    (advisor rank, params) pairs in rank order."""
+    chosen: list[tuple[int, dict]] = []
+    tiles: set = set()
+    for rank, params in enumerate(ranked):
+        if len(chosen) < k and _tile(params) not in tiles:
+            chosen.append((rank, params))
+            tiles.add(_tile(params))
+    for rank, params in enumerate(ranked):  # too few distinct tiles: fill up in rank order
+        if len(chosen) < k and all(rank != r for r, _ in chosen):
+            chosen.append((rank, params))
+    return sorted(chosen, key=lambda pair: pair[0])
+
+
 def make_candidates(kernel: KernelOp, summary: RegionSummary, target: Target, advisor, advice_log, out: Path, top_k: int) -> RegionBuild:
     from coopt.llm_advisor.protocol import AdviceRequest
     from coopt.templates.registry import families_for
@@ -67,7 +87,7 @@ def make_candidates(kernel: KernelOp, summary: RegionSummary, target: Target, ad
         advice = advisor.advise(request)
         advice_log.record(request, advice)
         build.advice_sources.append(advice.source)
-        for rank, params in enumerate(advice.ranked[:top_k]):
+        for rank, params in diverse_top_k(advice.ranked, top_k):
             label = f"c{len(entries) - 1}"
             filename = f"{summary.name}__{label}.py"
             (kernels_dir / filename).write_text(family.render(summary, params))

@@ -151,7 +151,7 @@ def _is_causal_mask(tensor) -> bool:
         return False
     if tensor.numel() > (1 << 26) or tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.bool):
         return False
-    ones = torch.ones(tensor.shape[-2:], dtype=torch.bool).tril()
+    ones = torch.ones(tensor.shape[-2:], dtype=torch.bool, device=tensor.device).tril()
     return bool((tensor.bool() == ones).all() and ((tensor == 0) | (tensor == 1)).all())
 
 

@@ -55,3 +55,16 @@ def test_crashing_hanging_and_wrong_candidates_fail_alone(tmp_path, monkeypatch)
     built = coopt.load(out)
     x = torch.randn(4, 8)
     torch.testing.assert_close(built(x), torch.relu(x) * 2.0)
+
+
+def test_diverse_top_k_prefers_distinct_tiles():
+    from coopt.candidates import diverse_top_k
+
+    ranked = [
+        {"BLOCK_M": 128, "BLOCK_N": 128, "num_stages": 3},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "num_stages": 4},
+        {"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 128, "num_stages": 3},
+    ]
+    assert [r for r, _ in diverse_top_k(ranked, 3)] == [0, 2, 3]
+    assert [r for r, _ in diverse_top_k(ranked[:2], 2)] == [0, 1]  # fills up when tiles run out
