@@ -106,3 +106,14 @@ class Pipeline:
 def build(model_file, out_dir, *, target: str = "h100", pipeline: str = DEFAULT_PIPELINE, force: bool = False, progress=None, **options) -> BuildResult:
     """`coopt build` as a function: `coopt.build("examples/mlp.py", "out/mlp")`."""
     return Pipeline(pipeline, target, **options).build_file(model_file, out_dir, force=force, progress=progress)
+
+
+def tune(out_dir, *, timeout_s: float = 60.0) -> dict:
+    """`coopt tune` as a function: measure a build's verified candidates on this GPU, reselect,
+    and render out/report.md again. Returns {region: {"old_selected", "selected", "reason"}}."""
+    from coopt.emit.report import write_report
+    from coopt.tune.retune import tune_build_dir
+
+    summary = tune_build_dir(Path(out_dir), timeout_s=timeout_s)
+    write_report(Path(out_dir))
+    return summary

@@ -76,7 +76,7 @@ def dump_ir(module: ModuleOp, path: Path) -> None:
 
 def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dynamic_shapes=None, model_path=None, progress=_noop) -> BuildResult:
     from coopt.emit.manifest import write_manifest
-    from coopt.emit.report import write_report
+    from coopt.emit.report import write_build_record, write_report
     from coopt.llm_advisor.replay import AdviceLog
 
     start = time.monotonic()
@@ -136,7 +136,8 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     result.seconds = time.monotonic() - start
     advice_log.write(out / "advice.json")
     write_manifest(out, config, model_path, result)
-    write_report(out, config, model_path, result)
+    write_build_record(out, config, model_path, result)
+    write_report(out)
     return result
 
 

@@ -127,9 +127,9 @@ def tune(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Re-measure the verified candidates of a build on this GPU and rewrite its selection."""
-    from coopt.tune.retune import tune_build_dir
+    from coopt.api import tune as tune_build
 
-    summary = _run(lambda: tune_build_dir(out, timeout_s=timeout), as_json)
+    summary = _run(lambda: tune_build(out, timeout_s=timeout), as_json)
     if as_json:
         print(json.dumps({"ok": True, "regions": summary}, indent=2, default=str))
     else:

@@ -121,3 +121,28 @@ def test_built_model_rejects_wrong_inputs(builds):
         model(torch.randn(8, 64, dtype=torch.float64))
     with pytest.raises(ValueError, match="shape"):
         model(torch.randn(8, 65))
+
+
+def test_tune_remeasures_and_the_report_follows(builds, tmp_path):
+    """`coopt tune` rewrites selection.json and the report renders again from the files.
+    (Timed on the CPU here through the tuner's test path; on the GPU `coopt tune` does this.)"""
+    import shutil
+
+    from coopt.emit.report import write_report
+    from coopt.tune.retune import tune_build_dir
+
+    out, _ = builds("mlp")
+    copy = tmp_path / "tuned"
+    shutil.copytree(out, copy)
+    assert "unmeasured (no GPU)" in (copy / "report.md").read_text()
+    summary = tune_build_dir(copy, allow_cpu=True, timeout_s=120, warmup_ms=1, rep_ms=5)
+    write_report(copy)
+    report = (copy / "report.md").read_text()
+    assert "latency: measured on the GPU" in report
+    selection = json.loads((copy / "selection.json").read_text())
+    assert selection["measured"] is True
+    for name, entry in selection["regions"].items():
+        assert entry["selected"] == summary[name]["selected"]
+        reference = next(c for c in entry["candidates"] if c["label"] == "reference")
+        assert reference["latency_ms"] is not None and f"{reference['latency_ms']:.4f} ms" in report
+    assert coopt.load(copy)(torch.randn(8, 64)).shape == (8, 64)
