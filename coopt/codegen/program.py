@@ -48,9 +48,10 @@ def program_source(module: ModuleOp, *, model_name: str, target: str, params: li
         "program.py.j2",
         model_name=model_name,
         target=target,
-        weights=weights,
-        regions=regions,
-        inputs=[_input_contract(tensor_spec(a)) for a in block.args],
+        # Python literals (repr), not JSON: None and True must read back as Python
+        weights_repr=repr(weights),
+        regions_repr=repr(regions),
+        inputs_repr=repr([_input_contract(tensor_spec(a)) for a in block.args]),
         out_spec=out_spec,
         params=params,
         unpack=unpack,
