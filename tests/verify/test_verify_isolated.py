@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verify_helpers import MUL_ADD_REFERENCE, vector_region, write_module
+from verify_helpers import MUL_ADD_REFERENCE, vector_region, write_module, ODD_TAIL_BUG
 
 from coopt.verify.isolated import VerifyWorker, verify_candidates_isolated
 
@@ -34,13 +34,6 @@ RAISES = """
         raise RuntimeError("illegal launch")
 """
 
-ODD_TAIL_BUG = """
-    def run(x, y):
-        out = x * y + 1.0
-        if x.shape[0] % 2 == 1:
-            out[-1] = 0.0
-        return (out,)
-"""
 
 
 def test_batch_survives_crashes_and_hangs(tmp_path, mul_add_reference):

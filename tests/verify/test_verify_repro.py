@@ -7,18 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from verify_helpers import MUL_ADD_REFERENCE, vector_region, write_module
+from verify_helpers import MUL_ADD_REFERENCE, vector_region, write_module, ODD_TAIL_BUG
 
 import coopt
 from coopt.verify.runner import verify_candidate
 
-ODD_TAIL_BUG = """
-    def run(x, y):
-        out = x * y + 1.0
-        if x.shape[0] % 2 == 1:
-            out[-1] = 0.0
-        return (out,)
-"""
 
 
 def _run_script(script: Path) -> subprocess.CompletedProcess:

@@ -5,20 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from verify_helpers import MUL_ADD_REFERENCE, matrix_region, vector_region, write_module
+from verify_helpers import MUL_ADD_REFERENCE, matrix_region, vector_region, write_module, ODD_TAIL_BUG
 
 from coopt.verify.runner import verify_candidate
 
 CORRECT = MUL_ADD_REFERENCE
 
-# Wrong on the last element, only when n is odd.
-ODD_TAIL_BUG = """
-    def run(x, y):
-        out = x * y + 1.0
-        if x.shape[0] % 2 == 1:
-            out[-1] = 0.0
-        return (out,)
-"""
 
 RAISES = """
     def run(x, y):

@@ -38,3 +38,12 @@ MUL_ADD_REFERENCE = """
     def run(x, y):
         return (x * y + 1.0,)
 """
+
+# Wrong on the last element, only when n is odd: the shrinker must find the odd edge.
+ODD_TAIL_BUG = """
+    def run(x, y):
+        out = x * y + 1.0
+        if x.shape[0] % 2 == 1:
+            out[-1] = 0.0
+        return (out,)
+"""
