@@ -129,7 +129,7 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     # 8. end to end: the built model against the original on fresh inputs; if a mix of verified
     #    kernels still disagrees, fall back to the references rather than ship a wrong model
     progress("end-to-end", "built model vs original")
-    e2e = _end_to_end(model, example_inputs, regions, out, config, measured, warnings)
+    e2e = _end_to_end(model, example_inputs, regions, out, config, measured, warnings, list(module.walk()))
 
     # 9. record: report for people, manifest for tools, advice for replay
     result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings)
@@ -244,11 +244,17 @@ def _forward_params(model, count: int) -> list[str]:
     return names if len(names) == count else [f"input_{i}" for i in range(count)]
 
 
-def _end_to_end(model, example_inputs, regions, out, config, measured, warnings) -> dict:
+def _end_to_end(model, example_inputs, regions, out, config, measured, warnings, module_ops) -> dict:
     from coopt.runtime.loader import load
     from coopt.verify import verify_end_to_end
     from coopt.errors import EndToEndMismatch
 
+    import copy
+
+    from coopt.ir.dialect import StateUpdateOp, StateWriteOp
+
+    if any(isinstance(op, (StateWriteOp, StateUpdateOp)) for op in module_ops):
+        model = copy.deepcopy(model)  # the check runs the model: never mutate the caller's buffers
     device = _device_of(example_inputs)
     built = load(out, device=device)
     verdict = verify_end_to_end(model, built, example_inputs, trials=config.e2e_trials, seed=config.seed)

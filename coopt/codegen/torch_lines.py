@@ -17,6 +17,7 @@ from coopt.ir.dialect import (
     LinearOp,
     RMSNormOp,
     SoftmaxOp,
+    StateUpdateOp,
     StateWriteOp,
     WeightOp,
     YieldOp,
@@ -85,11 +86,17 @@ def callable_expr(target: str) -> str:
     return f"torch.ops.{target}"
 
 
-def aten_call(op: AtenOp | FallbackOp, names: Names) -> list[str]:
+def aten_call(op: AtenOp | FallbackOp | StateUpdateOp, names: Names) -> list[str]:
     call = op.call
     operands = [names[v] for v in op.inputs]
     parts = [_decode(a, operands) for a in call["args"]]
     parts += [f"{k}={_decode(v, operands)}" for k, v in call["kwargs"].items()]
+    if op.target.data == "coopt.slice_copy_":  # slice_scatter(buf, src, dim, start, end, step) in place
+        buffer, src, *rest = parts
+        return [
+            f"torch.ops.aten.slice.Tensor({', '.join([buffer, *rest])}).copy_({src})",
+            f"{names.new(op.results[0])} = {buffer}",
+        ]
     expr = f"{callable_expr(op.target.data)}({', '.join(parts)})"
     results = [names.new(r) for r in op.results]
     if not results:
@@ -141,7 +148,7 @@ def op_lines(op, names: Names, *, weight_expr, state_expr, kernel_expr) -> list[
     weights, state buffers and kernels (the program uses attributes; references never do)."""
     if isinstance(op, WeightOp):
         return [f"{names.new(op.result)} = {weight_expr(op.ref.data)}"]
-    if isinstance(op, (AtenOp, FallbackOp)):
+    if isinstance(op, (AtenOp, FallbackOp, StateUpdateOp)):
         return aten_call(op, names)
     if isinstance(op, StateWriteOp):
         return [f"{state_expr(op.ref.data)}.copy_({names[op.value]})"]

@@ -49,7 +49,7 @@ VIEWS_AND_DATA = {
     "aten.unbind.int", "aten.flatten.using_ints", "aten.repeat_interleave.self_int",
     "aten.embedding.default", "aten.index.Tensor", "aten.index_select.default",
     "aten.to.dtype", "aten._to_copy.default", "aten.type_as.default", "aten.alias.default",
-    "aten.copy.default", "aten.slice_scatter.default", "aten.index_put.default",
+    "aten.copy.default", "aten.slice_scatter.default", "aten.index_put.default", "aten.index_copy.default",
     "aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.full.default",
     "aten.zeros.default", "aten.ones.default", "aten.zeros_like.default", "aten.ones_like.default",
     "aten.triu.default", "aten.tril.default", "aten.where.self", "aten.masked_fill.Scalar",

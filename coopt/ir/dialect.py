@@ -107,6 +107,28 @@ class StateWriteOp(IRDLOperation):
         super().__init__(operands=[value], properties={"ref": StringAttr(ref)})
 
 
+@irdl_op_definition
+class StateUpdateOp(_AtenCallBase):
+    """An in-place update of a buffer (a KV-cache write): `target` is the in-place ATen op
+    ("aten.index_put_.default", "aten.index_copy_.default") or "coopt.slice_copy_" (write `src`
+    into a slice), operand 0 the buffer, `ref` its state-dict name. The result is the buffer
+    after the write (it aliases the buffer). Made by inplace-state-writes from a functional
+    update + coopt.state_write, so a decode step writes one token instead of copying the cache.
+    """
+
+    name = "coopt.state_update"
+    ref = prop_def(StringAttr)
+    traits = traits_def(MemoryWriteEffect())
+
+    def __init__(self, ref: str, target: str, call: dict, inputs, result_type):
+        IRDLOperation.__init__(
+            self,
+            operands=[inputs],
+            properties={"target": StringAttr(target), "args": json_prop(call), "ref": StringAttr(ref)},
+            result_types=[[result_type]],
+        )
+
+
 # -- high-level ops (made by raise-patterns) ------------------------------------------------
 
 
@@ -256,6 +278,6 @@ HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, At
 
 Coopt = Dialect(
     "coopt",
-    [WeightOp, AtenOp, FallbackOp, StateWriteOp, *HIGH_LEVEL_OPS, KernelOp, YieldOp],
+    [WeightOp, AtenOp, FallbackOp, StateWriteOp, StateUpdateOp, *HIGH_LEVEL_OPS, KernelOp, YieldOp],
     [],
 )

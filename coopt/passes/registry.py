@@ -11,6 +11,7 @@ from xdsl.utils.exceptions import ArgSpecParseError
 from coopt.errors import ConfigError
 
 _BUILTIN = {
+    "inplace-state-writes": "coopt.passes.inplace_state_writes:InplaceStateWrites",
     "raise-patterns": "coopt.passes.raise_patterns:RaisePatterns",
     "fuse-norm-residual": "coopt.passes.fuse_norm_residual:FuseNormResidual",
     "fuse-attention": "coopt.passes.fuse_attention:FuseAttention",
@@ -18,9 +19,10 @@ _BUILTIN = {
     "fuse-elementwise": "coopt.passes.fuse_elementwise:FuseElementwise",
 }
 
-# Phase order matters: raise first (fusion matches raised ops), then the big regions (norms,
+# Phase order matters: state writes become in-place first (they change what later ops read),
+# then raise (fusion matches raised ops), then the big regions (norms,
 # attention, GEMM epilogues) before plain elementwise chains take what is left.
-DEFAULT_PIPELINE = "raise-patterns,fuse-norm-residual,fuse-attention,fuse-linear-epilogue,fuse-elementwise"
+DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-norm-residual,fuse-attention,fuse-linear-epilogue,fuse-elementwise"
 
 
 def _load(ref: str):
