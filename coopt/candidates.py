@@ -37,6 +37,7 @@ class RegionBuild:
     selected: str = REFERENCE
     reason: str = ""
     advice_sources: list[str] = field(default_factory=list)
+    inductor_ms: float | None = None  # the same ops through torch.compile: the bar to clear
 
     def to_json(self) -> dict:
         return {
@@ -44,6 +45,7 @@ class RegionBuild:
             "summary": self.summary.to_json(),
             "selected": self.selected,
             "reason": self.reason,
+            "inductor_ms": self.inductor_ms,
             "candidates": [c.to_json() for c in self.candidates],
         }
 

@@ -202,12 +202,18 @@ def _select(regions: list[RegionBuild], out: Path, progress) -> bool:
         if measured:
             progress("measure", region.summary.name)
             timed = {c.label: out / c.module for c in region.candidates if c.verified}
-            measurements = measure_candidates(region.summary, timed)
+            timed[INDUCTOR] = out / region.candidates[0].module  # the reference, via torch.compile
+            measurements = measure_candidates(region.summary, timed, inductor_labels=frozenset({INDUCTOR}))
+            inductor = measurements.pop(INDUCTOR)
+            region.inductor_ms = inductor.median_ms if inductor.error is None else None
             for c in region.candidates:
                 if c.label in measurements and measurements[c.label].error is None:
                     c.latency_ms = measurements[c.label].median_ms
         region.selected, region.reason = select_candidate([c.to_json() for c in region.candidates], measurements)
     return measured
+
+
+INDUCTOR = "torch.compile"
 
 
 def _emit(module, program, imported, model, example_inputs, regions, out, config, measured) -> None:

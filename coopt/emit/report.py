@@ -51,6 +51,23 @@ def _latency(candidate: dict) -> str:
     return f"{ms:.4f} ms" if ms is not None else "unmeasured"
 
 
+def _versus_inductor(region: dict) -> list[str]:
+    """The same ops through torch.compile, measured in the same worker: say where we lose."""
+    inductor = region.get("inductor_ms")
+    chosen = next((c for c in region["candidates"] if c["label"] == region["selected"]), None)
+    if inductor is None or chosen is None or chosen.get("latency_ms") is None:
+        return []
+    ours = chosen["latency_ms"]
+    if ours <= inductor:
+        return [f"torch.compile on the same ops: {inductor:.4f} ms; the selection is {inductor / ours:.2f}x faster", ""]
+    fastest_template = min((c["latency_ms"] for c in region["candidates"]
+                            if c["family"] != REFERENCE and c.get("latency_ms") is not None), default=None)
+    why = ("no verified template candidate was measured" if fastest_template is None else
+           f"the best verified template took {fastest_template:.4f} ms and the reference {ours:.4f} ms; "
+           "inductor's own kernel for these ops is faster than both")
+    return [f"**loses to torch.compile**: {inductor:.4f} ms vs {ours:.4f} ms ({ours / inductor:.2f}x slower): {why}", ""]
+
+
 def _region_lines(name: str, region: dict) -> list[str]:
     from coopt.ir.region import RegionSummary
 
@@ -64,6 +81,7 @@ def _region_lines(name: str, region: dict) -> list[str]:
         "",
         f"**selected: {region['selected']}** — {region.get('reason', '')}",
         "",
+        *_versus_inductor(region),
         "| candidate | family | params | verification | latency |",
         "| --- | --- | --- | --- | --- |",
     ]

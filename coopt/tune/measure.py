@@ -59,6 +59,7 @@ def measure_candidates(
     rep_ms: float = 100,
     allow_cpu: bool = False,
     db: TuningDB | None = None,
+    inductor_labels: frozenset[str] = frozenset(),
 ) -> dict[str, Measurement]:
     """Time each candidate module (label -> path) at `dims` (default: the region's example dims).
 
@@ -66,7 +67,8 @@ def measure_candidates(
     candidate's own limit, see `time_in_workers`) or raises gets a Measurement with `error` set.
     Without CUDA returns {} (the caller marks "unmeasured"), unless `allow_cpu`, a test-only path
     that times host wall clock instead of GPU events.
-    With `db`, cached measurements are reused and new successful ones stored.
+    With `db`, cached measurements are reused and new successful ones stored. Labels in
+    `inductor_labels` are timed through torch.compile (never cached: same file as the reference).
 
     >>> measure_candidates(region, {"c0": Path("out/kernels/r0__c0.py")})    # doctest: +SKIP
     {'c0': Measurement(median_ms=0.041, p20_ms=0.040, p80_ms=0.043, error=None, ...)}
@@ -81,7 +83,8 @@ def measure_candidates(
     keys: dict[str, TuningKey | None] = {}
     to_time: dict[str, str] = {}
     for label, path in module_paths.items():
-        key = TuningKey.for_candidate(path, region, dims, device) if db is not None else None
+        cacheable = db is not None and label not in inductor_labels  # same file, other compiler
+        key = TuningKey.for_candidate(path, region, dims, device) if cacheable else None
         cached = db.get(key) if key is not None else None
         if cached is not None:
             results[label] = cached
@@ -96,6 +99,8 @@ def measure_candidates(
             "rep_ms": rep_ms,
             "seed": 0,
             "allow_cpu": allow_cpu,
+            # these labels are timed through torch.compile (the inductor comparison point)
+            "inductor_labels": sorted(inductor_labels),
         }
         outcomes = time_in_workers(request, to_time, timeout_s)
         for label in to_time:

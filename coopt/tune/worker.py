@@ -55,7 +55,8 @@ def time_batch(request: dict, result_stream) -> int:
         return 0
     _emit(result_stream, {"ready": True})
     for label, module in request["candidates"].items():
-        result = _time_guarded({**request, "module": module})
+        inductor = label in request.get("inductor_labels", ())
+        result = _time_guarded({**request, "module": module, "inductor": inductor})
         _emit(result_stream, {"label": label, **result})
         if "error" in result:
             # The CUDA context may be poisoned (an illegal address is sticky), so nothing more is
@@ -118,6 +119,9 @@ def time_candidate(request: dict) -> dict:
     try:
         module = load_module_from_file(request["module"])
         run = module.run
+        if request.get("inductor"):
+            # the comparison point: the same ops compiled by torch.compile (inductor)
+            run = torch.compile(run, dynamic=False)
     except Exception as exc:
         traceback.print_exc()
         return {"error": f"import failed: {_one_line(exc)}"}

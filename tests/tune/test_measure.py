@@ -241,3 +241,16 @@ def test_startup_failure_fails_the_whole_batch_in_one_worker(tmp_path, monkeypat
     assert outcomes == {"x": {"error": "no CUDA device in the timing worker"},
                         "y": {"error": "no CUDA device in the timing worker"}}
     assert len(starts) == 1
+
+
+def test_inductor_label_times_the_same_file_through_torch_compile(tmp_path):
+    """The torch.compile comparison point: same module, compiled, and never cached under the
+    reference's key."""
+    path = write_module(tmp_path, "ref", ADD)
+    db = TuningDB(tmp_path / "tuning.sqlite")
+    results = measure.measure_candidates(
+        add_region(), {"reference": path, "torch.compile": path}, allow_cpu=True, timeout_s=120,
+        warmup_ms=1, rep_ms=5, db=db, inductor_labels=frozenset({"torch.compile"}),
+    )
+    assert results["reference"].ok and results["torch.compile"].ok, results
+    assert len(db) == 1  # only the plain reference was stored
