@@ -64,6 +64,7 @@ REDUCTIONS = {
 
 KNOWN = set(ELEMENTWISE) | MATMUL | NORMS | ATTENTION | VIEWS_AND_DATA | REDUCTIONS | {
     "aten.eq.Scalar", "aten.eq.Tensor", "aten.lt.Scalar", "aten.gt.Scalar", "aten.ge.Scalar",
-    "aten.le.Scalar", "aten.logical_not.default", "aten.cos.default", "aten.sin.default",
+    "aten.le.Scalar", "aten.lt.Tensor", "aten.gt.Tensor", "aten.ge.Tensor", "aten.le.Tensor",
+    "aten.ne.Scalar", "aten.ne.Tensor", "aten.logical_and.default", "aten.logical_or.default", "aten.logical_not.default", "aten.cos.default", "aten.sin.default",
     "aten.clamp.default", "aten.erf.default", "aten.sym_size.int",
 }

@@ -155,6 +155,13 @@ def _is_causal_mask(tensor) -> bool:
     return bool((tensor.bool() == ones).all() and ((tensor == 0) | (tensor == 1)).all())
 
 
+def _is_arange(tensor) -> bool:
+    """A 1-D integer buffer holding 0, 1, ..., n-1 (gpt-fast's cache positions)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.dtype not in (torch.int64, torch.int32):
+        return False
+    return bool((tensor == torch.arange(tensor.numel(), device=tensor.device, dtype=tensor.dtype)).all())
+
+
 def import_program(program, example_inputs=()) -> ImportResult:
     """Import a functional ExportedProgram; `example_inputs` give the example value of each symbol."""
     sig = program.graph_signature
@@ -182,6 +189,8 @@ def import_program(program, example_inputs=()) -> ImportResult:
             op = WeightOp(spec.target, tensor_type(node.meta["val"]))
             if _is_causal_mask(state.get(spec.target)):
                 op.attributes["coopt.causal_mask"] = UnitAttr()  # lets raise-patterns see causal masking
+            if _is_arange(state.get(spec.target)):
+                op.attributes["coopt.arange"] = UnitAttr()  # cache positions: masks over them are lengths
             state_names.append(spec.target)
             ops.append(op)
             values[node] = op.result

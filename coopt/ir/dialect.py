@@ -240,6 +240,24 @@ class AttentionOp(IRDLOperation):
         )
 
 
+@irdl_op_definition
+class DecodeAttentionOp(IRDLOperation):
+    """One query token per sequence over a static KV cache: q [B,H,1,D] attends to positions
+    0 .. lengths[b]-1 of k/v [B,Hkv,S_max,D]; lengths [B] int32 (GQA when Hkv < H)."""
+
+    name = "coopt.decode_attention"
+    q = operand_def(TensorType)
+    k = operand_def(TensorType)
+    v = operand_def(TensorType)
+    lengths = operand_def(TensorType)
+    scale = prop_def(FloatAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, q, k, v, lengths, scale: float, type_):
+        super().__init__(operands=[q, k, v, lengths], properties={"scale": FloatAttr(float(scale), f64)}, result_types=[type_])
+
+
 # -- fusion ----------------------------------------------------------------------------------
 
 
@@ -274,7 +292,7 @@ class YieldOp(IRDLOperation):
         super().__init__(operands=[values])
 
 
-HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, AttentionOp)
+HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, AttentionOp, DecodeAttentionOp)
 
 Coopt = Dialect(
     "coopt",

@@ -105,6 +105,9 @@ class RegionSummary:
                 m *= d
             n = b[0] if self.attrs.get("b_layout") == "nk" else b[1]
             return 2 * m * n * a[-1]
+        if self.family == "decode_attention":  # one query token against the whole cache (upper bound)
+            b, h, _, d = self.inputs[0].concrete(dims)
+            return 4 * b * h * self.inputs[1].concrete(dims)[2] * d
         if self.family == "attention":
             bq, h, sq, d = self.inputs[0].concrete(dims)
             sk = self.inputs[1].concrete(dims)[2]

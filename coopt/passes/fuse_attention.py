@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 
-from coopt.ir.dialect import AttentionOp, KernelOp
+from coopt.ir.dialect import AttentionOp, DecodeAttentionOp, KernelOp
 from coopt.ir.outline import outline
 from coopt.passes.base import CooptPass, static_shape
 from coopt.passes.stats import count
@@ -16,7 +16,7 @@ from coopt.passes.stats import count
 @dataclass(frozen=True)
 class FuseAttention(CooptPass):
     name = "fuse-attention"
-    summary = "attention (SDPA or the explicit pattern, MHA or GQA) → attention region"
+    summary = "attention (SDPA or the explicit pattern, MHA or GQA) → attention region; decode steps → decode_attention"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         for attn in [o for o in op.walk() if isinstance(o, AttentionOp)]:
@@ -31,3 +31,16 @@ class FuseAttention(CooptPass):
             }
             outline([attn], "attention", attrs, inputs=[attn.q, attn.k, attn.v], outputs=[attn.result])
             count("fuse.attention" + (".gqa" if kv_heads != heads else ""))
+        for attn in [o for o in op.walk() if isinstance(o, DecodeAttentionOp)]:
+            if isinstance(attn.parent_op(), KernelOp):
+                continue
+            attrs = {
+                "scale": attn.scale.value.data,
+                "num_heads": static_shape(attn.q)[1],
+                "num_kv_heads": static_shape(attn.k)[1],
+                # input 3 holds lengths, each within [1, size of dim 2 of input 1] (the cache)
+                "lengths_input": 3,
+                "lengths_bound": [1, 2],
+            }
+            outline([attn], "decode_attention", attrs, inputs=[attn.q, attn.k, attn.v, attn.lengths], outputs=[attn.result])
+            count("fuse.decode_attention")

@@ -306,7 +306,9 @@ class RaisePatterns(CooptPass):
             GreedyRewritePatternApplier([RaiseLinear(), RaiseElementwise(), RaiseNorms(), RaiseSDPA()]),
             apply_recursively=False,
         ).rewrite_module(op)
-        later = [RecognizeSwiGLU(), RaiseExplicitAttention()]
+        from coopt.passes.raise_decode_attention import RaiseDecodeSDPA
+
+        later = [RecognizeSwiGLU(), RaiseExplicitAttention(), RaiseDecodeSDPA()]
         later += [RaiseExplicitRMSNorm()] if self.explicit_rms_norm else []
         PatternRewriteWalker(GreedyRewritePatternApplier(later)).rewrite_module(op)
         # the explicit RMSNorm leaves its square/mean/rsqrt chain dead: drop it (all pure)

@@ -1,0 +1,68 @@
+"""The decode step of a static-KV-cache model: SDPA of one query token with a mask
+`cache_positions[None, :] <= input_pos[:, None]` is attention over the first
+input_pos + 1 positions of the cache. Raised to coopt.decode_attention with explicit
+lengths, so a flash-decoding kernel reads only the valid part of the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+from xdsl.dialects.builtin import TensorType, i32
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.rewriter import InsertPoint, Rewriter
+
+from coopt.ir.dialect import AtenOp, DecodeAttentionOp, WeightOp
+from coopt.passes.base import aten_target, literal_arg, static_shape, tensor_arg
+from coopt.passes.stats import count
+
+
+def _unsqueezed(value, dim: int):
+    op = value.owner
+    if aten_target(op) == "aten.unsqueeze.default" and literal_arg(op, 1) == dim:
+        return tensor_arg(op, 0)
+    return None
+
+
+def _positions_mask(mask):
+    """input_pos when mask == le(arange_buffer[None, :], input_pos[:, None]), else None."""
+    le = mask.owner
+    if aten_target(le) != "aten.le.Tensor":
+        return None
+    positions, pos = _unsqueezed(tensor_arg(le, 0), 0), _unsqueezed(tensor_arg(le, 1), 1)
+    if positions is None or pos is None:
+        return None
+    if not (isinstance(positions.owner, WeightOp) and "coopt.arange" in positions.owner.attributes):
+        return None
+    return pos, static_shape(positions)[0]
+
+
+class RaiseDecodeSDPA(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
+        if op.target.data != "aten.scaled_dot_product_attention.default":
+            return
+        q, k, v, mask = tensor_arg(op, 0), tensor_arg(op, 1), tensor_arg(op, 2), tensor_arg(op, 3, "attn_mask")
+        if mask is None or literal_arg(op, 4, "dropout_p", 0.0) != 0.0 or literal_arg(op, 5, "is_causal", False):
+            return
+        qs, ks = static_shape(q), static_shape(k)
+        if len(qs) != 4 or qs[2] != 1 or None in (qs[0], qs[1], ks[1], ks[2]) or qs[1] % ks[1]:
+            return
+        found = _positions_mask(mask)
+        if found is None:
+            return
+        input_pos, positions = found
+        if positions != ks[2] or static_shape(input_pos) != [1]:
+            return
+        scale = literal_arg(op, 6, "scale", None)
+        scale = 1.0 / math.sqrt(qs[3]) if scale is None else scale
+        # lengths = input_pos + 1, as int32, one per sequence
+        plus_one = AtenOp("aten.add.Tensor", {"args": [{"$t": 0}, 1], "kwargs": {}}, [input_pos], [input_pos.type])
+        as_int = AtenOp("aten._to_copy.default", {"args": [{"$t": 0}], "kwargs": {"dtype": {"$dtype": "int32"}}},
+                        [plus_one.results[0]], [TensorType(i32, [1])])
+        lengths = AtenOp("aten.expand.default", {"args": [{"$t": 0}, [qs[0]]], "kwargs": {}},
+                         [as_int.results[0]], [TensorType(i32, [qs[0]])])
+        for new in (plus_one, as_int, lengths):
+            Rewriter.insert_op(new, InsertPoint.before(op))
+        rewriter.replace_matched_op(DecodeAttentionOp(q, k, v, lengths.results[0], float(scale), op.results[0].type))
+        count("raise.attention.decode")

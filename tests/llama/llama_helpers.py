@@ -1,0 +1,79 @@
+"""Hugging Face-format checkpoint directories for the Llama tests, written with safetensors and
+a name table of their own (independent of the model file's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MODEL_PATH = Path(__file__).resolve().parents[2] / "examples" / "llama" / "model.py"
+
+
+# our state-dict name -> Hugging Face's, written out independently of the model file's table
+def hf_name(name: str) -> str:
+    parts = name.split(".")
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    layer, module, leaf = parts[1], parts[2], ".".join(parts[3:])
+    prefix = f"model.layers.{layer}"
+    if module == "attention_norm":
+        return f"{prefix}.input_layernorm.{leaf}"
+    if module == "ffn_norm":
+        return f"{prefix}.post_attention_layernorm.{leaf}"
+    if module == "attention":  # wq.weight -> q_proj.weight
+        return f"{prefix}.self_attn.{leaf[1]}_proj.{parts[4]}"
+    if module == "feed_forward":  # w_gate.weight -> gate_proj.weight
+        return f"{prefix}.mlp.{parts[3][2:]}_proj.{parts[4]}"
+    raise AssertionError(name)
+
+
+def hf_config(args, architecture: str = "LlamaForCausalLM") -> dict:
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}[architecture]
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.ffn_hidden_size,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "num_hidden_layers": args.n_layers,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_position_embeddings,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if model_type == "llama":
+        config["attention_bias"] = args.attention_bias
+    return config
+
+
+def write_hf_checkpoint(directory: Path, model, architecture: str = "LlamaForCausalLM", shards: int = 1) -> Path:
+    """`model`'s weights as a Hugging Face directory: config.json and one model.safetensors, or
+    `shards` files with model.safetensors.index.json. Tied models omit lm_head.weight."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf_config(model.args, architecture)))
+    tensors = {hf_name(k): v.clone().contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_word_embeddings:
+        del tensors["lm_head.weight"]
+    if shards == 1:
+        save_file(tensors, str(directory / "model.safetensors"))
+        return directory
+    names = sorted(tensors)
+    weight_map = {}
+    for index in range(shards):
+        file = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[index::shards]
+        save_file({n: tensors[n] for n in part}, str(directory / file))
+        weight_map.update({n: file for n in part})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
