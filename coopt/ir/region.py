@@ -31,6 +31,16 @@ attention (softmax(q k^T * scale [+ causal mask]) v)
     inputs: q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, D]; output [B, H, Sq, D].
     H is a multiple of Hkv (GQA: query head h reads kv head h // (H // Hkv)). With causal and
     Sq != Sk the mask is aligned to the bottom right, as in SDPA with a KV cache.
+
+decode_attention (one new token per sequence over a static KV cache, valid prefix only)
+    attrs = {"scale": float, "num_heads": H, "num_kv_heads": Hkv,
+             "lengths_input": 3, "lengths_bound": [1, 2], ["example_length": int]}
+    inputs: q [B, H, 1, D], k_cache [B, Hkv, S_max, D], v_cache [B, Hkv, S_max, D],
+    lengths [B] int32 with 1 <= lengths[b] <= S_max; output [B, H, 1, D] in q's dtype.
+    Sequence b attends to cache positions 0 .. lengths[b] - 1 (causal for a decode step at
+    position lengths[b] - 1); GQA as in attention. "lengths_input" / "lengths_bound" name the
+    lengths input and the dim bounding it (input 1, dim 2: S_max), so that verification draws
+    valid lengths; "example_length" is the length the advisor plans for (default S_max).
 """
 
 from __future__ import annotations

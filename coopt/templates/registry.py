@@ -11,6 +11,7 @@ _BUILTIN = {
     "row_reduction": "coopt.templates.row_reduction:RowReductionFamily",
     "matmul_epilogue": "coopt.templates.matmul_epilogue:MatmulEpilogueFamily",
     "attention": "coopt.templates.attention:AttentionFamily",
+    "decode_attention": "coopt.templates.decode_attention:DecodeAttentionFamily",
 }
 
 

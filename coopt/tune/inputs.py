@@ -70,10 +70,17 @@ def make_inputs(region: RegionSummary, dims: dict[str, int], *, device: str = "c
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     tensors = []
-    for spec in region.inputs:
+    lengths_input = region.attrs.get("lengths_input")
+    for index, spec in enumerate(region.inputs):
         shape = spec.concrete(dims)
         dtype = getattr(torch, spec.dtype)
-        if dtype == torch.bool:
+        if index == lengths_input:
+            # valid lengths, not random small integers: time the length the region plans for
+            # (attrs example_length), else the whole cache (lengths_bound names its dim)
+            source, dim = region.attrs["lengths_bound"]
+            length = region.attrs.get("example_length", region.inputs[source].concrete(dims)[dim])
+            tensor = torch.full(shape, length, dtype=dtype, device=device)
+        elif dtype == torch.bool:
             tensor = torch.randint(0, 2, shape, generator=generator, device=device).to(torch.bool)
         elif not dtype.is_floating_point:
             tensor = torch.randint(0, _INT_HIGH, shape, generator=generator, device=device, dtype=dtype)

@@ -12,7 +12,10 @@ moves toward the minimum. `anchor_examples` adds fixed examples checked on every
 dims are ints in the spec, so regions whose attrs pin a dim need nothing here.
 
 Values: standard normal times a magnitude drawn from (1, 1e-3, 30, 1e3), one magnitude per
-example for all inputs; shrinking moves toward 1.
+example for all inputs; shrinking moves toward 1. An integer input that the region names as
+valid lengths (attrs {"lengths_input": i, "lengths_bound": [j, d]}: every value of input i lies
+in [1, inputs[j].shape[d]], as decode_attention's lengths [B] against S_max) gets such lengths,
+chosen per element from the example's seed (see `valid_lengths`).
 
     >>> from coopt.ir.region import RegionSummary, TensorSpec
     >>> region = RegionSummary("r0", "elementwise", (TensorSpec(("n", 8), "float32"),),
@@ -187,13 +190,13 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
     CPU and copying cost about a second per example at GPU model sizes (measured on the H200:
     2 GEMM regions of a 4096x16384 MLP took 128 s to build). Floating inputs: N(0, 1) *
     magnitude (fp8: clamped to the dtype's finite range first); integer inputs: uniform in
-    [0, 8); bool: fair coin.
+    [0, 8), or valid lengths for the region's lengths input; bool: fair coin.
     """
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(example.seed)
     dims = example.dim_values()
     tensors = []
-    for spec in region.inputs:
+    for index, spec in enumerate(region.inputs):
         shape = spec.concrete(dims)
         dtype = torch_dtype(spec.dtype)
         if dtype.is_floating_point:
@@ -205,7 +208,49 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
             tensor = values.to(dtype)
         elif dtype == torch.bool:
             tensor = torch.randint(0, 2, shape, generator=generator, device=device).bool()
+        elif index == region.attrs.get("lengths_input"):
+            tensor = valid_lengths(shape, _max_length(region, dims), example.seed).to(dtype).to(device)
         else:
             tensor = torch.randint(0, 8, shape, generator=generator, dtype=dtype, device=device)
         tensors.append(tensor)
     return tensors
+
+
+# Tile sizes whose boundaries (a multiple, one before, one after) lengths should hit.
+_LENGTH_BLOCKS = (16, 32, 64, 128)
+
+
+def valid_lengths(shape, max_length: int, seed: int) -> torch.Tensor:
+    """int64 lengths in [1, max_length], each element independently one of: 1, max_length, a
+    tile boundary (the first, the last or any multiple of 16/32/64/128 in range, or one off
+    it) or uniform; so a batch mixes lengths.
+
+    Drawn on the CPU from their own generator (a few values): the same on every machine, and
+    independent of how many floating values the other inputs took.
+
+        >>> valid_lengths((6,), 40, seed=3).tolist()
+        [31, 1, 40, 20, 1, 1]
+    """
+    max_length = max(1, int(max_length))
+    generator = torch.Generator().manual_seed(seed)
+    count = _numel(tuple(shape))
+    kind = torch.randint(0, 4, (count,), generator=generator).tolist()
+    uniform = torch.randint(1, max_length + 1, (count,), generator=generator).tolist()
+    block = torch.randint(0, len(_LENGTH_BLOCKS), (count,), generator=generator).tolist()
+    multiple = torch.randint(0, 3, (count,), generator=generator).tolist()
+    offset = torch.randint(-1, 2, (count,), generator=generator).tolist()
+    lengths = []
+    for i in range(count):
+        size = _LENGTH_BLOCKS[block[i]]
+        boundary = size * max(1, (1, max_length // size, uniform[i] // size)[multiple[i]]) + offset[i]
+        lengths.append((1, max_length, boundary, uniform[i])[kind[i]])
+    return torch.tensor(lengths, dtype=torch.int64).clamp(1, max_length).reshape(tuple(shape))
+
+
+def _max_length(region: RegionSummary, dims: dict[str, int]) -> int:
+    """The bound of a lengths input: the size of the dim `attrs["lengths_bound"]` names."""
+    bound = region.attrs.get("lengths_bound")
+    if bound is None:
+        raise ValueError(f"region {region.name}: 'lengths_input' needs 'lengths_bound' [input, dim]")
+    tensor_index, dim_index = bound
+    return region.inputs[tensor_index].concrete(dims)[dim_index]

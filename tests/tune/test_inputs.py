@@ -73,3 +73,15 @@ def test_rotation_count_bounded_by_budget():
     assert rotation_count(add_region(), {"B": 4}) == 4
     huge = {"B": 2**22}  # 2 inputs x 4 Mi x 64 x 4 B = 2 GiB a set
     assert rotation_count(add_region(), huge) == 1
+
+
+def test_lengths_inputs_get_the_planned_length():
+    from coopt.ir.region import RegionSummary, TensorSpec
+    from coopt.tune.inputs import make_inputs
+
+    kv = TensorSpec((2, 2, 64, 16), "float32")
+    region = RegionSummary("d", "decode_attention", (TensorSpec((2, 4, 1, 16), "float32"), kv, kv, TensorSpec((2,), "int32")),
+                           (TensorSpec((2, 4, 1, 16), "float32"),), attrs={"lengths_input": 3, "lengths_bound": [1, 2]})
+    assert make_inputs(region, {})[3].tolist() == [64, 64]
+    planned = RegionSummary(**{**region.__dict__, "attrs": {**region.attrs, "example_length": 40}})
+    assert make_inputs(planned, {})[3].tolist() == [40, 40]
