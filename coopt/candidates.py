@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,15 @@ class RegionBuild:
     reason: str = ""
     advice_sources: list[str] = field(default_factory=list)
     inductor_ms: float | None = None  # the same ops through torch.compile: the bar to clear
+    same_as: str | None = None  # an identical earlier region whose candidates this one shares
+
+    def twin(self, summary: RegionSummary) -> "RegionBuild":
+        """A region identical to this one (another layer of the same model): it shares the
+        candidate files, verification and timing; its selection is copied by `follow`."""
+        return RegionBuild(summary, self.candidates, same_as=self.summary.name)
+
+    def follow(self, leader: "RegionBuild") -> None:
+        self.selected, self.reason, self.inductor_ms = leader.selected, leader.reason, leader.inductor_ms
 
     def to_json(self) -> dict:
         return {
@@ -46,8 +56,18 @@ class RegionBuild:
             "selected": self.selected,
             "reason": self.reason,
             "inductor_ms": self.inductor_ms,
+            "same_as": self.same_as,
             "candidates": [c.to_json() for c in self.candidates],
         }
+
+
+def region_signature(summary: RegionSummary) -> str:
+    """Regions with equal signatures compute the same function on the same shapes (a family's
+    attrs define its computation), so one set of candidates, checks and timings serves all."""
+    data = summary.to_json()
+    data.pop("name")
+    data.pop("input_names")
+    return json.dumps(data, sort_keys=True)
 
 
 def _tile(params: dict) -> tuple:

@@ -16,7 +16,7 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.printer import Printer
 
-from coopt.candidates import REFERENCE, RegionBuild, make_candidates
+from coopt.candidates import REFERENCE, RegionBuild, make_candidates, region_signature
 from coopt.codegen.program import program_source
 from coopt.frontend.capture import capture
 from coopt.frontend.importer import import_program
@@ -108,19 +108,31 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     # 4. candidates: the reference (the replaced ATen ops) plus the advisor's top-k legal points
     advice_log = AdviceLog(config.advisor)
     symbols = symbol_table(module)
+    #    (once per distinct region: the layers of a model repeat the same regions)
     regions: list[RegionBuild] = []
+    leaders: dict[str, RegionBuild] = {}
     for kernel in kernels(module):
         summary = summarize(kernel, symbols)
+        leader = leaders.get(region_signature(summary))
+        if leader is not None:
+            regions.append(leader.twin(summary))
+            continue
         progress("advise", summary.name)
-        regions.append(make_candidates(kernel, summary, config.target, config.advisor, advice_log, out, config.top_k))
+        leaders[region_signature(summary)] = make_candidates(kernel, summary, config.target, config.advisor, advice_log, out, config.top_k)
+        regions.append(leaders[region_signature(summary)])
     warnings += _advice_warnings(advice_log)
+    distinct = list(leaders.values())
 
     # 5. verify: fuzz every template candidate against its region's reference, in a worker
     #    process so a crashing or hanging kernel only fails itself
-    _verify(regions, out, config, progress)
+    _verify(distinct, out, config, progress)
 
     # 6. select: measured latency on a GPU; without one, the advisor's best verified choice
-    measured = _select(regions, out, progress)
+    measured = _select(distinct, out, progress)
+    by_name = {r.summary.name: r for r in distinct}
+    for region in regions:
+        if region.same_as is not None:
+            region.follow(by_name[region.same_as])
 
     # 7. emit: the program, the weights, the selection
     progress("emit", "program.py")

@@ -72,6 +72,10 @@ def _region_lines(name: str, region: dict) -> list[str]:
     from coopt.ir.region import RegionSummary
 
     summary = RegionSummary.from_json(region["summary"])
+    if region.get("same_as"):
+        return [f"### {name} ({region['family']})", "",
+                f"identical to {region['same_as']} (same computation and shapes): its candidates, checks and "
+                f"timings serve here; **selected: {region['selected']}**", ""]
     lines = [
         f"### {name} ({region['family']})",
         "",

@@ -49,6 +49,11 @@ def tune_build_dir(
 
     summary = {}
     for name, region_entry in selection["regions"].items():
+        leader = selection["regions"].get(region_entry.get("same_as") or "")
+        if leader is not None:  # an identical region measured already: same files, same answer
+            summary[name] = {**summary[region_entry["same_as"]], "old_selected": region_entry.get("selected")}
+            region_entry.update(candidates=leader["candidates"], selected=leader["selected"], reason=leader["reason"])
+            continue
         region = RegionSummary.from_json(region_entry["summary"])
         candidates = region_entry["candidates"]
         to_time = {c["label"]: out_dir / c["module"] for c in candidates if _worth_timing(c)}
