@@ -1,0 +1,134 @@
+"""Per-token decode latency of a Llama-3-8B-shaped model: eager, torch.compile, coopt, and the
+bandwidth floor, in one run on one GPU.
+
+    python bench/decode.py                           # 8 layers, the three cases of issue 3
+    python bench/decode.py --layers 32 --cases 1:2048:4096 --out decode.json
+
+A case is batch:position:cache_length. Each variant runs the same model file
+(examples/llama/model.py, bf16, random weights, the cache filled up to the position), one
+decode step (one token per sequence), timed with triton.testing.do_bench (median). coopt's
+build is replayed as a CUDA graph (coopt.runtime.cuda_graph.GraphedStep). The floor is the
+bytes a step must read — all weights once plus the valid K/V of every layer — over the
+measured copy bandwidth (4.2 TB/s on the H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COPY_BANDWIDTH = 4.2e12
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--cases", default="1:2048:4096,1:32768:32832,32:2048:4096")
+    parser.add_argument("--modes", default="eager,max-autotune-no-cudagraphs,reduce-overhead,coopt")
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args()
+
+
+def load_case(layers: int, batch: int, pos: int, cache: int):
+    os.environ.update(
+        COOPT_LLAMA_PRESET="llama-3-8b", COOPT_LLAMA_LAYERS=str(layers), COOPT_LLAMA_BATCH=str(batch),
+        COOPT_LLAMA_POS=str(pos), COOPT_LLAMA_MAX_SEQ=str(cache), COOPT_EXAMPLE_DTYPE="bfloat16",
+    )
+    from coopt.frontend.model_file import load_model_file
+
+    loaded = load_model_file(ROOT / "examples" / "llama" / "model.py")
+    return loaded.model.cuda(), tuple(x.cuda() for x in loaded.example_inputs)
+
+
+def floor_ms(model, batch: int, pos: int) -> float:
+    import torch
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = 0
+    for name, buffer in model.named_buffers():
+        if name.endswith(("k_cache", "v_cache")):  # [B, Hkv, S_max, D]: the valid part is read
+            b, hkv, _, d = buffer.shape
+            kv += batch * hkv * (pos + 1) * d * buffer.element_size()
+    return (weights + kv) / COPY_BANDWIDTH * 1e3
+
+
+def run_case(case: str, args) -> dict:
+    import torch
+    from triton.testing import do_bench
+
+    import coopt
+    from coopt.runtime.cuda_graph import GraphedStep
+
+    batch, pos, cache = (int(v) for v in case.split(":"))
+    model, inputs = load_case(args.layers, batch, pos, cache)
+    row = {"case": case, "batch": batch, "pos": pos, "cache": cache, "layers": args.layers,
+           "floor_ms": floor_ms(model, batch, pos), "ms": {}, "setup_s": {}}
+    print(f"case b{batch} pos {pos} (cache {cache}): floor {row['floor_ms']:.3f} ms", flush=True)
+    with torch.no_grad():
+        expected = model(*inputs).float()
+
+    def record(mode, fn, setup_s):
+        with torch.no_grad():
+            got = fn().float()
+            row.setdefault("max_abs_err", {})[mode] = float((got - expected).abs().max())
+            row["ms"][mode] = do_bench(fn, warmup=50, rep=300, return_mode="median")
+        row["setup_s"][mode] = setup_s
+        print(f"  {mode:28s} {row['ms'][mode]:8.3f} ms  ({row['floor_ms'] / row['ms'][mode]:.0%} of floor)"
+              f"  max abs err {row['max_abs_err'][mode]:.3g}  setup {setup_s:.0f}s", flush=True)
+
+    modes = args.modes.split(",")
+    if "eager" in modes:
+        record("eager", lambda: model(*inputs), 0.0)
+    for mode in ("max-autotune-no-cudagraphs", "reduce-overhead"):
+        if mode in modes:
+            torch._dynamo.reset()
+            compiled = torch.compile(model, mode=mode)
+            start = time.monotonic()
+            with torch.no_grad():
+                for _ in range(3):
+                    compiled(*inputs)
+            record(f"compile {mode}", lambda: compiled(*inputs), time.monotonic() - start)
+    if "coopt" in modes:
+        out = Path(tempfile.mkdtemp(prefix="coopt-decode-")) / "out"
+        start = time.monotonic()
+        coopt.Pipeline(top_k=args.top_k).build(model, inputs, out)
+        built = coopt.load(out)
+        step = GraphedStep(built, inputs)
+        record("coopt", lambda: step(*inputs), time.monotonic() - start)
+        row["coopt_report"] = str(out / "report.md")
+    return row
+
+
+def main():
+    args = parse_args()
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        sys.exit("bench/decode.py needs a CUDA GPU")
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    print(json.dumps(env), flush=True)
+    rows = []
+    for case in args.cases.split(","):
+        rows.append(run_case(case, args))
+        if args.out:
+            args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
+    modes = sorted({m for r in rows for m in r["ms"]})
+    print("\n| case | floor ms | " + " | ".join(f"{m} ms" for m in modes) + " | coopt / floor |")
+    print("|" + " --- |" * (len(modes) + 3))
+    for r in rows:
+        cells = [f"{r['ms'][m]:.3f}" if m in r["ms"] else "—" for m in modes]
+        frac = f"{r['ms']['coopt'] / r['floor_ms']:.2f}x" if "coopt" in r["ms"] else "—"
+        print(f"| b{r['batch']} pos {r['pos']} | {r['floor_ms']:.3f} | " + " | ".join(cells) + f" | {frac} |")
+
+
+if __name__ == "__main__":
+    main()
