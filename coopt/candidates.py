@@ -70,13 +70,18 @@ def region_signature(summary: RegionSummary) -> str:
     return json.dumps(data, sort_keys=True)
 
 
+# knobs that only tune how a kernel runs; every other knob changes what kernel it is
+_LAUNCH_KNOBS = {"num_warps", "num_stages", "GROUP_M"}
+
+
 def _tile(params: dict) -> tuple:
-    return tuple(sorted((k, v) for k, v in params.items() if k.upper().startswith("BLOCK")))
+    return tuple(sorted((k, v) for k, v in params.items() if k not in _LAUNCH_KNOBS))
 
 
 def diverse_top_k(ranked: list[dict], k: int) -> list[tuple[int, dict]]:
-    """The best k points, preferring distinct tile shapes: an advisor's next-best points often
-    differ only in num_stages, and measuring three of those teaches little. Returns
+    """The best k points, preferring distinct kernels (tile shapes, TMA/persistent variants,
+    splits): an advisor's next-best points often differ only in num_stages, and measuring three
+    of those teaches little. Returns
     (advisor rank, params) pairs in rank order."""
     chosen: list[tuple[int, dict]] = []
     tiles: set = set()

@@ -108,6 +108,8 @@ def matmul_epilogue(request: AdviceRequest) -> tuple[CostFn, str]:
     n = (b[0] if request.region.attrs.get("b_layout") == "nk" else b[-1]) if b else 1
     sms = int(request.target.get("num_sms") or 132)
     bm_vals, bn_vals, bk_vals = (_numbers(knob(request.space, names)) for names in (BLOCK_M, BLOCK_N, BLOCK_K))
+    sixteen_bit = bool(request.region.inputs) and request.region.inputs[0].dtype in ("bfloat16", "float16")
+    hopper = False  # set for large 16-bit GEMMs below
 
     if m <= 16:
         # Decode / GEMV: the kernel streams the weight matrix once; anything above M rows in a
@@ -127,9 +129,15 @@ def matmul_epilogue(request: AdviceRequest) -> tuple[CostFn, str]:
         # 16-bit operands: 128x256 tiles (8 warps, 3 stages) feed wgmma best on Hopper and
         # halve A re-reads; measured on the H200 (2026-11-30), 128x128 tiles reached ~510
         # TFLOP/s on a 4096x16384x4096 bf16 GEMM against cuBLAS's ~680.
-        wide = n >= 256 and request.region.inputs[0].dtype in ("bfloat16", "float16")
+        wide = n >= 256 and sixteen_bit
         bm_t, bn_t, bk_t = 128, (256 if wide else 128), 64
         stages_range = (3, 4)
+        # Hopper variants (bench/NOTES-gemm.md, compiled for sm_90 with triton 3.6 and 3.9):
+        # tensor copies (USE_TMA) take operand addressing out of the registers and issue slots
+        # (the plain 128x256 kernel sits at the 255-register cap and spills with a GELU
+        # epilogue; the TMA kernels need 160-240), and the persistent grid overlaps each tile's
+        # epilogue with the next tile's loads.
+        hopper = sixteen_bit
     else:
         # Medium: 128x128 tiles would leave SMs idle; 64-wide tiles (BLOCK_M no larger than M)
         # and the fill penalty below trade tile efficiency for parallelism.
@@ -140,6 +148,8 @@ def matmul_epilogue(request: AdviceRequest) -> tuple[CostFn, str]:
 
     def cost(point: dict) -> float:
         bm, bn, bk = knob(point, BLOCK_M), knob(point, BLOCK_N), knob(point, BLOCK_K)
+        tma, persistent = knob(point, ("USE_TMA", "TMA")), knob(point, ("PERSISTENT",))
+        subtile = knob(point, ("EPILOGUE_SUBTILE",))
         split = knob(point, SPLIT_K)
         split = split if isinstance(split, int) and split > 0 else 1
         c = 2 * _log_gap(bm, bm_t) + _log_gap(bn, bn_t) + _log_gap(bk, bk_t)
@@ -152,6 +162,21 @@ def matmul_epilogue(request: AdviceRequest) -> tuple[CostFn, str]:
             c += _log_gap(knob(point, WARPS), 8 if bm * bn >= 128 * 128 else 4)
             if bm * bn >= 128 * 256:
                 stages = (3, 3)  # 48 KiB a stage (bf16): three fit in shared memory with room
+                if tma and subtile == 2:
+                    stages = (4, 4)  # the halved store buffer (32 KiB) leaves room for a fourth
+            elif tma:
+                stages = (4, 5)  # copies cost no registers: as deep as shared memory allows
+        if hopper:
+            c += (0.0 if tma else 1.0) + (0.0 if persistent else 0.5)
+            if isinstance(bn, int) and bn >= 256:
+                # A 128x256 fp32 epilogue in one piece spills (22-82 spill instructions with
+                # GELU, sm_90); in two 128-column halves it does not.
+                c += 0.0 if subtile == 2 else 1.0
+            if isinstance(bk, int) and bk < 64:
+                c += 1.5  # 64-byte rows: half-width swizzle, twice the barrier waits per FLOP
+        else:
+            # Unmeasured outside large 16-bit GEMMs: prefer the plain grid.
+            c += 0.5 * bool(tma) + 0.5 * bool(persistent) + 0.25 * (subtile not in (None, 1))
         c += 0.5 * _stages_gap(knob(point, STAGES), *stages)
         # Grouped tile order reuses B tiles in L2 only when there are several row tiles.
         c += 0.25 * _log_gap(knob(point, GROUP_M), 8 if bm_t and m > bm_t else 1)
@@ -159,7 +184,8 @@ def matmul_epilogue(request: AdviceRequest) -> tuple[CostFn, str]:
         c += 0.5 * math.log2(split)
         return c
 
-    return cost, f"{regime}: BLOCK_M~{bm_t}, BLOCK_N~{bn_t}, BLOCK_K~{bk_t}, fill {sms} SMs"
+    variant = ", persistent TMA kernel" + (", epilogue in halves" if bn_t == 256 else "") if hopper else ""
+    return cost, f"{regime}: BLOCK_M~{bm_t}, BLOCK_N~{bn_t}, BLOCK_K~{bk_t}{variant}, fill {sms} SMs"
 
 
 def attention(request: AdviceRequest) -> tuple[CostFn, str]:
@@ -204,6 +230,58 @@ def attention(request: AdviceRequest) -> tuple[CostFn, str]:
     return cost, (
         f"attention (Sq={sq}, Sk={sk}, D={d}, group={group}): BLOCK_N~{bn_t}, {warps_t} warps, "
         f"query tile and splits to fill {sms} SMs"
+    )
+
+
+def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
+    q, kv = _shape(request, 0), _shape(request, 1)
+    batch, heads, _, d = (1,) * (4 - len(q)) + q if len(q) < 4 else q[-4:]
+    kv_heads, max_length = (kv[-3], kv[-2]) if len(kv) >= 3 else (heads, 1)
+    group = max(1, heads // max(1, kv_heads))
+    attrs = request.region.attrs
+    length = min(max_length, max(1, int(attrs.get("example_length") or max_length)))
+    elem = 4 if request.region.inputs[1].dtype == "float32" else 2
+    sms = int(request.target.get("num_sms") or 132)
+    split_vals = _numbers(knob(request.space, ("SPLIT_KV",))) or [1]
+    bn_vals = _numbers(knob(request.space, BLOCK_N))
+
+    # Decode attention streams each (sequence, kv head)'s valid K/V once: bandwidth bound, and
+    # one program per (sequence, kv head) leaves most SMs idle when batch x kv heads is small.
+    # Split the keys until batch x kv heads x splits covers the SMs, but keep at least
+    # min_keys keys per split: below that the fixed cost of a split (loading q, writing and
+    # merging its fp32 partials, the reduce launch) outweighs the extra bandwidth. The length
+    # planned for is the region's example length (the cache size when it gives none).
+    min_keys = 128
+    programs = batch * kv_heads
+    most = _largest_at_most(split_vals, max(1, length // min_keys))
+    filling = [v for v in split_vals if programs * v >= FILL_SHARE * sms]
+    split_t = min(min(filling) if filling else max(split_vals), most)
+    # K and V tiles of ~16 KiB each: long contiguous reads, two or three stages in flight in
+    # shared memory; never longer than a split's share of the keys.
+    keys_per_split = max(1, length // split_t)
+    bn_t = _largest_at_most(bn_vals, max(16, min(16384 // (d * elem), keys_per_split)))
+    # Tensor cores pad the head group to 16 rows: free for a 16-bit cache with group >= 4
+    # (multiply-and-sum would need group x D FMAs per key). fp32 tl.dot runs on CUDA cores
+    # padded to 16 rows, and for small groups the padding costs more than it saves.
+    dot_t = elem == 2 and group >= 4
+    warps_t = 4 if d <= 128 else 8
+    # Loads in flight hide HBM latency; more stages than blocks per split buy nothing.
+    stages_range = (2, 3) if keys_per_split < 4 * (bn_t or 16) else (3, 4)
+
+    def cost(point: dict) -> float:
+        split = knob(point, ("SPLIT_KV",))
+        c = 2 * _log_gap(split, split_t) + _log_gap(knob(point, BLOCK_N), bn_t)
+        use_dot = knob(point, ("USE_DOT",))
+        if use_dot is not None and bool(use_dot) != dot_t:
+            c += 1.0
+        c += _log_gap(knob(point, WARPS), warps_t)
+        c += 0.5 * _stages_gap(knob(point, STAGES), *stages_range)
+        return c
+
+    return cost, (
+        f"decode attention (length~{length} of {max_length}, {programs} sequence x kv heads, "
+        f"group {group}, D={d}): SPLIT_KV~{split_t} to fill {sms} SMs, BLOCK_N~{bn_t}, "
+        f"{'tl.dot' if dot_t else 'multiply-and-sum'}"
     )
 
 
@@ -262,6 +340,7 @@ def elementwise(request: AdviceRequest) -> tuple[CostFn, str]:
 RULES: dict[str, Callable[[AdviceRequest], tuple[CostFn, str]]] = {
     "matmul_epilogue": matmul_epilogue,
     "attention": attention,
+    "decode_attention": decode_attention,
     "row_reduction": row_reduction,
     "elementwise": elementwise,
 }

@@ -12,6 +12,27 @@ Knobs (all explicit lists, pruned by `check`):
                                for small-M (decode) shapes that would leave SMs idle
     num_warps, num_stages      launch options (num_stages = software-pipeline depth)
 
+Hopper variants (knobs of the same kernel family; see bench/NOTES-gemm.md for what they compile to):
+    PERSISTENT                 one program per SM walks the output tiles in grouped order; the
+                               tile and K loops are fused, so the next tile's loads overlap the
+                               epilogue. Needs SPLIT_K=1 and BLOCK_M, BLOCK_N >= 64.
+    USE_TMA                    operands load and outputs store through tensor descriptors (the
+                               copy engine: `cp.async.bulk.tensor`), which frees the registers
+                               and issue slots that pointer loads use. 16-bit operands of one
+                               dtype only; `check` rejects static sizes whose rows are not
+                               16-byte aligned, and run() falls back to pointer loads/stores in
+                               the same kernel when a launch's tensors are not aligned (symbolic
+                               sizes, strided views).
+    EPILOGUE_SUBTILE           1 or 2: the epilogue runs on BLOCK_N / 2 wide halves (half the
+                               TMA store buffer, so one more operand stage fits).
+Warp specialization is not a knob: in Triton 3.6 and 3.9 it compiles for Hopper only with 4
+warps and pointer stores, and fails for larger tiles in 3.9 (bench/NOTES-gemm.md).
+
+What Triton's interpreter (CPU tests) runs: every point, TMA ones included (it emulates tensor
+descriptors, zero padding and clipped stores); bf16 dots are upcast to fp32 there, and the
+persistent grid has 3 programs so each walks several tiles. What it cannot show (copy engine,
+wgmma, pipelining, registers, shared memory) is checked by compiling for sm_90.
+
 Example (an MLP up-projection with SiLU, for 1..2048 tokens):
     >>> from coopt.ir.region import RegionSummary, TensorSpec
     >>> from coopt.targets import H200
@@ -48,6 +69,12 @@ _TORCH_DTYPE = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float
 _MAX_ACC_REGS_PER_THREAD = {"bf16/fp16": 128, "fp32": 64}
 _MAX_FP32_ACC_AND_OPERAND_REGS = 144
 
+# The Hopper variants' knobs; a point without them (older advice, caches) is the plain kernel.
+VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1}
+# Barriers and alignment padding the compiler adds to the tile loop's shared memory (<= 1.1 KB
+# measured for sm_90 with triton 3.6 and 3.9).
+_TILE_LOOP_SMEM_SLACK = 2048
+
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -73,6 +100,14 @@ def dim_range(region: RegionSummary, dims) -> tuple[int, int | None]:
         lo = lo * d_lo
         hi = None if hi is None or d_hi is None else hi * d_hi
     return lo, hi
+
+
+def _loaded_extras(region: RegionSummary) -> list[TensorSpec]:
+    """The extra epilogue inputs that the epilogue program reads (in0, in1, ...)."""
+    n_extra = len(region.inputs) - 2 - int(bool(region.attrs.get("has_bias")))
+    used = {a for _, _, args in region.attrs.get("epilogue", []) for a in args if isinstance(a, str)}
+    used |= set(region.attrs.get("outputs", []))
+    return [spec for i, spec in enumerate(region.inputs[len(region.inputs) - n_extra:]) if f"in{i}" in used]
 
 
 class MatmulEpilogueFamily(TemplateFamily):
@@ -111,6 +146,9 @@ class MatmulEpilogueFamily(TemplateFamily):
             "SPLIT_K": [1, 2, 4, 8],
             "num_warps": [4, 8],
             "num_stages": [2, 3, 4, 5],
+            "PERSISTENT": [False, True],
+            "USE_TMA": [False, True],
+            "EPILOGUE_SUBTILE": [1, 2],
         }
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
@@ -118,7 +156,10 @@ class MatmulEpilogueFamily(TemplateFamily):
         warps, stages, split_k = params["num_warps"], params["num_stages"], params["SPLIT_K"]
         (m_lo, m_hi), (n_lo, n_hi), (k_lo, k_hi) = self._mnk(region)
         elem = max(DTYPE_BYTES[region.inputs[0].dtype], DTYPE_BYTES[region.inputs[1].dtype])
-        smem = (bm * bk + bk * bn) * elem * stages
+        reason = self._check_variant(region, params)
+        if reason:
+            return reason
+        smem = (bm * bk + bk * bn) * elem * stages + self._epilogue_smem(region, params)
         if smem > target.smem_per_block_bytes:
             return f"operand tiles need {smem} B of shared memory > {target.smem_per_block_bytes} B"
         threads = 32 * warps
@@ -141,6 +182,57 @@ class MatmulEpilogueFamily(TemplateFamily):
                 return f"{tiles} output tiles already fill {target.num_sms} SMs without SPLIT_K"
         return None
 
+    def _check_variant(self, region: RegionSummary, params: dict) -> str | None:
+        """The Hopper knobs (PERSISTENT, USE_TMA, EPILOGUE_SUBTILE)."""
+        knobs = {**VARIANT_DEFAULTS, **params}
+        persistent, tma, subtile = (knobs[k] for k in ("PERSISTENT", "USE_TMA", "EPILOGUE_SUBTILE"))
+        if not (persistent or tma):
+            return "EPILOGUE_SUBTILE applies to the PERSISTENT / USE_TMA kernel" if subtile != 1 else None
+        if params["SPLIT_K"] > 1:
+            return "SPLIT_K runs on the plain grid (PERSISTENT and USE_TMA need SPLIT_K=1)"
+        if params["BLOCK_M"] < 64 or params["BLOCK_N"] < 64:
+            return "PERSISTENT / USE_TMA target tensor-core tiles (BLOCK_M, BLOCK_N >= 64)"
+        if subtile == 2 and params["BLOCK_N"] < 128:
+            return "EPILOGUE_SUBTILE=2 splits only tiles with BLOCK_N >= 128"
+        if tma:
+            return self._check_tma(region)
+        return None
+
+    def _check_tma(self, region: RegionSummary) -> str | None:
+        """Tensor descriptors need 16-bit operands here and 16-byte aligned rows. Symbolic sizes
+        are checked by run(), which falls back to pointer loads; static ones are checked here."""
+        a, b = region.inputs[0], region.inputs[1]
+        if self._ieee_dot(region):
+            return "USE_TMA needs 16-bit (bf16 / fp16) operands of one dtype"
+        k_dim = a.shape[-1]
+        n_dim = b.shape[0] if region.attrs["b_layout"] == "nk" else b.shape[1]
+        row_lengths = [("a", k_dim, DTYPE_BYTES[a.dtype]), ("b", b.shape[-1], DTYPE_BYTES[b.dtype])]
+        row_lengths += [(f"output {i}", n_dim, DTYPE_BYTES[o.dtype]) for i, o in enumerate(region.outputs)]
+        for name, length, size in row_lengths:
+            if isinstance(length, int) and length * size % 16:
+                return f"USE_TMA: rows of {name} ({length} x {size} B) are not 16-byte aligned"
+        return None
+
+    @staticmethod
+    def _epilogue_smem(region: RegionSummary, params: dict) -> int:
+        """Shared memory the tile-loop kernel needs besides the operand stages (an upper bound
+        of what triton 3.6 and 3.9 allocate for sm_90; bench/NOTES-gemm.md has the measurements).
+
+        Each output's [BLOCK_M, BLOCK_N / EPILOGUE_SUBTILE] tile is staged in shared memory (the
+        TMA store buffer, or the layout change before pointer stores). The persistent kernel keeps
+        the next tile's operands in flight during the epilogue, so extra epilogue inputs also
+        need a layout-change buffer of their own (the plain grid reuses the idle operand stages).
+        """
+        knobs = {**VARIANT_DEFAULTS, **params}
+        if not (knobs["PERSISTENT"] or knobs["USE_TMA"]):
+            return 0
+        tile = params["BLOCK_M"] * params["BLOCK_N"] // knobs["EPILOGUE_SUBTILE"]
+        smem = sum(tile * DTYPE_BYTES[o.dtype] for o in region.outputs)
+        extras = _loaded_extras(region)
+        if knobs["PERSISTENT"] and extras:
+            smem += tile * max(DTYPE_BYTES[spec.dtype] for spec in extras)
+        return smem + _TILE_LOOP_SMEM_SLACK
+
     # -- rendering -------------------------------------------------------------------------
     def render(self, region: RegionSummary, params: dict) -> str:
         attrs = region.attrs
@@ -158,7 +250,7 @@ class MatmulEpilogueFamily(TemplateFamily):
         return render_template(
             "triton/matmul_epilogue.py.j2",
             region_name=region.name,
-            params=params,
+            params={**VARIANT_DEFAULTS, **params},
             b_layout=attrs["b_layout"],
             has_bias=has_bias,
             extras=extras,

@@ -103,11 +103,13 @@ COVERAGE_REGION = {
 
 
 def test_space_values_are_all_legal_somewhere():
-    for region in COVERAGE_REGION.values():
+    for dtype, region in COVERAGE_REGION.items():
         space = FAMILY.param_space(region, H200)
         points = FAMILY.legal_points(region, H200)
         used = {(k, v) for p in points for k, v in p.items()}
-        assert used == {(k, v) for k, values in space.items() for v in values}
+        unused = {(k, v) for k, values in space.items() for v in values} - used
+        # tensor descriptors are for 16-bit operands only
+        assert unused == ({("USE_TMA", True)} if dtype == "float32" else set())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -189,6 +191,77 @@ def test_empty_rows(load_candidate):
     assert out.shape == (0, 8)
 
 
+# -- Hopper variants: persistent grid, tensor descriptors (TMA), warp specialization ------
+#
+# Under the interpreter the persistent grid has 3 programs (each walks several tiles) and tensor
+# descriptors are emulated: these tests check the numerics of every variant's loads, edges,
+# epilogue split and stores; the copy engine, wgmma and pipelining themselves are checked by
+# compiling for sm_90 below.
+
+TILE64 = {**SMALL, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_stages": 3}
+VARIANTS = {
+    "persistent": {**TILE64, "PERSISTENT": True},
+    "persistent_subtile": {**TILE64, "BLOCK_N": 128, "PERSISTENT": True, "EPILOGUE_SUBTILE": 2},
+    "tma": {**TILE64, "USE_TMA": True},
+    "tma_persistent": {**TILE64, "PERSISTENT": True, "USE_TMA": True},
+    "tma_subtile": {**TILE64, "BLOCK_N": 128, "USE_TMA": True, "EPILOGUE_SUBTILE": 2},
+    "tma_persistent_subtile": {**TILE64, "BLOCK_N": 128, "PERSISTENT": True, "USE_TMA": True, "EPILOGUE_SUBTILE": 2},
+}
+
+
+def ragged_two_output_region(b_layout: str) -> RegionSummary:
+    # M, N, K off every tile size (K=120: a partial last K step); rows stay 16-byte aligned for
+    # TMA (N and K multiples of 8); bias, a broadcast row, GELU and two outputs in two dtypes.
+    return make_region((3, 50), 200, 120, "bfloat16", b_layout=b_layout, has_bias=True, extras=[(200,)],
+                       epilogue=[["t", "gelu_tanh", ["acc"]], ["y", "mul", ["t", "in0"]]],
+                       outputs=["acc", "y"], out_dtypes=["bfloat16", "float32"])
+
+
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_on_ragged_shapes(variant, b_layout, load_candidate):
+    region = ragged_two_output_region(b_layout)
+    inputs = make_inputs(region)
+    module = load_candidate(FAMILY.render(region, VARIANTS[variant]), f"{variant}_{b_layout}")
+    assert FAMILY.check(region, VARIANTS[variant], H200) is None
+    if VARIANTS[variant].get("USE_TMA"):  # the descriptor path is the one that runs
+        assert module._tma_ready(inputs[0].reshape(150, 120), inputs[1], torch.empty(150, 200, device=DEVICE))
+    acc, y = module.run(*inputs)
+    expected = reference(region, inputs)
+    check_close(acc, expected)
+    check_close(y, torch.nn.functional.gelu(expected, approximate="tanh") * inputs[3].float())
+
+
+def test_tma_falls_back_to_pointers_on_unaligned_operands(load_candidate):
+    region = make_region((72,), 64, 96, "bfloat16", has_bias=True)
+    params = VARIANTS["tma_persistent"]
+    module = load_candidate(FAMILY.render(region, params), "tma_fallback")
+    a = torch.randn(96, 72, device=DEVICE).to(torch.bfloat16).T  # column-major: inner stride 72
+    b = torch.randn(64, 97, device=DEVICE).to(torch.bfloat16)[:, :96]  # rows 194 B apart
+    bias = torch.randn(64, device=DEVICE).to(torch.bfloat16)
+    assert not module._tma_ready(a, b) and not module._tma_ready(a.contiguous(), b)
+    (out,) = module.run(a, b, bias)
+    check_close(out, reference(region, [a, b, bias]))
+
+
+def test_variant_rejections():
+    bf16 = make_region((4096,), 4096, 4096, "bfloat16")
+    big = {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    tma = {**big, "PERSISTENT": True, "USE_TMA": True}
+    assert FAMILY.check(bf16, tma, H200) is None
+    assert FAMILY.check(bf16, {**tma, "EPILOGUE_SUBTILE": 2, "num_stages": 4}, H200) is None
+    # the TMA store buffer (64 KiB for a 128x256 bf16 tile) counts against shared memory
+    assert "shared memory" in FAMILY.check(bf16, {**tma, "num_stages": 4}, H200)
+    assert "16-bit" in FAMILY.check(make_region((4096,), 4096, 4096), {**tma, "num_warps": 8}, H200)
+    assert "16-byte" in FAMILY.check(make_region((4096,), 4096, 4100, "bfloat16"), tma, H200)
+    assert "16-byte" in FAMILY.check(make_region((4096,), 4100, 4096, "bfloat16"), tma, H200)  # outputs
+    assert FAMILY.check(make_region(("S",), 4096, 4096, "bfloat16"), tma, H200) is None  # run() checks S
+    assert "SPLIT_K" in FAMILY.check(bf16, {**tma, "SPLIT_K": 2}, H200)
+    assert "tensor-core tiles" in FAMILY.check(bf16, {**SMALL, "PERSISTENT": True}, H200)
+    assert "applies to" in FAMILY.check(bf16, {**big, "EPILOGUE_SUBTILE": 2}, H200)
+    assert "BLOCK_N >= 128" in FAMILY.check(bf16, {**tma, "BLOCK_N": 64, "num_warps": 4, "EPILOGUE_SUBTILE": 2}, H200)
+
+
 # -- the space stays bounded and legal ---------------------------------------------------
 
 def test_check_rejections():
@@ -218,7 +291,7 @@ def test_space_is_bounded():
     space = FAMILY.param_space(region, H200)
     assert all(len(v) <= 5 for v in space.values())
     points = FAMILY.legal_points(region, H200)
-    assert 0 < len(points) < 1000
+    assert 0 < len(points) < 2000  # about 2/3 of them the tile-loop (PERSISTENT / USE_TMA) variants
     decode = FAMILY.legal_points(make_region((1,), 4096, 4096, "bfloat16"), H200)
     assert {p["BLOCK_M"] for p in decode} == {16} and {p["SPLIT_K"] for p in decode} == {1, 2, 4, 8}
 
@@ -245,6 +318,15 @@ def test_golden_rendering(golden):
                          epilogue=GELU_RESIDUAL, outputs=["y"], dims={"B": (1, 8)})
     params = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3}
     golden("matmul_epilogue.py", FAMILY.render(region, params))
+
+
+def test_golden_rendering_tma_persistent(golden):
+    region = make_region(("B", 128), 512, 256, "bfloat16", has_bias=True, extras=[("B", 128, 512)],
+                         epilogue=GELU_RESIDUAL, outputs=["y"], dims={"B": (1, 8)})
+    params = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 8,
+              "num_stages": 4, "PERSISTENT": True, "USE_TMA": True, "EPILOGUE_SUBTILE": 2}
+    assert FAMILY.check(region, params, H200) is None
+    golden("matmul_epilogue_tma_persistent.py", FAMILY.render(region, params))
 
 
 # -- Hopper compilation (no GPU needed) ---------------------------------------------------
@@ -279,6 +361,8 @@ def _compile_launches(path: str, inputs) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     triton_type = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     spec = importlib.util.spec_from_file_location(f"sm90_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
@@ -303,8 +387,11 @@ def _compile_launches(path: str, inputs) -> dict:
         signature, constexprs, attrs = {}, {}, {}
         for i, param in enumerate(kernel.params):
             value = bound[param.name]
-            if param.is_constexpr or (type(value) is int and value == 1):
+            if param.is_constexpr or value is None or (type(value) is int and value == 1):
                 signature[param.name], constexprs[param.name] = "constexpr", value
+            elif isinstance(value, TensorDescriptor):
+                block = ",".join(str(d) for d in value.block_shape)
+                signature[param.name] = f"tensordesc<{triton_type[value.base.dtype]}[{block}]>"
             elif isinstance(value, torch.Tensor):
                 signature[param.name] = "*" + triton_type[value.dtype]
                 if value.data_ptr() % 16 == 0:
@@ -317,10 +404,46 @@ def _compile_launches(path: str, inputs) -> dict:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs),
                                   target=GPUTarget("cuda", 90, 32), options=options)
-        ttgir = compiled.asm["ttgir"]
-        results[name] = {"wgmma": "warp_group_dot" in ttgir, "pipelined": "async_copy_global_to_local" in ttgir,
-                         "shared": compiled.metadata.shared}
+        ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
+        results[name] = {
+            "wgmma": "warp_group_dot" in ttgir,
+            # cp.async (pointer loads) or the copy engine, several stages deep
+            "pipelined": "async_copy_global_to_local" in ttgir or "async_tma_copy_global_to_local" in ttgir,
+            "tma": "cp.async.bulk.tensor" in ptx,
+            "warp_specialized": "ttg.warp_specialize" in ttgir,
+            "shared": compiled.metadata.shared,
+            **_machine_code_facts(compiled.asm["cubin"]),
+        }
     return results
+
+
+def _machine_code_facts(cubin: bytes) -> dict:
+    """Registers, spills and tensor-core instructions of a cubin, from the cuobjdump that ships
+    with Triton (empty when it cannot run here)."""
+    import re
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+            sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return {}
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "stack_bytes": int(stack.group(1)) if stack else None,
+        "spill_instructions": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
+        "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
+        "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
+        "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
+    }
 
 
 def _compile_worker(jobs_file: str, results_file: str) -> int:
@@ -336,23 +459,64 @@ def _compile_worker(jobs_file: str, results_file: str) -> int:
     return 1 if failures else 0
 
 
+# The large-GEMM points the heuristic ranks first (bench/NOTES-gemm.md), beyond the covering set:
+# for an up-projection (bias, GELU) and a down-projection (bias, residual: the persistent kernel
+# needs shared memory for the residual's layout change, so fewer stages fit).
+_WIDE = {**SMALL, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+_TMA_PERSISTENT = {**_WIDE, "PERSISTENT": True, "USE_TMA": True}
+HOPPER_POINTS = {
+    "up": [_TMA_PERSISTENT, {**_TMA_PERSISTENT, "EPILOGUE_SUBTILE": 2, "num_stages": 4}],
+    "down": [{**_TMA_PERSISTENT, "EPILOGUE_SUBTILE": 2},
+             {**_WIDE, "USE_TMA": True, "EPILOGUE_SUBTILE": 2, "num_stages": 4},
+             {**_TMA_PERSISTENT, "BLOCK_N": 128, "num_stages": 5}],
+}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
 def test_covering_points_compile_for_hopper(tmp_path):
     jobs, expected = [], {}
+
+    def add(label, dtype, region, params):
+        assert FAMILY.check(region, params, H200) is None, (label, FAMILY.check(region, params, H200))
+        jobs.append((label, FAMILY.render(region, params), make_inputs(region)))
+        expected[label] = (dtype, params)
+
     for dtype in ("float32", "bfloat16"):
         region = make_region((256,), 512, 512, dtype, has_bias=True, extras=[(256, 512)],
                              epilogue=GELU_RESIDUAL, outputs=["y"])
-        inputs = make_inputs(region)
         for i, params in enumerate(covering_points(FAMILY.legal_points(region, H200))):
-            jobs.append((f"{dtype}_{i}", FAMILY.render(region, params), inputs))
-            expected[f"{dtype}_{i}"] = (dtype, params)
+            add(f"{dtype}_{i}", dtype, region, params)
+    up = make_region((256,), 512, 512, "bfloat16", has_bias=True, epilogue=[["y", "gelu", ["acc"]]], outputs=["y"])
+    down = make_region((256,), 512, 512, "bfloat16", has_bias=True, extras=[(256, 512)],
+                       epilogue=[["y", "add", ["acc", "in0"]]], outputs=["y"])
+    for name, region in (("up", up), ("down", down)):
+        for i, params in enumerate(HOPPER_POINTS[name]):
+            add(f"{name}_{i}", "bfloat16", region, params)
+    # a TMA point whose launch falls back to pointers (K = 100: rows of a are 200 B apart)
+    ragged_k = make_region((256,), 512, "K", "bfloat16", has_bias=True, dims={"K": (1, 4096)})
+    params = HOPPER_POINTS["down"][2]
+    assert FAMILY.check(ragged_k, params, H200) is None
+    jobs.append(("fallback", FAMILY.render(ragged_k, params), make_inputs(ragged_k, {"K": 100})))
+    expected["fallback"] = ("bfloat16", {**params, "USE_TMA": False})
     compiled = compile_for_hopper(jobs, tmp_path)
     for label, (dtype, params) in expected.items():
-        kernels = compiled[label]
-        assert set(kernels) == {"_matmul_kernel"} | ({"_split_k_reduce_kernel"} if params["SPLIT_K"] > 1 else set())
-        main = kernels["_matmul_kernel"]
-        assert main["pipelined"], f"operand loads not pipelined for {dtype} {params}"
+        kernels, tma = compiled[label], params.get("USE_TMA", False)
+        name = "_tiles_kernel" if params.get("PERSISTENT") or tma else "_matmul_kernel"
+        assert set(kernels) == {name} | ({"_split_k_reduce_kernel"} if params["SPLIT_K"] > 1 else set())
+        main = kernels[name]
+        # (rows 200 B apart leave cp.async nothing 16-byte aligned to pipeline)
+        assert main["pipelined"] or label == "fallback", f"operand loads not pipelined for {dtype} {params}"
         assert main["wgmma"] == (dtype == "bfloat16" and params["BLOCK_M"] >= 64), f"wgmma use for {dtype} {params}"
+        assert main["tma"] == tma, f"bulk tensor copies for {dtype} {params}"
+        assert main["shared"] <= H200.smem_per_block_bytes, f"check() underestimated shared memory: {params}"
+        if main.get("hgmma") is not None:  # the SASS, where cuobjdump runs
+            assert (main["hgmma"] > 0) == main["wgmma"] and (main["utmaldg"] > 0) == tma
+            # Tensor copies leave registers to spare when the epilogue holds at most 64 fp32
+            # values a thread at a time; 128 (a 128x256 tile in one piece over 8 warps, or
+            # 128x128 over 4) spill with GELU (bench/NOTES-gemm.md).
+            slice_values = params["BLOCK_M"] * params["BLOCK_N"] // params.get("EPILOGUE_SUBTILE", 1)
+            if tma and slice_values // (32 * params["num_warps"]) <= 64:
+                assert main["spill_instructions"] == 0, f"spills for {params}"
 
 
 if __name__ == "__main__":
