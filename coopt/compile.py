@@ -105,23 +105,11 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
             dump_ir(module, out / "ir" / f"{index:02d}-{compiler_pass.name}.mlir")
     name_regions(module)
 
-    # 4. candidates: the reference (the replaced ATen ops) plus the advisor's top-k legal points
+    # 4. candidates: the reference (the replaced ATen ops) plus the advisor's top-k legal points,
+    #    made once per distinct region (the layers of a model repeat the same regions)
     advice_log = AdviceLog(config.advisor)
-    symbols = symbol_table(module)
-    #    (once per distinct region: the layers of a model repeat the same regions)
-    regions: list[RegionBuild] = []
-    leaders: dict[str, RegionBuild] = {}
-    for kernel in kernels(module):
-        summary = summarize(kernel, symbols)
-        leader = leaders.get(region_signature(summary))
-        if leader is not None:
-            regions.append(leader.twin(summary))
-            continue
-        progress("advise", summary.name)
-        leaders[region_signature(summary)] = make_candidates(kernel, summary, config.target, config.advisor, advice_log, out, config.top_k)
-        regions.append(leaders[region_signature(summary)])
+    regions, distinct = _candidates(module, config, advice_log, out, progress)
     warnings += _advice_warnings(advice_log)
-    distinct = list(leaders.values())
 
     # 5. verify: fuzz every template candidate against its region's reference, in a worker
     #    process so a crashing or hanging kernel only fails itself
@@ -130,9 +118,8 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     # 6. select: measured latency on a GPU; without one, the advisor's best verified choice
     measured = _select(distinct, out, progress)
     by_name = {r.summary.name: r for r in distinct}
-    for region in regions:
-        if region.same_as is not None:
-            region.follow(by_name[region.same_as])
+    for twin in (r for r in regions if r.same_as is not None):
+        twin.follow(by_name[twin.same_as])
 
     # 7. emit: the program, the weights, the selection
     progress("emit", "program.py")
@@ -161,6 +148,24 @@ def _on_build_device(model, example_inputs):
 
     moved = [x.cuda() if isinstance(x, torch.Tensor) else x for x in example_inputs]
     return copy.deepcopy(model).cuda(), tuple(moved)
+
+
+def _candidates(module, config: BuildConfig, advice_log, out: Path, progress) -> tuple[list[RegionBuild], list[RegionBuild]]:
+    """(every region in program order, the distinct ones): a region equal to an earlier one
+    becomes its twin and shares its candidate files instead of getting its own."""
+    symbols = symbol_table(module)
+    regions: list[RegionBuild] = []
+    leaders: dict[str, RegionBuild] = {}
+    for kernel in kernels(module):
+        summary = summarize(kernel, symbols)
+        signature = region_signature(summary)
+        if signature in leaders:
+            regions.append(leaders[signature].twin(summary))
+            continue
+        progress("advise", summary.name)
+        leaders[signature] = make_candidates(kernel, summary, config.target, config.advisor, advice_log, out, config.top_k)
+        regions.append(leaders[signature])
+    return regions, list(leaders.values())
 
 
 def _advice_warnings(advice_log) -> list[str]:
