@@ -7,15 +7,13 @@ causal mask (SDPA's is_causal aligns top-left when Sq != Sk).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+from template_helpers import compile_for_hopper, covering_points
+from template_helpers import run_candidate as _run_candidate
 
 from coopt.ir.region import RegionSummary, TensorSpec
 from coopt.targets import H200
@@ -24,6 +22,7 @@ from coopt.templates.attention import AttentionFamily
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FAMILY = AttentionFamily()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+run_candidate = partial(_run_candidate, FAMILY, H200)
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "PACK_GQA": False, "SPLIT_KV": 1, "num_warps": 4, "num_stages": 2}
 
 
@@ -66,23 +65,6 @@ def check_close(actual: torch.Tensor, expected: torch.Tensor):
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
     else:  # bf16 inputs: p is rounded to bf16 before p @ v, and the output once more
         torch.testing.assert_close(actual.float(), expected, rtol=2e-2, atol=2e-2)
-
-
-def run_candidate(load_candidate, region, params, inputs, stem="candidate"):
-    assert FAMILY.check(region, params, H200) is None, FAMILY.check(region, params, H200)
-    module = load_candidate(FAMILY.render(region, params), stem)
-    return module.run(*inputs)
-
-
-def covering_points(points: list[dict]) -> list[dict]:
-    """A few points that together use every value of every knob (greedy, deterministic)."""
-    todo = {(k, v) for p in points for k, v in p.items()}
-    chosen = []
-    while todo:
-        best = max(points, key=lambda p: len(todo & set(p.items())))
-        chosen.append(best)
-        todo -= set(best.items())
-    return chosen
 
 
 # -- every knob value -------------------------------------------------------------------
@@ -230,27 +212,6 @@ def test_golden_rendering(golden):
 
 
 # -- Hopper compilation (no GPU needed) ---------------------------------------------------
-
-def compile_for_hopper(jobs, tmp_path) -> dict:
-    """Compile for sm_90 every kernel each job's `run(*inputs)` launches, in a fresh process.
-
-    The worker (and why it is a fresh process) lives in test_matmul_epilogue.py; this only
-    hands it the jobs [(label, source, inputs)] and reads {label: {kernel: facts}} back.
-    """
-    records = []
-    for label, source, inputs in jobs:
-        path = tmp_path / f"sm90_{label}.py"
-        path.write_text(source)
-        records.append((label, str(path), [t.cpu() for t in inputs]))
-    torch.save(records, tmp_path / "jobs.pt")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    worker = Path(__file__).with_name("test_matmul_epilogue.py")
-    result = subprocess.run([sys.executable, str(worker), str(tmp_path / "jobs.pt"), str(tmp_path / "compiled.json")],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"sm_90 compilation failed:\n{result.stdout}\n{result.stderr[-3000:]}"
-    return json.loads((tmp_path / "compiled.json").read_text())
-
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
 def test_covering_points_compile_for_hopper(tmp_path):

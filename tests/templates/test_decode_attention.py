@@ -7,16 +7,13 @@ repeated for GQA; one test also checks it against SDPA with a padding mask.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_attention import covering_points
+from template_helpers import compile_for_hopper, covering_points
+from template_helpers import run_candidate as _run_candidate
 
 from coopt.ir.region import RegionSummary, TensorSpec
 from coopt.llm_advisor.heuristic import HeuristicAdvisor
@@ -27,6 +24,7 @@ from coopt.templates.decode_attention import DecodeAttentionFamily, kv_bytes_rea
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FAMILY = DecodeAttentionFamily()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+run_candidate = partial(_run_candidate, FAMILY, H200)
 SMALL = {"BLOCK_N": 16, "SPLIT_KV": 1, "USE_DOT": False, "num_warps": 2, "num_stages": 2}
 SPLIT = {"BLOCK_N": 16, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 2, "num_stages": 3}
 
@@ -70,12 +68,6 @@ def check_close(actual: torch.Tensor, expected: torch.Tensor):
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
     else:  # 16-bit caches: tl.dot rounds p before p @ v, and the output is rounded once more
         torch.testing.assert_close(actual.float(), expected, rtol=2e-2, atol=2e-2)
-
-
-def run_candidate(load_candidate, region, params, inputs, stem="candidate"):
-    assert FAMILY.check(region, params, H200) is None, FAMILY.check(region, params, H200)
-    module = load_candidate(FAMILY.render(region, params), stem)
-    return module.run(*inputs)
 
 
 # -- every knob value -------------------------------------------------------------------
@@ -287,92 +279,18 @@ def test_heuristic_fills_the_sms(batch, length, split):
 
 # -- Hopper compilation (no GPU needed) ---------------------------------------------------
 
-_TRITON_TYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32"}
-
-
-def _compile_launches(path: str, inputs) -> dict:
-    """Compile for sm_90 every launch `run(*inputs)` makes, specialised as a real launch is."""
-    import importlib.util
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    launches = []
-
-    class Recorder:  # stands in for a kernel: kernel[grid](*args) records the launch
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, self.kernel, args, kwargs))
-
-    for name, value in list(vars(module).items()):
-        if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
-            setattr(module, name, Recorder(name, value))
-    module.run(*inputs)
-    results = {}
-    for name, kernel, args, kwargs in launches:
-        options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages", 3)}
-        bound = dict(zip(kernel.arg_names, args)) | kwargs
-        signature, constexprs, attrs = {}, {}, {}
-        for i, param in enumerate(kernel.params):
-            value = bound[param.name]
-            if param.is_constexpr or (type(value) is int and value == 1):
-                signature[param.name], constexprs[param.name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[param.name] = "*" + _TRITON_TYPE[value.dtype]
-                attrs[(i,)] = [["tt.divisibility", 16]]  # fresh allocations are 16-byte aligned
-            elif isinstance(value, float):
-                signature[param.name] = "fp32"
-            else:
-                signature[param.name] = "i32"
-                if value % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs),
-                                  target=GPUTarget("cuda", 90, 32), options=options)
-        ttgir = compiled.asm["ttgir"]
-        results[name] = {"pipelined": "async_copy_global_to_local" in ttgir, "shared": compiled.metadata.shared}
-    return results
-
-
-def _compile_worker(jobs_file: str, results_file: str) -> int:
-    """`python test_decode_attention.py JOBS RESULTS`: compile every job, report failures."""
-    results, failures = {}, 0
-    for label, path, inputs in torch.load(jobs_file):
-        try:
-            results[label] = _compile_launches(path, inputs)
-        except Exception as error:  # report every job, not just the first
-            failures += 1
-            print(f"{label}: {type(error).__name__}: {error}")
-    Path(results_file).write_text(json.dumps(results))
-    return 1 if failures else 0
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
 def test_covering_points_compile_for_hopper(tmp_path):
-    """Fresh process: triton.language's @jit helpers were built for the interpreter here."""
     jobs, expected = [], {}
     for dtype, heads, head_dim in (("bfloat16", 32, 128), ("float32", 8, 128), ("bfloat16", 16, 80)):
         region = make_region(2, heads, 8, "S", head_dim, dtype, dims={"S": (1, 8192)})
-        inputs = [t.cpu() for t in make_inputs(region, [256, 100], {"S": 256})]
+        inputs = make_inputs(region, [256, 100], {"S": 256})
         points = covering_points(FAMILY.legal_points(region, H200))
         for i, params in enumerate(points if head_dim == 128 else points[:1]):
             label = f"{dtype}_{heads}_{head_dim}_{i}"
-            path = tmp_path / f"sm90_{label}.py"
-            path.write_text(FAMILY.render(region, params))
-            jobs.append((label, str(path), inputs))
+            jobs.append((label, FAMILY.render(region, params), inputs))
             expected[label] = params
-    torch.save(jobs, tmp_path / "jobs.pt")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    result = subprocess.run([sys.executable, __file__, str(tmp_path / "jobs.pt"), str(tmp_path / "compiled.json")],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"sm_90 compilation failed:\n{result.stdout}\n{result.stderr[-3000:]}"
-    compiled = json.loads((tmp_path / "compiled.json").read_text())
+    compiled = compile_for_hopper(jobs, tmp_path)
     for label, params in expected.items():
         kernels = compiled[label]
         reduce = {"_decode_reduce_kernel"} if params["SPLIT_KV"] > 1 else set()
@@ -382,6 +300,3 @@ def test_covering_points_compile_for_hopper(tmp_path):
         assert split["pipelined"] == (params["num_stages"] > 1), f"K/V pipelining for {label} {params}"
         assert split["shared"] <= H200.smem_per_block_bytes
 
-
-if __name__ == "__main__":
-    sys.exit(_compile_worker(*sys.argv[1:]))

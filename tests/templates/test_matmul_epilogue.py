@@ -6,14 +6,12 @@ small. References are computed in fp32 from the same (possibly bf16) inputs.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import pytest
 import torch
+from template_helpers import compile_for_hopper, covering_points
+from template_helpers import run_candidate as _run_candidate
 
 from coopt.ir.region import RegionSummary, TensorSpec
 from coopt.targets import H200
@@ -25,6 +23,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FAMILY = MatmulEpilogueFamily()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+
+run_candidate = partial(_run_candidate, FAMILY, H200)
 
 GELU_RESIDUAL = [["t", "gelu_tanh", ["acc"]], ["y", "add", ["t", "in0"]]]
 
@@ -72,23 +72,6 @@ def check_close(actual: torch.Tensor, expected: torch.Tensor):
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * scale)
     else:  # bf16 output: rounding (truncation in the interpreter) of the result
         torch.testing.assert_close(actual.float(), expected, rtol=1.6e-2, atol=1e-2 * scale)
-
-
-def run_candidate(load_candidate, region, params, inputs, stem="candidate"):
-    assert FAMILY.check(region, params, H200) is None, FAMILY.check(region, params, H200)
-    module = load_candidate(FAMILY.render(region, params), stem)
-    return module.run(*inputs)
-
-
-def covering_points(points: list[dict]) -> list[dict]:
-    """A few points that together use every value of every knob (greedy, deterministic)."""
-    todo = {(k, v) for p in points for k, v in p.items()}
-    chosen = []
-    while todo:
-        best = max(points, key=lambda p: len(todo & set(p.items())))
-        chosen.append(best)
-        todo -= set(best.items())
-    return chosen
 
 
 # -- every knob value -------------------------------------------------------------------
@@ -331,134 +314,6 @@ def test_golden_rendering_tma_persistent(golden):
 
 # -- Hopper compilation (no GPU needed) ---------------------------------------------------
 
-def compile_for_hopper(jobs, tmp_path) -> dict:
-    """Compile for sm_90 every kernel that each job's `run(*inputs)` launches.
-
-    jobs: [(label, source, inputs)]. Returns {label: {kernel: {"wgmma", "pipelined", "shared"}}}.
-    Runs in a fresh process: triton.language's own @jit helpers were built for the interpreter
-    when this one imported triton. Arguments are specialised as a real launch does (16-byte
-    aligned pointers, ints divisible by 16, ints equal to 1): without that nothing is vectorised
-    or pipelined, and the pipelining checks would mean nothing.
-    """
-    records = []
-    for label, source, inputs in jobs:
-        path = tmp_path / f"sm90_{label}.py"
-        path.write_text(source)
-        records.append((label, str(path), [t.cpu() for t in inputs]))
-    torch.save(records, tmp_path / "jobs.pt")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    result = subprocess.run([sys.executable, __file__, str(tmp_path / "jobs.pt"), str(tmp_path / "compiled.json")],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"sm_90 compilation failed:\n{result.stdout}\n{result.stderr[-3000:]}"
-    return json.loads((tmp_path / "compiled.json").read_text())
-
-
-def _compile_launches(path: str, inputs) -> dict:
-    import importlib.util
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    triton_type = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    spec = importlib.util.spec_from_file_location(f"sm90_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    launches = []
-
-    class Recorder:  # stands in for a kernel: kernel[grid](*args) records the launch
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, self.kernel, args, kwargs))
-
-    for name, value in list(vars(module).items()):
-        if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
-            setattr(module, name, Recorder(name, value))
-    module.run(*inputs)
-    results = {}
-    for name, kernel, args, kwargs in launches:
-        options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages", 3)}
-        bound = dict(zip(kernel.arg_names, args)) | kwargs
-        signature, constexprs, attrs = {}, {}, {}
-        for i, param in enumerate(kernel.params):
-            value = bound[param.name]
-            if param.is_constexpr or value is None or (type(value) is int and value == 1):
-                signature[param.name], constexprs[param.name] = "constexpr", value
-            elif isinstance(value, TensorDescriptor):
-                block = ",".join(str(d) for d in value.block_shape)
-                signature[param.name] = f"tensordesc<{triton_type[value.base.dtype]}[{block}]>"
-            elif isinstance(value, torch.Tensor):
-                signature[param.name] = "*" + triton_type[value.dtype]
-                if value.data_ptr() % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            elif isinstance(value, float):
-                signature[param.name] = "fp32"
-            else:
-                signature[param.name] = "i32"
-                if value % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs),
-                                  target=GPUTarget("cuda", 90, 32), options=options)
-        ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-        results[name] = {
-            "wgmma": "warp_group_dot" in ttgir,
-            # cp.async (pointer loads) or the copy engine, several stages deep
-            "pipelined": "async_copy_global_to_local" in ttgir or "async_tma_copy_global_to_local" in ttgir,
-            "tma": "cp.async.bulk.tensor" in ptx,
-            "warp_specialized": "ttg.warp_specialize" in ttgir,
-            "shared": compiled.metadata.shared,
-            **_machine_code_facts(compiled.asm["cubin"]),
-        }
-    return results
-
-
-def _machine_code_facts(cubin: bytes) -> dict:
-    """Registers, spills and tensor-core instructions of a cubin, from the cuobjdump that ships
-    with Triton (empty when it cannot run here)."""
-    import re
-    import tempfile
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        try:
-            usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-            sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        except (OSError, subprocess.CalledProcessError):
-            return {}
-    regs = re.search(r"REG:(\d+)", usage)
-    stack = re.search(r"STACK:(\d+)", usage)
-    return {
-        "registers": int(regs.group(1)) if regs else None,
-        "stack_bytes": int(stack.group(1)) if stack else None,
-        "spill_instructions": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
-        "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
-        "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
-        "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
-    }
-
-
-def _compile_worker(jobs_file: str, results_file: str) -> int:
-    """`python test_matmul_epilogue.py JOBS RESULTS`: compile every job, report failures."""
-    results, failures = {}, 0
-    for label, path, inputs in torch.load(jobs_file):
-        try:
-            results[label] = _compile_launches(path, inputs)
-        except Exception as error:  # report every job, not just the first
-            failures += 1
-            print(f"{label}: {type(error).__name__}: {error}")
-    Path(results_file).write_text(json.dumps(results))
-    return 1 if failures else 0
-
-
 # The large-GEMM points the heuristic ranks first (bench/NOTES-gemm.md), beyond the covering set:
 # for an up-projection (bias, GELU) and a down-projection (bias, residual: the persistent kernel
 # needs shared memory for the residual's layout change, so fewer stages fit).
@@ -498,7 +353,7 @@ def test_covering_points_compile_for_hopper(tmp_path):
     assert FAMILY.check(ragged_k, params, H200) is None
     jobs.append(("fallback", FAMILY.render(ragged_k, params), make_inputs(ragged_k, {"K": 100})))
     expected["fallback"] = ("bfloat16", {**params, "USE_TMA": False})
-    compiled = compile_for_hopper(jobs, tmp_path)
+    compiled = compile_for_hopper(jobs, tmp_path, machine_code=True)
     for label, (dtype, params) in expected.items():
         kernels, tma = compiled[label], params.get("USE_TMA", False)
         name = "_tiles_kernel" if params.get("PERSISTENT") or tma else "_matmul_kernel"
@@ -518,6 +373,3 @@ def test_covering_points_compile_for_hopper(tmp_path):
             if tma and slice_values // (32 * params["num_warps"]) <= 64:
                 assert main["spill_instructions"] == 0, f"spills for {params}"
 
-
-if __name__ == "__main__":
-    sys.exit(_compile_worker(*sys.argv[1:]))

@@ -1,0 +1,193 @@
+"""Helpers shared by the template tests: covering points, running a candidate, sm_90 compilation.
+
+A plain module (not conftest) so tests can import it; the name is unique across test folders.
+
+- `covering_points(points)`: a few points that together use every value of every knob.
+- `run_candidate(family, target, load_candidate, region, params, inputs, stem)`: check the point
+  is legal, render it, import it and call its `run(*inputs)`.
+- `compile_for_hopper(jobs, tmp_path, machine_code=False)`: compile for sm_90 (Hopper) every kernel that each job's
+  `run(*inputs)` launches, without a GPU, in a fresh process (this file is also that process's
+  script: `python template_helpers.py JOBS RESULTS [--machine-code]`). Arguments are specialised as a real
+  launch does (16-byte aligned pointers and ints divisible by 16 marked so, ints equal to 1
+  and None made constexpr, tensor descriptors typed): without that nothing is vectorised or
+  pipelined, and the pipelining checks would mean nothing. Catches what only the real compiler
+  rejects (loop-carried type changes, bad constexpr use) and the interpreter happily runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+_TRITON_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.bool: "i1",
+                torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def covering_points(points: list[dict]) -> list[dict]:
+    """A few points that together use every value of every knob (greedy, deterministic)."""
+    todo = {(k, v) for p in points for k, v in p.items()}
+    chosen = []
+    while todo:
+        best = max(points, key=lambda p: len(todo & set(p.items())))
+        chosen.append(best)
+        todo -= set(best.items())
+    return chosen
+
+
+def run_candidate(family, target, load_candidate, region, params, inputs, stem="candidate"):
+    """Render `params` for `region` (which must be legal on `target`), import it, run it."""
+    assert family.check(region, params, target) is None, family.check(region, params, target)
+    module = load_candidate(family.render(region, params), stem)
+    return module.run(*inputs)
+
+
+# -- sm_90 compilation ------------------------------------------------------------------
+
+def compile_for_hopper(jobs, tmp_path, machine_code: bool = False) -> dict:
+    """Compile for sm_90 every kernel that each job's `run(*inputs)` launches.
+
+    jobs: [(label, source, inputs)]. Returns {label: {kernel: facts}}, facts being "launches",
+    "wgmma", "pipelined", "tma", "warp_specialized", "shared" and, with machine_code where
+    cuobjdump runs, "registers", "stack_bytes", "spill_instructions", "hgmma", "utmaldg",
+    "utmastg" (off by default: disassembling every kernel doubles the time).
+    Fresh process because triton.language's own @jit helpers (tl.max, tl.sum, ...) are built for
+    either the interpreter or the compiler when triton is imported: once the interpreter has run
+    here, the real front end fails on them.
+    """
+    records = []
+    for label, source, inputs in jobs:
+        path = tmp_path / f"sm90_{label}.py"
+        path.write_text(source)
+        records.append((label, str(path), [t.cpu() if isinstance(t, torch.Tensor) else t for t in inputs]))
+    torch.save(records, tmp_path / "jobs.pt")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")  # a cache hit would skip the front end
+    command = [sys.executable, __file__, str(tmp_path / "jobs.pt"), str(tmp_path / "compiled.json")]
+    result = subprocess.run(command + (["--machine-code"] if machine_code else []), env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"sm_90 compilation failed:\n{result.stdout}\n{result.stderr[-3000:]}"
+    return json.loads((tmp_path / "compiled.json").read_text())
+
+
+def _signature(kernel, args, kwargs):
+    """Triton's signature, constexprs and attributes for one launch, as a real launch makes them."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bound = dict(zip(kernel.arg_names, args)) | kwargs
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
+        value = bound[param.name]
+        if param.is_constexpr or value is None or (type(value) is int and value == 1):
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, TensorDescriptor):
+            block = ",".join(str(d) for d in value.block_shape)
+            signature[param.name] = f"tensordesc<{_TRITON_TYPE[value.base.dtype]}[{block}]>"
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TRITON_TYPE[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def _compile_launches(path: str, inputs, machine_code: bool) -> dict:
+    """Import the candidate, record every launch `run(*inputs)` makes, compile each for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    launches = []
+
+    class Recorder:  # stands in for a kernel: kernel[grid](*args) records the launch
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, self.kernel, args, kwargs))
+
+    for name, value in list(vars(module).items()):
+        if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+            setattr(module, name, Recorder(name, value))
+    module.run(*inputs)
+    results = {}
+    for name, kernel, args, kwargs in launches:
+        options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages", 3)}
+        signature, constexprs, attrs = _signature(kernel, args, kwargs)
+        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm.get("cubin"), f"{name}: ptxas produced no cubin"
+        ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
+        results[name] = {
+            "launches": results.get(name, {}).get("launches", 0) + 1,
+            "wgmma": "warp_group_dot" in ttgir,
+            # cp.async (pointer loads) or the copy engine, several stages deep
+            "pipelined": "async_copy_global_to_local" in ttgir or "async_tma_copy_global_to_local" in ttgir,
+            "tma": "cp.async.bulk.tensor" in ptx,
+            "warp_specialized": "ttg.warp_specialize" in ttgir,
+            "shared": compiled.metadata.shared,
+            **(_machine_code_facts(compiled.asm["cubin"]) if machine_code else {}),
+        }
+    return results
+
+
+def _machine_code_facts(cubin: bytes) -> dict:
+    """Registers, spills and tensor-core instructions of a cubin, from the cuobjdump that ships
+    with Triton (empty when it cannot run here)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+            sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return {}
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "stack_bytes": int(stack.group(1)) if stack else None,
+        "spill_instructions": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
+        "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
+        "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
+        "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
+    }
+
+
+def _compile_worker(jobs_file: str, results_file: str, *flags: str) -> int:
+    """`python template_helpers.py JOBS RESULTS [--machine-code]`: compile every job, print one
+    line per failure."""
+    results, failures = {}, 0
+    for label, path, inputs in torch.load(jobs_file):
+        try:
+            results[label] = _compile_launches(path, inputs, "--machine-code" in flags)
+        except Exception as error:  # report every job, not just the first
+            failures += 1
+            print(f"{label}: {type(error).__name__}: {error}")
+    Path(results_file).write_text(json.dumps(results))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_compile_worker(*sys.argv[1:]))
