@@ -186,9 +186,10 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
     """The example's input tensors, in `region.inputs` order, identical on every machine.
 
     Values are drawn on `device` itself from torch.Generator(device).manual_seed(seed): the
-    same numbers on every machine of a device type (CPU and GPU streams differ). Drawing on the
-    CPU and copying cost about a second per example at GPU model sizes (measured on the H200:
-    2 GEMM regions of a 4096x16384 MLP took 128 s to build). Floating inputs: N(0, 1) *
+    same numbers on every machine of a device type (CPU and GPU streams differ). Drawing
+    tens of millions of values on the CPU per example and copying them was the likeliest cost
+    behind a 128 s build of two 4096x16384 GEMM regions on the H200 (inferred, not profiled).
+    Floating inputs: N(0, 1) *
     magnitude (fp8: clamped to the dtype's finite range first); integer inputs: uniform in
     [0, 8), or valid lengths for the region's lengths input; bool: fair coin.
     """
