@@ -203,10 +203,7 @@ def _verify(regions: list[RegionBuild], out: Path, config: BuildConfig, progress
 
 
 def _verdict_json(verdict) -> dict:
-    data = dict(verdict.__dict__) if hasattr(verdict, "__dict__") else dict(verdict)
-    if data.get("repro"):
-        data["repro"] = str(data["repro"])
-    return {k: (v if isinstance(v, (str, int, float, bool, type(None))) else str(v)) for k, v in data.items()}
+    return verdict.to_json()
 
 
 def _select(regions: list[RegionBuild], out: Path, progress) -> bool:

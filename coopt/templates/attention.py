@@ -47,8 +47,7 @@ import math
 
 from coopt.ir.region import DTYPE_BYTES, RegionSummary
 from coopt.targets import Target
-from coopt.templates.base import TemplateFamily, render_template
-from coopt.templates.matmul_epilogue import dim_range, next_pow2
+from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 _TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16"}
 _TORCH_DTYPE = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}

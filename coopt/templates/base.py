@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import jinja2
 
-from coopt.ir.region import RegionSummary
+from coopt.ir.region import RegionSummary, TensorSpec
 from coopt.targets import Target
 
 TEMPLATE_DIR = Path(__file__).parent
@@ -39,6 +39,41 @@ _ENV = jinja2.Environment(
 def render_template(relative_path: str, **context) -> str:
     """Render `templates/<relative_path>` with StrictUndefined (a missing variable is an error)."""
     return _ENV.get_template(relative_path).render(**context)
+
+
+# -- shape facts the families' legality checks share ----------------------------------------
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def dim_range(region: RegionSummary, dims) -> tuple[int, int | None]:
+    """(min, max) of the product of `dims`; max is None when a symbolic dim has no known bound.
+
+    A dim is an int, a symbol with a range in `region.dims`, or an expression of symbols
+    ("4*s0"), bounded by evaluating it at the symbols' minima and maxima (monotone without "-").
+    """
+    lows = {name: r[0] for name, r in region.dims.items()}
+    highs = {name: r[1] for name, r in region.dims.items()}
+    lo, hi = 1, 1
+    for d in dims:
+        try:
+            if isinstance(d, str) and "-" in d:
+                raise ValueError(d)
+            d_lo = TensorSpec((d,), "float32").concrete(lows)[0]
+            d_hi = TensorSpec((d,), "float32").concrete(highs)[0]
+        except Exception:  # unknown symbol or expression: unbounded
+            d_lo, d_hi = 1, None
+        lo = lo * d_lo
+        hi = None if hi is None or d_hi is None else hi * d_hi
+    return lo, hi
+
+
+def max_extent(dim, region: RegionSummary) -> int | None:
+    """Largest value one dim takes; None when a symbol in it has no known range."""
+    return dim_range(region, [dim])[1]
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,7 @@ import math
 from coopt.ir.region import DTYPE_BYTES, RegionSummary
 from coopt.targets import Target
 from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE
-from coopt.templates.base import TemplateFamily, render_template
-from coopt.templates.matmul_epilogue import dim_range, next_pow2
+from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 _MAX_HEAD_DIM = 256
 # Register budgets per thread, from ptxas -v for sm_90 (triton 3.9) over BLOCK_N x D x group x

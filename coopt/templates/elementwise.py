@@ -14,9 +14,9 @@ Example:
 
 from __future__ import annotations
 
-from coopt.ir.region import ELEMENTWISE_FNS, RegionSummary, eval_dim
+from coopt.ir.region import ELEMENTWISE_FNS, RegionSummary
 from coopt.targets import Target
-from coopt.templates.base import TemplateFamily, render_template
+from coopt.templates.base import TemplateFamily, max_extent, next_pow2, render_template
 from coopt.templates.ewprogram import render_program
 
 MAX_RANK = 4  # the kernel unravels indices over at most 4 dims
@@ -25,22 +25,6 @@ NUM_WARPS = (1, 2, 4, 8)
 # More elements than this per thread spills registers once a program has a few inputs.
 MAX_ELEMENTS_PER_THREAD = 64
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def max_extent(dim, region: RegionSummary) -> int | None:
-    """Largest value `dim` takes, None when a symbol in it has no range.
-
-    Symbolic dims are sizes built from + and * of symbols (monotone), so the maximum is the
-    dim evaluated at every symbol's maximum.
-    """
-    try:
-        return eval_dim(dim, {name: high for name, (_, high) in region.dims.items()})
-    except (NameError, KeyError, ValueError, SyntaxError):
-        return None
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class ElementwiseFamily(TemplateFamily):
@@ -66,7 +50,7 @@ class ElementwiseFamily(TemplateFamily):
             numel = numel * extent if extent is not None else None
             if numel is None:
                 break
-        blocks = [b for b in BLOCKS if numel is None or b <= max(BLOCKS[0], next_power_of_2(numel))]
+        blocks = [b for b in BLOCKS if numel is None or b <= max(BLOCKS[0], next_pow2(numel))]
         return {"BLOCK": blocks, "num_warps": list(NUM_WARPS)}
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from coopt.ir.region import DTYPE_BYTES, RegionSummary, TensorSpec
 from coopt.targets import Target
-from coopt.templates.base import TemplateFamily, render_template
+from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 from coopt.templates.ewprogram import render_program
 
 _TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16"}
@@ -74,32 +74,6 @@ VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1
 # Barriers and alignment padding the compiler adds to the tile loop's shared memory (<= 1.1 KB
 # measured for sm_90 with triton 3.6 and 3.9).
 _TILE_LOOP_SMEM_SLACK = 2048
-
-
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def dim_range(region: RegionSummary, dims) -> tuple[int, int | None]:
-    """(min, max) of the product of `dims`; max is None when a symbolic dim has no known bound.
-
-    A dim is an int, a symbol with a range in `region.dims`, or an expression of symbols
-    ("4*s0"), bounded by evaluating it at the symbols' minima and maxima (monotone without "-").
-    """
-    lows = {name: r[0] for name, r in region.dims.items()}
-    highs = {name: r[1] for name, r in region.dims.items()}
-    lo, hi = 1, 1
-    for d in dims:
-        try:
-            if isinstance(d, str) and "-" in d:
-                raise ValueError(d)
-            d_lo = TensorSpec((d,), "float32").concrete(lows)[0]
-            d_hi = TensorSpec((d,), "float32").concrete(highs)[0]
-        except Exception:  # unknown symbol or expression: unbounded
-            d_lo, d_hi = 1, None
-        lo = lo * d_lo
-        hi = None if hi is None or d_hi is None else hi * d_hi
-    return lo, hi
 
 
 def _loaded_extras(region: RegionSummary) -> list[TensorSpec]:

@@ -22,7 +22,8 @@ from __future__ import annotations
 from coopt.ir.region import RegionSummary
 from coopt.targets import Target
 from coopt.templates.base import TemplateFamily, render_template
-from coopt.templates.elementwise import FLOAT_DTYPES, max_extent, next_power_of_2
+from coopt.templates.base import max_extent, next_pow2
+from coopt.templates.elementwise import FLOAT_DTYPES
 
 KINDS = ("softmax", "layer_norm", "rms_norm")
 LOOPED_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
@@ -59,7 +60,7 @@ class RowReductionFamily(TemplateFamily):
         return max_extent(region.inputs[0].shape[-1], region)
 
     def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
-        whole_row = next_power_of_2(self._row_length(region))
+        whole_row = next_pow2(self._row_length(region))
         blocks = [b for b in LOOPED_BLOCKS if b < whole_row]
         if whole_row <= MAX_SINGLE_PASS_BLOCK:
             blocks.append(whole_row)
