@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from progress import build_progress
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -32,6 +34,8 @@ def parse_args():
     parser.add_argument("--modes", default="eager,compile,max-autotune,coopt")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="write full results as JSON here")
+    parser.add_argument("--build-dir", type=Path, default=None,
+                        help="keep each coopt build (report.md, selection.json) in DIR/<example>")
     return parser.parse_args()
 
 
@@ -96,9 +100,10 @@ def bench_example(name: str, args) -> dict:
                 compiled(*inputs)
             record(mode, lambda: compiled(*inputs), time.monotonic() - start)
     if "coopt" in modes:
-        out = Path(tempfile.mkdtemp(prefix=f"coopt-bench-{name}-")) / "out"
+        parent = args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-bench-"))
+        out = parent / name
         start = time.monotonic()
-        result = coopt.Pipeline(top_k=args.top_k).build(model, inputs, out)
+        result = coopt.Pipeline(top_k=args.top_k).build(model, inputs, out, force=True, progress=build_progress())
         built = coopt.load(out)
         record("coopt", lambda: built(*inputs), time.monotonic() - start)
         row["coopt_regions"] = {r.summary.name: {"selected": r.selected, "reason": r.reason,

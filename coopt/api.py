@@ -46,6 +46,7 @@ class Pipeline:
         verify_profile: str = "ci",
         seed: int = 0,
         candidate_timeout_s: float = 300.0,
+        cuda_graphs: bool | None = None,
     ):
         from coopt.llm_advisor import make_advisor
 
@@ -66,6 +67,7 @@ class Pipeline:
         self.verify_profile = verify_profile
         self.seed = seed
         self.candidate_timeout_s = candidate_timeout_s
+        self.cuda_graphs = cuda_graphs
 
     def config(self) -> BuildConfig:
         return BuildConfig(
@@ -78,6 +80,7 @@ class Pipeline:
             verify_profile=self.verify_profile,
             seed=self.seed,
             candidate_timeout_s=self.candidate_timeout_s,
+            cuda_graphs=self.cuda_graphs,
         )
 
     def build(self, model, example_inputs, out_dir, *, dynamic_shapes=None, force=False, progress=None, model_path=None) -> BuildResult:

@@ -37,6 +37,9 @@ class BuildConfig:
     seed: int = 0
     candidate_timeout_s: float = 300.0
     e2e_trials: int = 3
+    # time candidates replayed in a CUDA graph (GPU time only); None = decide from the model:
+    # yes for a stateful step (a decoder writing its KV cache), which the runtime replays as a graph
+    cuda_graphs: bool | None = None
 
 
 @dataclass
@@ -48,7 +51,9 @@ class BuildResult:
     measured: bool
     e2e: dict
     warnings: list[str] = field(default_factory=list)
+    cuda_graphs: bool = False
     seconds: float = 0.0
+    step_seconds: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -57,14 +62,43 @@ class BuildResult:
             "counters": self.counters,
             "fallback_ops": self.fallback_ops,
             "measured": self.measured,
+            "cuda_graphs": self.cuda_graphs,
             "end_to_end": self.e2e,
             "warnings": self.warnings,
             "seconds": round(self.seconds, 2),
+            "step_seconds": self.step_seconds,
         }
 
 
 def _noop(step: str, detail: str = "") -> None:
     pass
+
+
+class StepClock:
+    """Wraps the progress callback and adds up wall time per build step (capture, verify,
+    measure, ...), so build.json and the report say where a slow build spent its time."""
+
+    def __init__(self, progress):
+        self.progress = progress
+        self.seconds: dict[str, float] = {}
+        self._step: str | None = None
+        self._since = time.monotonic()
+
+    def __call__(self, step: str, detail: str = "") -> None:
+        self._close()
+        self._step = step
+        self.progress(step, detail)
+
+    def _close(self) -> None:
+        now = time.monotonic()
+        if self._step is not None:
+            self.seconds[self._step] = self.seconds.get(self._step, 0.0) + now - self._since
+        self._since = now
+
+    def totals(self) -> dict[str, float]:
+        self._close()
+        self._step = None
+        return {step: round(s, 2) for step, s in self.seconds.items()}
 
 
 def dump_ir(module: ModuleOp, path: Path) -> None:
@@ -81,6 +115,7 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
 
     start = time.monotonic()
     warnings: list[str] = []
+    progress = StepClock(progress)
 
     # 0. device: capture, verify and check where the kernels will run — the GPU when there is one
     model, example_inputs = _on_build_device(model, example_inputs)
@@ -115,8 +150,10 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     #    process so a crashing or hanging kernel only fails itself
     _verify(distinct, out, config, progress)
 
-    # 6. select: measured latency on a GPU; without one, the advisor's best verified choice
-    measured = _select(distinct, out, progress)
+    # 6. select: measured latency on a GPU; without one, the advisor's best verified choice.
+    #    A stateful step (decoder + KV cache) is replayed as a CUDA graph, so it is timed as one
+    graphs = config.cuda_graphs if config.cuda_graphs is not None else _is_stateful(module)
+    measured = _select(distinct, out, progress, cuda_graphs=graphs)
     by_name = {r.summary.name: r for r in distinct}
     for twin in (r for r in regions if r.same_as is not None):
         twin.follow(by_name[twin.same_as])
@@ -131,8 +168,9 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     e2e = _end_to_end(model, example_inputs, regions, out, config, measured, warnings, list(module.walk()))
 
     # 9. record: report for people, manifest for tools, advice for replay
-    result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings)
+    result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings, graphs)
     result.seconds = time.monotonic() - start
+    result.step_seconds = progress.totals()
     advice_log.write(out / "advice.json")
     write_manifest(out, config, model_path, result)
     write_build_record(out, config, model_path, result)
@@ -206,18 +244,33 @@ def _verdict_json(verdict) -> dict:
     return verdict.to_json()
 
 
-def _select(regions: list[RegionBuild], out: Path, progress) -> bool:
-    from coopt.tune.measure import gpu_available, measure_candidates
+def _is_stateful(module: ModuleOp) -> bool:
+    from coopt.ir.dialect import StateUpdateOp, StateWriteOp
+
+    return any(isinstance(op, (StateWriteOp, StateUpdateOp)) for op in module.walk())
+
+
+def _select(regions: list[RegionBuild], out: Path, progress, *, cuda_graphs: bool = False) -> bool:
+    from coopt.tune.measure import TimingJob, gpu_available, measure_jobs
     from coopt.tune.select import select_candidate
 
     measured = gpu_available()
-    for region in regions:
-        measurements = {}
+    all_measurements = [{} for _ in regions]
+    if measured:
+        # every region's verified candidates, plus its reference through torch.compile (the
+        # comparison point the report names), timed in one worker: one CUDA start per build
+        progress("measure", f"{sum(len(r.candidates) for r in regions) + len(regions)} timings, {len(regions)} regions")
+        jobs = [
+            TimingJob(
+                r.summary,
+                {**{c.label: out / c.module for c in r.candidates if c.verified}, INDUCTOR: out / r.candidates[0].module},
+                inductor_labels=frozenset({INDUCTOR}),
+            )
+            for r in regions
+        ]
+        all_measurements = measure_jobs(jobs, cuda_graph=cuda_graphs)
+    for region, measurements in zip(regions, all_measurements):
         if measured:
-            progress("measure", region.summary.name)
-            timed = {c.label: out / c.module for c in region.candidates if c.verified}
-            timed[INDUCTOR] = out / region.candidates[0].module  # the reference, via torch.compile
-            measurements = measure_candidates(region.summary, timed, inductor_labels=frozenset({INDUCTOR}))
             inductor = measurements.pop(INDUCTOR)
             region.inductor_ms = inductor.median_ms if inductor.error is None else None
             for c in region.candidates:

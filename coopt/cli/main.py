@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -57,9 +58,10 @@ class _Progress:
         self.console = Console(stderr=True)
         self.quiet = quiet
         self.status = None
+        self.start = time.monotonic()
 
     def __enter__(self):
-        if not self.quiet:
+        if not self.quiet and self.console.is_terminal:
             self.status = self.console.status("starting")
             self.status.__enter__()
         return self
@@ -67,8 +69,9 @@ class _Progress:
     def __call__(self, step: str, detail: str = "") -> None:
         if self.status is not None:
             self.status.update(f"[bold]{step}[/bold] {detail}")
-        elif not self.quiet and not self.console.is_terminal:
-            self.console.print(f"[{step}] {detail}", highlight=False)
+        elif not self.quiet:
+            # logs (CI, the GPU machine) get the elapsed time: it shows where a slow build waits
+            self.console.print(f"{time.monotonic() - self.start:7.1f}s [{step}] {detail}", highlight=False, markup=False)
 
     def __exit__(self, *exc):
         if self.status is not None:
@@ -89,6 +92,9 @@ def build(
     top_k: int = typer.Option(3, "--top-k", help="template candidates per family and region"),
     profile: str = typer.Option("ci", "--verify-profile", help="fuzzing profile: ci (fast) or thorough"),
     seed: int = typer.Option(0, "--seed", help="seed for fuzzing and end-to-end inputs"),
+    cuda_graphs: Optional[bool] = typer.Option(
+        None, "--cuda-graphs/--no-cuda-graphs",
+        help="time candidates replayed in CUDA graphs (default: yes for models that write a KV cache)"),
     force: bool = typer.Option(False, "--force", help="replace a non-empty output directory"),
     as_json: bool = typer.Option(False, "--json", help="print a machine-readable result on stdout"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="no progress display"),
@@ -102,6 +108,7 @@ def build(
             pipeline or DEFAULT_PIPELINE, target, advisor,
             advisor_url=advisor_url, advisor_model=advisor_model, advice_file=advice,
             strict_advice=no_advisor_fallback, top_k=top_k, verify_profile=profile, seed=seed,
+            cuda_graphs=cuda_graphs,
         )
         with _Progress(quiet or as_json) as progress:
             return pipe.build_file(model_file, out, force=force, progress=progress)

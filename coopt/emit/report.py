@@ -21,13 +21,21 @@ def write_build_record(out: Path, config, model_path, result) -> None:
         "advisor": config.advisor_name,
         "top_k": config.top_k,
         "verify_profile": config.verify_profile,
+        "cuda_graphs": result.cuda_graphs,
         "seconds": round(result.seconds, 1),
+        "step_seconds": result.step_seconds,
         "counters": dict(sorted(result.counters.items())),
         "fallback_ops": result.fallback_ops,
         "end_to_end": result.e2e,
         "warnings": result.warnings,
     }
     (out / "build.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+
+
+def _step_times(steps: dict) -> str:
+    if not steps:
+        return ""
+    return " (" + ", ".join(f"{step} {seconds:.1f} s" for step, seconds in steps.items()) + ")"
 
 
 def _shape(spec: dict) -> str:
@@ -105,9 +113,11 @@ def write_report(out: Path) -> None:
     lines += [
         f"- target: **{build['target']}**; pipeline: `{build['pipeline']}`",
         f"- advisor: {build['advisor']} (top {build['top_k']} per family); verification profile: {build['verify_profile']}",
-        "- latency: " + ("measured on the GPU" if measured else
+        "- latency: " + (("measured on the GPU" + (", replayed in CUDA graphs (GPU time, no launch cost)"
+                                                    if build.get("cuda_graphs") else ", with launch cost (CUDA events)"))
+                         if measured else
                           "unmeasured (no GPU): selection follows the advisor; run `coopt tune` on the target"),
-        f"- build time: {build['seconds']:.1f} s",
+        f"- build time: {build['seconds']:.1f} s" + _step_times(build.get("step_seconds", {})),
         "",
         "## What was fused",
         "",

@@ -1,11 +1,11 @@
-"""Time verified candidates of one region, one after another, in worker subprocesses.
+"""Time verified candidates of one or more regions, one after another, in worker subprocesses.
 
 One at a time because they share one GPU: two candidates timed together would each measure the
 other's load. In a subprocess because a bad kernel may segfault, hang, or leave the CUDA context
 unusable; the caller only ever sees an error entry.
 
 A worker start costs seconds on a GPU machine (torch import, CUDA init), so one worker times the
-whole batch of a region's candidates and reports each as it finishes (protocol: worker.py). When
+whole batch (every region of a build) and reports each as it finishes (protocol: worker.py). When
 a candidate hangs past its timeout or kills the worker, that candidate gets the error, the
 worker's process group is killed, and a fresh worker takes the candidates not yet reported. The
 worker also exits after any candidate error (the CUDA context may be poisoned), so each failure
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import coopt
@@ -30,7 +31,7 @@ from coopt.tune.db import TuningDB, TuningKey
 from coopt.tune.inputs import resolve_dims
 from coopt.tune.measurement import Measurement
 
-__all__ = ["Measurement", "gpu_available", "measure_candidates", "time_in_workers"]
+__all__ = ["Measurement", "TimingJob", "gpu_available", "measure_candidates", "measure_jobs", "time_in_workers"]
 
 # Last lines of a dead worker's stderr worth quoting in its error (the Python traceback's last line
 # or the fatal signal message).
@@ -49,77 +50,99 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+@dataclass(frozen=True)
+class TimingJob:
+    """One region's candidates to time: label -> module path, at `dims` (default: example dims).
+    Labels in `inductor_labels` are timed through torch.compile (the comparison point)."""
+
+    region: RegionSummary
+    module_paths: dict[str, Path]
+    dims: dict[str, int] | None = None
+    inductor_labels: frozenset[str] = frozenset()
+
+
 def measure_candidates(
     region: RegionSummary,
     module_paths: dict[str, Path],
     dims: dict[str, int] | None = None,
+    *,
+    inductor_labels: frozenset[str] = frozenset(),
+    **options,
+) -> dict[str, Measurement]:
+    """Time each candidate module (label -> path) of one region; see `measure_jobs`.
+
+    >>> measure_candidates(region, {"c0": Path("out/kernels/r0__c0.py")})    # doctest: +SKIP
+    {'c0': Measurement(median_ms=0.041, p20_ms=0.040, p80_ms=0.043, error=None, ...)}
+    """
+    return measure_jobs([TimingJob(region, module_paths, dims, inductor_labels)], **options)[0]
+
+
+def measure_jobs(
+    jobs: list[TimingJob],
     *,
     timeout_s: float = 60,
     warmup_ms: float = 25,
     rep_ms: float = 100,
     allow_cpu: bool = False,
     db: TuningDB | None = None,
-    inductor_labels: frozenset[str] = frozenset(),
-) -> dict[str, Measurement]:
-    """Time each candidate module (label -> path) at `dims` (default: the region's example dims).
+    cuda_graph: bool = False,
+) -> list[dict[str, Measurement]]:
+    """Time the candidates of several regions, all in one worker process while none fails.
 
-    Returns {label: Measurement}; a candidate that crashes, hangs past `timeout_s` (each
-    candidate's own limit, see `time_in_workers`) or raises gets a Measurement with `error` set.
-    Without CUDA returns {} (the caller marks "unmeasured"), unless `allow_cpu`, a test-only path
-    that times host wall clock instead of GPU events.
-    With `db`, cached measurements are reused and new successful ones stored. Labels in
-    `inductor_labels` are timed through torch.compile (never cached: same file as the reference).
-
-    >>> measure_candidates(region, {"c0": Path("out/kernels/r0__c0.py")})    # doctest: +SKIP
-    {'c0': Measurement(median_ms=0.041, p20_ms=0.040, p80_ms=0.043, error=None, ...)}
+    One worker for the whole batch because its start (torch import, CUDA init) costs seconds, a
+    build has tens of regions, and most candidates take well under a second to time.
+    Returns, per job, {label: Measurement}; a candidate that crashes, hangs past `timeout_s`
+    (each candidate's own limit, see `time_in_workers`) or raises gets a Measurement with `error`.
+    Without CUDA returns empty dicts (the caller marks "unmeasured"), unless `allow_cpu`, a
+    test-only path that times host wall clock instead of GPU events.
+    With `db`, cached measurements are reused and new successful ones stored (never for inductor
+    labels: same file as the reference, other compiler).
+    With `cuda_graph`, candidates are timed replayed in a CUDA graph (GPU time, no launch cost):
+    the right measure for a step the runtime replays as a graph.
     """
     on_gpu = gpu_available()
     if not on_gpu and not allow_cpu:
-        return {}
-    dims = resolve_dims(region, dims)
-    floors = {"bytes_moved": region.bytes_moved(dims), "flops": region.flops(dims)}
+        return [{} for _ in jobs]
     device = _device_name(on_gpu) if db is not None else ""
-    results: dict[str, Measurement] = {}
-    keys: dict[str, TuningKey | None] = {}
-    to_time: dict[str, str] = {}
-    for label, path in module_paths.items():
-        cacheable = db is not None and label not in inductor_labels  # same file, other compiler
-        key = TuningKey.for_candidate(path, region, dims, device) if cacheable else None
-        cached = db.get(key) if key is not None else None
-        if cached is not None:
-            results[label] = cached
-        else:
-            keys[label] = key
-            to_time[label] = str(Path(path).resolve())
+    results: list[dict[str, Measurement]] = [{} for _ in jobs]
+    pending: dict[str, tuple[int, str, TuningKey | None, dict]] = {}  # worker key -> (job, label, db key, floors)
+    to_time: dict[str, dict] = {}
+    for index, job in enumerate(jobs):
+        dims = resolve_dims(job.region, job.dims)
+        floors = {"bytes_moved": job.region.bytes_moved(dims), "flops": job.region.flops(dims)}
+        region_json = job.region.to_json()
+        for label, path in job.module_paths.items():
+            inductor = label in job.inductor_labels
+            key = TuningKey.for_candidate(path, job.region, dims, device + (":graph" if cuda_graph else "")) \
+                if db is not None and not inductor else None
+            cached = db.get(key) if key is not None else None
+            if cached is not None:
+                results[index][label] = cached
+                continue
+            worker_key = f"{index}:{label}"
+            pending[worker_key] = (index, label, key, floors)
+            to_time[worker_key] = {"module": str(Path(path).resolve()), "region": region_json, "dims": dims, "inductor": inductor}
     if to_time:
-        request = {
-            "region": region.to_json(),
-            "dims": dims,
-            "warmup_ms": warmup_ms,
-            "rep_ms": rep_ms,
-            "seed": 0,
-            "allow_cpu": allow_cpu,
-            # these labels are timed through torch.compile (the inductor comparison point)
-            "inductor_labels": sorted(inductor_labels),
-        }
+        request = {"warmup_ms": warmup_ms, "rep_ms": rep_ms, "seed": 0, "allow_cpu": allow_cpu, "cuda_graph": cuda_graph}
         outcomes = time_in_workers(request, to_time, timeout_s)
-        for label in to_time:
-            outcome = outcomes[label]
+        for worker_key, (index, label, key, floors) in pending.items():
+            outcome = outcomes[worker_key]
             if "error" in outcome:
                 measurement = Measurement.failed(outcome["error"], **floors)
             else:
                 measurement = Measurement(
                     median_ms=outcome["median_ms"], p20_ms=outcome["p20_ms"], p80_ms=outcome["p80_ms"],
-                    device=outcome.get("device", ""), **floors,
+                    device=outcome.get("device", ""), method=outcome.get("method", ""), **floors,
                 )
-            if keys[label] is not None:
-                db.put(keys[label], measurement)
-            results[label] = measurement
-    return {label: results[label] for label in module_paths}
+            if key is not None:
+                db.put(key, measurement)
+            results[index][label] = measurement
+    return [{label: results[i][label] for label in job.module_paths} for i, job in enumerate(jobs)]
 
 
-def time_in_workers(request: dict, candidates: dict[str, str], timeout_s: float) -> dict[str, dict]:
-    """Time `candidates` (label -> module path) in as few worker processes as failures allow.
+def time_in_workers(request: dict, candidates: dict, timeout_s: float) -> dict[str, dict]:
+    """Time `candidates` (label -> module path, or label -> per-candidate request fields, see
+    worker.py) in as few worker processes as failures allow.
 
     `request` is the worker request without "candidates". Returns {label: the worker's result
     dict, or {"error": one line}} for every label. `timeout_s` applies to each candidate, counted

@@ -24,6 +24,7 @@ class Measurement:
     device: str = ""  # GPU name the worker ran on, or "cpu" for the test-only CPU path
     bytes_moved: int = 0
     flops: int = 0
+    method: str = ""  # "events" (launch included), "cuda-graph" (GPU time only), "cpu-wall"
 
     @staticmethod
     def failed(error: str, **extra) -> "Measurement":
@@ -65,4 +66,5 @@ class Measurement:
             device=data.get("device", ""),
             bytes_moved=int(data.get("bytes_moved", 0)),
             flops=int(data.get("flops", 0)),
+            method=data.get("method", ""),
         )

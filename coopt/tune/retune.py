@@ -47,6 +47,7 @@ def tune_build_dir(
     if not allow_cpu and not measure.gpu_available():
         raise ConfigError("coopt tune needs a CUDA GPU; none found")
 
+    cuda_graph = _built_for_cuda_graphs(out_dir)
     summary = {}
     for name, region_entry in selection["regions"].items():
         leader = selection["regions"].get(region_entry.get("same_as") or "")
@@ -58,7 +59,8 @@ def tune_build_dir(
         candidates = region_entry["candidates"]
         to_time = {c["label"]: out_dir / c["module"] for c in candidates if _worth_timing(c)}
         measurements = measure.measure_candidates(
-            region, to_time, timeout_s=timeout_s, warmup_ms=warmup_ms, rep_ms=rep_ms, allow_cpu=allow_cpu, db=db
+            region, to_time, timeout_s=timeout_s, warmup_ms=warmup_ms, rep_ms=rep_ms, allow_cpu=allow_cpu, db=db,
+            cuda_graph=cuda_graph,
         )
         for candidate in candidates:
             timing = measurements.get(candidate["label"])
@@ -76,6 +78,14 @@ def tune_build_dir(
     selection["measured"] = True
     write_json_atomic(out_dir / SELECTION_FILE, selection)
     return summary
+
+
+def _built_for_cuda_graphs(out_dir: Path) -> bool:
+    """Whether the build timed its candidates in CUDA graphs (build.json), so a re-tune does too."""
+    try:
+        return bool(json.loads((Path(out_dir) / "build.json").read_text()).get("cuda_graphs", False))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
 
 
 def read_selection(out_dir: Path) -> dict:

@@ -3,13 +3,18 @@
 Run by `coopt.tune.measure` in a subprocess, so a kernel that crashes the process, hangs, or
 corrupts the CUDA context costs one error entry and never the caller.
 
-Batch request (JSON on stdin), what `measure` sends:
+Batch request (JSON on stdin), one region:
     {"candidates": {label: path, ...}, "region": RegionSummary.to_json(), "dims": {name: int},
+     "warmup_ms": 25, "rep_ms": 100, "seed": 0, "allow_cpu": false, "inductor_labels": [label]}
+or several regions (what `measure.measure_jobs` sends), each candidate with its own fields:
+    {"candidates": {label: {"module": path, "region": ..., "dims": ..., "inductor": bool}, ...},
      "warmup_ms": 25, "rep_ms": 100, "seed": 0, "allow_cpu": false}
 Result stream (stdout), one JSON line each, flushed as soon as it is known:
     {"ready": true}                      start-up (torch import, CUDA init) is done
     {"startup_error": "one line"}        start-up failed; nothing was timed (the worker exits)
-    {"label": l, "median_ms": f, "p20_ms": f, "p80_ms": f, "device": name}
+    {"label": l, "median_ms": f, "p20_ms": f, "p80_ms": f, "device": name, "method": m}
+        (method: "events" = do_bench with L2 flushes, "cuda-graph" = replayed graph, GPU time
+        only, asked for with "cuda_graph": true; "cpu-wall" = the test-only CPU path)
     {"label": l, "error": "one line"}    the worker exits right after this line
 The candidates are timed one after another in the order given. After any candidate error the
 worker exits: a failed launch can leave the CUDA context unusable for everything after it, so
@@ -54,9 +59,12 @@ def time_batch(request: dict, result_stream) -> int:
         _emit(result_stream, {"startup_error": problem})
         return 0
     _emit(result_stream, {"ready": True})
-    for label, module in request["candidates"].items():
-        inductor = label in request.get("inductor_labels", ())
-        result = _time_guarded({**request, "module": module, "inductor": inductor})
+    for label, spec in request["candidates"].items():
+        if isinstance(spec, dict):  # per-candidate fields: a batch spanning several regions
+            job = {**request, **spec}
+        else:
+            job = {**request, "module": spec, "inductor": label in request.get("inductor_labels", ())}
+        result = _time_guarded(job)
         _emit(result_stream, {"label": label, **result})
         if "error" in result:
             # The CUDA context may be poisoned (an illegal address is sticky), so nothing more is
@@ -143,13 +151,18 @@ def time_candidate(request: dict) -> dict:
         except Exception as exc:
             traceback.print_exc()
             return {"error": f"run() raised {_one_line(exc)}"}
-        if on_gpu:
+        method = "events"
+        if on_gpu and request.get("cuda_graph"):
+            timed = bench_in_cuda_graph(call_next_set, rep_ms)
+            if timed is not None:
+                (median, p20, p80), method = timed, "cuda-graph"
+        if on_gpu and method == "events":
             median, p20, p80 = bench_on_gpu(call_next_set, warmup_ms, rep_ms)
-            name = torch.cuda.get_device_name()
-        else:
+        elif not on_gpu:
             median, p20, p80 = bench_on_cpu_for_tests(call_next_set, warmup_ms, rep_ms)
-            name = "cpu"
-    return {"median_ms": median, "p20_ms": p20, "p80_ms": p80, "device": name}
+            method = "cpu-wall"
+        name = torch.cuda.get_device_name() if on_gpu else "cpu"
+    return {"median_ms": median, "p20_ms": p20, "p80_ms": p80, "device": name, "method": method}
 
 
 def bench_on_gpu(fn, warmup_ms: float, rep_ms: float) -> tuple[float, float, float]:
@@ -162,6 +175,28 @@ def bench_on_gpu(fn, warmup_ms: float, rep_ms: float) -> tuple[float, float, flo
 
     median, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
     return float(median), float(p20), float(p80)
+
+
+def bench_in_cuda_graph(fn, rep_ms: float) -> tuple[float, float, float] | None:
+    """(median, p20, p80) in ms of GPU time per call, replayed as a CUDA graph; None when `fn`
+    cannot be captured (a host sync, a CPU-side op), so the caller falls back to events.
+
+    For builds whose step is replayed as a graph (decoders with a KV cache): there the CPU
+    launch cost of a call is not on the GPU timeline, and a plain event timing of a 5 µs kernel
+    behind 20 µs of Python launch would measure Python. The rotation of input sets is captured
+    into the graph as it is called, so consecutive calls still read different buffers.
+    """
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        times = do_bench_cudagraph(fn, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    except Exception:  # capture refused (sync, allocation on the host): time without a graph
+        traceback.print_exc()
+        torch.cuda.synchronize()
+        return None
+    median, p20, p80 = (float(t) for t in times)
+    return median, p20, p80
 
 
 def bench_on_cpu_for_tests(fn, warmup_ms: float, rep_ms: float) -> tuple[float, float, float]:

@@ -45,7 +45,7 @@ def assert_close():
     def check(actual: torch.Tensor, expected: torch.Tensor):
         rtol, atol = TOLERANCE[actual.dtype]
         assert actual.shape == expected.shape
-        torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+        torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=rtol, atol=atol)
 
     return check
 

@@ -46,7 +46,14 @@ def run_candidate(family, target, load_candidate, region, params, inputs, stem="
     """Render `params` for `region` (which must be legal on `target`), import it, run it."""
     assert family.check(region, params, target) is None, family.check(region, params, target)
     module = load_candidate(family.render(region, params), stem)
-    return module.run(*inputs)
+    return module.run(*on_test_device(inputs))
+
+
+def on_test_device(inputs):
+    """Tests build inputs on the CPU; on the GPU machine the kernels launch there, so move them."""
+    if not torch.cuda.is_available():
+        return list(inputs)
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
 
 
 # -- sm_90 compilation ------------------------------------------------------------------

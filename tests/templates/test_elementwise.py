@@ -13,6 +13,7 @@ from coopt.ir.region import ELEMENTWISE_FNS, RegionSummary, TensorSpec
 from coopt.targets import H200
 from coopt.templates.elementwise import BLOCKS, NUM_WARPS, ElementwiseFamily
 from coopt.templates.ewprogram import render_program
+from template_helpers import on_test_device
 
 # Masked-off lanes compute on padding (log(0), exp(inf - inf)) and numpy warns about it under the
 # interpreter; those lanes are never stored.
@@ -49,7 +50,7 @@ def torch_reference(summary, inputs):
 
 def run_candidate(load_candidate, summary, params, inputs, stem="candidate"):
     module = load_candidate(FAMILY.render(summary, params), stem)
-    return module.run(*inputs)
+    return module.run(*on_test_device(inputs))
 
 
 BIAS_GELU = region(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from coopt.ir.region import RegionSummary, TensorSpec
 from coopt.targets import H200
 from coopt.templates.row_reduction import LOOPED_BLOCKS, NUM_WARPS, RowReductionFamily
+from template_helpers import on_test_device
 
 # Masked-off lanes compute on padding (log(0), exp(inf - inf)) and numpy warns about it under the
 # interpreter; those lanes are never stored.
@@ -71,7 +72,7 @@ def torch_reference(summary, normalised, weight=None, bias=None):
 def check_candidate(load_candidate, assert_close, summary, params, inputs):
     """Run the rendered candidate and compare every output with torch."""
     module = load_candidate(FAMILY.render(summary, params))
-    outputs = module.run(*inputs)
+    outputs = module.run(*on_test_device(inputs))
     attrs = summary.attrs
     rest = inputs[2:] if attrs["residual"] else inputs[1:]
     weight = rest.pop(0) if attrs["has_weight"] else None

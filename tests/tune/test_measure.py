@@ -112,7 +112,7 @@ def test_worker_stdout_is_only_the_result(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1
-    assert set(json.loads(lines[0])) == {"median_ms", "p20_ms", "p80_ms", "device"}
+    assert set(json.loads(lines[0])) == {"median_ms", "p20_ms", "p80_ms", "device", "method"}
     assert "python noise" in proc.stderr and "fd noise" in proc.stderr
 
 
@@ -225,7 +225,8 @@ def test_worker_batch_stream_is_one_line_per_candidate(tmp_path):
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert lines[0] == {"ready": True}
     assert [line["label"] for line in lines[1:]] == ["a", "b", "c"]  # exits after c's error
-    assert set(lines[1]) == {"label", "median_ms", "p20_ms", "p80_ms", "device"}
+    assert set(lines[1]) == {"label", "median_ms", "p20_ms", "p80_ms", "device", "method"}
+    assert lines[1]["method"] == "cpu-wall"
     assert lines[3] == {"label": "c", "error": "run() raised RuntimeError: boom"}
     assert "python noise" in proc.stderr
 
@@ -254,3 +255,22 @@ def test_inductor_label_times_the_same_file_through_torch_compile(tmp_path):
     )
     assert results["reference"].ok and results["torch.compile"].ok, results
     assert len(db) == 1  # only the plain reference was stored
+
+
+def test_jobs_of_several_regions_share_one_worker_and_keep_their_own_dims(tmp_path, monkeypatch):
+    """A build times every region in one worker; each candidate still runs at its own region's
+    dims (the byte floors differ), and results come back per job under the original labels."""
+    path = write_module(tmp_path, "ok", ADD)
+    starts = []
+    start_worker = measure._start_worker
+    monkeypatch.setattr(measure, "_start_worker", lambda *a: starts.append(1) or start_worker(*a))
+    jobs = [
+        measure.TimingJob(add_region("r0"), {"c0": path}, {"B": 4}),
+        measure.TimingJob(add_region("r1"), {"c0": path, "c1": path}, {"B": 16}),
+    ]
+    results = measure.measure_jobs(jobs, timeout_s=60, **FAST)
+    assert [sorted(r) for r in results] == [["c0"], ["c0", "c1"]]
+    assert all(m.ok for r in results for m in r.values())
+    assert results[0]["c0"].bytes_moved == 3 * 4 * 64 * 4
+    assert results[1]["c1"].bytes_moved == 3 * 16 * 64 * 4
+    assert len(starts) == 1
