@@ -296,9 +296,25 @@ def _emit(module, program, imported, model, example_inputs, regions, out, config
     )
     (out / "program.py").write_text(source)
     state = {**program.state_dict, **program.constants}
-    weights = {name: state[name].detach().clone() for name in imported.state_names}
-    torch.save(weights, out / "weights.pt")
+    torch.save(program_weights(module, state), out / "weights.pt")
     write_selection(out, regions, measured)
+
+
+def program_weights(module: ModuleOp, state: dict) -> dict:
+    """The tensors the final program reads or writes, by state name: weights that passes merged
+    (fuse-parallel-linears) are materialised here, and parts no longer read are not stored."""
+    from coopt.ir.dialect import StateUpdateOp, StateWriteOp, WeightOp
+    from coopt.passes.fuse_parallel_linears import concat_parts
+
+    weights = {}
+    for op in module.walk():
+        if not isinstance(op, (WeightOp, StateWriteOp, StateUpdateOp)) or op.ref.data in weights:
+            continue
+        name = op.ref.data
+        parts = concat_parts(name)
+        tensor = torch.cat([state[p] for p in parts], dim=0) if parts else state[name]
+        weights[name] = tensor.detach().clone()
+    return weights
 
 
 def write_selection(out: Path, regions: list[RegionBuild], measured: bool) -> None:

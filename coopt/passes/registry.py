@@ -13,6 +13,7 @@ from coopt.errors import ConfigError
 _BUILTIN = {
     "inplace-state-writes": "coopt.passes.inplace_state_writes:InplaceStateWrites",
     "raise-patterns": "coopt.passes.raise_patterns:RaisePatterns",
+    "fuse-parallel-linears": "coopt.passes.fuse_parallel_linears:FuseParallelLinears",
     "fuse-norm-residual": "coopt.passes.fuse_norm_residual:FuseNormResidual",
     "fuse-attention": "coopt.passes.fuse_attention:FuseAttention",
     "fuse-linear-epilogue": "coopt.passes.fuse_linear_epilogue:FuseLinearEpilogue",
@@ -20,9 +21,10 @@ _BUILTIN = {
 }
 
 # Phase order matters: state writes become in-place first (they change what later ops read),
-# then raise (fusion matches raised ops), then the big regions (norms,
-# attention, GEMM epilogues) before plain elementwise chains take what is left.
-DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-norm-residual,fuse-attention,fuse-linear-epilogue,fuse-elementwise"
+# then raise (fusion matches raised ops), then merge linears that share an input (before any
+# of them is outlined with an epilogue), then the big regions (norms, attention, GEMM
+# epilogues) before plain elementwise chains take what is left.
+DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-norm-residual,fuse-attention,fuse-linear-epilogue,fuse-elementwise"
 
 
 def _load(ref: str):

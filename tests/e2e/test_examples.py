@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import coopt
+from coopt.passes.fuse_parallel_linears import concat_parts
 from coopt.frontend.model_file import load_model_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,9 +58,15 @@ def test_example_builds_verified_and_matches_the_original(builds, name):
 
 
 def _original_state(out: Path, model) -> dict:
+    """The original model's tensors as the build stored them (merged weights split back)."""
     weights = torch.load(out / "weights.pt", weights_only=True)
     own = model.state_dict()
-    return {k: v for k, v in weights.items() if k in own}
+    state = {}
+    for name, tensor in weights.items():
+        parts = concat_parts(name) or [name]
+        sizes = [own[p].shape[0] for p in parts] if len(parts) > 1 else [tensor.shape[0]]
+        state.update({p: t for p, t in zip(parts, tensor.split(sizes)) if p in own})
+    return state
 
 
 EXPECTED_PATTERNS = {

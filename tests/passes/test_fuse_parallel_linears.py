@@ -1,0 +1,74 @@
+"""fuse-parallel-linears: linears sharing an input become one linear over concatenated weights
+(q/k/v, gate/up); the build stores the concatenation and not the parts; results are unchanged."""
+
+import torch
+import torch.nn.functional as F
+
+from pass_helpers import run_pipeline
+from test_raise_patterns import Lambda
+
+import coopt
+from coopt.ir.dialect import AtenOp, LinearOp, WeightOp
+from coopt.passes.fuse_parallel_linears import concat_parts, concat_ref
+
+x = torch.randn(2, 3, 16)
+RAISE_AND_MERGE = "raise-patterns,fuse-parallel-linears"
+
+
+def qkv(m, x):
+    return F.linear(x, m.wq) * 2.0, F.linear(x, m.wk) + 1.0, F.linear(x, m.wv)
+
+
+QKV = dict(wq=torch.randn(16, 16), wk=torch.randn(8, 16), wv=torch.randn(8, 16))
+
+
+def linears(module):
+    return [op for op in module.walk() if isinstance(op, LinearOp)]
+
+
+def test_three_projections_of_one_input_become_one_linear_and_three_slices():
+    module, counters = run_pipeline(Lambda(qkv, **QKV), [x], RAISE_AND_MERGE)
+    (merged,) = linears(module)
+    assert merged.results[0].type.get_shape() == (2, 3, 32)
+    assert concat_parts(merged.w.owner.ref.data) == ["wq", "wk", "wv"]
+    slices = [op for op in module.walk() if isinstance(op, AtenOp) and op.target.data == "aten.slice.Tensor"]
+    assert sorted(tuple(op.call["args"][1:]) for op in slices) == [(2, 0, 16), (2, 16, 24), (2, 24, 32)]
+    assert {op.ref.data for op in module.walk() if isinstance(op, WeightOp)} == {concat_ref(["wq", "wk", "wv"])}
+    assert counters["fuse.parallel_linears"] == 1 and counters["fuse.parallel_linears.members"] == 3
+
+
+def test_different_inputs_biases_and_lone_linears_stay_apart():
+    def model(m, x, y):
+        return F.linear(x, m.a), F.linear(y, m.b), F.linear(x, m.c, m.bias)
+
+    params = dict(a=torch.randn(4, 16), b=torch.randn(4, 16), c=torch.randn(4, 16), bias=torch.randn(4))
+    module, counters = run_pipeline(Lambda(model, **params), [x, x.clone()], RAISE_AND_MERGE)
+    assert len(linears(module)) == 3
+    assert counters["fuse.parallel_linears"] == 0
+
+
+def test_max_group_knob_bounds_each_merge():
+    module, counters = run_pipeline(Lambda(qkv, **QKV), [x], "raise-patterns,fuse-parallel-linears{max-group=2}")
+    assert [len(concat_parts(op.w.owner.ref.data) or []) for op in linears(module)] == [2, 0]
+    assert counters["fuse.parallel_linears.members"] == 2
+
+
+def test_built_swiglu_and_qkv_match_eager_and_store_only_the_merged_weights(tmp_path):
+    def block(m, x):
+        q, k, v = qkv(m, x)
+        y = x + 1.0  # the MLP reads another input (in a decoder: the second norm's output)
+        h = F.silu(F.linear(y, m.gate)) * F.linear(y, m.up)
+        return q + F.linear(h, m.down), k * v
+
+    params = {**QKV, "gate": torch.randn(24, 16), "up": torch.randn(24, 16), "down": torch.randn(16, 24)}
+    model = Lambda(block, **params).eval()
+    out = tmp_path / "out"
+    result = coopt.Pipeline(top_k=1).build(model, (x,), out)
+    assert result.counters["fuse.parallel_linears"] == 2
+    stored = torch.load(out / "weights.pt", weights_only=True)
+    assert set(stored) == {concat_ref(["wq", "wk", "wv"]), concat_ref(["gate", "up"]), "down"}
+    assert torch.equal(stored[concat_ref(["gate", "up"])], torch.cat([params["gate"], params["up"]]))
+    fresh = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        for got, want in zip(coopt.load(out, device="cpu")(fresh), model(fresh)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
