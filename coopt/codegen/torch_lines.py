@@ -17,6 +17,7 @@ from coopt.ir.dialect import (
     LayerNormOp,
     LinearOp,
     RMSNormOp,
+    RopeOp,
     SoftmaxOp,
     StateUpdateOp,
     StateWriteOp,
@@ -132,6 +133,10 @@ def _high_level(op, names: Names) -> str:
         return f"{out} = torch.nn.functional.layer_norm({x}, ({x}.shape[-1],), {w}, {b}, {eps!r})"
     if isinstance(op, SoftmaxOp):
         return f"{out} = torch.softmax({names[op.x]}, -1)"
+    if isinstance(op, RopeOp):
+        x, cos, sin = names[op.x], names[op.cos], names[op.sin]
+        half = f"{x}.shape[-1] // 2"
+        return f"{out} = {x} * {cos} + torch.cat((-{x}[..., {half}:], {x}[..., :{half}]), -1) * {sin}"
     if isinstance(op, AttentionOp):
         q, k, v = names[op.q], names[op.k], names[op.v]
         causal = bool(op.causal.value.data)

@@ -292,7 +292,23 @@ class YieldOp(IRDLOperation):
         super().__init__(operands=[values])
 
 
-HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, AttentionOp, DecodeAttentionOp)
+@irdl_op_definition
+class RopeOp(IRDLOperation):
+    """Rotary embedding, rotate-half form: x·cos + cat(-x[..., D/2:], x[..., :D/2])·sin;
+    cos and sin broadcast to x."""
+
+    name = "coopt.rope"
+    x = operand_def(TensorType)
+    cos = operand_def(TensorType)
+    sin = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x, cos, sin, type_):
+        super().__init__(operands=[x, cos, sin], result_types=[type_])
+
+
+HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, AttentionOp, DecodeAttentionOp, RopeOp)
 
 Coopt = Dialect(
     "coopt",

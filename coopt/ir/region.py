@@ -41,6 +41,11 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     position lengths[b] - 1); GQA as in attention. "lengths_input" / "lengths_bound" name the
     lengths input and the dim bounding it (input 1, dim 2: S_max), so that verification draws
     valid lengths; "example_length" is the length the advisor plans for (default S_max).
+
+rope (rotary embedding, rotate-half form)
+    attrs = {}
+    inputs: x [..., D] (D even, rank <= 4), cos and sin broadcastable to x; output in x's dtype:
+    x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ ELEMENTWISE_FNS = {
     "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "abs": 1, "square": 1, "reciprocal": 1,
 }
 
-FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention")
+FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention", "decode_attention", "rope")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int64": 8, "int32": 4, "bool": 1}
 

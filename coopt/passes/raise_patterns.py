@@ -300,6 +300,7 @@ class RaisePatterns(CooptPass):
     summary = "recognise linear, elementwise, norms, softmax, attention, SwiGLU in the ATen graph"
 
     explicit_rms_norm: bool = True
+    rope: bool = True  # the rotate-half rotary embedding → coopt.rope
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         PatternRewriteWalker(
@@ -307,11 +308,13 @@ class RaisePatterns(CooptPass):
             apply_recursively=False,
         ).rewrite_module(op)
         from coopt.passes.raise_decode_attention import RaiseDecodeSDPA
+        from coopt.passes.raise_rope import RaiseRope
 
         later = [RecognizeSwiGLU(), RaiseExplicitAttention(), RaiseDecodeSDPA()]
+        later += [RaiseRope()] if self.rope else []
         later += [RaiseExplicitRMSNorm()] if self.explicit_rms_norm else []
         PatternRewriteWalker(GreedyRewritePatternApplier(later)).rewrite_module(op)
-        # the explicit RMSNorm leaves its square/mean/rsqrt chain dead: drop it (all pure)
+        # the explicit RMSNorm and RoPE leave their old chains dead: drop them (all pure)
         from xdsl.transforms.dead_code_elimination import region_dce
 
         for region in op.regions:

@@ -16,6 +16,7 @@ _BUILTIN = {
     "fuse-parallel-linears": "coopt.passes.fuse_parallel_linears:FuseParallelLinears",
     "fuse-norm-residual": "coopt.passes.fuse_norm_residual:FuseNormResidual",
     "fuse-attention": "coopt.passes.fuse_attention:FuseAttention",
+    "fuse-rope": "coopt.passes.fuse_rope:FuseRope",
     "fuse-linear-epilogue": "coopt.passes.fuse_linear_epilogue:FuseLinearEpilogue",
     "fuse-elementwise": "coopt.passes.fuse_elementwise:FuseElementwise",
 }
@@ -24,7 +25,7 @@ _BUILTIN = {
 # then raise (fusion matches raised ops), then merge linears that share an input (before any
 # of them is outlined with an epilogue), then the big regions (norms, attention, GEMM
 # epilogues) before plain elementwise chains take what is left.
-DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-norm-residual,fuse-attention,fuse-linear-epilogue,fuse-elementwise"
+DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-norm-residual,fuse-attention,fuse-rope,fuse-linear-epilogue,fuse-elementwise"
 
 
 def _load(ref: str):
