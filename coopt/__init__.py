@@ -3,6 +3,7 @@
     import coopt
     coopt.build("examples/mlp.py", "out/mlp", target="h100")
     model = coopt.load("out/mlp")
+    tokens = coopt.generate(coopt.load("out/llama"), prompt, 32)   # a built decoder
 
 Names are imported lazily so that `coopt.load` (and the runtime of a built `out/`) needs only
 torch and triton, never the compiler's xdsl / jinja2 / hypothesis.
@@ -10,7 +11,7 @@ torch and triton, never the compiler's xdsl / jinja2 / hypothesis.
 
 __version__ = "0.1.0"
 
-__all__ = ["Pipeline", "build", "load"]
+__all__ = ["Pipeline", "build", "generate", "load"]
 
 
 def __getattr__(name):
@@ -22,4 +23,8 @@ def __getattr__(name):
         from coopt.runtime.loader import load
 
         return load
+    if name == "generate":
+        from coopt.runtime.generate import generate
+
+        return generate
     raise AttributeError(f"module 'coopt' has no attribute {name!r}")

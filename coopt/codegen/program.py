@@ -7,10 +7,13 @@ import re
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 
+from coopt.codegen.input_bounds import derive_input_bounds
 from coopt.codegen.torch_lines import Names, block_lines
-from coopt.ir.region import TensorSpec
-from coopt.ir.summary import tensor_spec
+from coopt.ir.summary import symbol_table, tensor_spec
 from coopt.templates.base import render_template
+
+
+UNBOUNDED = 1 << 20  # coopt.frontend.importer's stand-in for an unbounded dim
 
 
 def weight_attr(name: str) -> str:
@@ -21,8 +24,22 @@ def forward_function(module: ModuleOp) -> func.FuncOp:
     return next(op for op in module.walk() if isinstance(op, func.FuncOp) and op.sym_name.data == "forward")
 
 
-def _input_contract(spec: TensorSpec) -> list:
-    return [spec.dtype, [d if isinstance(d, int) else None for d in spec.shape]]
+def _input_contract(name: str, value, symbols: dict) -> tuple:
+    """(name, dtype, shape): a dim is its static size, its symbol (range in DIMS) or None (an
+    expression of symbols, not checked)."""
+    spec = tensor_spec(value)
+    return (name, spec.dtype, [d if isinstance(d, int) or d in symbols else None for d in spec.shape])
+
+
+def _exported_range(symbol: list[int]) -> tuple:
+    # the importer caps an unbounded max at 2**20: None (no limit) rather than a false one
+    low, high = symbol[:2]
+    return (low, high if high < UNBOUNDED else None)
+
+
+def _input_names(params: list[str], count: int) -> list[str]:
+    # forward's parameters name the flat inputs when each parameter is one tensor
+    return list(params) if len(params) == count else [f"input {i}" for i in range(count)]
 
 
 def program_source(module: ModuleOp, *, model_name: str, target: str, params: list[str], out_spec: str, regions: list[str]) -> str:
@@ -44,6 +61,10 @@ def program_source(module: ModuleOp, *, model_name: str, target: str, params: li
         kernel_expr=lambda region: f"self._kernels[{region!r}]",
     )
     unpack = ", ".join(args) + ("," if len(args) == 1 else "") if args else "_"
+    symbols = symbol_table(module)
+    bounds = derive_input_bounds(module, fn, symbols)
+    inputs = [_input_contract(n, a, symbols) for n, a in zip(_input_names(params, len(block.args)), block.args)]
+    used = {d for _, _, shape in inputs for d in shape if isinstance(d, str)}
     return render_template(
         "program.py.j2",
         model_name=model_name,
@@ -51,10 +72,19 @@ def program_source(module: ModuleOp, *, model_name: str, target: str, params: li
         # Python literals (repr), not JSON: None and True must read back as Python
         weights_repr=repr(weights),
         regions_repr=repr(regions),
-        inputs_repr=repr([_input_contract(tensor_spec(a)) for a in block.args]),
+        inputs_repr=repr(inputs),
+        dims_repr=repr({s: _exported_range(symbols[s]) for s in sorted(used)}),
+        index_bounds_repr=_rows([(b.input, b.low, b.high, b.reason) for b in bounds.index]),
+        size_bounds_repr=_rows([(b.input, b.dim, b.high, b.reason) for b in bounds.size]),
+        decoder_repr=repr(bounds.decoder),
         out_spec=out_spec,
         params=params,
         unpack=unpack,
         lines=lines,
         returned=returned,
     )
+
+
+def _rows(rows: list[tuple]) -> str:
+    """A list literal with one row per line (the bounds are read by people too)."""
+    return "[\n" + "".join(f"    {row!r},\n" for row in rows) + "]" if rows else "[]"
