@@ -22,6 +22,7 @@ use_interpreter_without_gpu()
 
 from coopt.compile import BuildConfig, BuildResult, compile_model  # noqa: E402
 from coopt.emit.outdir import staged_out_dir  # noqa: E402
+from coopt.emit.report import record_entry_points  # noqa: E402
 from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text  # noqa: E402
 from coopt.targets import Target, get_target  # noqa: E402
 
@@ -83,13 +84,30 @@ class Pipeline:
             cuda_graphs=self.cuda_graphs,
         )
 
-    def build(self, model, example_inputs, out_dir, *, dynamic_shapes=None, force=False, progress=None, model_path=None) -> BuildResult:
-        """Compile `model` on `example_inputs` into `out_dir` (written atomically)."""
+    def build(self, model, example_inputs, out_dir, *, dynamic_shapes=None, force=False, progress=None, model_path=None,
+              entry_points: dict | None = None) -> BuildResult:
+        """Compile `model` on `example_inputs` into `out_dir` (written atomically).
+
+        `entry_points` ({name: (example inputs, dynamic_shapes or None)}) are more ways to call
+        the same model (a decoder's prefill next to its decode step): each is built into
+        `out_dir/entries/<name>/`, sharing the main entry's weights and state, and the loaded
+        model carries them as `model.entry_points[name]`.
+        """
         kwargs = {"progress": progress} if progress else {}
         with staged_out_dir(Path(out_dir), force) as staging:
             result = compile_model(
                 model, tuple(example_inputs), staging, self.config(), dynamic_shapes=dynamic_shapes, model_path=model_path, **kwargs
             )
+            for name, (inputs, dynamic) in (entry_points or {}).items():
+                entry_progress = {"progress": lambda step, detail="", n=name: progress(step, f"[{n}] {detail}")} if progress else {}
+                entry = compile_model(
+                    model, tuple(inputs), staging / "entries" / name, self.config(), dynamic_shapes=dynamic,
+                    model_path=model_path, shared_weights=staging / "weights.pt", **entry_progress,
+                )
+                result.entries[name] = entry
+                result.seconds += entry.seconds
+            if result.entries:
+                record_entry_points(staging, result)
         result.out_dir = Path(out_dir).resolve()
         return result
 
@@ -103,6 +121,7 @@ class Pipeline:
         return self.build(
             loaded.model, loaded.example_inputs, out_dir,
             dynamic_shapes=loaded.dynamic_shapes, force=force, progress=progress, model_path=loaded.path,
+            entry_points=loaded.entry_points,
         )
 
 

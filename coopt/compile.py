@@ -52,6 +52,7 @@ class BuildResult:
     e2e: dict
     warnings: list[str] = field(default_factory=list)
     cuda_graphs: bool = False
+    entries: dict = field(default_factory=dict)  # entry name -> BuildResult (out/entries/<name>)
     seconds: float = 0.0
     step_seconds: dict = field(default_factory=dict)
 
@@ -67,6 +68,7 @@ class BuildResult:
             "warnings": self.warnings,
             "seconds": round(self.seconds, 2),
             "step_seconds": self.step_seconds,
+            **({"entries": {name: entry.to_json() for name, entry in self.entries.items()}} if self.entries else {}),
         }
 
 
@@ -108,7 +110,11 @@ def dump_ir(module: ModuleOp, path: Path) -> None:
         stream.write("\n")
 
 
-def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dynamic_shapes=None, model_path=None, progress=_noop) -> BuildResult:
+def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dynamic_shapes=None, model_path=None, progress=_noop,
+                  shared_weights: Path | None = None) -> BuildResult:
+    """Build one entry point of `model` into `out`. With `shared_weights` (the weights.pt of the
+    artifact's main entry), tensors stored there are not stored again: the entry reads them, and
+    writes the same state buffers, through the main entry at load time."""
     from coopt.emit.manifest import write_manifest
     from coopt.emit.report import write_build_record, write_report
     from coopt.llm_advisor.replay import AdviceLog
@@ -160,7 +166,7 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
 
     # 7. emit: the program, the weights, the selection
     progress("emit", "program.py")
-    _emit(module, program, imported, model, example_inputs, regions, out, config, measured)
+    _emit(module, program, imported, model, example_inputs, regions, out, config, measured, shared_weights)
 
     # 8. end to end: the built model against the original on fresh inputs; if a mix of verified
     #    kernels still disagrees, fall back to the references rather than ship a wrong model
@@ -283,7 +289,7 @@ def _select(regions: list[RegionBuild], out: Path, progress, *, cuda_graphs: boo
 INDUCTOR = "torch.compile"
 
 
-def _emit(module, program, imported, model, example_inputs, regions, out, config, measured) -> None:
+def _emit(module, program, imported, model, example_inputs, regions, out, config, measured, shared_weights=None) -> None:
     params = _forward_params(model, len(imported.user_input_names))
     out_spec = torch.utils._pytree.treespec_dumps(program.call_spec.out_spec)
     source = program_source(
@@ -296,7 +302,15 @@ def _emit(module, program, imported, model, example_inputs, regions, out, config
     )
     (out / "program.py").write_text(source)
     state = {**program.state_dict, **program.constants}
-    torch.save(program_weights(module, state), out / "weights.pt")
+    weights = program_weights(module, state)
+    if shared_weights is not None:
+        import os
+
+        stored = set(torch.load(shared_weights, map_location="meta", weights_only=True))
+        weights = {name: t for name, t in weights.items() if name not in stored}
+        shared = {"weights": os.path.relpath(shared_weights, out), "names": sorted(stored)}
+        (out / "shared_weights.json").write_text(json.dumps(shared, indent=1))
+    torch.save(weights, out / "weights.pt")
     write_selection(out, regions, measured)
 
 

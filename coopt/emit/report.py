@@ -32,6 +32,19 @@ def write_build_record(out: Path, config, model_path, result) -> None:
     (out / "build.json").write_text(json.dumps(record, indent=2, sort_keys=True))
 
 
+def record_entry_points(out: Path, result) -> None:
+    """The main build's build.json and report name the extra entry points built beside it."""
+    path = Path(out) / "build.json"
+    record = json.loads(path.read_text())
+    record["entries"] = {
+        name: {"dir": f"entries/{name}", "regions": len(entry.regions),
+               "kernels": sum(r.selected != REFERENCE for r in entry.regions), "seconds": round(entry.seconds, 1)}
+        for name, entry in result.entries.items()
+    }
+    path.write_text(json.dumps(record, indent=2, sort_keys=True))
+    write_report(out)
+
+
 def _step_times(steps: dict) -> str:
     if not steps:
         return ""
@@ -119,6 +132,14 @@ def write_report(out: Path) -> None:
                           "unmeasured (no GPU): selection follows the advisor; run `coopt tune` on the target"),
         f"- build time: {build['seconds']:.1f} s" + _step_times(build.get("step_seconds", {})),
         "",
+    ]
+    if build.get("entries"):
+        lines += ["Entry points built into this artifact beside `forward`, sharing its weights and state "
+                  "(`coopt.load(out).entry_points[name]`):", ""]
+        lines += [f"- **{name}**: {e['regions']} regions, {e['kernels']} on generated kernels, {e['seconds']:.1f} s; "
+                  f"report: [{e['dir']}/report.md]({e['dir']}/report.md)" for name, e in build["entries"].items()]
+        lines.append("")
+    lines += [
         "## What was fused",
         "",
     ]

@@ -1,7 +1,9 @@
 """Load a KernelBench-style model file: `Model`, `get_inputs()`, `get_init_inputs()`.
 
-Optional hooks: `load_weights(model)` (real checkpoints) and `dynamic_shapes()` (the
-`dynamic_shapes` argument of torch.export: which input dims vary).
+Optional hooks: `load_weights(model)` (real checkpoints), `dynamic_shapes()` (the
+`dynamic_shapes` argument of torch.export: which input dims vary) and `entry_points()` (more
+ways to call the same model, built into the same artifact and sharing its weights and state:
+`{"prefill": (example_inputs, dynamic_shapes or None)}` next to the decode step of get_inputs).
 Every failure becomes a one-line ModelFileError (exit code 3) naming the file and the cause.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -26,6 +28,8 @@ class LoadedModel:
     model: torch.nn.Module
     example_inputs: tuple
     dynamic_shapes: object | None
+    # name -> (example inputs, dynamic_shapes or None): extra entry points (entry_points())
+    entry_points: dict = field(default_factory=dict)
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -86,4 +90,20 @@ def load_model_file(path: str | Path) -> LoadedModel:
     if not isinstance(inputs, (list, tuple)):
         raise ModelFileError(f"{path.name}: get_inputs() must return a list or tuple, got {type(inputs).__name__}")
     dynamic = _call_hook(module, path, "dynamic_shapes") if hasattr(module, "dynamic_shapes") else None
-    return LoadedModel(path, module, model, tuple(inputs), dynamic)
+    entries = _entry_points(_call_hook(module, path, "entry_points"), path) if hasattr(module, "entry_points") else {}
+    return LoadedModel(path, module, model, tuple(inputs), dynamic, entries)
+
+
+def _entry_points(value, path: Path) -> dict:
+    """{name: (inputs tuple, dynamic_shapes or None)} from what entry_points() returned."""
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path.name}: entry_points() must return a dict name -> (inputs, dynamic_shapes), got {type(value).__name__}")
+    entries = {}
+    for name, spec in value.items():
+        if not isinstance(name, str) or not name.isidentifier() or name == "forward":
+            raise ModelFileError(f"{path.name}: entry_points(): {name!r} is not a usable entry name (an identifier other than 'forward')")
+        inputs, dynamic = spec if isinstance(spec, tuple) and len(spec) == 2 else (spec, None)
+        if not isinstance(inputs, (list, tuple)):
+            raise ModelFileError(f"{path.name}: entry_points()[{name!r}] must be (inputs list, dynamic_shapes or None)")
+        entries[name] = (tuple(inputs), dynamic)
+    return entries

@@ -9,8 +9,9 @@ The model is a decoder step `forward(tokens [B, T] int64, positions [T] int64) -
 that writes its KV cache in place (gpt-fast style); a coopt build of one carries the contract
 as `model.decoder` (cache length, the batch and length ranges one call accepts), derived from
 its IR. Prefill: one call over the prompt when the build accepts T > 1 (exported with a dynamic
-sequence dim; chunks of the longest accepted T), else the prompt is fed token by token through
-the decode step, unless `prefill` is given: a callable with the same signature that writes the
+sequence dim; chunks of the longest accepted T), or through the artifact's `prefill` entry point
+(`model.entry_points["prefill"]`, see `entry_points()` in a model file), else the prompt is fed
+token by token through the decode step, unless `prefill` is given: a callable with the same signature that writes the
 *same* cache (e.g. a model whose cache buffers are the decode model's). Decode steps replay a
 CUDA graph per batch bucket on the GPU (`cuda_graphs=False` calls the module); on the CPU they
 call the module. Imports torch only.
@@ -182,9 +183,18 @@ def _prefill(model, contract: dict, prefill, step, padded: torch.Tensor, device)
     prompt_length = padded.shape[1]
     if prefill is not None:
         return prefill(padded, torch.arange(prompt_length, device=device))[:, -1]
+    entry = getattr(model, "entry_points", {}).get("prefill")
+    entry_lengths = entry.decoder["length"] if isinstance(getattr(entry, "decoder", None), dict) else None
     chunk = contract["length"][1]  # the longest prompt piece one call takes (1: decode-only build)
-    run = model if chunk > 1 else step
-    for start in range(0, prompt_length, chunk):
-        piece = padded[:, start:start + chunk]
-        logits = run(piece, torch.arange(start, start + piece.shape[1], device=device))[:, -1]
+    start = 0
+    while start < prompt_length:
+        left = prompt_length - start
+        if entry_lengths is not None and left >= entry_lengths[0]:
+            # the artifact's prefill entry point: same weights and cache, many tokens per call
+            run, size = entry, min(left, entry_lengths[1])
+        else:
+            run, size = (model if chunk > 1 else step), min(left, chunk)
+        piece = padded[:, start:start + size]
+        logits = run(piece, torch.arange(start, start + size, device=device))[:, -1]
+        start += size
     return logits

@@ -411,6 +411,8 @@ def _settings() -> dict:
         dtype=env("COOPT_EXAMPLE_DTYPE", "float32"),
         pos=int(env("COOPT_LLAMA_POS", max_seq // 2)),
         checkpoint=checkpoint,
+        # example prompt length of the prefill entry point; 0 builds the decode step only
+        prefill=int(env("COOPT_LLAMA_PREFILL", min(16, max_seq))),
     )
 
 
@@ -442,6 +444,19 @@ def get_inputs():
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, s["args"].vocab_size, (s["batch"], 1), generator=generator)
     return [tokens, torch.tensor([s["pos"]])]
+
+
+def entry_points():
+    """The prompt (prefill) as a second entry point of the same artifact: any length 2 ..
+    max_seq at positions 0 .. T-1, sharing weights and KV cache with the decode step, so
+    `generate()` prefills a prompt in one call and then decodes with the graph-replayed step."""
+    s = _settings()
+    if s["prefill"] < 2:
+        return {}
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, s["args"].vocab_size, (s["batch"], s["prefill"]), generator=generator)
+    length = torch.export.Dim("prompt_length", min=2, max=s["max_seq"])
+    return {"prefill": ([tokens, torch.arange(s["prefill"])], ({1: length}, {0: length}))}
 
 
 def load_weights(model: Transformer) -> None:

@@ -35,6 +35,14 @@ def test_good_file_loads_in_eval_mode(tmp_path):
     assert loaded.dynamic_shapes is None
 
 
+def test_entry_points_hook_gives_inputs_and_dynamic_shapes(tmp_path):
+    path = write(tmp_path, GOOD + "\ndef entry_points():\n    return {'wide': ([torch.randn(8, 4)], None), 'plain': [torch.randn(1, 4)]}\n")
+    entries = load_model_file(path).entry_points
+    assert sorted(entries) == ["plain", "wide"]
+    assert entries["wide"][0][0].shape == (8, 4) and entries["wide"][1] is None
+    assert entries["plain"][0][0].shape == (1, 4)
+
+
 def test_load_weights_hook_runs(tmp_path):
     path = write(tmp_path, GOOD + "\ndef load_weights(model):\n    torch.nn.init.zeros_(model.fc.bias)\n    model.fc.bias.data += 3\n")
     assert float(load_model_file(path).model.fc.bias[0].detach()) == 3.0
@@ -50,6 +58,9 @@ def test_load_weights_hook_runs(tmp_path):
         (GOOD.replace("return [4]", "return ['x']"), "Model(*get_init_inputs()) failed"),
         ("import torch\nraise RuntimeError('boom')\n", "model.py:2: importing the model file failed: RuntimeError: boom"),
         (GOOD.replace("return [torch.randn(2, 4)]", "return torch.randn(2, 4)"), "must return a list or tuple"),
+        (GOOD + "\ndef entry_points():\n    return [1]\n", "entry_points() must return a dict"),
+        (GOOD + "\ndef entry_points():\n    return {'forward': [torch.randn(3, 4)]}\n", "'forward' is not a usable entry name"),
+        (GOOD + "\ndef entry_points():\n    return {'wide': torch.randn(3, 4)}\n", "entry_points()['wide'] must be"),
     ],
 )
 def test_bad_files_give_one_clear_line(tmp_path, text, message):

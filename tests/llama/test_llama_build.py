@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import coopt
@@ -18,20 +19,68 @@ from coopt.frontend.model_file import load_model_file
 from llama_helpers import MODEL_PATH
 
 
-def test_cli_build_of_the_tiny_decode_step_matches_eager(tmp_path):
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def built_dir(tmp_path_factory):
+    """The CLI build of the tiny preset: the decode step plus its prefill entry point."""
+    out = tmp_path_factory.mktemp("llama") / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("COOPT_LLAMA_") and k != "COOPT_EXAMPLE_DTYPE"}
     command = [sys.executable, "-m", "coopt.cli.main", "build", str(MODEL_PATH), "-o", str(out), "--top-k", "1", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     build = json.loads(result.stdout[result.stdout.index("{"):])
-    assert build["end_to_end"]["ok"]
+    assert build["end_to_end"]["ok"] and build["entries"]["prefill"]["end_to_end"]["ok"]
+    return out
 
+
+def test_cli_build_of_the_tiny_decode_step_matches_eager(built_dir):
     eager = load_model_file(MODEL_PATH)  # same seeds: the weights and cache history of the build
-    built = coopt.load(out)
+    built = coopt.load(built_dir)
     tokens, input_pos = eager.example_inputs
     with torch.no_grad():  # two steps: the second attends to the keys the first one wrote
         for step in range(2):
             position = input_pos + step
             torch.testing.assert_close(built(tokens, position), eager.model(tokens, position), rtol=1e-4, atol=1e-4)
             tokens = (tokens * 7 + 3) % eager.model.args.vocab_size
+
+
+def test_prefill_entry_shares_weights_and_cache_with_the_decode_step(built_dir):
+    """One artifact, two entry points: the prefill writes the cache the decode step reads, and no
+    tensor is stored twice."""
+    main = torch.load(built_dir / "weights.pt", weights_only=True)
+    extra = torch.load(built_dir / "entries" / "prefill" / "weights.pt", weights_only=True)
+    assert not set(main) & set(extra)
+    built = coopt.load(built_dir)
+    prefill = built.entry_points["prefill"]
+    cache = "layers.0.attention.k_cache"
+    assert prefill.state_tensor(cache) is built.state_tensor(cache)
+    built.double()  # moving the model keeps the entry point on the same tensors
+    assert prefill.state_tensor(cache) is built.state_tensor(cache) and prefill.state_tensor(cache).dtype == torch.float64
+    built.float()
+
+    eager = load_model_file(MODEL_PATH).model
+    prompt = torch.randint(0, eager.args.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():  # prompt length 11 differs from the example's 16: the entry is dynamic in T
+        torch.testing.assert_close(prefill(prompt, torch.arange(11)), eager(prompt, torch.arange(11)), rtol=1e-4, atol=1e-4)
+        # the decode step continues from the cache the prefill wrote
+        step = torch.tensor([[7]]), torch.tensor([11])
+        torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
+
+
+def test_generate_prefills_through_the_entry_point_and_matches_eager_greedy(built_dir, monkeypatch):
+    built = coopt.load(built_dir)
+    prefill = built.entry_points["prefill"]
+    calls = []
+    original = type(prefill).forward
+    monkeypatch.setattr(type(prefill), "forward", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
+    eager = load_model_file(MODEL_PATH).model
+    prompt = torch.randint(0, eager.args.vocab_size, (1, 9), generator=torch.Generator().manual_seed(6))
+    tokens = coopt.generate(built, prompt, 6)
+    assert calls == [torch.Size([1, 9])]  # the whole prompt in one call
+    expected = prompt
+    with torch.no_grad():
+        logits = eager(prompt, torch.arange(9))[:, -1]
+        for i in range(6):
+            next_token = logits.argmax(-1, keepdim=True)
+            expected = torch.cat([expected, next_token], 1)
+            logits = eager(next_token, torch.tensor([9 + i]))[:, -1]
+    assert tokens.tolist() == expected.tolist()

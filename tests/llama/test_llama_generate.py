@@ -1,8 +1,8 @@
 """generate() and the call-time errors of a built decoder, on the tiny Llama.
 
 Two builds, each made once per module (about 15 s and 25 s in Triton's interpreter; one call of
-either takes about 0.3 s here): `static` is examples/llama/model.py as it is (one decode token
-of one sequence per call: the prompt goes through token by token); `dynamic` is
+either takes about 0.3 s here): `static` is examples/llama/model.py's decode step alone (one decode
+token of one sequence per call, COOPT_LLAMA_PREFILL=0: the prompt goes through token by token); `dynamic` is
 dynamic_llama.py (batch 1..4 and length 1..64 dynamic: the prompt is one call). The eager
 reference is the same model file's model, float32, with the same seeds.
 """
@@ -31,9 +31,11 @@ def tensor(data, **options) -> torch.Tensor:
     return torch.tensor(data, device=DEVICE, **options)
 
 
-def _build(path, out, monkeypatch):
+def _build(path, out, monkeypatch, **env):
     for name in [n for n in os.environ if n.startswith("COOPT_LLAMA_") or n == "COOPT_EXAMPLE_DTYPE"]:
         monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     result = coopt.build(path, out, top_k=1)
     assert result.e2e["ok"], result.e2e
     eager = load_model_file(path)
@@ -44,7 +46,8 @@ def _build(path, out, monkeypatch):
 @pytest.fixture(scope="module")
 def static(tmp_path_factory):
     with pytest.MonkeyPatch.context() as monkeypatch:
-        return _build(MODEL_PATH, tmp_path_factory.mktemp("static") / "out", monkeypatch)
+        # the decode step alone (no prefill entry point: test_llama_build covers that one)
+        return _build(MODEL_PATH, tmp_path_factory.mktemp("static") / "out", monkeypatch, COOPT_LLAMA_PREFILL="0")
 
 
 @pytest.fixture(scope="module")
