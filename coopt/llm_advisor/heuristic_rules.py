@@ -26,6 +26,7 @@ WARPS = ("num_warps", "WARPS")
 STAGES = ("num_stages", "STAGES")
 GROUP_M = ("GROUP_M", "GROUP_SIZE_M")
 SPLIT_K = ("SPLIT_K",)
+GEMV = ("GEMV",)
 
 # "Enough tiles" means at least this share of the SMs has a tile: a short last wave costs
 # less than tiles so small that each one does too little work to hide memory latency.
@@ -107,7 +108,87 @@ def matmul_epilogue(request: AdviceRequest) -> tuple[CostFn, str]:
     m, k = _prod(a[:-1]), (a[-1] if a else 1)
     n = (b[0] if request.region.attrs.get("b_layout") == "nk" else b[-1]) if b else 1
     sms = int(request.target.get("num_sms") or 132)
+    if m <= GEMV_MAX_M and True in (knob(request.space, GEMV) or []):
+        return _matmul_gemv(request, m, n, k, sms)
+    return _matmul_tiles(request, m, n, k, sms)
+
+
+# The skinny-GEMM (GEMV) kernel streams the weight; its speed is set by how many weight bytes
+# every SM keeps in flight. A program keeps num_stages - 1 slabs of BLOCK_N x BLOCK_K in flight
+# (Triton's pipeline depth), and an SM runs as many programs at once as shared memory allows.
+# Measured on the H200 (bench/gemm.py --quick --shapes skinny,decode; CUDA graphs, triton 3.6):
+# - ~48 KB in flight per SM streams the 117 MB-1 GB weights at 3.9-4.5 TB/s; ~32 KB loses
+#   10-20% (1x4096x14336: 1x32x256 tiles with 2 slabs in flight 3.35 TB/s, with 3 slabs 3.90);
+# - programs that leave SMs idle are the worst loss (64 programs on 132 SMs: 1.1 TB/s);
+# - more programs than fit at once, by a few waves, leave a ragged last wave (1x14336x4096:
+#   896 programs of 6 per SM 3.35 TB/s; 448 of 3 per SM 3.03; 448 of 4 per SM 3.83);
+# - each SPLIT_K doubling costs ~5% on a 32 MB weight (partials and the last program's sum):
+#   at 1x4096x4096 the best points split nothing (3.1 TB/s, cuBLAS 2.7).
+GEMV_MAX_M = 64  # the family offers the GEMV kernel up to this M
+GEMV_FLIGHT_BYTES_PER_SM = 48 * 1024
+GEMV_ROW_BYTES = 512  # contiguous bytes per weight row and K step (32 B sectors, long bursts)
+GEMV_SLAB_BYTES = 16 * 1024  # 16x512 or 32x256 bf16: the slab of the measured winners
+GEMV_MAX_PROGRAMS_PER_SM = 8  # of 4 warps: 32 warps an SM, registers to spare
+
+
+def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tuple[CostFn, str]:
+    """Decode-sized M with the GEMV kernel in the space: its points first, by bytes in flight."""
+    a_elem = 4 if request.region.inputs[0].dtype == "float32" else 2
+    b_elem = 4 if request.region.inputs[1].dtype == "float32" else 2
+    smem = int(request.target.get("smem_per_block_bytes") or 232448)
+    bm_vals = _numbers(knob(request.space, BLOCK_M))
+    # One activation row: multiply-and-sum (BLOCK_M = 1); more: tl.dot on the fewest rows >= M.
+    bm_t = 1 if m == 1 and 1 in bm_vals else (_smallest_at_least([v for v in bm_vals if v >= 16], m) or 16)
+    tiles_cost, _ = _matmul_tiles(request, m, n, k, sms, with_gemv=True)
+
+    def cost(point: dict) -> float:
+        if not knob(point, GEMV):
+            return 4.0 + tiles_cost(point)  # the tensor-core kernels come after every GEMV point
+        bm, bn, bk = knob(point, BLOCK_M), knob(point, BLOCK_N), knob(point, BLOCK_K)
+        split, stages, warps = knob(point, SPLIT_K) or 1, knob(point, STAGES) or 3, knob(point, WARPS) or 4
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (bm, bn, bk, split, stages, warps)):
+            return 100.0  # not a point this rule can reason about
+        # Rows past M are tl.dot padding; fewer rows than M re-read each slab (from L2).
+        c = 2 * math.log2(bm / bm_t) if bm >= bm_t else 0.5 * math.log2(bm_t / bm)
+        c += 0.5 * max(0.0, math.log2(GEMV_ROW_BYTES / (bk * b_elem)))
+        slab = bn * bk * b_elem
+        c += 0.1 * _log_gap(slab, GEMV_SLAB_BYTES)  # among equals, the measured winners' slab
+        # Every column tile re-reads the M activation rows from L2: M / BLOCK_N of the weight's
+        # bytes again (negligible for one row, twice the weight for 32 rows of 16-wide tiles).
+        c += math.log2(1 + m / bn)
+        programs = math.ceil(m / bm) * math.ceil(n / bn) * split
+        program_smem = max(1, stages - 1) * (bm * bk * a_elem + slab) + 2048
+        resident = max(1, min(GEMV_MAX_PROGRAMS_PER_SM * 4 // warps, smem // program_smem))
+        c += _gemv_streaming_cost(programs, resident, max(1, stages - 1) * slab, sms)
+        c += 0.5 * math.log2(split) + _log_gap(warps, 4) + 0.25 * _stages_gap(stages, 3, 4)
+        return c
+
+    kernel = "multiply-and-sum" if bm_t == 1 else f"tl.dot on {bm_t} rows"
+    return cost, (
+        f"decode-shaped matmul (M={m}, N={n}, K={k}): GEMV kernel, {kernel}; tiles and SPLIT_K for "
+        f"~{GEMV_FLIGHT_BYTES_PER_SM // 1024} KB of weight in flight on each of {sms} SMs in one wave"
+    )
+
+
+def _gemv_streaming_cost(programs: int, resident: int, program_flight: int, sms: int) -> float:
+    """Idle SMs, too few bytes in flight on a busy SM, and a ragged last wave, in factors of two.
+    `resident`: programs an SM runs at once; `program_flight`: weight bytes one keeps in flight."""
+    c = 2 * math.log2(0.9 * sms / programs) if programs < 0.9 * sms else 0.0
+    in_flight = program_flight * min(programs / sms, resident)
+    c += 1.5 * max(0.0, math.log2(GEMV_FLIGHT_BYTES_PER_SM / in_flight))
+    waves = programs / (resident * sms)
+    if 1 < waves < 4:
+        c += 2 * (math.ceil(waves) - waves) / math.ceil(waves)
+    return c
+
+
+def _matmul_tiles(request: AdviceRequest, m: int, n: int, k: int, sms: int,
+                  with_gemv: bool = False) -> tuple[CostFn, str]:
+    """The tensor-core kernels (plain grid, persistent, TMA)."""
     bm_vals, bn_vals, bk_vals = (_numbers(knob(request.space, names)) for names in (BLOCK_M, BLOCK_N, BLOCK_K))
+    if with_gemv:  # the tiles only the GEMV kernel takes (BLOCK_M=1, BLOCK_N=16, BLOCK_K>128)
+        bm_vals, bn_vals = [v for v in bm_vals if v >= 16], [v for v in bn_vals if v >= 32]
+        bk_vals = [v for v in bk_vals if v <= 128]
     sixteen_bit = bool(request.region.inputs) and request.region.inputs[0].dtype in ("bfloat16", "float16")
     hopper = False  # set for large 16-bit GEMMs below
 

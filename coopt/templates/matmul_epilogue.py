@@ -8,8 +8,9 @@ nn.Linear weight is never transposed in memory).
 Knobs (all explicit lists, pruned by `check`):
     BLOCK_M, BLOCK_N, BLOCK_K  output / reduction tile
     GROUP_M                    row-tiles that share a column of B while it is hot in L2
-    SPLIT_K                    K split across programs (fp32 partials + a reduce/epilogue kernel);
-                               for small-M (decode) shapes that would leave SMs idle
+    SPLIT_K                    K split across programs, for small-M (decode) shapes that would
+                               leave SMs idle: fp32 partials and a reduce/epilogue kernel (the
+                               GEMV kernel instead meets its splits in the same launch)
     num_warps, num_stages      launch options (num_stages = software-pipeline depth)
 
 Hopper variants (knobs of the same kernel family; see bench/NOTES-gemm.md for what they compile to):
@@ -25,8 +26,32 @@ Hopper variants (knobs of the same kernel family; see bench/NOTES-gemm.md for wh
                                sizes, strided views).
     EPILOGUE_SUBTILE           1 or 2: the epilogue runs on BLOCK_N / 2 wide halves (half the
                                TMA store buffer, so one more operand stage fits).
+
 Warp specialization is not a knob: in Triton 3.6 and 3.9 it compiles for Hopper only with 4
 warps and pointer stores, and fails for larger tiles in 3.9 (bench/NOTES-gemm.md).
+
+Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows and columns):
+    GEMV                       `_gemv_kernel`, one launch that streams the weight at bandwidth:
+                               a 1-D grid of cdiv(M, BLOCK_M) x SPLIT_K x cdiv(N, BLOCK_N)
+                               programs (row tiles adjacent, so they share each weight slab in
+                               L2), each reducing a K-slice of a [BLOCK_N, K] weight slab through
+                               a `tl.range(num_stages)` software pipeline. BLOCK_M = 1 multiplies
+                               and sums on CUDA cores (no 16-row padding of the activation tile);
+                               BLOCK_M >= 16 uses tl.dot with rows past M masked (never loaded).
+                               With SPLIT_K > 1 the splits of a tile meet in the same launch: each
+                               stores its fp32 partial to a workspace and bumps the tile's arrival
+                               counter; the last to arrive sums the partials in split order
+                               (deterministic), runs the epilogue and zeroes the counter. The
+                               workspace is allocated once per device and kept on the module, so
+                               a call allocates only its outputs and a CUDA graph can capture it.
+                               Offered only where the region is planned for M <= 64 (its example
+                               M, else its bound); BLOCK_M = 1 (at most 4 rows), BLOCK_N = 16 and
+                               BLOCK_K >= 256 exist for this kernel only, GROUP_M is 1.
+                               Measured on the H200 in CUDA graphs (bench/gemm.py --quick
+                               --shapes skinny; M x N x K, bf16, TB/s of weight streamed, cuBLAS
+                               in brackets): 1x4096x4096 3.1 (2.7), 1x4096x14336 4.0 (3.7),
+                               1x14336x4096 4.0 (3.9), 1x128256x4096 4.5 (4.4), 32x4096x4096
+                               2.7 (2.5).
 
 What Triton's interpreter (CPU tests) runs: every point, TMA ones included (it emulates tensor
 descriptors, zero padding and clipped stores); bf16 dots are upcast to fp32 there, and the
@@ -55,6 +80,8 @@ Example (an MLP up-projection with SiLU, for 1..2048 tokens):
 
 from __future__ import annotations
 
+import math
+
 from coopt.ir.region import DTYPE_BYTES, RegionSummary, TensorSpec
 from coopt.targets import Target
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
@@ -69,8 +96,15 @@ _TORCH_DTYPE = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float
 _MAX_ACC_REGS_PER_THREAD = {"bf16/fp16": 128, "fp32": 64}
 _MAX_FP32_ACC_AND_OPERAND_REGS = 144
 
-# The Hopper variants' knobs; a point without them (older advice, caches) is the plain kernel.
-VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1}
+# The variants' knobs; a point without them (older advice, caches) is the plain kernel.
+VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1, "GEMV": False}
+# GEMV is offered where the region is planned for at most this many rows: beyond it the weight
+# is no longer the only traffic that matters and the tensor-core tiles win.
+GEMV_MAX_M = 64
+# Weight elements a thread holds per K step in the multiply-and-sum (BLOCK_M = 1) kernel: 128
+# (a 32x512 bf16 slab over 4 warps) compiles to 114-144 registers without spills on sm_90
+# (triton 3.6 and 3.9); twice that spills.
+_MAX_GEMV_FMA_ELEMENTS_PER_THREAD = 128
 # Barriers and alignment padding the compiler adds to the tile loop's shared memory (<= 1.1 KB
 # measured for sm_90 with triton 3.6 and 3.9).
 _TILE_LOOP_SMEM_SLACK = 2048
@@ -110,9 +144,32 @@ class MatmulEpilogueFamily(TemplateFamily):
         dtypes_ok = all(s.dtype in _TL_DTYPE for s in (*region.inputs, *region.outputs))
         return n_extra >= 0 and dtypes_ok and len(region.outputs) == len(region.attrs.get("outputs", []))
 
+    @staticmethod
+    def _planned_m(region: RegionSummary) -> int | None:
+        """The M a region is tuned for: at its example dims where it has them, else its bound."""
+        lead = tuple(region.inputs[0].shape[:-1])
+        if region.example_dims and any(isinstance(d, str) for d in lead):
+            try:
+                return math.prod(TensorSpec(lead, "float32").concrete(region.example_dims))
+            except Exception:  # a symbol without an example value: plan for the bound
+                pass
+        return dim_range(region, lead)[1]
+
+    def _small_m(self, region: RegionSummary) -> bool:
+        planned = self._planned_m(region)
+        return planned is not None and planned <= GEMV_MAX_M
+
+    def _shape_facts(self, region: RegionSummary):
+        """((M, N, K ranges), small M) of the region last asked about: legal_points checks tens
+        of thousands of points of one region, and the dim arithmetic would dominate."""
+        cached = getattr(self, "_facts_cache", None)
+        if cached is None or cached[0] is not region:
+            cached = self._facts_cache = (region, (self._mnk(region), self._small_m(region)))
+        return cached[1]
+
     # -- the space -----------------------------------------------------------------------
     def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
-        return {
+        space = {
             "BLOCK_M": [16, 32, 64, 128],
             "BLOCK_N": [32, 64, 128, 256],
             "BLOCK_K": [32, 64, 128],
@@ -124,12 +181,24 @@ class MatmulEpilogueFamily(TemplateFamily):
             "USE_TMA": [False, True],
             "EPILOGUE_SUBTILE": [1, 2],
         }
+        if self._shape_facts(region)[1]:  # decode-sized: the GEMV kernel and its tiles too
+            space.update(BLOCK_M=[1, *space["BLOCK_M"]], BLOCK_N=[16, *space["BLOCK_N"]],
+                         BLOCK_K=[*space["BLOCK_K"], 256, 512], GEMV=[False, True])
+        return space
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        if {**VARIANT_DEFAULTS, **params}["GEMV"]:
+            return self._check_gemv(region, params, target)
+        return self._check_tiles(region, params, target)
+
+    def _check_tiles(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        """The tensor-core kernels: the plain grid and the tile loop (PERSISTENT / USE_TMA)."""
         bm, bn, bk = params["BLOCK_M"], params["BLOCK_N"], params["BLOCK_K"]
         warps, stages, split_k = params["num_warps"], params["num_stages"], params["SPLIT_K"]
-        (m_lo, m_hi), (n_lo, n_hi), (k_lo, k_hi) = self._mnk(region)
+        (m_lo, m_hi), (n_lo, n_hi), (k_lo, k_hi) = self._shape_facts(region)[0]
         elem = max(DTYPE_BYTES[region.inputs[0].dtype], DTYPE_BYTES[region.inputs[1].dtype])
+        if bm < 16 or bn < 32 or bk > 128:
+            return f"{bm}x{bn}x{bk} is a GEMV tile (BLOCK_M=1, BLOCK_N=16, BLOCK_K>128 need GEMV=True)"
         reason = self._check_variant(region, params)
         if reason:
             return reason
@@ -157,9 +226,11 @@ class MatmulEpilogueFamily(TemplateFamily):
         return None
 
     def _check_variant(self, region: RegionSummary, params: dict) -> str | None:
-        """The Hopper knobs (PERSISTENT, USE_TMA, EPILOGUE_SUBTILE)."""
+        """The Hopper knobs (PERSISTENT, USE_TMA, EPILOGUE_SUBTILE), which GEMV does not take."""
         knobs = {**VARIANT_DEFAULTS, **params}
         persistent, tma, subtile = (knobs[k] for k in ("PERSISTENT", "USE_TMA", "EPILOGUE_SUBTILE"))
+        if knobs["GEMV"] and (persistent or tma or subtile != 1):
+            return "GEMV is a kernel of its own (PERSISTENT, USE_TMA, EPILOGUE_SUBTILE need GEMV=False)"
         if not (persistent or tma):
             return "EPILOGUE_SUBTILE applies to the PERSISTENT / USE_TMA kernel" if subtile != 1 else None
         if params["SPLIT_K"] > 1:
@@ -171,6 +242,58 @@ class MatmulEpilogueFamily(TemplateFamily):
         if tma:
             return self._check_tma(region)
         return None
+
+    def _check_gemv(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        """The skinny-GEMM kernel: decode-sized M, a [BLOCK_N, BLOCK_K] weight slab per step."""
+        bm, bn, bk, split_k = params["BLOCK_M"], params["BLOCK_N"], params["BLOCK_K"], params["SPLIT_K"]
+        ((m_lo, m_hi), (n_lo, n_hi), (k_lo, k_hi)), small = self._shape_facts(region)
+        if not small:
+            return f"GEMV is for decode-sized regions (M planned <= {GEMV_MAX_M}, here {self._planned_m(region)})"
+        reason = self._check_variant(region, params)
+        if reason:
+            return reason
+        if params["GROUP_M"] != 1:
+            return "GEMV orders programs by weight slab, not in groups of row tiles (GROUP_M=1)"
+        if bm == 1 and (m_hi is None or m_hi > 4):
+            return "BLOCK_M=1 reads each weight slab once per row: for at most 4 rows"
+        for knob, size, hi, floor in (("BLOCK_M", bm, m_hi, 16), ("BLOCK_N", bn, n_hi, 16), ("BLOCK_K", bk, k_hi, 32)):
+            if hi is not None and size > max(floor, next_pow2(hi)):
+                return f"{knob}={size} exceeds the problem (at most {hi})"
+        reason = self._check_gemv_resources(region, params, target)
+        if reason:
+            return reason
+        if split_k > 1:
+            if -(-k_lo // bk) < 2 * split_k:
+                return f"SPLIT_K={split_k} leaves fewer than 2 K-steps of {bk} per split (K >= {k_lo})"
+            # Two programs an SM already keep the weight streaming: splitting further only adds
+            # partial sums.
+            tiles = -(-m_lo // bm) * -(-n_lo // bn)
+            if tiles >= 2 * target.num_sms:
+                return f"{tiles} GEMV programs already give {target.num_sms} SMs two each without SPLIT_K"
+        return None
+
+    def _check_gemv_resources(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        """Shared memory, registers and threads of one GEMV program."""
+        bm, bn, bk, warps = params["BLOCK_M"], params["BLOCK_N"], params["BLOCK_K"], params["num_warps"]
+        smem = self._gemv_smem(region, params)
+        if smem > target.smem_per_block_bytes:
+            return f"GEMV pipeline stages need {smem} B of shared memory > {target.smem_per_block_bytes} B"
+        threads = 32 * warps
+        if bm == 1 and bn * bk // threads > _MAX_GEMV_FMA_ELEMENTS_PER_THREAD:
+            return f"a {bn}x{bk} weight slab over {warps} warps spills registers (multiply-and-sum)"
+        if bm > 1 and self._ieee_dot(region) and (bm * bn + bm * bk + bk * bn) // threads > _MAX_FP32_ACC_AND_OPERAND_REGS:
+            return f"{bm}x{bn}x{bk} fp32 accumulator and operands over {warps} warps spill registers"
+        if warps == 8 and bn * bk < 64 * 256:
+            return f"8 warps on a {bn}x{bk} weight slab leave most threads idle"
+        return None
+
+    @staticmethod
+    def _gemv_smem(region: RegionSummary, params: dict) -> int:
+        """Shared memory of the GEMV pipeline: Triton keeps num_stages - 1 activation and weight
+        tiles in flight (measured for sm_90 with triton 3.6 and 3.9), plus reduction scratch."""
+        a_elem, b_elem = DTYPE_BYTES[region.inputs[0].dtype], DTYPE_BYTES[region.inputs[1].dtype]
+        bm, bn, bk = params["BLOCK_M"], params["BLOCK_N"], params["BLOCK_K"]
+        return (params["num_stages"] - 1) * (bm * bk * a_elem + bn * bk * b_elem) + _TILE_LOOP_SMEM_SLACK
 
     def _check_tma(self, region: RegionSummary) -> str | None:
         """Tensor descriptors need 16-bit operands here and 16-byte aligned rows. Symbolic sizes

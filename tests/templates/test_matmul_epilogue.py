@@ -245,6 +245,158 @@ def test_variant_rejections():
     assert "BLOCK_N >= 128" in FAMILY.check(bf16, {**tma, "BLOCK_N": 64, "num_warps": 4, "EPILOGUE_SUBTILE": 2}, H200)
 
 
+# -- GEMV: the skinny-GEMM kernel for decode-sized M ------------------------------------
+#
+# Under the interpreter programs run one after another, so the last split of a tile is always
+# the one with the highest index; what the arrival counters do under real concurrency (stores
+# before a release, acquire, L2 reads) is checked by compiling for sm_90 below and by
+# bench/gemm.py on the GPU.
+
+def gemv(bm, bn, bk, split=1, stages=3, warps=4):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
+            "num_warps": warps, "num_stages": stages, "GEMV": True}
+
+
+# K = 300: 9 full BLOCK_K=32 steps and a partial one, split 4 ways (the last split shorter);
+# BLOCK_K=128 leaves a masked tail without splits. N = 50 is not a multiple of BLOCK_N.
+GEMV_POINTS = {
+    "fma_split": gemv(1, 16, 32, split=4),
+    "fma": gemv(1, 32, 128, stages=4),
+    "dot_split": gemv(16, 16, 32, split=4),
+    "dot": gemv(16, 64, 128, stages=2),
+}
+
+
+@pytest.mark.parametrize("m,point", [(m, point) for m in (1, 3, 16) for point in sorted(GEMV_POINTS)
+                                     if GEMV_POINTS[point]["BLOCK_M"] > 1 or m <= 4])  # BLOCK_M=1: <= 4 rows
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemv_matches_torch(m, point, dtype, load_candidate):
+    params = GEMV_POINTS[point]
+    plain = make_region((m,), 50, 300, dtype)
+    (out,) = run_candidate(load_candidate, plain, params, make_inputs(plain), stem=f"gemv_{point}_{m}")
+    check_close(out, reference(plain, make_inputs(plain)))
+    # bias, GELU and a residual: the same epilogue as every other kernel of the family
+    region = make_region((m,), 50, 300, dtype, has_bias=True, extras=[(m, 50)], epilogue=GELU_RESIDUAL, outputs=["y"])
+    inputs = make_inputs(region, seed=1)
+    (out,) = run_candidate(load_candidate, region, params, inputs, stem=f"gemv_{point}_{m}_epilogue")
+    check_close(out, torch.nn.functional.gelu(reference(region, inputs), approximate="tanh") + inputs[3].float())
+
+
+@pytest.mark.parametrize("point", ["fma_split", "dot_split"])
+def test_gemv_weight_in_kn_layout(point, load_candidate):
+    region = make_region((3,), 50, 300, "bfloat16", b_layout="kn", has_bias=True)
+    inputs = make_inputs(region)
+    (out,) = run_candidate(load_candidate, region, GEMV_POINTS[point], inputs)
+    check_close(out, reference(region, inputs))
+
+
+def test_gemv_calls_reuse_the_workspace(load_candidate):
+    # Symbolic rows: calls of one module with other M share (and grow) the cached workspace.
+    region = make_region(("S",), 50, 300, "bfloat16", has_bias=True, dims={"S": (1, 4)})
+    module = load_candidate(FAMILY.render(region, GEMV_POINTS["fma_split"]), "gemv_twice")
+    for rows, seed in ((2, 0), (2, 1), (4, 2), (1, 3)):
+        inputs = make_inputs(region, {"S": rows}, seed=seed)
+        (out,) = module.run(*inputs)
+        check_close(out, reference(region, inputs))
+        partials, arrivals = module._WORKSPACES[inputs[0].device]
+        # every counter back at zero: the next launch needs no clearing
+        assert partials.numel() >= 4 * rows * 50 and not arrivals.any()
+    # the same tensors on a call that fits: nothing allocated but the output
+    assert module._workspace(inputs[0].device, 4 * 50, 4) == module._WORKSPACES[inputs[0].device]
+
+
+def test_gemv_without_split_has_no_workspace(load_candidate):
+    region = make_region((1,), 50, 300, "bfloat16")
+    module = load_candidate(FAMILY.render(region, GEMV_POINTS["fma"]), "gemv_no_split")
+    assert not hasattr(module, "_WORKSPACES") and not hasattr(module, "_workspace")
+
+
+def test_gemv_offered_for_decode_sized_m_only():
+    def offers(region):
+        offered = FAMILY.param_space(region, H200).get("GEMV", [False])
+        assert (True in offered) == any(p.get("GEMV") for p in FAMILY.legal_points(region, H200))
+        return True in offered
+
+    assert offers(make_region((1,), 4096, 4096, "bfloat16"))
+    assert offers(make_region((64,), 4096, 4096, "bfloat16"))
+    assert offers(make_region((2, 8), 4096, 4096, "bfloat16"))  # M = 16
+    assert offers(make_region(("S",), 4096, 4096, "bfloat16", dims={"S": (1, 64)}))
+    assert not offers(make_region((65,), 4096, 4096, "bfloat16"))
+    assert not offers(make_region((4096,), 4096, 4096, "bfloat16"))
+    assert not offers(make_region(("S",), 4096, 4096, "bfloat16"))  # unbounded, no example
+    assert not offers(make_region(("S",), 4096, 4096, "bfloat16", dims={"S": (1, 2048)}))
+    # planned for its example (a decode step) even when the range reaches prefill sizes
+    decode_step = RegionSummary(**{**make_region(("S",), 4096, 4096, "bfloat16", dims={"S": (1, 2048)}).__dict__,
+                                   "example_dims": {"S": 1}})
+    assert offers(decode_step)
+    # the tensor-core kernels keep exactly their old space
+    large = FAMILY.param_space(make_region((4096,), 4096, 4096, "bfloat16"), H200)
+    assert "GEMV" not in large and large["BLOCK_M"] == [16, 32, 64, 128] and large["BLOCK_K"] == [32, 64, 128]
+
+
+def test_gemv_space_values_are_all_legal_somewhere():
+    # three rows: BLOCK_M=1 is legal, 32..128 exceed the problem; Hopper variants need big tiles
+    region = make_region((3,), 200, 1100, "bfloat16")
+    space = FAMILY.param_space(region, H200)
+    used = {(k, v) for p in FAMILY.legal_points(region, H200) for k, v in p.items()}
+    unused = {(k, v) for k, values in space.items() for v in values} - used
+    assert unused == {("BLOCK_M", 32), ("BLOCK_M", 64), ("BLOCK_M", 128), ("PERSISTENT", True),
+                      ("USE_TMA", True), ("EPILOGUE_SUBTILE", 2)}
+
+
+def test_gemv_covering_points_match_torch(load_candidate):
+    region = make_region((3,), 200, 1100, "bfloat16", has_bias=True)
+    inputs = make_inputs(region)
+    points = [p for p in FAMILY.legal_points(region, H200) if p["GEMV"]]
+    for i, params in enumerate(covering_points(points)):
+        (out,) = run_candidate(load_candidate, region, params, inputs, stem=f"gemv_cover_{i}")
+        check_close(out, reference(region, inputs))
+
+
+def test_gemv_rejections():
+    decode = make_region((1,), 4096, 4096, "bfloat16")
+    best = gemv(1, 16, 512)
+    assert FAMILY.check(decode, best, H200) is None
+    assert "decode-sized" in FAMILY.check(make_region((4096,), 4096, 4096, "bfloat16"), best, H200)
+    assert "GROUP_M=1" in FAMILY.check(decode, {**best, "GROUP_M": 8}, H200)
+    assert "kernel of its own" in FAMILY.check(decode, {**best, "PERSISTENT": True}, H200)
+    assert "kernel of its own" in FAMILY.check(decode, {**best, "USE_TMA": True}, H200)
+    assert "at most 4 rows" in FAMILY.check(make_region((8,), 4096, 4096, "bfloat16"), best, H200)
+    assert FAMILY.check(make_region((8,), 4096, 4096, "bfloat16"), {**best, "BLOCK_M": 16}, H200) is None
+    assert "exceeds the problem" in FAMILY.check(make_region((8,), 4096, 4096, "bfloat16"), {**best, "BLOCK_M": 32}, H200)
+    assert "shared memory" in FAMILY.check(make_region((64,), 4096, 4096, "bfloat16"), gemv(64, 128, 512, stages=5), H200)
+    assert "spills registers" in FAMILY.check(decode, gemv(1, 128, 256, stages=2), H200)  # 256 weights a thread
+    assert "idle" in FAMILY.check(decode, gemv(1, 16, 256, warps=8), H200)
+    assert "K-steps" in FAMILY.check(decode, gemv(1, 32, 512, split=8), H200)  # 8 K steps in all
+    assert "two each" in FAMILY.check(make_region((1,), 128256, 4096, "bfloat16"), gemv(1, 32, 256, split=2), H200)
+    # the GEMV tiles are the GEMV kernel's only
+    for tile in ((1, 32, 128), (16, 16, 128), (16, 32, 256)):
+        params = {**SMALL, "BLOCK_M": tile[0], "BLOCK_N": tile[1], "BLOCK_K": tile[2]}
+        assert "GEMV tile" in FAMILY.check(decode, params, H200)
+
+
+def test_heuristic_ranks_gemv_first_for_decode():
+    from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
+
+    def first(m, n, k):
+        region = make_region((m,), n, k, "bfloat16")
+        legal = tuple(FAMILY.legal_points(region, H200))
+        request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
+        return HeuristicAdvisor().advise(request).ranked[0]
+
+    def tile(p):
+        return p["BLOCK_M"], p["BLOCK_N"], p["BLOCK_K"], p["SPLIT_K"], p["num_warps"], p["num_stages"]
+
+    # the measured winners of bench/gemm.py --quick --shapes skinny (H200, CUDA graphs)
+    assert first(1, 4096, 4096)["GEMV"] and tile(first(1, 4096, 4096)) == (1, 16, 512, 1, 4, 3)
+    assert tile(first(1, 14336, 4096)) == (1, 32, 256, 1, 4, 3)
+    assert tile(first(1, 4096, 14336)) == (1, 16, 512, 1, 4, 3)
+    assert tile(first(1, 128256, 4096)) == (1, 32, 256, 1, 4, 3)
+    assert first(32, 4096, 4096)["GEMV"] and first(32, 4096, 4096)["BLOCK_M"] == 32
+    large = first(4096, 4096, 4096)  # unchanged: the persistent TMA kernel
+    assert not large.get("GEMV") and large["PERSISTENT"] and large["USE_TMA"]
+
+
 # -- the space stays bounded and legal ---------------------------------------------------
 
 def test_check_rejections():
@@ -276,7 +428,10 @@ def test_space_is_bounded():
     points = FAMILY.legal_points(region, H200)
     assert 0 < len(points) < 2000  # about 2/3 of them the tile-loop (PERSISTENT / USE_TMA) variants
     decode = FAMILY.legal_points(make_region((1,), 4096, 4096, "bfloat16"), H200)
-    assert {p["BLOCK_M"] for p in decode} == {16} and {p["SPLIT_K"] for p in decode} == {1, 2, 4, 8}
+    assert 0 < len(decode) < 2000  # the GEMV points of a decode-sized region included
+    plain = [p for p in decode if not p["GEMV"]]
+    assert {p["BLOCK_M"] for p in plain} == {16} and {p["SPLIT_K"] for p in plain} == {1, 2, 4, 8}
+    assert {p["BLOCK_M"] for p in decode if p["GEMV"]} == {1, 16}
 
 
 def test_matches():
@@ -310,6 +465,16 @@ def test_golden_rendering_tma_persistent(golden):
               "num_stages": 4, "PERSISTENT": True, "USE_TMA": True, "EPILOGUE_SUBTILE": 2}
     assert FAMILY.check(region, params, H200) is None
     golden("matmul_epilogue_tma_persistent.py", FAMILY.render(region, params))
+
+
+def test_golden_rendering_gemv(golden):
+    # decode: a batch of at most 4 single-token rows, bias, GELU and a residual
+    region = make_region(("B", 1), 512, 256, "bfloat16", has_bias=True, extras=[("B", 1, 512)],
+                         epilogue=GELU_RESIDUAL, outputs=["y"], dims={"B": (1, 4)})
+    split, dot = gemv(1, 32, 64, split=2), gemv(16, 32, 256, stages=4)
+    assert FAMILY.check(region, split, H200) is None and FAMILY.check(region, dot, H200) is None
+    golden("matmul_epilogue_gemv_split.py", FAMILY.render(region, split))
+    golden("matmul_epilogue_gemv_dot.py", FAMILY.render(region, dot))
 
 
 # -- Hopper compilation (no GPU needed) ---------------------------------------------------
@@ -373,3 +538,36 @@ def test_covering_points_compile_for_hopper(tmp_path):
             if tma and slice_values // (32 * params["num_warps"]) <= 64:
                 assert main["spill_instructions"] == 0, f"spills for {params}"
 
+
+# The GEMV points the heuristic ranks first for decode GEMMs (measured best or within 3% on the
+# H200: bench/gemm.py --quick --shapes skinny,decode), a split-K one (the arrival counters) and
+# an fp32 one.
+GEMV_HOPPER_POINTS = {
+    "one_row": [gemv(1, 16, 512), gemv(1, 32, 256), gemv(1, 32, 256, split=4, stages=4)],
+    "rows32": [gemv(32, 32, 256, stages=4), gemv(32, 32, 512), gemv(16, 64, 256, split=2, stages=4)],
+    "fp32": [gemv(1, 32, 128, split=4, stages=4)],
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_gemv_points_compile_for_hopper(tmp_path):
+    regions = {
+        "one_row": make_region((1,), 512, 4096, "bfloat16", has_bias=True, extras=[(1, 512)],
+                               epilogue=GELU_RESIDUAL, outputs=["y"]),
+        "rows32": make_region((32,), 512, 4096, "bfloat16"),
+        "fp32": make_region((1,), 512, 4096, "float32", has_bias=True),
+    }
+    jobs, expected = [], {}
+    for name, region in regions.items():
+        for i, params in enumerate(GEMV_HOPPER_POINTS[name]):
+            assert FAMILY.check(region, params, H200) is None, (name, params, FAMILY.check(region, params, H200))
+            jobs.append((f"{name}_{i}", FAMILY.render(region, params), make_inputs(region)))
+            expected[f"{name}_{i}"] = (region, params)
+    compiled = compile_for_hopper(jobs, tmp_path, machine_code=True)
+    for label, (region, params) in expected.items():
+        assert set(compiled[label]) == {"_gemv_kernel"}, label  # one launch, split or not
+        kernel = compiled[label]["_gemv_kernel"]
+        assert kernel["launches"] == 1 and kernel["pipelined"], f"weight loads not pipelined: {params}"
+        assert kernel["shared"] <= FAMILY._gemv_smem(region, params), f"check() underestimates shared memory: {params}"
+        if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
+            assert kernel["spill_instructions"] == 0, f"spills for {params}"
