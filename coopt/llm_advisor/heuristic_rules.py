@@ -418,10 +418,30 @@ def elementwise(request: AdviceRequest) -> tuple[CostFn, str]:
     return cost, f"elementwise (numel={numel}): BLOCK~{block_t}"
 
 
+def rope(request: AdviceRequest) -> tuple[CostFn, str]:
+    shape = _shape(request, 0)
+    rows = _prod(shape[:-1]) if shape else 1
+    d = shape[-1] if shape else 128
+    sms = int(request.target.get("num_sms") or 132)
+    # like an elementwise pass: about 1024 elements per program, but keep >= 4 programs per SM
+    # when there are rows enough (a decode step has only B x H rows: one row per program)
+    rows_t = max(1, min(1024 // max(d, 1), rows // (4 * sms) or 1))
+
+    def cost(point: dict) -> float:
+        block_r = knob(point, ("BLOCK_R",))
+        c = _log_gap(block_r, rows_t)
+        if isinstance(block_r, (int, float)) and block_r > 0:
+            c += _log_gap(knob(point, WARPS), _warps_for(block_r * d, 8))
+        return c
+
+    return cost, f"rope (rows={rows}, D={d}): BLOCK_R~{rows_t}"
+
+
 RULES: dict[str, Callable[[AdviceRequest], tuple[CostFn, str]]] = {
     "matmul_epilogue": matmul_epilogue,
     "attention": attention,
     "decode_attention": decode_attention,
     "row_reduction": row_reduction,
     "elementwise": elementwise,
+    "rope": rope,
 }

@@ -85,6 +85,19 @@ def test_elementwise_block_1024_4_warps_bigger_for_large_tensors():
     assert first(elementwise_request(100))["BLOCK"] == 256  # never far larger than the tensor
 
 
+def rope_request(rows_t: int) -> AdviceRequest:
+    space = {"BLOCK_R": [1, 2, 4, 8, 16, 32], "num_warps": [1, 2, 4, 8]}
+    x = TensorSpec((1, 32, rows_t, 128), "bfloat16")
+    table = TensorSpec((rows_t, 128), "bfloat16")
+    region = RegionSummary("rope", "rope", (x, table, table), (x,))
+    return AdviceRequest(region, "rope", space, product_points(space), FACTS)
+
+
+def test_rope_one_row_per_program_in_decode_more_rows_for_a_prompt():
+    assert first(rope_request(1)) == {"BLOCK_R": 1, "num_warps": 1}  # 32 rows: spread over SMs
+    assert first(rope_request(2048)) == {"BLOCK_R": 8, "num_warps": 4}  # 65536 rows: ~1024 elements each
+
+
 def test_unknown_family_keeps_legal_order():
     request = elementwise_request(1 << 20)
     request = replace(request, family="my_plugin_family", legal=tuple(reversed(request.legal)))
