@@ -3,6 +3,7 @@ bandwidth floor, in one run on one GPU.
 
     python bench/decode.py                           # 8 layers, the three cases of issue 3
     python bench/decode.py --layers 32 --cases 1:2048:4096 --out decode.json
+    python bench/decode.py --cases 1:2048:4096 --prefill 0     # decode only, no prompt timing
 
 A case is batch:position:cache_length. Each variant runs the same model file
 (examples/llama/model.py, bf16, random weights, the cache filled up to the position), one
@@ -36,6 +37,8 @@ def parse_args():
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
+    parser.add_argument("--prefill", type=int, default=2048,
+                        help="also time a prompt of this many tokens (batch 1, cache 4096): tokens/s; 0 skips")
     return parser.parse_args()
 
 
@@ -48,6 +51,60 @@ def load_case(layers: int, batch: int, pos: int, cache: int):
 
     loaded = load_model_file(ROOT / "examples" / "llama" / "model.py")
     return loaded.model.cuda(), tuple(x.cuda() for x in loaded.example_inputs)
+
+
+def run_prefill(args) -> dict:
+    """Prefill throughput: one call over a `args.prefill`-token prompt at positions 0..T-1 (the
+    Llama example's prefill entry point, dynamic in T), eager vs torch.compile vs coopt; the
+    coopt build here is the prefill entry alone (the same compile path as out/entries/prefill)."""
+    import torch
+    from triton.testing import do_bench
+
+    import coopt
+    from coopt.frontend.model_file import load_model_file
+
+    length = args.prefill
+    os.environ.update(
+        COOPT_LLAMA_PRESET="llama-3-8b", COOPT_LLAMA_LAYERS=str(args.layers), COOPT_LLAMA_BATCH="1",
+        COOPT_LLAMA_POS="0", COOPT_LLAMA_MAX_SEQ=str(max(4096, length)), COOPT_EXAMPLE_DTYPE="bfloat16",
+        COOPT_LLAMA_PREFILL=str(length),
+    )
+    loaded = load_model_file(ROOT / "examples" / "llama" / "model.py")
+    model = loaded.model.cuda()
+    inputs, dynamic = loaded.entry_points["prefill"]
+    inputs = tuple(x.cuda() for x in inputs)
+    row = {"prefill": length, "layers": args.layers, "ms": {}, "tokens_per_s": {}, "setup_s": {}}
+    print(f"prefill of {length} tokens (batch 1)", flush=True)
+    with torch.no_grad():
+        expected = model(*inputs).float()
+
+    def record(mode, fn, setup_s):
+        with torch.no_grad():
+            row.setdefault("max_abs_err", {})[mode] = float((fn().float() - expected).abs().max())
+            row["ms"][mode] = do_bench(fn, warmup=25, rep=200, return_mode="median")
+        row["tokens_per_s"][mode] = length / (row["ms"][mode] * 1e-3)
+        row["setup_s"][mode] = setup_s
+        print(f"  {mode:28s} {row['ms'][mode]:8.3f} ms  {row['tokens_per_s'][mode]:10.0f} tokens/s"
+              f"  max abs err {row['max_abs_err'][mode]:.3g}  setup {setup_s:.0f}s", flush=True)
+
+    modes = args.modes.split(",")
+    if "eager" in modes:
+        record("eager", lambda: model(*inputs), 0.0)
+    if "max-autotune-no-cudagraphs" in modes:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode="max-autotune-no-cudagraphs")
+        start = time.monotonic()
+        with torch.no_grad():
+            compiled(*inputs)
+        record("compile max-autotune-no-cudagraphs", lambda: compiled(*inputs), time.monotonic() - start)
+    if "coopt" in modes:
+        out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-prefill-"))) / f"prefill-{length}"
+        start = time.monotonic()
+        coopt.Pipeline(top_k=args.top_k).build(model, inputs, out, dynamic_shapes=dynamic, force=True,
+                                               progress=build_progress())
+        built = coopt.load(out)
+        record("coopt", lambda: built(*inputs), time.monotonic() - start)
+    return row
 
 
 def floor_ms(model, batch: int, pos: int) -> float:
@@ -148,6 +205,14 @@ def main():
         cells = [f"{r['ms'][m]:.3f}" if m in r["ms"] else "—" for m in modes]
         frac = f"{r['ms']['coopt'] / r['floor_ms']:.2f}x" if "coopt" in r["ms"] else "—"
         print(f"| b{r['batch']} pos {r['pos']} | {r['floor_ms']:.3f} | " + " | ".join(cells) + f" | {frac} |")
+    if args.prefill:
+        prefill = run_prefill(args)
+        if args.out:
+            args.out.write_text(json.dumps({"environment": env, "rows": rows, "prefill": prefill}, indent=2))
+        print(f"\n| prefill {prefill['prefill']} tokens | " + " | ".join(prefill["ms"]) + " |")
+        print("|" + " --- |" * (len(prefill["ms"]) + 1))
+        print("| ms | " + " | ".join(f"{v:.2f}" for v in prefill["ms"].values()) + " |")
+        print("| tokens/s | " + " | ".join(f"{v:,.0f}" for v in prefill["tokens_per_s"].values()) + " |")
 
 
 if __name__ == "__main__":
