@@ -63,3 +63,16 @@ def test_space_and_checks():
     assert FAMILY.check(summary, {"BLOCK_R": 32, "num_warps": 1}, H200) is not None  # 128 per thread
     assert FAMILY.matches(summary)
     assert not FAMILY.matches(region((4, 7), (4, 7)))  # odd D has no halves
+
+
+def test_compiles_for_hopper(compile_for_sm90):
+    """The interpreter accepts more than the compiler: compile the decode and prompt shapes for
+    sm_90 (bf16, strided x as the merged q|k|v slice gives it)."""
+    merged = torch.randn(1, 4, 48 * 128).to(torch.bfloat16)
+    q = merged[..., : 32 * 128].view(1, 4, 32, 128).transpose(1, 2)
+    cos, sin = torch.randn(4, 128).to(torch.bfloat16), torch.randn(4, 128).to(torch.bfloat16)
+    summary = region(q.shape, cos.shape, "bfloat16")
+    compile_for_sm90([
+        (f"R{p['BLOCK_R']}w{p['num_warps']}", FAMILY.render(summary, p), [q, cos, sin], "rope_kernel")
+        for p in ({"BLOCK_R": 1, "num_warps": 1}, {"BLOCK_R": 8, "num_warps": 4})
+    ])
