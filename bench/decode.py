@@ -37,6 +37,8 @@ def parse_args():
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
+    parser.add_argument("--agreement-steps", type=int, default=64,
+                        help="teacher-forced decode steps of the coopt build vs an fp32 eager copy (0 skips)")
     parser.add_argument("--prefill", type=int, default=2048,
                         help="also time a prompt of this many tokens (batch 1, cache 4096): tokens/s; 0 skips")
     return parser.parse_args()
@@ -180,6 +182,17 @@ def run_case(case: str, args) -> dict:
         step = GraphedStep(built, inputs, check=False)  # the bench times the replay, not the value check
         record("coopt", lambda: step(*inputs), time.monotonic() - start)
         row["coopt_report"] = str(out / "report.md")
+        if args.agreement_steps:  # accuracy of the build: logits and top-1 vs eager in fp32
+            import copy
+
+            from coopt.verify.decode_agreement import decode_agreement
+
+            reference = copy.deepcopy(model).float()
+            steps = min(args.agreement_steps, cache - pos)
+            row["agreement"] = decode_agreement(built, reference, inputs[0], pos, steps).to_json()
+            del reference
+            print(f"  coopt vs eager fp32 over {steps} steps: max abs err {row['agreement']['max_abs_err']:.3g}, "
+                  f"top-1 agreement {row['agreement']['top1_agreement']:.1%}", flush=True)
     return row
 
 

@@ -105,6 +105,20 @@ def test_bounds_and_decoder_contract_are_derived_from_the_ir(static, dynamic):
 # -- generate ------------------------------------------------------------------------------------
 
 
+def test_64_decode_steps_follow_eager_fp32_logits_and_top1(static):
+    """Issue 3's end-to-end check on the tiny config: 64 teacher-forced decode steps, logits within
+    the fp32 tolerance of eager and the same argmax at every step."""
+    from coopt.verify.decode_agreement import decode_agreement
+
+    built, eager = static
+    tokens, position = eager.example_inputs
+    start = int(position[0]) - 64  # the 64 steps end where the example step is, inside the cache
+    result = decode_agreement(built, eager.model, tokens.to(DEVICE), start, 64)
+    assert result.steps == 64
+    assert result.max_abs_err < 1e-3, result
+    assert result.top1_agreement == 1.0, result
+
+
 def test_greedy_generate_of_the_decode_only_build_matches_eager(static, llama):
     built, eager = static
     prompt = tensor([[3, 17, 42, 9]])
