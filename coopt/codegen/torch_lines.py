@@ -10,6 +10,7 @@ from xdsl.ir import Block, SSAValue
 from coopt.ir.dialect import (
     AtenOp,
     AttentionOp,
+    CacheAttentionOp,
     DecodeAttentionOp,
     ElementwiseOp,
     FallbackOp,
@@ -145,6 +146,13 @@ def _high_level(op, names: Names) -> str:
         return (
             f"{out} = torch.nn.functional.scaled_dot_product_attention({q}, {k}, {v}, is_causal={causal}, "
             f"scale={scale!r}, enable_gqa={gqa})"
+        )
+    if isinstance(op, CacheAttentionOp):
+        q, k, v, lengths = names[op.q], names[op.k], names[op.v], names[op.lengths]
+        mask = f"torch.arange({k}.shape[2], device={k}.device)[None, :] < {lengths}[:, None]"
+        return (
+            f"{out} = torch.nn.functional.scaled_dot_product_attention({q}, {k}, {v}, attn_mask={mask}, "
+            f"scale={op.scale.value.data!r}, enable_gqa={q}.shape[1] != {k}.shape[1])"
         )
     if isinstance(op, DecodeAttentionOp):
         q, k, v, lengths = names[op.q], names[op.k], names[op.v], names[op.lengths]

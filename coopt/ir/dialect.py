@@ -258,6 +258,25 @@ class DecodeAttentionOp(IRDLOperation):
         super().__init__(operands=[q, k, v, lengths], properties={"scale": FloatAttr(float(scale), f64)}, result_types=[type_])
 
 
+@irdl_op_definition
+class CacheAttentionOp(IRDLOperation):
+    """Several query tokens over a static KV cache (a prompt, or a chunk of one): query i of
+    q [B,H,T,D] attends to positions 0 .. lengths[i]-1 of k/v [B,Hkv,S_max,D]; lengths [T] int32
+    (the query's position + 1, the same for every sequence; GQA when Hkv < H)."""
+
+    name = "coopt.cache_attention"
+    q = operand_def(TensorType)
+    k = operand_def(TensorType)
+    v = operand_def(TensorType)
+    lengths = operand_def(TensorType)
+    scale = prop_def(FloatAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, q, k, v, lengths, scale: float, type_):
+        super().__init__(operands=[q, k, v, lengths], properties={"scale": FloatAttr(float(scale), f64)}, result_types=[type_])
+
+
 # -- fusion ----------------------------------------------------------------------------------
 
 
@@ -308,7 +327,8 @@ class RopeOp(IRDLOperation):
         super().__init__(operands=[x, cos, sin], result_types=[type_])
 
 
-HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, AttentionOp, DecodeAttentionOp, RopeOp)
+HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, AttentionOp, DecodeAttentionOp,
+                  CacheAttentionOp, RopeOp)
 
 Coopt = Dialect(
     "coopt",

@@ -27,7 +27,10 @@ matmul_epilogue (C = A @ B' (+ bias) then an elementwise epilogue)
     plain (biased) matmul.
 
 attention (softmax(q k^T * scale [+ causal mask]) v)
-    attrs = {"causal": bool, "scale": float, "num_heads": int, "num_kv_heads": int}
+    attrs = {"causal": bool, "scale": float, "num_heads": int, "num_kv_heads": int,
+             ["lengths_input": 3, "lengths_bound": [1, 2]]}
+    With lengths (a prompt over a KV cache; causal is then False): a fourth input lengths [Sq]
+    int32, query i attending to keys 0 .. lengths[i] - 1 (1 <= lengths[i] <= Sk).
     inputs: q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, D]; output [B, H, Sq, D].
     H is a multiple of Hkv (GQA: query head h reads kv head h // (H // Hkv)). With causal and
     Sq != Sk the mask is aligned to the bottom right, as in SDPA with a KV cache.

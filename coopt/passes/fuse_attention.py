@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 
-from coopt.ir.dialect import AttentionOp, DecodeAttentionOp, KernelOp
+from coopt.ir.dialect import AttentionOp, CacheAttentionOp, DecodeAttentionOp, KernelOp
 from coopt.ir.outline import outline
 from coopt.passes.base import CooptPass, static_shape
 from coopt.passes.stats import count
@@ -44,3 +44,17 @@ class FuseAttention(CooptPass):
             }
             outline([attn], "decode_attention", attrs, inputs=[attn.q, attn.k, attn.v, attn.lengths], outputs=[attn.result])
             count("fuse.decode_attention")
+        for attn in [o for o in op.walk() if isinstance(o, CacheAttentionOp)]:
+            if isinstance(attn.parent_op(), KernelOp):
+                continue
+            attrs = {
+                "causal": False,
+                "scale": attn.scale.value.data,
+                "num_heads": static_shape(attn.q)[1],
+                "num_kv_heads": static_shape(attn.k)[1],
+                # input 3: one length per query position, within [1, dim 2 of input 1] (the cache)
+                "lengths_input": 3,
+                "lengths_bound": [1, 2],
+            }
+            outline([attn], "attention", attrs, inputs=[attn.q, attn.k, attn.v, attn.lengths], outputs=[attn.result])
+            count("fuse.attention.prompt_over_cache")

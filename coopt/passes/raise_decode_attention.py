@@ -1,7 +1,9 @@
 """The decode step of a static-KV-cache model: SDPA of one query token with a mask
 `cache_positions[None, :] <= input_pos[:, None]` is attention over the first
 input_pos + 1 positions of the cache. Raised to coopt.decode_attention with explicit
-lengths, so a flash-decoding kernel reads only the valid part of the cache.
+lengths, so a flash-decoding kernel reads only the valid part of the cache. The same mask with
+several query tokens (a prompt, or a chunk of one, over the cache) becomes
+coopt.cache_attention with one length per query position.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from xdsl.dialects.builtin import TensorType, i32
 from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from coopt.ir.dialect import AtenOp, DecodeAttentionOp, WeightOp
+from coopt.ir.dialect import AtenOp, CacheAttentionOp, DecodeAttentionOp, WeightOp
 from coopt.passes.base import aten_target, literal_arg, static_shape, tensor_arg
 from coopt.passes.stats import count
 
@@ -46,16 +48,25 @@ class RaiseDecodeSDPA(RewritePattern):
         if mask is None or literal_arg(op, 4, "dropout_p", 0.0) != 0.0 or literal_arg(op, 5, "is_causal", False):
             return
         qs, ks = static_shape(q), static_shape(k)
-        if len(qs) != 4 or qs[2] != 1 or None in (qs[0], qs[1], ks[1], ks[2]) or qs[1] % ks[1]:
+        if len(qs) != 4 or None in (qs[1], ks[1], ks[2]) or qs[1] % ks[1]:
+            return
+        if qs[2] == 1 and qs[0] is None:
             return
         found = _positions_mask(mask)
         if found is None:
             return
         input_pos, positions = found
-        if positions != ks[2] or static_shape(input_pos) != [1]:
+        if positions != ks[2] or len(static_shape(input_pos)) != 1:
             return
         scale = literal_arg(op, 6, "scale", None)
         scale = 1.0 / math.sqrt(qs[3]) if scale is None else scale
+        if qs[2] != 1:  # a prompt (chunk) over the cache: one length per query position
+            if input_pos.type.get_shape()[0] != q.type.get_shape()[2]:
+                return
+            self._prompt(op, rewriter, q, k, v, input_pos, scale)
+            return
+        if static_shape(input_pos) != [1]:
+            return
         # lengths = input_pos + 1, as int32, one per sequence
         plus_one = AtenOp("aten.add.Tensor", {"args": [{"$t": 0}, 1], "kwargs": {}}, [input_pos], [input_pos.type])
         as_int = AtenOp("aten._to_copy.default", {"args": [{"$t": 0}], "kwargs": {"dtype": {"$dtype": "int32"}}},
@@ -66,3 +77,15 @@ class RaiseDecodeSDPA(RewritePattern):
             Rewriter.insert_op(new, InsertPoint.before(op))
         rewriter.replace_matched_op(DecodeAttentionOp(q, k, v, lengths.results[0], float(scale), op.results[0].type))
         count("raise.attention.decode")
+
+    @staticmethod
+    def _prompt(op, rewriter: PatternRewriter, q, k, v, input_pos, scale: float) -> None:
+        """lengths = input_pos + 1 as int32, one per query position → coopt.cache_attention."""
+        plus_one = AtenOp("aten.add.Tensor", {"args": [{"$t": 0}, 1], "kwargs": {}}, [input_pos], [input_pos.type])
+        int_type = TensorType(i32, input_pos.type.get_shape(), input_pos.type.encoding)
+        as_int = AtenOp("aten._to_copy.default", {"args": [{"$t": 0}], "kwargs": {"dtype": {"$dtype": "int32"}}},
+                        [plus_one.results[0]], [int_type])
+        for new in (plus_one, as_int):
+            Rewriter.insert_op(new, InsertPoint.before(op))
+        rewriter.replace_matched_op(CacheAttentionOp(q, k, v, as_int.results[0], float(scale), op.results[0].type))
+        count("raise.attention.prompt_over_cache")

@@ -72,10 +72,19 @@ class AttentionFamily(TemplateFamily):
     def _group(region: RegionSummary) -> int:
         return region.attrs["num_heads"] // region.attrs["num_kv_heads"]
 
+    @staticmethod
+    def _query_lengths(region: RegionSummary) -> bool:
+        """A prompt over a KV cache: input 3 holds one key count per query position."""
+        return region.attrs.get("lengths_input") == 3 and list(region.attrs.get("lengths_bound") or ()) == [1, 2]
+
     def matches(self, region: RegionSummary) -> bool:
-        if region.family != self.name or len(region.inputs) != 3 or len(region.outputs) != 1:
+        lengths = self._query_lengths(region)
+        if region.family != self.name or len(region.inputs) != 3 + lengths or len(region.outputs) != 1:
             return False
-        q, k, v = region.inputs
+        q, k, v = region.inputs[:3]
+        if lengths and (region.attrs.get("causal") or region.inputs[3].shape != (q.shape[2],)
+                        or region.inputs[3].dtype not in ("int32", "int64")):
+            return False
         if any(len(s.shape) != 4 for s in (q, k, v, region.outputs[0])):
             return False
         head_dim = self._head_dim(region)
@@ -156,6 +165,7 @@ class AttentionFamily(TemplateFamily):
             region_name=region.name,
             params=params,
             causal=bool(region.attrs["causal"]),
+            query_lengths=self._query_lengths(region),
             scale=repr(float(scale if scale is not None else 1.0 / math.sqrt(head_dim))),
             num_heads=region.attrs["num_heads"],
             num_kv_heads=region.attrs["num_kv_heads"],

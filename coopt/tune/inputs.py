@@ -76,10 +76,15 @@ def make_inputs(region: RegionSummary, dims: dict[str, int], *, device: str = "c
         dtype = getattr(torch, spec.dtype)
         if index == lengths_input:
             # valid lengths, not random small integers: time the length the region plans for
-            # (attrs example_length), else the whole cache (lengths_bound names its dim)
+            # (attrs example_length), else the whole cache (lengths_bound names its dim); for a
+            # prompt over the cache, the lengths of a prompt written from position 0
             source, dim = region.attrs["lengths_bound"]
-            length = region.attrs.get("example_length", region.inputs[source].concrete(dims)[dim])
-            tensor = torch.full(shape, length, dtype=dtype, device=device)
+            bound = region.inputs[source].concrete(dims)[dim]
+            if region.family == "attention":  # one length per query: a prompt from position 0
+                tensor = torch.arange(1, shape[0] + 1, device=device).clamp(max=bound).to(dtype)
+            else:
+                length = region.attrs.get("example_length", bound)
+                tensor = torch.full(shape, length, dtype=dtype, device=device)
         elif dtype == torch.bool:
             tensor = torch.randint(0, 2, shape, generator=generator, device=device).to(torch.bool)
         elif not dtype.is_floating_point:

@@ -46,6 +46,8 @@ def test_cli_build_of_the_tiny_decode_step_matches_eager(built_dir):
 def test_prefill_entry_shares_weights_and_cache_with_the_decode_step(built_dir):
     """One artifact, two entry points: the prefill writes the cache the decode step reads, and no
     tensor is stored twice."""
+    counters = json.loads((built_dir / "entries" / "prefill" / "build.json").read_text())["counters"]
+    assert counters["fuse.attention.prompt_over_cache"] == 2  # each layer's prompt attention is a flash kernel
     main = torch.load(built_dir / "weights.pt", weights_only=True)
     extra = torch.load(built_dir / "entries" / "prefill" / "weights.pt", weights_only=True)
     assert not set(main) & set(extra)

@@ -234,3 +234,56 @@ def test_covering_points_compile_for_hopper(tmp_path):
             assert main["pipelined"], f"K/V loads not pipelined for {label} {params}"
         if dtype == "bfloat16" and params["BLOCK_M"] >= 64:
             assert main["wgmma"], f"no wgmma for {label} {params}"
+
+
+# -- a prompt over a KV cache: one key count per query position ------------------------------
+
+def lengths_region(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype="float32", dims=None) -> RegionSummary:
+    base = make_region(batch, heads, kv_heads, seq_q, seq_k, head_dim, False, dtype, dims=dims)
+    return RegionSummary(
+        name="prompt", family="attention",
+        inputs=(*base.inputs, TensorSpec((seq_q,), "int32")), outputs=base.outputs,
+        attrs={**base.attrs, "lengths_input": 3, "lengths_bound": [1, 2]}, dims=base.dims,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("params", [
+    SMALL,
+    {**SMALL, "PACK_GQA": True},
+    {**SMALL, "SPLIT_KV": 2, "BLOCK_N": 16},
+    {**SMALL, "PACK_GQA": True, "SPLIT_KV": 2},
+], ids=["plain", "pack_gqa", "split_kv", "pack+split"])
+def test_query_lengths_mask_each_query_to_its_own_prefix_of_the_cache(load_candidate, params, dtype):
+    """lengths [T] in any order (1, the whole cache, block boundaries), not just position + 1:
+    query i attends to exactly the first lengths[i] cache positions, for every program layout."""
+    region = lengths_region(2, 4, 2, 5, 70, 32, dtype)
+    q, k, v = make_inputs(region, seed=3)
+    lengths = torch.tensor([1, 70, 16, 33, 17], dtype=torch.int32, device=DEVICE)
+    (out,) = run_candidate(load_candidate, region, params, [q, k, v, lengths])
+    mask = torch.arange(70, device=DEVICE)[None, :] < lengths[:, None]
+    group = 2
+    expected = F.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
+        attn_mask=mask, scale=region.attrs["scale"])
+    check_close(out, expected)
+
+
+def test_query_lengths_regions_match_only_with_a_lengths_input():
+    region = lengths_region(1, 4, 2, "T", 64, 32, dims={"T": (1, 64)})
+    assert FAMILY.matches(region)
+    no_lengths = RegionSummary("r", "attention", region.inputs[:3], region.outputs,
+                               {k: v for k, v in region.attrs.items() if not k.startswith("lengths")})
+    assert FAMILY.matches(no_lengths)
+    causal_too = RegionSummary("r", "attention", region.inputs, region.outputs, {**region.attrs, "causal": True})
+    assert not FAMILY.matches(causal_too)
+
+
+def test_query_lengths_variant_compiles_for_hopper(compile_for_sm90):
+    region = lengths_region(1, 32, 8, "T", 4096, 128, "bfloat16", dims={"T": (1, 4096)})
+    q, k, v = make_inputs(region, {"T": 256})
+    lengths = torch.arange(1, 257, dtype=torch.int32)
+    params = [{"BLOCK_M": 128, "BLOCK_N": 64, "PACK_GQA": False, "SPLIT_KV": 1, "num_warps": 8, "num_stages": 2},
+              {"BLOCK_M": 64, "BLOCK_N": 64, "PACK_GQA": True, "SPLIT_KV": 1, "num_warps": 4, "num_stages": 3}]
+    compile_for_sm90([(f"p{i}", FAMILY.render(region, p), [q, k, v, lengths], "_attention_kernel")
+                      for i, p in enumerate(params)])
