@@ -132,10 +132,16 @@ def build(model_file, out_dir, *, target: str = "h100", pipeline: str = DEFAULT_
 
 def tune(out_dir, *, timeout_s: float = 60.0) -> dict:
     """`coopt tune` as a function: measure a build's verified candidates on this GPU, reselect,
-    and render out/report.md again. Returns {region: {"old_selected", "selected", "reason"}}."""
+    and render out/report.md again; entry points too. Returns {region: {"old_selected", "selected",
+    "reason"}}, an entry point's regions as "<entry>/<region>"."""
     from coopt.emit.report import write_report
     from coopt.tune.retune import tune_build_dir
 
     summary = tune_build_dir(Path(out_dir), timeout_s=timeout_s)
     write_report(Path(out_dir))
+    # the artifact's other entry points (out/entries/<name>) are measured the same way
+    for entry in sorted(Path(out_dir).glob("entries/*/selection.json")):
+        entry_summary = tune_build_dir(entry.parent, timeout_s=timeout_s)
+        write_report(entry.parent)
+        summary.update({f"{entry.parent.name}/{region}": result for region, result in entry_summary.items()})
     return summary

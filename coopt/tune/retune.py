@@ -48,20 +48,24 @@ def tune_build_dir(
         raise ConfigError("coopt tune needs a CUDA GPU; none found")
 
     cuda_graph = _built_for_cuda_graphs(out_dir)
-    summary = {}
-    for name, region_entry in selection["regions"].items():
-        leader = selection["regions"].get(region_entry.get("same_as") or "")
-        if leader is not None:  # an identical region measured already: same files, same answer
-            summary[name] = {**summary[region_entry["same_as"]], "old_selected": region_entry.get("selected")}
-            region_entry.update(candidates=leader["candidates"], selected=leader["selected"], reason=leader["reason"])
-            continue
-        region = RegionSummary.from_json(region_entry["summary"])
-        candidates = region_entry["candidates"]
-        to_time = {c["label"]: out_dir / c["module"] for c in candidates if _worth_timing(c)}
-        measurements = measure.measure_candidates(
-            region, to_time, timeout_s=timeout_s, warmup_ms=warmup_ms, rep_ms=rep_ms, allow_cpu=allow_cpu, db=db,
-            cuda_graph=cuda_graph,
+    regions = selection["regions"]
+    # identical regions (same_as) share their leader's files: time the leaders only, all of
+    # them in one worker (one CUDA start for the whole build)
+    leaders = [name for name, entry in regions.items() if regions.get(entry.get("same_as") or "") is None]
+    jobs = [
+        measure.TimingJob(
+            RegionSummary.from_json(regions[name]["summary"]),
+            {c["label"]: out_dir / c["module"] for c in regions[name]["candidates"] if _worth_timing(c)},
         )
+        for name in leaders
+    ]
+    timings = measure.measure_jobs(
+        jobs, timeout_s=timeout_s, warmup_ms=warmup_ms, rep_ms=rep_ms, allow_cpu=allow_cpu, db=db, cuda_graph=cuda_graph,
+    )
+    summary = {}
+    for name, measurements in zip(leaders, timings):
+        region_entry = regions[name]
+        candidates = region_entry["candidates"]
         for candidate in candidates:
             timing = measurements.get(candidate["label"])
             # A latency from another GPU (or none) must not survive next to this GPU's numbers.
@@ -74,6 +78,11 @@ def tune_build_dir(
         summary[name] = {"old_selected": region_entry.get("selected"), "selected": selected, "reason": reason}
         region_entry["selected"] = selected
         region_entry["reason"] = reason  # the key the build writes (coopt/candidates.py)
+    for name, region_entry in regions.items():
+        leader = regions.get(region_entry.get("same_as") or "")
+        if leader is not None:  # an identical region: same files, same answer
+            summary[name] = {**summary[region_entry["same_as"]], "old_selected": region_entry.get("selected")}
+            region_entry.update(candidates=leader["candidates"], selected=leader["selected"], reason=leader["reason"])
 
     selection["measured"] = True
     write_json_atomic(out_dir / SELECTION_FILE, selection)
