@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The benchmark runs of one GPU session, split so each part fits one 10-minute device call.
+# Run from the repository root on the GPU machine; results go to $OUT (default ./gpu-out).
+#
+#   bash bench/gpu_session.sh examples   # bench/run.py (3 examples) + skinny GEMMs + GPU tests
+#   bash bench/gpu_session.sh decode     # bench/decode.py: 3 decode cases, agreement, prefill
+#
+# Every step has its own time limit, so a slow step costs its own results, not the others'.
+set -uo pipefail
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+step() {  # step SECONDS NAME COMMAND...: run, log to $OUT/NAME.log, print the log's tail
+    local limit=$1 name=$2
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name: exit $?"
+    grep -v "^    \|AUTOTUNE\|triton_\|^  mm\|^  bmm\|Warning\|return cls" "$OUT/$name.log" | tail -15
+}
+case "${1:-}" in
+    examples)
+        step 330 run python bench/run.py --out "$OUT/run.json" --build-dir /tmp/coopt-bench
+        for e in mlp minigpt_block llama_layer; do cp "/tmp/coopt-bench/$e/report.md" "$OUT/report_$e.md" 2>/dev/null; done
+        step 90 gemm python bench/gemm.py --quick --shapes skinny,decode
+        step 150 pytest python -m pytest -q -x -p no:cacheprovider tests/templates tests/e2e/test_cuda_graph.py tests/llama/test_llama_generate.py
+        ;;
+    decode)
+        step 560 decode python bench/decode.py --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
+        cp /tmp/coopt-decode/b1-pos2048/report.md "$OUT/report_decode_b1_2048.md" 2>/dev/null
+        ;;
+    *)
+        echo "usage: bash bench/gpu_session.sh examples|decode" >&2
+        exit 2
+        ;;
+esac
