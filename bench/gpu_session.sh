@@ -3,7 +3,8 @@
 # Run from the repository root on the GPU machine; results go to $OUT (default ./gpu-out).
 #
 #   bash bench/gpu_session.sh examples   # bench/run.py (3 examples) + skinny GEMMs + GPU tests
-#   bash bench/gpu_session.sh decode     # bench/decode.py: 3 decode cases, agreement, prefill
+#   bash bench/gpu_session.sh decode     # bench/decode.py: batch 1 at 2048 and 32768, agreement
+#   bash bench/gpu_session.sh batched    # bench/decode.py: batch 32 at 2048, and prefill of 2048
 #
 # Every step has its own time limit, so a slow step costs its own results, not the others'.
 set -uo pipefail
@@ -26,11 +27,16 @@ case "${1:-}" in
         step 150 pytest python -m pytest -q -x -p no:cacheprovider tests/templates tests/e2e/test_cuda_graph.py tests/llama/test_llama_generate.py
         ;;
     decode)
-        step 560 decode python bench/decode.py --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
+        step 560 decode python bench/decode.py --cases 1:2048:4096,1:32768:32832 --prefill 0 \
+            --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
         cp /tmp/coopt-decode/b1-pos2048/report.md "$OUT/report_decode_b1_2048.md" 2>/dev/null
         ;;
+    batched)
+        step 560 batched python bench/decode.py --cases 32:2048:4096 --prefill 2048 \
+            --out "$OUT/batched.json" --build-dir /tmp/coopt-decode
+        ;;
     *)
-        echo "usage: bash bench/gpu_session.sh examples|decode" >&2
+        echo "usage: bash bench/gpu_session.sh examples|decode|batched" >&2
         exit 2
         ;;
 esac
