@@ -149,7 +149,7 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     # 4. candidates: the reference (the replaced ATen ops) plus the advisor's top-k legal points,
     #    made once per distinct region (the layers of a model repeat the same regions)
     advice_log = AdviceLog(config.advisor)
-    regions, distinct = _candidates(module, config, advice_log, out, progress)
+    regions, distinct = _candidates(module, config, advice_log, out, progress, example_inputs)
     warnings += _advice_warnings(advice_log)
 
     # 5. verify: fuzz every template candidate against its region's reference, in a worker
@@ -194,14 +194,14 @@ def _on_build_device(model, example_inputs):
     return copy.deepcopy(model).cuda(), tuple(moved)
 
 
-def _candidates(module, config: BuildConfig, advice_log, out: Path, progress) -> tuple[list[RegionBuild], list[RegionBuild]]:
+def _candidates(module, config: BuildConfig, advice_log, out: Path, progress, example_inputs=()) -> tuple[list[RegionBuild], list[RegionBuild]]:
     """(every region in program order, the distinct ones): a region equal to an earlier one
     becomes its twin and shares its candidate files instead of getting its own."""
     symbols = symbol_table(module)
     regions: list[RegionBuild] = []
     leaders: dict[str, RegionBuild] = {}
     for kernel in kernels(module):
-        summary = summarize(kernel, symbols)
+        summary = _with_example_length(summarize(kernel, symbols), kernel, example_inputs)
         signature = region_signature(summary)
         if signature in leaders:
             regions.append(leaders[signature].twin(summary))
@@ -210,6 +210,35 @@ def _candidates(module, config: BuildConfig, advice_log, out: Path, progress) ->
         leaders[signature] = make_candidates(kernel, summary, config.target, config.advisor, advice_log, out, config.top_k)
         regions.append(leaders[signature])
     return regions, list(leaders.values())
+
+
+def _with_example_length(summary, kernel, example_inputs):
+    """A decode_attention region plans (advisor) and is timed (tune) at the cache length of the
+    example call, not the whole cache: its lengths come from a user input (positions + 1), whose
+    example value is known here."""
+    import dataclasses
+
+    from xdsl.ir import BlockArgument
+
+    from coopt.passes.base import aten_target, literal_arg, tensor_arg
+
+    if summary.family != "decode_attention" or "example_length" in summary.attrs:
+        return summary
+    value, offset = kernel.inputs[summary.attrs.get("lengths_input", 3)], 0
+    while not isinstance(value, BlockArgument):  # the chain RaiseDecodeSDPA builds
+        op = value.owner
+        target = aten_target(op)
+        if target in ("aten.expand.default", "aten._to_copy.default"):
+            value = tensor_arg(op, 0)
+        elif target == "aten.add.Tensor" and isinstance(literal_arg(op, 1), int) and tensor_arg(op, 0) is not None:
+            offset += literal_arg(op, 1)
+            value = tensor_arg(op, 0)
+        else:
+            return summary
+    example = example_inputs[value.index] if value.index < len(example_inputs) else None
+    if not isinstance(example, torch.Tensor) or example.dtype.is_floating_point or example.numel() == 0:
+        return summary
+    return dataclasses.replace(summary, attrs={**summary.attrs, "example_length": int(example.max()) + offset})
 
 
 def _advice_warnings(advice_log) -> list[str]:

@@ -86,3 +86,12 @@ def test_generate_prefills_through_the_entry_point_and_matches_eager_greedy(buil
             expected = torch.cat([expected, next_token], 1)
             logits = eager(next_token, torch.tensor([9 + i]))[:, -1]
     assert tokens.tolist() == expected.tolist()
+
+
+def test_decode_attention_plans_for_the_example_cache_length(built_dir):
+    """The advisor and the timing see the example call's valid length (position + 1), not the
+    whole cache: a decode step at position 64 of a 128-slot cache reads 65 positions."""
+    _, input_pos = load_model_file(MODEL_PATH).example_inputs
+    selection = json.loads((built_dir / "selection.json").read_text())["regions"]
+    decode = [r for r in selection.values() if r["family"] == "decode_attention"]
+    assert decode and {r["summary"]["attrs"]["example_length"] for r in decode} == {int(input_pos[0]) + 1}
