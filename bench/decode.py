@@ -55,12 +55,36 @@ def load_case(layers: int, batch: int, pos: int, cache: int):
     return loaded.model.cuda(), tuple(x.cuda() for x in loaded.example_inputs)
 
 
+def measure(row: dict, mode: str, fn, expected, setup_s: float, *, warmup: int, rep: int) -> None:
+    """Check `fn()` against `expected`, then time it (median ms) into row[...][mode]."""
+    import torch
+    from triton.testing import do_bench
+
+    with torch.no_grad():
+        row.setdefault("max_abs_err", {})[mode] = float((fn().float() - expected).abs().max())
+        row["ms"][mode] = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    row["setup_s"][mode] = setup_s
+
+
+def compile_model(model, mode: str, inputs, *, calls: int):
+    """torch.compile(model, mode) and seconds to its first `calls` calls (compilation; CUDA
+    graph recording for reduce-overhead, which needs a few)."""
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode=mode)
+    start = time.monotonic()
+    with torch.no_grad():
+        for _ in range(calls):
+            compiled(*inputs)
+    return compiled, time.monotonic() - start
+
+
 def run_prefill(args) -> dict:
     """Prefill throughput: one call over a `args.prefill`-token prompt at positions 0..T-1 (the
     Llama example's prefill entry point, dynamic in T), eager vs torch.compile vs coopt; the
     coopt build here is the prefill entry alone (the same compile path as out/entries/prefill)."""
     import torch
-    from triton.testing import do_bench
 
     import coopt
     from coopt.frontend.model_file import load_model_file
@@ -81,11 +105,8 @@ def run_prefill(args) -> dict:
         expected = model(*inputs).float()
 
     def record(mode, fn, setup_s):
-        with torch.no_grad():
-            row.setdefault("max_abs_err", {})[mode] = float((fn().float() - expected).abs().max())
-            row["ms"][mode] = do_bench(fn, warmup=25, rep=200, return_mode="median")
+        measure(row, mode, fn, expected, setup_s, warmup=25, rep=200)
         row["tokens_per_s"][mode] = length / (row["ms"][mode] * 1e-3)
-        row["setup_s"][mode] = setup_s
         print(f"  {mode:28s} {row['ms'][mode]:8.3f} ms  {row['tokens_per_s'][mode]:10.0f} tokens/s"
               f"  max abs err {row['max_abs_err'][mode]:.3g}  setup {setup_s:.0f}s", flush=True)
 
@@ -93,12 +114,8 @@ def run_prefill(args) -> dict:
     if "eager" in modes:
         record("eager", lambda: model(*inputs), 0.0)
     if "max-autotune-no-cudagraphs" in modes:
-        torch._dynamo.reset()
-        compiled = torch.compile(model, mode="max-autotune-no-cudagraphs")
-        start = time.monotonic()
-        with torch.no_grad():
-            compiled(*inputs)
-        record("compile max-autotune-no-cudagraphs", lambda: compiled(*inputs), time.monotonic() - start)
+        compiled, setup_s = compile_model(model, "max-autotune-no-cudagraphs", inputs, calls=1)
+        record("compile max-autotune-no-cudagraphs", lambda: compiled(*inputs), setup_s)
     if "coopt" in modes:
         out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-prefill-"))) / f"prefill-{length}"
         start = time.monotonic()
@@ -140,7 +157,6 @@ def _also_used_elsewhere(model, embedding, param) -> bool:
 
 def run_case(case: str, args) -> dict:
     import torch
-    from triton.testing import do_bench
 
     import coopt
     from coopt.runtime.cuda_graph import GraphedStep
@@ -154,11 +170,7 @@ def run_case(case: str, args) -> dict:
         expected = model(*inputs).float()
 
     def record(mode, fn, setup_s):
-        with torch.no_grad():
-            got = fn().float()
-            row.setdefault("max_abs_err", {})[mode] = float((got - expected).abs().max())
-            row["ms"][mode] = do_bench(fn, warmup=50, rep=300, return_mode="median")
-        row["setup_s"][mode] = setup_s
+        measure(row, mode, fn, expected, setup_s, warmup=50, rep=300)
         print(f"  {mode:28s} {row['ms'][mode]:8.3f} ms  ({row['floor_ms'] / row['ms'][mode]:.0%} of floor)"
               f"  max abs err {row['max_abs_err'][mode]:.3g}  setup {setup_s:.0f}s", flush=True)
 
@@ -167,13 +179,8 @@ def run_case(case: str, args) -> dict:
         record("eager", lambda: model(*inputs), 0.0)
     for mode in ("max-autotune-no-cudagraphs", "reduce-overhead"):
         if mode in modes:
-            torch._dynamo.reset()
-            compiled = torch.compile(model, mode=mode)
-            start = time.monotonic()
-            with torch.no_grad():
-                for _ in range(3):
-                    compiled(*inputs)
-            record(f"compile {mode}", lambda: compiled(*inputs), time.monotonic() - start)
+            compiled, setup_s = compile_model(model, mode, inputs, calls=3)
+            record(f"compile {mode}", lambda: compiled(*inputs), setup_s)
     if "coopt" in modes:
         out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-decode-"))) / f"b{batch}-pos{pos}"
         start = time.monotonic()

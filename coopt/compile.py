@@ -218,24 +218,15 @@ def _with_example_length(summary, kernel, example_inputs):
     example value is known here."""
     import dataclasses
 
-    from xdsl.ir import BlockArgument
-
-    from coopt.passes.base import aten_target, literal_arg, tensor_arg
+    from coopt.passes.raise_decode_attention import lengths_source
 
     if summary.family != "decode_attention" or "example_length" in summary.attrs:
         return summary
-    value, offset = kernel.inputs[summary.attrs.get("lengths_input", 3)], 0
-    while not isinstance(value, BlockArgument):  # the chain RaiseDecodeSDPA builds
-        op = value.owner
-        target = aten_target(op)
-        if target in ("aten.expand.default", "aten._to_copy.default"):
-            value = tensor_arg(op, 0)
-        elif target == "aten.add.Tensor" and isinstance(literal_arg(op, 1), int) and tensor_arg(op, 0) is not None:
-            offset += literal_arg(op, 1)
-            value = tensor_arg(op, 0)
-        else:
-            return summary
-    example = example_inputs[value.index] if value.index < len(example_inputs) else None
+    source = lengths_source(kernel.inputs[summary.attrs.get("lengths_input", 3)])
+    if source is None:
+        return summary
+    argument, offset = source
+    example = example_inputs[argument.index] if argument.index < len(example_inputs) else None
     if not isinstance(example, torch.Tensor) or example.dtype.is_floating_point or example.numel() == 0:
         return summary
     return dataclasses.replace(summary, attrs={**summary.attrs, "example_length": int(example.max()) + offset})

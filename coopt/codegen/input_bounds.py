@@ -28,6 +28,7 @@ from xdsl.ir import Block, BlockArgument, SSAValue
 
 from coopt.ir.dialect import KernelOp, StateUpdateOp, StateWriteOp, WeightOp
 from coopt.ir.summary import tensor_spec
+from coopt.passes.base import literal_arg, tensor_arg
 from coopt.passes.shapes import dims
 
 # ops whose result holds exactly the values of operand 0 (same set of values, maybe reshaped or
@@ -92,11 +93,6 @@ def _call_target(op) -> str | None:
     return target.data if target is not None else None
 
 
-def _arg(op, position: int):
-    args = op.call["args"]
-    return args[position] if position < len(args) else None
-
-
 def _operand(op, arg) -> SSAValue | None:
     return op.inputs[arg["$t"]] if isinstance(arg, dict) and "$t" in arg else None
 
@@ -127,12 +123,13 @@ def _indices(op, how) -> list[tuple[int, SSAValue]]:
     """(dim, index value) pairs of an indexing op."""
     kind = how[0]
     if kind == "list":
-        entries = _arg(op, how[1]) or []
+        entries = literal_arg(op, how[1]) or []
         return [(k, _operand(op, e)) for k, e in enumerate(entries) if _operand(op, e) is not None]
     if kind == "dim":
-        dim, index = _arg(op, how[1]), _operand(op, _arg(op, how[2]))
+        dim, index = literal_arg(op, how[1]), tensor_arg(op, how[2])
         return [(dim, index)] if isinstance(dim, int) and index is not None else []
-    return [(how[1], _operand(op, _arg(op, how[2])))] if _operand(op, _arg(op, how[2])) is not None else []
+    index = tensor_arg(op, how[2])
+    return [(how[1], index)] if index is not None else []
 
 
 def _is_index_type(value: SSAValue) -> bool:
@@ -151,7 +148,7 @@ def _slice_bound(op, position: int, inputs: Block, written: set[str]) -> SizeBou
     would break the shapes everything after it was traced with)."""
     sliced = op.inputs[0]
     weight, shape = _weight_root(sliced), dims(sliced)
-    dim, start, end, step = (_arg(op, position + k) for k in range(4))
+    dim, start, end, step = (literal_arg(op, position + k) for k in range(4))
     end = _operand(op, end)
     if weight is None or not shape or not isinstance(dim, int) or start not in (None, 0) or step not in (None, 1) or end is None:
         return None
@@ -159,13 +156,13 @@ def _slice_bound(op, position: int, inputs: Block, written: set[str]) -> SizeBou
     size_of = _source(end).owner
     if _call_target(size_of) != "aten.sym_size.int" or not isinstance(shape[dim], int):
         return None
-    source, input_dim = _user_input(_operand(size_of, _arg(size_of, 0)), inputs), _arg(size_of, 1)
+    source, input_dim = _user_input(tensor_arg(size_of, 0), inputs), literal_arg(size_of, 1)
     if source is None or not isinstance(input_dim, int):
         return None
     input_shape = dims(inputs.args[source])
     input_dim %= len(input_shape)
     # the slice's own extent (slice: its result; slice_scatter / slice_copy_: the source written)
-    piece = op.results[0] if position == 1 else _operand(op, _arg(op, 1))
+    piece = op.results[0] if position == 1 else tensor_arg(op, 1)
     if piece is None or dims(piece)[dim] != input_shape[input_dim]:
         return None
     reason = _describe(weight, dim, shape[dim], weight.ref.data in written)
@@ -183,7 +180,7 @@ def derive_input_bounds(module, fn: func.FuncOp, symbols: dict[str, list[int]]) 
         target = _call_target(op)
         if target in _INDEXING:
             position, how = _INDEXING[target]
-            indexed = _operand(op, _arg(op, position))
+            indexed = tensor_arg(op, position)
             weight = _weight_root(indexed) if indexed is not None else None
             if weight is None:
                 continue

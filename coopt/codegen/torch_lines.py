@@ -147,16 +147,12 @@ def _high_level(op, names: Names) -> str:
             f"{out} = torch.nn.functional.scaled_dot_product_attention({q}, {k}, {v}, is_causal={causal}, "
             f"scale={scale!r}, enable_gqa={gqa})"
         )
-    if isinstance(op, CacheAttentionOp):
+    if isinstance(op, (CacheAttentionOp, DecodeAttentionOp)):
         q, k, v, lengths = names[op.q], names[op.k], names[op.v], names[op.lengths]
-        mask = f"torch.arange({k}.shape[2], device={k}.device)[None, :] < {lengths}[:, None]"
-        return (
-            f"{out} = torch.nn.functional.scaled_dot_product_attention({q}, {k}, {v}, attn_mask={mask}, "
-            f"scale={op.scale.value.data!r}, enable_gqa={q}.shape[1] != {k}.shape[1])"
-        )
-    if isinstance(op, DecodeAttentionOp):
-        q, k, v, lengths = names[op.q], names[op.k], names[op.v], names[op.lengths]
-        mask = f"(torch.arange({k}.shape[2], device={k}.device)[None, :] < {lengths}[:, None])[:, None, None, :]"
+        # [queries, S_max]: per query position (a prompt), or per sequence (decode) as [B, 1, 1, S_max]
+        mask = f"(torch.arange({k}.shape[2], device={k}.device)[None, :] < {lengths}[:, None])"
+        if isinstance(op, DecodeAttentionOp):
+            mask += "[:, None, None, :]"
         return (
             f"{out} = torch.nn.functional.scaled_dot_product_attention({q}, {k}, {v}, attn_mask={mask}, "
             f"scale={op.scale.value.data!r}, enable_gqa={q}.shape[1] != {k}.shape[1])"

@@ -240,41 +240,37 @@ class AttentionOp(IRDLOperation):
         )
 
 
+class _CachedAttentionBase(IRDLOperation):
+    """Attention of q over a static KV cache k/v [B,Hkv,S_max,D], each query reading only the
+    first `lengths` positions (GQA when Hkv < H); subclasses say which queries a length is for."""
+
+    q = operand_def(TensorType)
+    k = operand_def(TensorType)
+    v = operand_def(TensorType)
+    lengths = operand_def(TensorType)
+    scale = prop_def(FloatAttr)
+    result = result_def(TensorType)
+
+    def __init__(self, q, k, v, lengths, scale: float, type_):
+        super().__init__(operands=[q, k, v, lengths], properties={"scale": FloatAttr(float(scale), f64)}, result_types=[type_])
+
+
 @irdl_op_definition
-class DecodeAttentionOp(IRDLOperation):
-    """One query token per sequence over a static KV cache: q [B,H,1,D] attends to positions
-    0 .. lengths[b]-1 of k/v [B,Hkv,S_max,D]; lengths [B] int32 (GQA when Hkv < H)."""
+class DecodeAttentionOp(_CachedAttentionBase):
+    """One query token per sequence: q [B,H,1,D]; lengths [B] int32, one per sequence."""
 
     name = "coopt.decode_attention"
-    q = operand_def(TensorType)
-    k = operand_def(TensorType)
-    v = operand_def(TensorType)
-    lengths = operand_def(TensorType)
-    scale = prop_def(FloatAttr)
-    result = result_def(TensorType)
     traits = traits_def(Pure())
-
-    def __init__(self, q, k, v, lengths, scale: float, type_):
-        super().__init__(operands=[q, k, v, lengths], properties={"scale": FloatAttr(float(scale), f64)}, result_types=[type_])
 
 
 @irdl_op_definition
-class CacheAttentionOp(IRDLOperation):
-    """Several query tokens over a static KV cache (a prompt, or a chunk of one): query i of
-    q [B,H,T,D] attends to positions 0 .. lengths[i]-1 of k/v [B,Hkv,S_max,D]; lengths [T] int32
-    (the query's position + 1, the same for every sequence; GQA when Hkv < H)."""
+class CacheAttentionOp(_CachedAttentionBase):
+    """Several query tokens (a prompt, or a chunk of one): query i of q [B,H,T,D] reads
+    lengths[i] positions; lengths [T] int32 (the query's position + 1, the same for every
+    sequence)."""
 
     name = "coopt.cache_attention"
-    q = operand_def(TensorType)
-    k = operand_def(TensorType)
-    v = operand_def(TensorType)
-    lengths = operand_def(TensorType)
-    scale = prop_def(FloatAttr)
-    result = result_def(TensorType)
     traits = traits_def(Pure())
-
-    def __init__(self, q, k, v, lengths, scale: float, type_):
-        super().__init__(operands=[q, k, v, lengths], properties={"scale": FloatAttr(float(scale), f64)}, result_types=[type_])
 
 
 # -- fusion ----------------------------------------------------------------------------------

@@ -31,30 +31,20 @@ class FuseAttention(CooptPass):
             }
             outline([attn], "attention", attrs, inputs=[attn.q, attn.k, attn.v], outputs=[attn.result])
             count("fuse.attention" + (".gqa" if kv_heads != heads else ""))
-        for attn in [o for o in op.walk() if isinstance(o, DecodeAttentionOp)]:
+        for attn in [o for o in op.walk() if isinstance(o, (DecodeAttentionOp, CacheAttentionOp))]:
             if isinstance(attn.parent_op(), KernelOp):
                 continue
+            decode = isinstance(attn, DecodeAttentionOp)
             attrs = {
+                **({} if decode else {"causal": False}),
                 "scale": attn.scale.value.data,
                 "num_heads": static_shape(attn.q)[1],
                 "num_kv_heads": static_shape(attn.k)[1],
-                # input 3 holds lengths, each within [1, size of dim 2 of input 1] (the cache)
+                # input 3 holds lengths (per sequence in decode, per query position in a prompt),
+                # each within [1, size of dim 2 of input 1] (the cache)
                 "lengths_input": 3,
                 "lengths_bound": [1, 2],
             }
-            outline([attn], "decode_attention", attrs, inputs=[attn.q, attn.k, attn.v, attn.lengths], outputs=[attn.result])
-            count("fuse.decode_attention")
-        for attn in [o for o in op.walk() if isinstance(o, CacheAttentionOp)]:
-            if isinstance(attn.parent_op(), KernelOp):
-                continue
-            attrs = {
-                "causal": False,
-                "scale": attn.scale.value.data,
-                "num_heads": static_shape(attn.q)[1],
-                "num_kv_heads": static_shape(attn.k)[1],
-                # input 3: one length per query position, within [1, dim 2 of input 1] (the cache)
-                "lengths_input": 3,
-                "lengths_bound": [1, 2],
-            }
-            outline([attn], "attention", attrs, inputs=[attn.q, attn.k, attn.v, attn.lengths], outputs=[attn.result])
-            count("fuse.attention.prompt_over_cache")
+            family = "decode_attention" if decode else "attention"
+            outline([attn], family, attrs, inputs=[attn.q, attn.k, attn.v, attn.lengths], outputs=[attn.result])
+            count("fuse.decode_attention" if decode else "fuse.attention.prompt_over_cache")

@@ -60,32 +60,41 @@ class RaiseDecodeSDPA(RewritePattern):
             return
         scale = literal_arg(op, 6, "scale", None)
         scale = 1.0 / math.sqrt(qs[3]) if scale is None else scale
-        if qs[2] != 1:  # a prompt (chunk) over the cache: one length per query position
-            if input_pos.type.get_shape()[0] != q.type.get_shape()[2]:
-                return
-            self._prompt(op, rewriter, q, k, v, input_pos, scale)
+        prompt = qs[2] != 1  # a prompt (chunk) over the cache: one length per query position
+        if prompt and input_pos.type.get_shape()[0] != q.type.get_shape()[2]:
             return
-        if static_shape(input_pos) != [1]:
+        if not prompt and static_shape(input_pos) != [1]:
             return
-        # lengths = input_pos + 1, as int32, one per sequence
+        # lengths = input_pos + 1 as int32: per query position, or (decode) per sequence
         plus_one = AtenOp("aten.add.Tensor", {"args": [{"$t": 0}, 1], "kwargs": {}}, [input_pos], [input_pos.type])
         as_int = AtenOp("aten._to_copy.default", {"args": [{"$t": 0}], "kwargs": {"dtype": {"$dtype": "int32"}}},
-                        [plus_one.results[0]], [TensorType(i32, [1])])
-        lengths = AtenOp("aten.expand.default", {"args": [{"$t": 0}, [qs[0]]], "kwargs": {}},
-                         [as_int.results[0]], [TensorType(i32, [qs[0]])])
-        for new in (plus_one, as_int, lengths):
+                        [plus_one.results[0]], [TensorType(i32, input_pos.type.get_shape(), input_pos.type.encoding)])
+        new_ops = [plus_one, as_int]
+        if not prompt:
+            new_ops.append(AtenOp("aten.expand.default", {"args": [{"$t": 0}, [qs[0]]], "kwargs": {}},
+                                  [as_int.results[0]], [TensorType(i32, [qs[0]])]))
+        for new in new_ops:
             Rewriter.insert_op(new, InsertPoint.before(op))
-        rewriter.replace_matched_op(DecodeAttentionOp(q, k, v, lengths.results[0], float(scale), op.results[0].type))
-        count("raise.attention.decode")
+        attention = CacheAttentionOp if prompt else DecodeAttentionOp
+        rewriter.replace_matched_op(attention(q, k, v, new_ops[-1].results[0], float(scale), op.results[0].type))
+        count("raise.attention." + ("prompt_over_cache" if prompt else "decode"))
 
-    @staticmethod
-    def _prompt(op, rewriter: PatternRewriter, q, k, v, input_pos, scale: float) -> None:
-        """lengths = input_pos + 1 as int32, one per query position → coopt.cache_attention."""
-        plus_one = AtenOp("aten.add.Tensor", {"args": [{"$t": 0}, 1], "kwargs": {}}, [input_pos], [input_pos.type])
-        int_type = TensorType(i32, input_pos.type.get_shape(), input_pos.type.encoding)
-        as_int = AtenOp("aten._to_copy.default", {"args": [{"$t": 0}], "kwargs": {"dtype": {"$dtype": "int32"}}},
-                        [plus_one.results[0]], [int_type])
-        for new in (plus_one, as_int):
-            Rewriter.insert_op(new, InsertPoint.before(op))
-        rewriter.replace_matched_op(CacheAttentionOp(q, k, v, as_int.results[0], float(scale), op.results[0].type))
-        count("raise.attention.prompt_over_cache")
+
+def lengths_source(lengths):
+    """(block argument, offset) when `lengths` is the chain RaiseDecodeSDPA builds from a user
+    input (expand(to_int32(input + offset))), else None: the example call's lengths are then
+    that input's example values + offset."""
+    from xdsl.ir import BlockArgument
+
+    value, offset = lengths, 0
+    while not isinstance(value, BlockArgument):
+        op = value.owner
+        target = aten_target(op)
+        if target in ("aten.expand.default", "aten._to_copy.default") and tensor_arg(op, 0) is not None:
+            value = tensor_arg(op, 0)
+        elif target == "aten.add.Tensor" and isinstance(literal_arg(op, 1), int) and tensor_arg(op, 0) is not None:
+            offset += literal_arg(op, 1)
+            value = tensor_arg(op, 0)
+        else:
+            return None
+    return value, offset

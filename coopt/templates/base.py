@@ -71,6 +71,17 @@ def dim_range(region: RegionSummary, dims) -> tuple[int, int | None]:
     return lo, hi
 
 
+def lane_fill_problem(what: str, elements: int, num_warps: int, most_per_thread: int) -> str | None:
+    """Why a program of `elements` pointwise elements suits `num_warps` badly, or None: fewer
+    elements than threads leave lanes idle; more than `most_per_thread` each spill registers."""
+    threads = 32 * num_warps
+    if elements < threads:
+        return f"{what} leaves threads idle with num_warps={num_warps} (needs >= {threads} elements)"
+    if elements // threads > most_per_thread:
+        return f"{what} is over {most_per_thread} elements per thread with num_warps={num_warps}"
+    return None
+
+
 def max_extent(dim, region: RegionSummary) -> int | None:
     """Largest value one dim takes; None when a symbol in it has no known range."""
     return dim_range(region, [dim])[1]

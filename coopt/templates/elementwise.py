@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from coopt.ir.region import ELEMENTWISE_FNS, RegionSummary
 from coopt.targets import Target
-from coopt.templates.base import TemplateFamily, max_extent, next_pow2, render_template
+from coopt.templates.base import TemplateFamily, lane_fill_problem, max_extent, next_pow2, render_template
 from coopt.templates.ewprogram import render_program
 
 MAX_RANK = 4  # the kernel unravels indices over at most 4 dims
@@ -54,13 +54,8 @@ class ElementwiseFamily(TemplateFamily):
         return {"BLOCK": blocks, "num_warps": list(NUM_WARPS)}
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        block, num_warps = params["BLOCK"], params["num_warps"]
-        threads = 32 * num_warps
-        if block < threads:
-            return f"BLOCK={block} leaves threads idle with num_warps={num_warps} (needs >= {threads})"
-        if block // threads > MAX_ELEMENTS_PER_THREAD:
-            return f"BLOCK={block} is over {MAX_ELEMENTS_PER_THREAD} elements per thread with num_warps={num_warps}"
-        return None
+        block = params["BLOCK"]
+        return lane_fill_problem(f"BLOCK={block}", block, params["num_warps"], MAX_ELEMENTS_PER_THREAD)
 
     def render(self, region: RegionSummary, params: dict) -> str:
         input_names = [f"in{i}" for i in range(len(region.inputs))]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from coopt.ir.region import RegionSummary
 from coopt.targets import Target
-from coopt.templates.base import TemplateFamily, next_pow2, render_template
+from coopt.templates.base import TemplateFamily, lane_fill_problem, next_pow2, render_template
 
 BLOCK_ROWS = (1, 2, 4, 8, 16, 32)
 NUM_WARPS = (1, 2, 4, 8)
@@ -43,12 +43,7 @@ class RopeFamily(TemplateFamily):
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
         elements = params["BLOCK_R"] * next_pow2(region.inputs[0].shape[-1])
-        threads = 32 * params["num_warps"]
-        if elements < threads:
-            return f"BLOCK_R={params['BLOCK_R']} x D leaves threads idle with num_warps={params['num_warps']}"
-        if elements // threads > MAX_ELEMENTS_PER_THREAD:
-            return f"BLOCK_R={params['BLOCK_R']} is over {MAX_ELEMENTS_PER_THREAD} elements per thread with num_warps={params['num_warps']}"
-        return None
+        return lane_fill_problem(f"BLOCK_R={params['BLOCK_R']} rows of D", elements, params["num_warps"], MAX_ELEMENTS_PER_THREAD)
 
     def render(self, region: RegionSummary, params: dict) -> str:
         return render_template(
