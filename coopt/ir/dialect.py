@@ -30,6 +30,7 @@ from xdsl.irdl import (
     IRDLOperation,
     irdl_op_definition,
     opt_operand_def,
+    opt_prop_def,
     prop_def,
     region_def,
     result_def,
@@ -242,17 +243,34 @@ class AttentionOp(IRDLOperation):
 
 class _CachedAttentionBase(IRDLOperation):
     """Attention of q over a static KV cache k/v [B,Hkv,S_max,D], each query reading only the
-    first `lengths` positions (GQA when Hkv < H); subclasses say which queries a length is for."""
+    first `lengths` positions (GQA when Hkv < H); subclasses say which queries a length is for.
+
+    An fp8 cache (the fp8-kv-cache pass, docs/kv-cache.md) stores k/v as float8_e4m3fn and
+    carries k_scale / v_scale with `kv_scale` naming their granularity ("per-tensor" [1],
+    "per-head" [Hkv], "per-token" [B,Hkv,S_max]): attention reads k·k_scale and v·v_scale."""
 
     q = operand_def(TensorType)
     k = operand_def(TensorType)
     v = operand_def(TensorType)
     lengths = operand_def(TensorType)
+    k_scale = opt_operand_def(TensorType)
+    v_scale = opt_operand_def(TensorType)
     scale = prop_def(FloatAttr)
+    kv_scale = opt_prop_def(StringAttr)
     result = result_def(TensorType)
+    irdl_options = (AttrSizedOperandSegments(as_property=True),)
 
-    def __init__(self, q, k, v, lengths, scale: float, type_):
-        super().__init__(operands=[q, k, v, lengths], properties={"scale": FloatAttr(float(scale), f64)}, result_types=[type_])
+    def __init__(self, q, k, v, lengths, scale: float, type_, k_scale=None, v_scale=None, kv_scale: str | None = None):
+        if (k_scale is None) != (v_scale is None) or (k_scale is None) != (kv_scale is None):
+            raise ValueError("k_scale, v_scale and kv_scale go together")
+        properties = {"scale": FloatAttr(float(scale), f64)}
+        if kv_scale is not None:
+            properties["kv_scale"] = StringAttr(kv_scale)
+        super().__init__(
+            operands=[q, k, v, lengths, [] if k_scale is None else [k_scale], [] if v_scale is None else [v_scale]],
+            properties=properties,
+            result_types=[type_],
+        )
 
 
 @irdl_op_definition
@@ -323,8 +341,32 @@ class RopeOp(IRDLOperation):
         super().__init__(operands=[x, cos, sin], result_types=[type_])
 
 
+KV_SCALE_GRANULARITIES = ("per-tensor", "per-head", "per-token")
+
+
+@irdl_op_definition
+class QuantizeFp8Op(IRDLOperation):
+    """x [B,Hkv,T,D] quantized to float8_e4m3fn for an fp8 KV cache (docs/kv-cache.md):
+    clamp(x / s, -448, 448) rounded to nearest even, where s is `scale` broadcast by
+    `granularity`: "per-tensor" scale [1], "per-head" scale [Hkv] (s[h] for head h),
+    "per-token" scale [B,Hkv,T] (one per written row). Lossy by construction: only the
+    fp8-kv-cache pass makes it."""
+
+    name = "coopt.quantize_fp8"
+    x = operand_def(TensorType)
+    scale = operand_def(TensorType)
+    granularity = prop_def(StringAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x, scale, granularity: str, type_):
+        if granularity not in KV_SCALE_GRANULARITIES:
+            raise ValueError(f"granularity {granularity!r} is not one of {KV_SCALE_GRANULARITIES}")
+        super().__init__(operands=[x, scale], properties={"granularity": StringAttr(granularity)}, result_types=[type_])
+
+
 HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, AttentionOp, DecodeAttentionOp,
-                  CacheAttentionOp, RopeOp)
+                  CacheAttentionOp, RopeOp, QuantizeFp8Op)
 
 Coopt = Dialect(
     "coopt",

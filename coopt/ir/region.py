@@ -45,6 +45,18 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     lengths input and the dim bounding it (input 1, dim 2: S_max), so that verification draws
     valid lengths; "example_length" is the length the advisor plans for (default S_max).
 
+    fp8 cache (fp8-kv-cache pass, docs/kv-cache.md): k_cache / v_cache float8_e4m3fn and two
+    more inputs k_scale, v_scale (fp32: [1] per-tensor, [Hkv] per-head, [B, Hkv, S_max]
+    per-token), attrs "kv_scale": that granularity; the cache is read as k * k_scale. The same
+    holds for attention with lengths (a prompt over an fp8 cache).
+
+kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quantization)
+    attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",
+             "inplace": [input indices written in place]}
+    inputs: k_cache, v_cache [B_max, Hkv, S_max, D], positions [T] int, k, v [B, Hkv, T, D],
+    [cos, sin when rope], [k_scale, v_scale when quantized]; outputs: the inplace inputs after
+    cache[:B, :, positions] = quant(rope(k)) (and v). docs/kv-cache.md has the whole contract.
+
 rope (rotary embedding, rotate-half form)
     attrs = {}
     inputs: x [..., D] (D even, rank <= 4), cos and sin broadcastable to x; output in x's dtype:
@@ -63,7 +75,7 @@ ELEMENTWISE_FNS = {
     "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "abs": 1, "square": 1, "reciprocal": 1,
 }
 
-FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention", "decode_attention", "rope")
+FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention", "decode_attention", "rope", "kv_write")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int64": 8, "int32": 4, "bool": 1}
 
