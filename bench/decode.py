@@ -33,7 +33,8 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--cases", default="1:2048:4096,1:32768:32832,32:2048:4096")
-    parser.add_argument("--modes", default="eager,max-autotune-no-cudagraphs,reduce-overhead,coopt")
+    parser.add_argument("--modes", default="eager,max-autotune-no-cudagraphs,reduce-overhead,coopt,coopt-fp8",
+                        help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -126,9 +127,10 @@ def run_prefill(args) -> dict:
     return row
 
 
-def floor_ms(model, batch: int, pos: int) -> float:
+def floor_ms(model, batch: int, pos: int, kv_element_bytes: int | None = None) -> float:
     """Bytes one decode step must read over the copy bandwidth: every weight once, except
-    embedding tables (only the `batch` looked-up rows), plus the valid K/V of every layer."""
+    embedding tables (only the `batch` looked-up rows), plus the valid K/V of every layer (at
+    `kv_element_bytes` per element when given: 1 for an fp8 cache)."""
     import torch
 
     seen: set[int] = set()
@@ -146,7 +148,7 @@ def floor_ms(model, batch: int, pos: int) -> float:
     for name, buffer in model.named_buffers():
         if name.endswith(("k_cache", "v_cache")):  # [B, Hkv, S_max, D]: the valid part is read
             b, hkv, _, d = buffer.shape
-            kv += batch * hkv * (pos + 1) * d * buffer.element_size()
+            kv += batch * hkv * (pos + 1) * d * (kv_element_bytes or buffer.element_size())
     return (weights + kv) / COPY_BANDWIDTH * 1e3
 
 
@@ -181,14 +183,22 @@ def run_case(case: str, args) -> dict:
         if mode in modes:
             compiled, setup_s = compile_model(model, mode, inputs, calls=3)
             record(f"compile {mode}", lambda: compiled(*inputs), setup_s)
-    if "coopt" in modes:
-        out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-decode-"))) / f"b{batch}-pos{pos}"
+    for mode, kv_cache in (("coopt", "none"), ("coopt-fp8", "fp8")):
+        if mode not in modes:
+            continue
+        suffix = "-fp8" if kv_cache == "fp8" else ""
+        out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-decode-"))) / f"b{batch}-pos{pos}{suffix}"
         start = time.monotonic()
-        coopt.Pipeline(top_k=args.top_k).build(model, inputs, out, force=True, progress=build_progress())
+        coopt.Pipeline(top_k=args.top_k, kv_cache=kv_cache).build(model, inputs, out, force=True,
+                                                                  progress=build_progress())
         built = coopt.load(out)
         step = GraphedStep(built, inputs, check=False)  # the bench times the replay, not the value check
-        record("coopt", lambda: step(*inputs), time.monotonic() - start)
-        row["coopt_report"] = str(out / "report.md")
+        record(mode, lambda: step(*inputs), time.monotonic() - start)
+        row[f"{mode}_report"] = str(out / "report.md")
+        if kv_cache == "fp8":  # its own floor: the cache is read at one byte per element (+ per-head scales)
+            row["fp8_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1)
+            print(f"  {mode}: {row['fp8_floor_ms'] / row['ms'][mode]:.0%} of its fp8 floor "
+                  f"({row['fp8_floor_ms']:.3f} ms)", flush=True)
         if args.agreement_steps:  # accuracy of the build: logits and top-1 vs eager in fp32
             import copy
 
@@ -196,10 +206,13 @@ def run_case(case: str, args) -> dict:
 
             reference = copy.deepcopy(model).float()
             steps = min(args.agreement_steps, cache - pos)
-            row["agreement"] = decode_agreement(built, reference, inputs[0], pos, steps).to_json()
+            row.setdefault("agreement", {})[mode] = decode_agreement(built, reference, inputs[0], pos, steps).to_json()
             del reference
-            print(f"  coopt vs eager fp32 over {steps} steps: max abs err {row['agreement']['max_abs_err']:.3g}, "
-                  f"top-1 agreement {row['agreement']['top1_agreement']:.1%}", flush=True)
+            agreement = row["agreement"][mode]
+            print(f"  {mode} vs eager fp32 over {steps} steps: max abs err {agreement['max_abs_err']:.3g}, "
+                  f"top-1 agreement {agreement['top1_agreement']:.1%}", flush=True)
+        del step, built
+        torch.cuda.empty_cache()
     return row
 
 
@@ -224,6 +237,8 @@ def main():
     for r in rows:
         cells = [f"{r['ms'][m]:.3f}" if m in r["ms"] else "—" for m in modes]
         frac = f"{r['ms']['coopt'] / r['floor_ms']:.2f}x" if "coopt" in r["ms"] else "—"
+        if "coopt-fp8" in r["ms"]:
+            frac += f" (fp8: {r['ms']['coopt-fp8'] / r['fp8_floor_ms']:.2f}x of {r['fp8_floor_ms']:.3f})"
         print(f"| b{r['batch']} pos {r['pos']} | {r['floor_ms']:.3f} | " + " | ".join(cells) + f" | {frac} |")
     if args.prefill:
         prefill = run_prefill(args)

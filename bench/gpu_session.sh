@@ -5,6 +5,8 @@
 #   bash bench/gpu_session.sh examples   # bench/run.py (3 examples) + skinny GEMMs + GPU tests
 #   bash bench/gpu_session.sh decode     # bench/decode.py: batch 1 at 2048 and 32768, agreement
 #   bash bench/gpu_session.sh batched    # bench/decode.py: batch 32 at 2048, and prefill of 2048
+#   bash bench/gpu_session.sh pair       # two GPUs (nvidia-h200-x2), in parallel: GPU 0 examples then
+#                                        # GPU tests, GPU 1 decode (3 cases, bf16 and fp8 KV, prefill)
 #
 # Every step has its own time limit, so a slow step costs its own results, not the others'.
 set -uo pipefail
@@ -35,8 +37,27 @@ case "${1:-}" in
         step 560 batched python bench/decode.py --cases 32:2048:4096 --prefill 2048 \
             --out "$OUT/batched.json" --build-dir /tmp/coopt-decode
         ;;
+    pair)
+        # at most 8 files come back from a device call: the reports travel as one archive
+        (
+            export CUDA_VISIBLE_DEVICES=0
+            step 330 run python bench/run.py --out "$OUT/run.json" --build-dir /tmp/coopt-bench
+            step 220 pytest python -m pytest -q -p no:cacheprovider tests/templates tests/e2e/test_cuda_graph.py tests/llama/test_llama_generate.py
+        ) > /tmp/gpu0.txt 2>&1 &
+        (
+            export CUDA_VISIBLE_DEVICES=1
+            step 560 decode python bench/decode.py --cases 1:2048:4096,32:2048:4096,1:32768:32832 \
+                --modes eager,reduce-overhead,coopt,coopt-fp8 --prefill 0 --agreement-steps 16 \
+                --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
+        ) > /tmp/gpu1.txt 2>&1 &
+        wait
+        cat /tmp/gpu0.txt /tmp/gpu1.txt
+        out_dir=$(cd "$OUT" && pwd)
+        (cd /tmp && find coopt-bench coopt-decode -maxdepth 2 \( -name report.md -o -name build.json \) \
+            | tar czf "$out_dir/reports.tar.gz" -T -)
+        ;;
     *)
-        echo "usage: bash bench/gpu_session.sh examples|decode|batched" >&2
+        echo "usage: bash bench/gpu_session.sh examples|decode|batched|pair" >&2
         exit 2
         ;;
 esac

@@ -4,9 +4,10 @@
     python bench/run.py --examples mlp --size small --dtype float32 --out results.json
 
 For each example: build with coopt (verified, measured selection), then time eager,
-torch.compile (default), torch.compile (max-autotune) and the coopt build with
-triton.testing.do_bench (median, L2 flushed between reps), and print one table. Every variant is
-checked against eager first; a wrong variant is reported, not timed.
+torch.compile (default), torch.compile (max-autotune) and the coopt build, and print one table.
+Every variant is checked against eager first. Timing happens after all are built, in alternating
+rounds (coopt.tune.interleaved: triton.testing.do_bench medians, L2 flushed between reps), so
+the GPU's clock drift falls on every variant alike.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def parse_args():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--modes", default="eager,compile,max-autotune,coopt")
     parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="timing rounds; each times every variant once, in turn (clock drift hits all alike)")
     parser.add_argument("--out", type=Path, default=None, help="write full results as JSON here")
     parser.add_argument("--build-dir", type=Path, default=None,
                         help="keep each coopt build (report.md, selection.json) in DIR/<example>")
@@ -72,25 +75,27 @@ def max_rel_err(actual, expected) -> float:
 
 def bench_example(name: str, args) -> dict:
     import torch
-    from triton.testing import do_bench
 
     import coopt
+    from coopt.tune.interleaved import time_interleaved
 
     model, inputs = load_example(name, args.size, args.dtype)
     modes = args.modes.split(",")
     with torch.no_grad():
         expected = model(*inputs)
     row: dict = {"example": name, "dtype": args.dtype, "size": args.size, "ms": {}, "err": {}, "setup_s": {}}
+    variants = {}
 
-    def record(mode: str, fn, setup_s: float):
+    def prepare(mode: str, fn, setup_s: float):
+        """Check `fn` against eager now; time it later, interleaved with the other variants."""
         with torch.no_grad():
             row["err"][mode] = max_rel_err(fn(), expected)
-            row["ms"][mode] = do_bench(fn, warmup=50, rep=300, return_mode="median")
         row["setup_s"][mode] = setup_s
-        print(f"  {name:14s} {mode:13s} {row['ms'][mode]:9.4f} ms  rel err {row['err'][mode]:.2e}  setup {setup_s:6.1f}s", flush=True)
+        variants[mode] = fn
+        print(f"  {name:14s} {mode:13s} rel err {row['err'][mode]:.2e}  setup {setup_s:6.1f}s", flush=True)
 
     if "eager" in modes:
-        record("eager", lambda: model(*inputs), 0.0)
+        prepare("eager", lambda: model(*inputs), 0.0)
     for mode, options in (("compile", {}), ("max-autotune", {"mode": "max-autotune"})):
         if mode in modes:
             torch._dynamo.reset()
@@ -98,18 +103,22 @@ def bench_example(name: str, args) -> dict:
             start = time.monotonic()
             with torch.no_grad():
                 compiled(*inputs)
-            record(mode, lambda: compiled(*inputs), time.monotonic() - start)
+            prepare(mode, lambda compiled=compiled: compiled(*inputs), time.monotonic() - start)
     if "coopt" in modes:
         parent = args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-bench-"))
         out = parent / name
         start = time.monotonic()
         result = coopt.Pipeline(top_k=args.top_k).build(model, inputs, out, force=True, progress=build_progress())
         built = coopt.load(out)
-        record("coopt", lambda: built(*inputs), time.monotonic() - start)
+        prepare("coopt", lambda: built(*inputs), time.monotonic() - start)
         row["coopt_regions"] = {r.summary.name: {"selected": r.selected, "reason": r.reason,
                                                    "latency": {c.label: c.latency_ms for c in r.candidates}}
                                 for r in result.regions}
         row["coopt_out"] = str(out)
+    with torch.no_grad():
+        row["ms"] = time_interleaved(variants, rounds=args.rounds)
+    for mode, ms in row["ms"].items():
+        print(f"  {name:14s} {mode:13s} {ms:9.4f} ms (median of {args.rounds} interleaved rounds)", flush=True)
     return row
 
 

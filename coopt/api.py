@@ -31,6 +31,10 @@ class Pipeline:
     """A configured compiler: passes (a pipeline string or pass objects), a target, an advisor.
 
     `advisor` is a name ("heuristic", "openai", "replay", or a plugin's) or an Advisor object.
+    `kv_cache="fp8"` stores KV caches in float8_e4m3fn (adds the lossy fp8-kv-cache pass after
+    raise-patterns; the build then reports its measured accuracy cost), like `--kv-cache fp8`:
+
+        coopt.Pipeline(kv_cache="fp8").build_file("examples/llama/model.py", "out/llama-fp8")
     """
 
     def __init__(
@@ -48,11 +52,15 @@ class Pipeline:
         seed: int = 0,
         candidate_timeout_s: float = 300.0,
         cuda_graphs: bool | None = None,
+        kv_cache: str = "none",
     ):
+        from coopt.compile import with_kv_cache
         from coopt.llm_advisor import make_advisor
 
         self.pipeline_text = passes if isinstance(passes, str) else ",".join(p.name for p in passes)
         self.passes = parse_pipeline_text(passes) if isinstance(passes, str) else list(passes)
+        self.passes, self.pipeline_text = with_kv_cache(self.passes, self.pipeline_text, kv_cache)
+        self.kv_cache = kv_cache
         self.target = target if isinstance(target, Target) else get_target(target)
         if advice_file is not None and advisor == "heuristic":
             advisor = "replay"
@@ -82,27 +90,32 @@ class Pipeline:
             seed=self.seed,
             candidate_timeout_s=self.candidate_timeout_s,
             cuda_graphs=self.cuda_graphs,
+            kv_cache=self.kv_cache,
         )
 
     def build(self, model, example_inputs, out_dir, *, dynamic_shapes=None, force=False, progress=None, model_path=None,
-              entry_points: dict | None = None) -> BuildResult:
+              entry_points: dict | None = None, calibration_inputs=None) -> BuildResult:
         """Compile `model` on `example_inputs` into `out_dir` (written atomically).
 
         `entry_points` ({name: (example inputs, dynamic_shapes or None)}) are more ways to call
         the same model (a decoder's prefill next to its decode step): each is built into
         `out_dir/entries/<name>/`, sharing the main entry's weights and state, and the loaded
-        model carries them as `model.entry_points[name]`.
+        model carries them as `model.entry_points[name]`. `calibration_inputs` ([input tuple,
+        ...] of forward; default the example inputs) calibrate an fp8 KV cache's scales, once,
+        for the main entry: the entries share its caches and so its scales.
         """
         kwargs = {"progress": progress} if progress else {}
         with staged_out_dir(Path(out_dir), force) as staging:
             result = compile_model(
-                model, tuple(example_inputs), staging, self.config(), dynamic_shapes=dynamic_shapes, model_path=model_path, **kwargs
+                model, tuple(example_inputs), staging, self.config(), dynamic_shapes=dynamic_shapes, model_path=model_path,
+                calibration_inputs=calibration_inputs, **kwargs
             )
             for name, (inputs, dynamic) in (entry_points or {}).items():
                 entry_progress = {"progress": lambda step, detail="", n=name: progress(step, f"[{n}] {detail}")} if progress else {}
                 entry = compile_model(
                     model, tuple(inputs), staging / "entries" / name, self.config(), dynamic_shapes=dynamic,
-                    model_path=model_path, shared_weights=staging / "weights.pt", **entry_progress,
+                    model_path=model_path, shared_weights=staging / "weights.pt", kv_calibration=result.kv_calibration,
+                    **entry_progress,
                 )
                 result.entries[name] = entry
                 result.seconds += entry.seconds
@@ -121,7 +134,7 @@ class Pipeline:
         return self.build(
             loaded.model, loaded.example_inputs, out_dir,
             dynamic_shapes=loaded.dynamic_shapes, force=force, progress=progress, model_path=loaded.path,
-            entry_points=loaded.entry_points,
+            entry_points=loaded.entry_points, calibration_inputs=loaded.calibration_inputs,
         )
 
 

@@ -17,7 +17,7 @@ from coopt.errors import CooptError
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 2 usage; 3 model file; 4 torch.export failed; 5 bad configuration "
-    "(target, pass, knob); 6 output dir not empty; 7 advisor failed (strict); 8 end-to-end "
+    "(target, pass, knob, --kv-cache fp8 without a KV cache); 6 output dir not empty; 7 advisor failed (strict); 8 end-to-end "
     "mismatch; 9 bad input file; 10 plugin error; 70 internal error."
 )
 
@@ -95,6 +95,10 @@ def build(
     cuda_graphs: Optional[bool] = typer.Option(
         None, "--cuda-graphs/--no-cuda-graphs",
         help="time candidates replayed in CUDA graphs (default: yes for models that write a KV cache)"),
+    kv_cache: str = typer.Option(
+        "none", "--kv-cache",
+        help="KV-cache storage: none/bf16 (default: as the model) or fp8 (lossy: adds fp8-kv-cache after raise-patterns, "
+             "per-head calibrated scales; the report measures the accuracy cost; exit 5 for a model without a KV cache)"),
     force: bool = typer.Option(False, "--force", help="replace a non-empty output directory"),
     as_json: bool = typer.Option(False, "--json", help="print a machine-readable result on stdout"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="no progress display"),
@@ -108,7 +112,7 @@ def build(
             pipeline or DEFAULT_PIPELINE, target, advisor,
             advisor_url=advisor_url, advisor_model=advisor_model, advice_file=advice,
             strict_advice=no_advisor_fallback, top_k=top_k, verify_profile=profile, seed=seed,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=cuda_graphs, kv_cache=kv_cache,
         )
         with _Progress(quiet or as_json) as progress:
             return pipe.build_file(model_file, out, force=force, progress=progress)

@@ -17,6 +17,7 @@ from coopt.ir.dialect import (
     KernelOp,
     LayerNormOp,
     LinearOp,
+    QuantizeFp8Op,
     RMSNormOp,
     RopeOp,
     SoftmaxOp,
@@ -153,11 +154,37 @@ def _high_level(op, names: Names) -> str:
         mask = f"(torch.arange({k}.shape[2], device={k}.device)[None, :] < {lengths}[:, None])"
         if isinstance(op, DecodeAttentionOp):
             mask += "[:, None, None, :]"
+        keys, values = _dequantized_cache(op, names)
         return (
-            f"{out} = torch.nn.functional.scaled_dot_product_attention({q}, {k}, {v}, attn_mask={mask}, "
+            f"{out} = torch.nn.functional.scaled_dot_product_attention({q}, {keys}, {values}, attn_mask={mask}, "
             f"scale={op.scale.value.data!r}, enable_gqa={q}.shape[1] != {k}.shape[1])"
         )
+    if isinstance(op, QuantizeFp8Op):
+        return _quantize_fp8_line(op, out, names)
     raise NotImplementedError(type(op).__name__)
+
+
+# fp8 KV cache (docs/kv-cache.md): how a scale of each granularity broadcasts against a
+# [B, Hkv, T, D] tensor (per-tensor [1], per-head [Hkv], per-token [B, Hkv, T])
+_SCALE_BROADCAST = {"per-tensor": "", "per-head": "[:, None, None]", "per-token": "[..., None]"}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _quantize_fp8_line(op: QuantizeFp8Op, out: str, names: Names) -> str:
+    """clamp(x / s, -448, 448) in fp32, rounded to float8_e4m3fn (nearest even) by the cast."""
+    scale = names[op.scale] + _SCALE_BROADCAST[op.granularity.data]
+    return f"{out} = torch.clamp({names[op.x]}.float() / {scale}, -{FP8_MAX!r}, {FP8_MAX!r}).to(torch.float8_e4m3fn)"
+
+
+def _dequantized_cache(op, names: Names) -> tuple[str, str]:
+    """The k and v a cache attention reads: as they are, or from an fp8 cache k * k_scale
+    (broadcast by granularity) in q's dtype."""
+    k, v = names[op.k], names[op.v]
+    if op.kv_scale is None:
+        return k, v
+    broadcast, dtype = _SCALE_BROADCAST[op.kv_scale.data], f"{names[op.q]}.dtype"
+    return (f"({k}.float() * {names[op.k_scale]}{broadcast}).to({dtype})",
+            f"({v}.float() * {names[op.v_scale]}{broadcast}).to({dtype})")
 
 
 def op_lines(op, names: Names, *, weight_expr, state_expr, kernel_expr) -> list[str]:

@@ -1,9 +1,12 @@
 """Load a KernelBench-style model file: `Model`, `get_inputs()`, `get_init_inputs()`.
 
 Optional hooks: `load_weights(model)` (real checkpoints), `dynamic_shapes()` (the
-`dynamic_shapes` argument of torch.export: which input dims vary) and `entry_points()` (more
+`dynamic_shapes` argument of torch.export: which input dims vary), `entry_points()` (more
 ways to call the same model, built into the same artifact and sharing its weights and state:
-`{"prefill": (example_inputs, dynamic_shapes or None)}` next to the decode step of get_inputs).
+`{"prefill": (example_inputs, dynamic_shapes or None)}` next to the decode step of get_inputs)
+and `calibration_inputs()` (a list of input tuples of the main forward: what an fp8 KV cache's
+calibrated scales are measured on, e.g. a decoder prefilling a prompt; default the example
+inputs).
 Every failure becomes a one-line ModelFileError (exit code 3) naming the file and the cause.
 """
 
@@ -30,6 +33,7 @@ class LoadedModel:
     dynamic_shapes: object | None
     # name -> (example inputs, dynamic_shapes or None): extra entry points (entry_points())
     entry_points: dict = field(default_factory=dict)
+    calibration_inputs: list | None = None  # [input tuple, ...] (calibration_inputs()), or None
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -91,7 +95,16 @@ def load_model_file(path: str | Path) -> LoadedModel:
         raise ModelFileError(f"{path.name}: get_inputs() must return a list or tuple, got {type(inputs).__name__}")
     dynamic = _call_hook(module, path, "dynamic_shapes") if hasattr(module, "dynamic_shapes") else None
     entries = _entry_points(_call_hook(module, path, "entry_points"), path) if hasattr(module, "entry_points") else {}
-    return LoadedModel(path, module, model, tuple(inputs), dynamic, entries)
+    calibration = _calibration_inputs(_call_hook(module, path, "calibration_inputs"), path) if hasattr(module, "calibration_inputs") else None
+    return LoadedModel(path, module, model, tuple(inputs), dynamic, entries, calibration)
+
+
+def _calibration_inputs(value, path: Path) -> list:
+    """[input tuple, ...] from what calibration_inputs() returned."""
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, (list, tuple)) for v in value):
+        raise ModelFileError(f"{path.name}: calibration_inputs() must return a non-empty list of input tuples "
+                             f"(each what forward takes), got {type(value).__name__}")
+    return [tuple(v) for v in value]
 
 
 def _entry_points(value, path: Path) -> dict:

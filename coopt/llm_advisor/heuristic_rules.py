@@ -289,6 +289,10 @@ def attention(request: AdviceRequest) -> tuple[CostFn, str]:
     bn_t = 64 if sk >= 64 else _smallest_at_least(bn_vals, sk)
     # Head dim > 64 doubles the accumulator and Q tile: 8 warps share the registers.
     warps_t = 4 if d <= 64 else 8
+    # K/V loads are the latency the stages hide; a stage of 1-byte fp8 K/V (a prompt over an fp8
+    # cache) takes half the shared memory, so one stage deeper costs less than a bf16 stage.
+    fp8 = len(request.region.inputs) > 1 and request.region.inputs[1].dtype == "float8_e4m3fn"
+    stages_t = (3, 4) if fp8 else (2, 3)
 
     def cost(point: dict) -> float:
         bm, bn = knob(point, BLOCK_M), knob(point, BLOCK_N)
@@ -299,7 +303,7 @@ def attention(request: AdviceRequest) -> tuple[CostFn, str]:
         split = knob(point, ("SPLIT_KV",))
         split = split if isinstance(split, int) and split > 0 else 1
         c = 2 * _log_gap(bm, query_tile(rows, head_programs)) + _log_gap(bn, bn_t)
-        c += _log_gap(knob(point, WARPS), warps_t) + 0.5 * _stages_gap(knob(point, STAGES), 2, 3)
+        c += _log_gap(knob(point, WARPS), warps_t) + 0.5 * _stages_gap(knob(point, STAGES), *stages_t)
         if isinstance(bm, int) and bm > 0:
             # Split-KV (flash-decoding) multiplies the programs when heads x tiles are too few.
             c += 2 * _fill_penalty(head_programs * math.ceil(rows / bm) * split, sms)
@@ -321,7 +325,9 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     group = max(1, heads // max(1, kv_heads))
     attrs = request.region.attrs
     length = min(max_length, max(1, int(attrs.get("example_length") or max_length)))
-    elem = 4 if request.region.inputs[1].dtype == "float32" else 2
+    # K/V element size: 1 for an fp8 cache, whose tiles are widened to q's dtype for tl.dot
+    elem = {"float32": 4, "float8_e4m3fn": 1}.get(request.region.inputs[1].dtype, 2)
+    sixteen_bit_q = request.region.inputs[0].dtype in ("bfloat16", "float16")
     sms = int(request.target.get("num_sms") or 132)
     split_vals = _numbers(knob(request.space, ("SPLIT_KV",))) or [1]
     bn_vals = _numbers(knob(request.space, BLOCK_N))
@@ -338,31 +344,41 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     filling = [v for v in split_vals if programs * v >= FILL_SHARE * sms]
     split_t = min(min(filling) if filling else max(split_vals), most)
     # K and V tiles of ~16 KiB each: long contiguous reads, two or three stages in flight in
-    # shared memory; never longer than a split's share of the keys.
+    # shared memory; never longer than a split's share of the keys. With 1-byte fp8 rows that is
+    # twice the keys per tile (BLOCK_N 128 at D 128) for the same bytes in flight.
     keys_per_split = max(1, length // split_t)
     bn_t = _largest_at_most(bn_vals, max(16, min(16384 // (d * elem), keys_per_split)))
-    # Tensor cores pad the head group to 16 rows: free for a 16-bit cache with group >= 4
+    # Tensor cores pad the head group to 16 rows: free for a 16-bit query with group >= 4
     # (multiply-and-sum would need group x D FMAs per key). fp32 tl.dot runs on CUDA cores
     # padded to 16 rows, and for small groups the padding costs more than it saves.
-    dot_t = elem == 2 and group >= 4
+    dot_t = sixteen_bit_q and group >= 4
     warps_t = 4 if d <= 128 else 8
     # Loads in flight hide HBM latency; more stages than blocks per split buy nothing.
     stages_range = (2, 3) if keys_per_split < 4 * (bn_t or 16) else (3, 4)
 
+    # Whether one program per SM streams at full bandwidth is not settled (b1, length 32768,
+    # 128 programs of 2048 keys: 3.4 TB/s on the H200): with long splits, rank twice the splits
+    # (two programs per SM) second, ahead of tile variants, so that measurement decides.
+    second_split = 2 * split_t if keys_per_split >= 1024 and 2 * split_t in split_vals else None
+
     def cost(point: dict) -> float:
         split = knob(point, ("SPLIT_KV",))
-        c = 2 * _log_gap(split, split_t) + _log_gap(knob(point, BLOCK_N), bn_t)
+        split_cost = 0.05 if split == second_split else 2 * _log_gap(split, split_t)
+        c = split_cost + _log_gap(knob(point, BLOCK_N), bn_t)
         use_dot = knob(point, ("USE_DOT",))
         if use_dot is not None and bool(use_dot) != dot_t:
             c += 1.0
         c += _log_gap(knob(point, WARPS), warps_t)
-        c += 0.5 * _stages_gap(knob(point, STAGES), *stages_range)
+        stages = knob(point, STAGES)
+        c += 0.5 * _stages_gap(stages, *stages_range)
+        # equal otherwise, fewer stages (less shared memory) first
+        c += 0.1 * max(0, (stages or stages_range[0]) - stages_range[0])
         return c
 
     return cost, (
         f"decode attention (length~{length} of {max_length}, {programs} sequence x kv heads, "
         f"group {group}, D={d}): SPLIT_KV~{split_t} to fill {sms} SMs, BLOCK_N~{bn_t}, "
-        f"{'tl.dot' if dot_t else 'multiply-and-sum'}"
+        f"{'tl.dot' if dot_t else 'multiply-and-sum'}{' on widened fp8 K/V' if elem == 1 else ''}"
     )
 
 
@@ -427,14 +443,32 @@ def rope(request: AdviceRequest) -> tuple[CostFn, str]:
     # when there are rows enough (a decode step has only B x H rows: one row per program)
     rows_t = max(1, min(1024 // max(d, 1), rows // (4 * sms) or 1))
 
+    return _rows_cost(rows_t, d, max_warps=8), f"rope (rows={rows}, D={d}): BLOCK_R~{rows_t}"
+
+
+def kv_write(request: AdviceRequest) -> tuple[CostFn, str]:
+    shape = _shape(request, 3)  # k [B, Hkv, T, D]
+    rows = _prod(shape[:-1]) if shape else 1
+    d = shape[-1] if shape else 128
+    # A decode step writes B x Hkv rows: a launch-bound kernel, so few rows per program (one per
+    # SM is plenty); a prefill writes T times more and wants ~1024 elements (K and V) per program.
+    rows_t = max(1, min(1024 // max(d, 1), rows))
+
+    return _rows_cost(rows_t, d, max_warps=4), f"kv_write (rows={rows}, D={d}): BLOCK_R~{rows_t}"
+
+
+def _rows_cost(rows_t: int, d: int, *, max_warps: int) -> CostFn:
+    """Cost of a kernel taking BLOCK_R rows of D elements per program: BLOCK_R near rows_t,
+    warps matched to the elements of a program."""
+
     def cost(point: dict) -> float:
         block_r = knob(point, ("BLOCK_R",))
         c = _log_gap(block_r, rows_t)
         if isinstance(block_r, (int, float)) and block_r > 0:
-            c += _log_gap(knob(point, WARPS), _warps_for(block_r * d, 8))
+            c += _log_gap(knob(point, WARPS), _warps_for(block_r * d, max_warps))
         return c
 
-    return cost, f"rope (rows={rows}, D={d}): BLOCK_R~{rows_t}"
+    return cost
 
 
 RULES: dict[str, Callable[[AdviceRequest], tuple[CostFn, str]]] = {
@@ -444,4 +478,5 @@ RULES: dict[str, Callable[[AdviceRequest], tuple[CostFn, str]]] = {
     "row_reduction": row_reduction,
     "elementwise": elementwise,
     "rope": rope,
+    "kv_write": kv_write,
 }

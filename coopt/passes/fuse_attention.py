@@ -45,6 +45,11 @@ class FuseAttention(CooptPass):
                 "lengths_input": 3,
                 "lengths_bound": [1, 2],
             }
+            inputs = [attn.q, attn.k, attn.v, attn.lengths]
+            if attn.kv_scale is not None:  # an fp8 cache (fp8-kv-cache): k_scale, v_scale follow lengths
+                attrs["kv_scale"] = attn.kv_scale.data
+                inputs += [attn.k_scale, attn.v_scale]
+                count("fuse.attention.fp8_cache")
             family = "decode_attention" if decode else "attention"
-            outline([attn], family, attrs, inputs=[attn.q, attn.k, attn.v, attn.lengths], outputs=[attn.result])
+            outline([attn], family, attrs, inputs=inputs, outputs=[attn.result])
             count("fuse.decode_attention" if decode else "fuse.attention.prompt_over_cache")

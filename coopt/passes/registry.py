@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 from xdsl.passes import get_pass_option_infos
 from xdsl.utils.arg_spec import parse_pipeline
@@ -13,9 +14,11 @@ from coopt.errors import ConfigError
 _BUILTIN = {
     "inplace-state-writes": "coopt.passes.inplace_state_writes:InplaceStateWrites",
     "raise-patterns": "coopt.passes.raise_patterns:RaisePatterns",
+    "fp8-kv-cache": "coopt.passes.fp8_kv_cache:Fp8KvCache",
     "fuse-parallel-linears": "coopt.passes.fuse_parallel_linears:FuseParallelLinears",
     "fuse-norm-residual": "coopt.passes.fuse_norm_residual:FuseNormResidual",
     "fuse-attention": "coopt.passes.fuse_attention:FuseAttention",
+    "fuse-kv-write": "coopt.passes.fuse_kv_write:FuseKvWrite",
     "fuse-rope": "coopt.passes.fuse_rope:FuseRope",
     "fuse-linear-epilogue": "coopt.passes.fuse_linear_epilogue:FuseLinearEpilogue",
     "fuse-elementwise": "coopt.passes.fuse_elementwise:FuseElementwise",
@@ -24,8 +27,9 @@ _BUILTIN = {
 # Phase order matters: state writes become in-place first (they change what later ops read),
 # then raise (fusion matches raised ops), then merge linears that share an input (before any
 # of them is outlined with an epilogue), then the big regions (norms, attention, GEMM
-# epilogues) before plain elementwise chains take what is left.
-DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-norm-residual,fuse-attention,fuse-rope,fuse-linear-epilogue,fuse-elementwise"
+# epilogues) before plain elementwise chains take what is left. The KV-cache writes take K's
+# rope into their region before fuse-rope gives every remaining rope a region of its own.
+DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-norm-residual,fuse-attention,fuse-kv-write,fuse-rope,fuse-linear-epilogue,fuse-elementwise"
 
 
 def _load(ref: str):
@@ -48,11 +52,24 @@ def pass_knobs(cls) -> list[tuple[str, str, object]]:
     return [(info.name.replace("_", "-"), info.expected_type.strip("'"), info.default_value) for info in get_pass_option_infos(cls)]
 
 
+def _knob_separators(text: str) -> str:
+    """Knobs inside braces may be separated by commas as well as spaces
+    ('fp8-kv-cache{granularity=per-token,scale-source=dynamic}'): a comma that starts another
+    `knob=` becomes the space xDSL's parser wants; list values ('a=1,2') stay as they are."""
+    out, depth = [], 0
+    for i, char in enumerate(text):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if char == "," and depth > 0 and re.match(r"\s*[A-Za-z][\w-]*\s*=", text[i + 1:]):
+            char = " "
+        out.append(char)
+    return "".join(out)
+
+
 def parse_pipeline_text(text: str) -> list:
     """'raise-patterns,fuse-elementwise{max-ops=8}' → pass objects; errors name the culprit."""
     passes = available_passes()
     try:
-        specs = list(parse_pipeline(text))
+        specs = list(parse_pipeline(_knob_separators(text)))
     except ArgSpecParseError as exc:
         detail = str(exc).strip().splitlines()[-1].strip()
         raise ConfigError(f"malformed pipeline string '{text}': {detail}") from None

@@ -6,6 +6,14 @@ often a transpose view), output [B, H, Sq, D]; attrs {"causal", "scale", "num_he
 aligned to the bottom right (query i sees keys j <= i + Sk - Sq); a query that sees no key
 gets zeros, as eager SDPA does.
 
+A prompt over a KV cache (attrs "lengths_input": 3, a fourth input lengths [Sq]) may read an fp8
+cache (docs/kv-cache.md): k / v float8_e4m3fn, inputs k_scale, v_scale (fp32, attrs "kv_scale":
+"per-tensor" [1], "per-head" [Hkv], "per-token" [B, Hkv, Sk]), read as k * k_scale. K/V tiles are
+loaded as fp8 (half the bytes) and widened to q's dtype for tl.dot (exact for e4m3); a
+per-tensor / per-head K scale is folded into the softmax scale and the V scale multiplies each
+program's output once; per-token scales multiply the score columns (K) and the probabilities
+before P @ V (V), loaded with each tile. fp32 queries over an fp8 cache have no legal point.
+
 Online softmax with fp32 statistics and accumulator; each program owns BLOCK_M query rows and
 streams K/V in BLOCK_N blocks: first the blocks every row may see (no masking), then the
 partly visible ones (masked). A head dim that is not a power of two is padded with masks.
@@ -45,7 +53,7 @@ from __future__ import annotations
 
 import math
 
-from coopt.ir.region import DTYPE_BYTES, RegionSummary
+from coopt.ir.region import DTYPE_BYTES, RegionSummary, TensorSpec
 from coopt.targets import Target
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
@@ -58,6 +66,54 @@ _MAX_GRID_Y = 65535  # batch x heads go in grid dim 1
 # kernel spills registers (ptxas for sm_90, triton 3.9). bf16 runs on wgmma, operands in shared
 # memory; fp32 (IEEE, no tensor cores) keeps its operand slices in registers too.
 _MAX_TILE_REGS_PER_THREAD = {"bf16/fp16": 160, "fp32": 24}
+# fp8 K/V tiles are widened in registers before tl.dot (same ptxas measurements, a prompt of 256
+# over a 4096-position cache, 32 heads over 8, D 128): with at most 64 widened values of a K tile
+# per thread no point spills more than a bf16 cache does; BLOCK_N 128 over 4 warps (128 values)
+# spills at every BLOCK_M (2-61 spill instructions at 255 registers), over 8 warps it does not.
+# An fp32 query over an fp8 cache spills at every legal fp32 tile (245-6400 spill instructions;
+# the widened tiles in the CUDA-core dot's operand layout), so it has no point.
+_MAX_FP8_TILE_VALUES_PER_THREAD = 64
+
+# An fp8 KV cache (docs/kv-cache.md): K/V stored as float8_e4m3fn, read as k * k_scale.
+FP8_CACHE_DTYPE = "float8_e4m3fn"
+KV_SCALES = ("per-tensor", "per-head", "per-token")
+
+
+def kv_scale(region: RegionSummary) -> str | None:
+    """The fp8 cache's scale granularity (attrs "kv_scale"), None for a cache in q's dtype."""
+    return region.attrs.get("kv_scale")
+
+
+def _scale_shape(granularity: str, cache: TensorSpec) -> tuple:
+    """[1] per tensor, [Hkv] per head, [B, Hkv, S] (one per cached row) per token."""
+    return {"per-tensor": (1,), "per-head": (cache.shape[1],), "per-token": tuple(cache.shape[:3])}[granularity]
+
+
+def kv_cache_problem(region: RegionSummary, scales_at: int) -> str | None:
+    """Why k, v (inputs 1, 2) and the inputs from `scales_at` on break the cache contract, or None.
+
+    A plain cache: k, v in q's dtype and no input from `scales_at` on. An fp8 cache (attrs
+    "kv_scale"): k, v float8_e4m3fn, then exactly k_scale, v_scale, fp32, shaped by the
+    granularity ([1], [Hkv] or k's [B, Hkv, S]).
+    """
+    q, k, v = region.inputs[:3]
+    granularity = kv_scale(region)
+    if granularity is None:
+        if len(region.inputs) != scales_at:
+            return f"{len(region.inputs)} inputs, expected {scales_at}"
+        return None if q.dtype == k.dtype == v.dtype else "k / v dtype differs from q's without kv_scale"
+    if granularity not in KV_SCALES:
+        return f"kv_scale {granularity!r} is none of {', '.join(KV_SCALES)}"
+    if len(region.inputs) != scales_at + 2:
+        return f"an fp8 cache needs inputs k_scale, v_scale (got {len(region.inputs)} inputs)"
+    if not k.dtype == v.dtype == FP8_CACHE_DTYPE:
+        return f"kv_scale needs {FP8_CACHE_DTYPE} k / v, got {k.dtype} / {v.dtype}"
+    for name, scale, cache in (("k_scale", region.inputs[scales_at], k), ("v_scale", region.inputs[scales_at + 1], v)):
+        if scale.dtype != "float32":
+            return f"{name} is {scale.dtype}, expected float32"
+        if tuple(scale.shape) != _scale_shape(granularity, cache):
+            return f"{name} shape {tuple(scale.shape)} is not {granularity} {_scale_shape(granularity, cache)}"
+    return None
 
 
 class AttentionFamily(TemplateFamily):
@@ -79,7 +135,9 @@ class AttentionFamily(TemplateFamily):
 
     def matches(self, region: RegionSummary) -> bool:
         lengths = self._query_lengths(region)
-        if region.family != self.name or len(region.inputs) != 3 + lengths or len(region.outputs) != 1:
+        # only a prompt over a KV cache (lengths) reads an fp8 cache, with its two scales
+        fp8 = lengths and kv_scale(region) is not None
+        if region.family != self.name or len(region.inputs) != 3 + lengths + 2 * fp8 or len(region.outputs) != 1:
             return False
         q, k, v = region.inputs[:3]
         if lengths and (region.attrs.get("causal") or region.inputs[3].shape != (q.shape[2],)
@@ -95,8 +153,8 @@ class AttentionFamily(TemplateFamily):
             and k.shape[3] == v.shape[3] == head_dim
             and isinstance(heads, int) and isinstance(kv_heads, int)
             and kv_heads >= 1 and heads % kv_heads == 0
-            and q.dtype == k.dtype == v.dtype
             and all(s.dtype in _TL_DTYPE for s in (q, region.outputs[0]))
+            and kv_cache_problem(region, 3 + lengths) is None
         )
 
     # -- the space -----------------------------------------------------------------------
@@ -111,17 +169,26 @@ class AttentionFamily(TemplateFamily):
         }
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        problem = kv_cache_problem(region, 3 + self._query_lengths(region))
+        if problem is not None:
+            return problem
         bm, bn, warps, stages = params["BLOCK_M"], params["BLOCK_N"], params["num_warps"], params["num_stages"]
         block_d = max(16, next_pow2(self._head_dim(region)))
-        elem = DTYPE_BYTES[region.inputs[0].dtype]
+        q_elem = DTYPE_BYTES[region.inputs[0].dtype]
+        kv_elem = DTYPE_BYTES[region.inputs[1].dtype]  # 1 for an fp8 cache
         if params["PACK_GQA"] and self._group(region) == 1:
             return "PACK_GQA needs grouped kv heads (num_heads > num_kv_heads)"
-        smem = (bm * block_d + 2 * bn * block_d * stages) * elem
+        smem = bm * block_d * q_elem + 2 * bn * block_d * stages * kv_elem
         if smem > target.smem_per_block_bytes:
             return f"q tile and {stages} K/V stages need {smem} B of shared memory > {target.smem_per_block_bytes} B"
         regs_kind = "fp32" if region.inputs[0].dtype == "float32" else "bf16/fp16"
         if bm * (block_d + bn) // (32 * warps) > _MAX_TILE_REGS_PER_THREAD[regs_kind]:
             return f"{bm}x{bn} scores and {bm}x{block_d} accumulator over {warps} warps spill registers"
+        if kv_scale(region) is not None:
+            if regs_kind == "fp32":
+                return "an fp32 query over an fp8 cache spills registers at every tile (widened K/V)"
+            if bn * block_d // (32 * warps) > _MAX_FP8_TILE_VALUES_PER_THREAD:
+                return f"widening {bn}x{block_d} fp8 K/V tiles over {warps} warps spills registers"
         if warps == 8 and bm < 64:
             return f"8 warps on {bm} query rows leave most threads idle"
         # A tile may cover the largest problem, never more (floor 16: tl.dot's minimum).
@@ -172,6 +239,8 @@ class AttentionFamily(TemplateFamily):
             head_dim=head_dim,
             block_d=max(16, next_pow2(head_dim)),
             ieee_dot=dtype == "float32",
+            kv_scale=kv_scale(region) if self._query_lengths(region) else None,
+            tile_tl_dtype=_TL_DTYPE[dtype],  # fp8 K/V tiles are widened to q's dtype for tl.dot
             out_tl_dtype=_TL_DTYPE[region.outputs[0].dtype],
             out_torch_dtype=_TORCH_DTYPE[region.outputs[0].dtype],
         )

@@ -9,6 +9,15 @@ for; default S_max). The query of sequence b attends to cache positions 0 .. len
 h // (H // Hkv). A length outside [0, S_max] is clamped into it (never a read outside the cache)
 and a length of 0 gives zeros.
 
+fp8 cache (docs/kv-cache.md): k_cache / v_cache float8_e4m3fn, two more inputs k_scale, v_scale
+(fp32; attrs "kv_scale": "per-tensor" [1], "per-head" [Hkv], "per-token" [B, Hkv, S_max]); the
+cache is read as k * k_scale, v * v_scale. K/V tiles are loaded as fp8 and widened in registers
+(to q's dtype for tl.dot: e4m3 is exact in bf16 / fp16; to fp32 for multiply and sum). A
+per-tensor / per-head scale is one scalar per program (one kv head): K's is folded into the
+softmax scale, V's multiplies the program's output once. Per-token scales are loaded with each
+tile: the score columns are multiplied by k_scale[b, h, n], the probabilities (not l_i) by
+v_scale[b, h, n] before P @ V.
+
 Kernel (two stages, as flash-decoding):
     split    grid (B * Hkv, SPLIT_KV): one program per (sequence, kv head, split). Its rows are
              the H // Hkv query heads sharing that kv head (GQA packing: each K/V block is read
@@ -20,10 +29,11 @@ Kernel (two stages, as flash-decoding):
              of the splits that saw keys.
 
 Bandwidth model: per cached position and kv head the kernel reads 2 * D * element-size bytes
-(K and V rows) and does 4 * D * (H // Hkv) flops: 2 * group / element-size flops per byte (4 for
+(K and V rows; element size 1 for an fp8 cache, plus 2 * 4 bytes of per-token scales) and does 4 * D * (H // Hkv) flops: 2 * group / element-size flops per byte (4 for
 Llama-3-8B in bf16), far below the ~190 (790 TFLOP/s over 4.2 TB/s) at which Hopper becomes
 compute bound. So the time is bytes / bandwidth, and the bytes that must move are the valid K
-and V rows, sum over b of lengths[b] * Hkv * D * 2 * element size (`kv_bytes_read`); q, the
+and V rows, sum over b of lengths[b] * Hkv * (D * element size [+ 4]) * 2 (`kv_bytes_read`): an fp8
+cache halves the floor (a bit less with per-token scales: (D + 4) / 2D at D 128 is 52%); q, the
 output and the partials (B * H * SPLIT_KV * (D + 2) * 4 bytes written and read once) are small
 beside them. On the H200 (4.2 TB/s measured copy bandwidth) one Llama-3-8B layer (Hkv 8, D 128,
 bf16) at length 32768 reads 134 MB: 32 us is the floor the kernel must approach; at length
@@ -58,6 +68,17 @@ Example (one decode step of a 32-head model with 8 kv heads, cache of 4096 posit
     True
     >>> kv_bytes_read(region, [2048])  # K and V rows of 2048 positions, 8 kv heads, bf16
     8388608
+
+The same step over an fp8 cache with per-head scales (BLOCK_N 128: the same bytes per tile):
+    >>> fp8 = TensorSpec((1, 8, 4096, 128), "float8_e4m3fn")
+    >>> scales = TensorSpec((8,), "float32")
+    >>> fp8_region = RegionSummary(
+    ...     "layer0_attn", "decode_attention", inputs=(q, fp8, fp8, TensorSpec((1,), "int32"), scales, scales),
+    ...     outputs=(q,), attrs={**region.attrs, "kv_scale": "per-head"})
+    >>> family.check(fp8_region, {**params, "BLOCK_N": 128}, H200) is None
+    True
+    >>> kv_bytes_read(fp8_region, [2048])  # half the bytes
+    4194304
 """
 
 from __future__ import annotations
@@ -66,7 +87,7 @@ import math
 
 from coopt.ir.region import DTYPE_BYTES, RegionSummary
 from coopt.targets import Target
-from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE
+from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE, kv_cache_problem, kv_scale
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 _MAX_HEAD_DIM = 256
@@ -78,14 +99,25 @@ _MAX_HEAD_DIM = 256
 # on CUDA cores, operands in registers) at <= 64.
 _MAX_PRODUCTS_PER_THREAD = 32
 _MAX_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "fp32": 64}
+# fp8 tiles (same ptxas measurements, 2x32 heads over 8 kv heads, D 128): widening the loaded
+# e4m3 tile to bf16 keeps both forms live, +40 registers at 4 warps (BLOCK_N 128: 171, no
+# spill) but at 8 warps ptxas stops at 128 registers a thread and BLOCK_N 128 (80 values) spills
+# where BLOCK_N 64 (44 values, 101 registers) does not: 64 values at 8 warps. tl.dot in fp32 on
+# widened fp8 tiles spills from 26 values on (BLOCK_N 32 at 8 warps, BLOCK_N 16 at 4: 255
+# registers, ~150 spill instructions); BLOCK_N 16 at 8 warps (17 values) fits in 165-181.
+_MAX_FP8_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "bf16/fp16 8 warps": 64, "fp32": 24}
 # Every thread should load at least one 16-byte vector of each K tile; fewer leaves warps idle.
 _MIN_TILE_BYTES_PER_THREAD = 16
 
 
 def kv_bytes_read(region: RegionSummary, lengths) -> int:
-    """Bytes the kernel must read from the caches for these valid lengths (K and V rows)."""
+    """Bytes the kernel must read from the caches for these valid lengths: K and V rows (1 byte
+    an element in fp8), and with per-token scales one fp32 K and one V scale per row."""
     _, kv_heads, _, head_dim = region.inputs[1].shape
-    return sum(int(n) for n in lengths) * kv_heads * head_dim * 2 * DTYPE_BYTES[region.inputs[1].dtype]
+    row_bytes = head_dim * DTYPE_BYTES[region.inputs[1].dtype]
+    if kv_scale(region) == "per-token":
+        row_bytes += DTYPE_BYTES[region.inputs[4].dtype]
+    return sum(int(n) for n in lengths) * kv_heads * 2 * row_bytes
 
 
 class DecodeAttentionFamily(TemplateFamily):
@@ -106,9 +138,9 @@ class DecodeAttentionFamily(TemplateFamily):
         return max(16, rows) if use_dot else rows
 
     def matches(self, region: RegionSummary) -> bool:
-        if region.family != self.name or len(region.inputs) != 4 or len(region.outputs) != 1:
+        if region.family != self.name or len(region.inputs) not in (4, 6) or len(region.outputs) != 1:
             return False
-        q, k, v, lengths = region.inputs
+        q, k, v, lengths = region.inputs[:4]
         if any(len(s.shape) != 4 for s in (q, k, v, region.outputs[0])) or len(lengths.shape) != 1:
             return False
         head_dim = q.shape[3]
@@ -120,8 +152,9 @@ class DecodeAttentionFamily(TemplateFamily):
             and k.shape[3] == v.shape[3] == head_dim
             and isinstance(heads, int) and isinstance(kv_heads, int)
             and kv_heads >= 1 and heads % kv_heads == 0
-            and q.dtype == k.dtype == v.dtype
             and all(s.dtype in _TL_DTYPE for s in (q, region.outputs[0]))
+            # k, v in q's dtype, or an fp8 cache with its scales (inputs 4, 5)
+            and kv_cache_problem(region, 4) is None
             and q.shape[1] == heads and k.shape[1] == kv_heads
             and lengths.dtype in ("int32", "int64")
             # verification draws valid lengths only when the region names them (verify/strategies.py)
@@ -140,6 +173,9 @@ class DecodeAttentionFamily(TemplateFamily):
         }
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        problem = kv_cache_problem(region, 4)
+        if problem is not None:
+            return problem
         space = self.param_space(region, target)
         for knob, values in space.items():
             if params.get(knob) not in values:
@@ -147,7 +183,9 @@ class DecodeAttentionFamily(TemplateFamily):
         bn, split_kv, use_dot = params["BLOCK_N"], params["SPLIT_KV"], params["USE_DOT"]
         warps, stages = params["num_warps"], params["num_stages"]
         block_d, block_h = self._block_d(region), self.block_h(region, use_dot)
-        elem = DTYPE_BYTES[region.inputs[1].dtype]
+        elem = DTYPE_BYTES[region.inputs[1].dtype]  # K/V: 1 for an fp8 cache
+        q_elem = DTYPE_BYTES[region.inputs[0].dtype]
+        fp8 = kv_scale(region) is not None
         threads = 32 * warps
         # A K tile may cover the largest cache, never more; each split at least one K tile.
         _, max_length = dim_range(region, [region.inputs[1].shape[2]])
@@ -155,16 +193,24 @@ class DecodeAttentionFamily(TemplateFamily):
             return f"BLOCK_N={bn} exceeds the cache (S_max <= {max_length})"
         if max_length is not None and split_kv > 1 and split_kv * bn > max_length:
             return f"SPLIT_KV={split_kv} splits of BLOCK_N={bn} exceed the cache (S_max <= {max_length})"
-        smem = (block_h * block_d + 2 * bn * block_d * stages) * elem
+        smem = block_h * block_d * q_elem + 2 * bn * block_d * stages * elem
         if smem > target.smem_per_block_bytes:
             return f"{stages} K/V stages need {smem} B of shared memory > {target.smem_per_block_bytes} B"
-        if warps > min(space["num_warps"]) and bn * block_d * elem < _MIN_TILE_BYTES_PER_THREAD * threads:
+        # An fp8 tile counts at its widened 16-bit size: a warp's 8-byte loads still read 256
+        # contiguous bytes, and fewer warps would leave fewer threads to widen it.
+        if warps > min(space["num_warps"]) and bn * block_d * max(elem, 2) < _MIN_TILE_BYTES_PER_THREAD * threads:
             return f"a {bn}x{block_d} K tile leaves some of {warps} warps without a 16-byte load"
         if use_dot:
-            kind = "fp32" if elem == 4 else "bf16/fp16"
+            # the dot runs in q's dtype (fp8 tiles are widened to it)
+            kind = "fp32" if q_elem == 4 else "bf16/fp16"
             values = (bn * block_d + block_h * (bn + block_d)) // threads
-            if values > _MAX_DOT_VALUES_PER_THREAD[kind]:
-                return f"tl.dot on {bn}x{block_d} {kind} K/V tiles over {warps} warps spills registers"
+            if fp8:
+                budget = _MAX_FP8_DOT_VALUES_PER_THREAD[kind + (" 8 warps" if kind != "fp32" and warps == 8 else "")]
+            else:
+                budget = _MAX_DOT_VALUES_PER_THREAD[kind]
+            if values > budget:
+                what = "fp8" if fp8 else kind
+                return f"tl.dot on {bn}x{block_d} {what} K/V tiles over {warps} warps spills registers"
         elif block_h * bn * block_d // threads > _MAX_PRODUCTS_PER_THREAD:
             return f"{block_h}x{bn}x{block_d} products over {warps} warps spill registers"
         return None
@@ -186,6 +232,10 @@ class DecodeAttentionFamily(TemplateFamily):
             block_h=self.block_h(region, params["USE_DOT"]),
             reduce_warps=4 if params["SPLIT_KV"] * block_d >= 2048 else 1,
             ieee_dot=region.inputs[0].dtype == "float32",
+            kv_scale=kv_scale(region),
+            # fp8 tiles are converted to what the scores are computed in: q's dtype for tl.dot
+            # (e4m3 is exact in bf16 / fp16), fp32 for multiply and sum
+            tile_tl_dtype=_TL_DTYPE[region.inputs[0].dtype] if params["USE_DOT"] else "tl.float32",
             out_tl_dtype=_TL_DTYPE[region.outputs[0].dtype],
             out_torch_dtype=_TORCH_DTYPE[region.outputs[0].dtype],
         )

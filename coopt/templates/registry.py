@@ -13,6 +13,7 @@ _BUILTIN = {
     "attention": "coopt.templates.attention:AttentionFamily",
     "decode_attention": "coopt.templates.decode_attention:DecodeAttentionFamily",
     "rope": "coopt.templates.rope:RopeFamily",
+    "kv_write": "coopt.templates.kv_write:KvWriteFamily",
 }
 
 

@@ -85,6 +85,9 @@ def make_inputs(region: RegionSummary, dims: dict[str, int], *, device: str = "c
             else:
                 length = region.attrs.get("example_length", bound)
                 tensor = torch.full(shape, length, dtype=dtype, device=device)
+        elif region.family == "kv_write" and index == 2:
+            # a step's cache positions: distinct and inside the cache (a prompt written from 0)
+            tensor = (torch.arange(shape[0], device=device) % region.inputs[0].concrete(dims)[2]).to(dtype)
         elif dtype == torch.bool:
             tensor = torch.randint(0, 2, shape, generator=generator, device=device).to(torch.bool)
         elif not dtype.is_floating_point:

@@ -39,11 +39,15 @@ def check_example(
     example: Example,
     device: str | torch.device,
 ) -> ExampleOutcome:
-    """Run reference (float64 and native) and candidate on the example's inputs and compare."""
-    inputs = make_inputs(region, example, device)
+    """Run reference (float64 and native) and candidate on the example's inputs and compare.
+
+    An in-place region (attrs "inplace": a KV-cache write) writes its inputs: every run gets its
+    own copies, and its outputs are the whole written buffers, so positions it must not touch
+    are compared too."""
+    inputs = cache_write_inputs(region, make_inputs(region, example, device), example.seed)
     with torch.inference_mode():
         try:
-            ref_hi = run_upcast(reference, inputs)
+            ref_hi = run_upcast(reference, inputs, keep=_fp8_written(region))
         except Exception as error:  # noqa: BLE001 - a broken reference fails every candidate
             return _failed(f"reference raised {one_line(error)}")
         try:
@@ -69,12 +73,34 @@ def load_module(path: str | Path) -> ModuleType | str:
     return module
 
 
-def run_upcast(reference: ModuleType, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The reference on floating inputs upcast to float64 (float32 if float64 is unsupported)."""
+def run_upcast(reference: ModuleType, inputs: list[torch.Tensor], keep=frozenset()) -> tuple[torch.Tensor, ...]:
+    """The reference on floating inputs upcast to float64 (float32 if float64 is unsupported);
+    inputs at the indices in `keep` are copied as they are."""
     try:
-        return _as_outputs(reference.run(*_upcast(inputs, torch.float64)))
+        return _as_outputs(reference.run(*_upcast(inputs, torch.float64, keep)))
     except Exception:  # noqa: BLE001 - e.g. an op without a float64 kernel on this device
-        return _as_outputs(reference.run(*_upcast(inputs, torch.float32)))
+        return _as_outputs(reference.run(*_upcast(inputs, torch.float32, keep)))
+
+
+def cache_write_inputs(region: RegionSummary, inputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """A kv_write region's positions (input 2) as a real step has them: distinct cache
+    positions in [0, S_max), drawn from `seed` (random small integers could repeat a position,
+    whose write order is unspecified, or leave the cache). Other regions' inputs are returned
+    as they are."""
+    if region.family != "kv_write" or len(inputs) < 3:
+        return inputs
+    positions, s_max = inputs[2], inputs[0].shape[2]
+    count = positions.numel()
+    generator = torch.Generator().manual_seed(seed)
+    drawn = torch.randperm(s_max, generator=generator)[:count] if count <= s_max else torch.arange(count) % s_max
+    return [*inputs[:2], drawn.to(positions.dtype).to(positions.device).reshape(positions.shape), *inputs[3:]]
+
+
+def _fp8_written(region: RegionSummary) -> frozenset[int]:
+    """Written fp8 buffers stay fp8 in the float64 reference run: the value written into them
+    is quantized to fp8 there too, and index_put_ wants both of one dtype."""
+    return frozenset(i for i in region.attrs.get("inplace", ()) if i < len(region.inputs)
+                     and region.inputs[i].dtype.startswith("float8"))
 
 
 def _compare_outputs(region, example, outputs, ref_hi, ref_native) -> ExampleOutcome:
@@ -101,8 +127,8 @@ def _compare_outputs(region, example, outputs, ref_hi, ref_native) -> ExampleOut
     return ExampleOutcome(True, max_abs, max_rel)
 
 
-def _upcast(inputs, dtype: torch.dtype) -> list[torch.Tensor]:
-    return [t.to(dtype) if t.is_floating_point() else t.clone() for t in inputs]
+def _upcast(inputs, dtype: torch.dtype, keep=frozenset()) -> list[torch.Tensor]:
+    return [t.to(dtype, copy=True) if t.is_floating_point() and i not in keep else t.clone() for i, t in enumerate(inputs)]
 
 
 def _clones(inputs) -> list[torch.Tensor]:

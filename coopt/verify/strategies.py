@@ -17,6 +17,14 @@ valid lengths (attrs {"lengths_input": i, "lengths_bound": [j, d]}: every value 
 in [1, inputs[j].shape[d]], as decode_attention's lengths [B] against S_max) gets such lengths,
 chosen per element from the example's seed (see `valid_lengths`).
 
+fp8 (an fp8 KV cache, docs/kv-cache.md): a quantizer fills the format's range, so fp8 inputs
+are N(0, 1) * max / 4 whatever the magnitude (every exponent of e4m3, subnormals included),
+with outliers at exactly +-max (448 for e4m3) and, in half the examples, one all-zero head
+(slice [i, j] of a rank >= 3 tensor: head j of sequence i of a cache); never NaN. The scale
+inputs a region names (`scale_inputs`: k_scale, v_scale of an attention over an fp8 cache, the
+scales of a quantizing kv_write) are positive, magnitude / (max / 4) within a factor of two, so
+that the dequantized cache has the example's magnitude like every other input.
+
     >>> from coopt.ir.region import RegionSummary, TensorSpec
     >>> region = RegionSummary("r0", "elementwise", (TensorSpec(("n", 8), "float32"),),
     ...                        (TensorSpec(("n", 8), "float32"),), dims={"n": (1, 4096)})
@@ -42,6 +50,10 @@ MAGNITUDES = (1.0, 1e-3, 30.0, 1e3)
 # off-by-one at block boundaries.
 _INTERESTING_SIZES = (3, 7, 17, 31, 33, 63, 65, 127, 129, 1000, 1023, 1025, 4095, 4097)
 _MAX_SEED = 2**31 - 1
+# fp8 inputs: values of N(0, 1) * max / _FP8_SPREAD_DIVISOR, one element in _FP8_OUTLIER_EVERY at
+# +-max (a quantizer's saturated values).
+_FP8_SPREAD_DIVISOR = 4.0
+_FP8_OUTLIER_EVERY = 64
 
 
 @dataclass(frozen=True)
@@ -190,23 +202,28 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
     tens of millions of values on the CPU per example and copying them was the likeliest cost
     behind a 128 s build of two 4096x16384 GEMM regions on the H200 (inferred, not profiled).
     Floating inputs: N(0, 1) *
-    magnitude (fp8: clamped to the dtype's finite range first); integer inputs: uniform in
-    [0, 8), or valid lengths for the region's lengths input; bool: fair coin.
+    magnitude; fp8 inputs and the region's scale inputs as the module docstring says; integer
+    inputs: uniform in [0, 8), or valid lengths for the region's lengths input; bool: fair coin.
     """
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(example.seed)
     dims = example.dim_values()
+    scales = scale_inputs(region)
+    fp8_spread = _fp8_spread(region)
     tensors = []
     for index, spec in enumerate(region.inputs):
         shape = spec.concrete(dims)
         dtype = torch_dtype(spec.dtype)
-        if dtype.is_floating_point:
+        if index in scales and dtype.is_floating_point:
+            # positive, within a factor of two of magnitude / spread: dequantized values of the
+            # example's magnitude
+            factor = torch.exp2(torch.rand(shape, generator=generator, device=device) * 2 - 1)
+            tensor = (factor * (example.magnitude / fp8_spread)).to(dtype)
+        elif dtype.is_floating_point and dtype.itemsize == 1:
+            tensor = fp8_values(shape, dtype, generator, device)
+        elif dtype.is_floating_point:
             values = torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
-            values = values * example.magnitude
-            if dtype.itemsize == 1:  # fp8 has no inf: out-of-range casts would give NaN
-                limit = torch.finfo(dtype).max
-                values = values.clamp(-limit, limit)
-            tensor = values.to(dtype)
+            tensor = (values * example.magnitude).to(dtype)
         elif dtype == torch.bool:
             tensor = torch.randint(0, 2, shape, generator=generator, device=device).bool()
         elif index == region.attrs.get("lengths_input"):
@@ -215,6 +232,57 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
             tensor = torch.randint(0, 8, shape, generator=generator, dtype=dtype, device=device)
         tensors.append(tensor)
     return tensors
+
+
+def scale_inputs(region: RegionSummary) -> tuple[int, ...]:
+    """Indices of the fp8 scale inputs (fp32, positive) the region's schema names.
+
+    k_scale, v_scale: inputs 4, 5 of a decode_attention / attention over an fp8 cache (attrs
+    "kv_scale"); of a quantizing kv_write (attrs "quant" not "none") the two after k, v and,
+    with "rope", cos, sin (coopt/ir/region.py).
+
+        >>> from coopt.ir.region import TensorSpec
+        >>> kv = TensorSpec((1, 2, 8, 16), "float8_e4m3fn")
+        >>> scale_inputs(RegionSummary("r", "decode_attention", (), (), {"kv_scale": "per-head"}))
+        (4, 5)
+        >>> scale_inputs(RegionSummary("w", "kv_write", (), (), {"rope": True, "quant": "per-token"}))
+        (7, 8)
+    """
+    if region.attrs.get("kv_scale") is not None:
+        return (4, 5)
+    if region.family == "kv_write" and region.attrs.get("quant", "none") != "none":
+        first = 7 if region.attrs.get("rope") else 5
+        return (first, first + 1)
+    return ()
+
+
+def _fp8_spread(region: RegionSummary) -> float:
+    """The standard deviation of the region's fp8 inputs (e4m3 unless it has only e5m2)."""
+    fp8 = [torch_dtype(s.dtype) for s in region.inputs if torch_dtype(s.dtype).is_floating_point
+           and torch_dtype(s.dtype).itemsize == 1]
+    return torch.finfo(fp8[0] if fp8 else torch.float8_e4m3fn).max / _FP8_SPREAD_DIVISOR
+
+
+def fp8_values(shape, dtype: torch.dtype, generator: torch.Generator, device) -> torch.Tensor:
+    """fp8 values as a quantizer writes them: N(0, 1) * max / 4, some exactly +-max, in half the
+    draws (rank >= 3) one all-zero slice [i, j] (a cache's head j of sequence i); never NaN.
+    Drawn in fp32 and cast (the cast from within the range is exact enough and never NaN)."""
+    limit = torch.finfo(dtype).max
+    values = torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
+    values = (values * (limit / _FP8_SPREAD_DIVISOR)).clamp(-limit, limit)
+    flat = values.view(-1)
+    if flat.numel() == 0:
+        return values.to(dtype)
+    count = max(1, flat.numel() // _FP8_OUTLIER_EVERY)
+    where = torch.randint(0, flat.numel(), (count,), generator=generator, device=device)
+    signs = torch.randint(0, 2, (count,), generator=generator, device=device) * 2 - 1
+    flat[where] = signs.to(torch.float32) * limit
+    if len(shape) >= 3:
+        coin, i, j = (int(torch.randint(0, n, (1,), generator=generator, device=device))
+                      for n in (2, shape[0], shape[1]))
+        if coin:
+            values[i, j] = 0.0
+    return values.to(dtype)
 
 
 # Tile sizes whose boundaries (a multiple, one before, one after) lengths should hit.

@@ -10,7 +10,9 @@ Two references are computed for every example (see check.py):
 * ``ref_native``: the reference module run on the inputs in their own dtypes (what eager PyTorch
   achieves at the model's precision). It may be missing (e.g. eager has no fp8 kernel for an op).
 
-The rule, for one output of expected dtype ``D`` and shape ``s`` (``compare`` implements it):
+The rule, for one output of expected dtype ``D`` and shape ``s`` (``compare`` implements it).
+``D`` is the output's dtype, never the inputs' lowest precision: attention over an fp8 KV cache
+(float8_e4m3fn k/v, bf16 q) is judged at bf16, its output's dtype (check.py passes the spec's).
 
 1. The candidate output must be a tensor of dtype ``D`` and shape ``s``: otherwise it fails.
 2. Non-finite values: classify each element as finite / NaN / +inf / -inf. Every element of the

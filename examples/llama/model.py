@@ -11,7 +11,8 @@ tokens) and decode (T = 1). `model(tokens)` without `input_pos` is the cache-fre
 forward over positions 0..T-1 (a reference for the cached path).
 
 KernelBench entry points (`coopt build examples/llama/model.py`): `Model`, `get_init_inputs()`,
-`get_inputs()` (one decode step) and `load_weights(model)`, configured by the environment:
+`get_inputs()` (one decode step), `entry_points()` (the prefill), `calibration_inputs()` (a
+prompt, for `--kv-cache fp8`) and `load_weights(model)`, configured by the environment:
 
     COOPT_LLAMA_PRESET      tiny (default) | llama-3-8b | mistral-7b | qwen2-7b
     COOPT_LLAMA_LAYERS      number of layers (the benchmark keeps 8 of Llama-3-8B's 32)
@@ -457,6 +458,16 @@ def entry_points():
     tokens = torch.randint(0, s["args"].vocab_size, (s["batch"], s["prefill"]), generator=generator)
     length = torch.export.Dim("prompt_length", min=2, max=s["max_seq"])
     return {"prefill": ([tokens, torch.arange(s["prefill"])], ({1: length}, {0: length}))}
+
+
+def calibration_inputs():
+    """What an fp8 KV cache's scales are calibrated on (`--kv-cache fp8`): a seeded random prompt
+    prefilled at positions 0 .. T-1, writing T rows of every cache (a decode step writes one)."""
+    s = _settings()
+    length = min(16, s["max_seq"])
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, s["args"].vocab_size, (s["batch"], length), generator=generator)
+    return [(tokens, torch.arange(length))]
 
 
 def load_weights(model: Transformer) -> None:

@@ -40,7 +40,34 @@ def test_cli_build_of_the_tiny_decode_step_matches_eager(built_dir):
         for step in range(2):
             position = input_pos + step
             torch.testing.assert_close(built(tokens, position), eager.model(tokens, position), rtol=1e-4, atol=1e-4)
+            # the kv_write region wrote the new rows into the model's own cache buffers, in place
+            for layer in range(eager.model.args.n_layers):
+                for name in ("k_cache", "v_cache"):
+                    ours = built.state_tensor(f"layers.{layer}.attention.{name}")
+                    theirs = getattr(eager.model.layers[layer].attention, name)
+                    torch.testing.assert_close(ours[:, :, position], theirs[:, :, position], rtol=1e-5, atol=1e-5)
             tokens = (tokens * 7 + 3) % eager.model.args.vocab_size
+    # the whole cache agrees, rows written by neither step included
+    torch.testing.assert_close(built.state_tensor("layers.1.attention.k_cache"),
+                               eager.model.layers[1].attention.k_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_each_layer_writes_its_cache_in_one_kv_write_region_with_k_rope(built_dir):
+    """fuse-kv-write: per layer one kv_write region (K's rope absorbed) in both entries, each
+    verified and selected; the positions still bound by the cache at call time."""
+    for entry in (built_dir, built_dir / "entries" / "prefill"):
+        counters = json.loads((entry / "build.json").read_text())["counters"]
+        assert counters["fuse.kv_write"] == counters["fuse.kv_write.rope"] == 2, counters
+        selection = json.loads((entry / "selection.json").read_text())["regions"]
+        writes = [r for r in selection.values() if r["family"] == "kv_write"]
+        assert len(writes) == 2 and all(r["summary"]["attrs"] == {"rope": True, "quant": "none", "inplace": [0, 1]}
+                                        for r in writes)
+        assert sum(r["family"] == "rope" for r in selection.values()) == 2  # only q's rope is left
+        chosen = [next(c for c in r["candidates"] if c["label"] == r["selected"]) for r in writes]
+        assert all(c["verified"] and c["family"] == "kv_write" for c in chosen)
+    built = coopt.load(built_dir)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        built.check_call(torch.tensor([[1]]), torch.tensor([128]))
 
 
 def test_prefill_entry_shares_weights_and_cache_with_the_decode_step(built_dir):

@@ -65,6 +65,8 @@ def compile_for_sm90(tmp_path):
         compiled = compile_for_hopper([(label, source, inputs) for label, source, inputs, _ in jobs], tmp_path)
         for label, _, _, kernel_name in jobs:
             assert {name: facts["launches"] for name, facts in compiled[label].items()} == {kernel_name: 1}, label
+            # every template launches with programmatic dependent launch on sm_90 (triton/_pdl.j2)
+            assert all(facts["pdl"] for facts in compiled[label].values()), f"{label}: launched without PDL"
 
     return compile_all
 

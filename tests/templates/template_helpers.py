@@ -131,6 +131,8 @@ def _compile_launches(path: str, inputs, machine_code: bool) -> dict:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.name, self.kernel, args, kwargs))
 
+    if hasattr(module, "PDL"):  # compile what an sm_90 GPU runs: programmatic dependent launch on
+        module.PDL, module.PDL_LAUNCH = True, {"launch_pdl": True}
     for name, value in list(vars(module).items()):
         if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
             setattr(module, name, Recorder(name, value))
@@ -138,6 +140,7 @@ def _compile_launches(path: str, inputs, machine_code: bool) -> dict:
     results = {}
     for name, kernel, args, kwargs in launches:
         options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages", 3)}
+        pdl_launch = kwargs.pop("launch_pdl", False)
         signature, constexprs, attrs = _signature(kernel, args, kwargs)
         compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs),
                                   target=GPUTarget("cuda", 90, 32), options=options)
@@ -150,6 +153,8 @@ def _compile_launches(path: str, inputs, machine_code: bool) -> dict:
             "pipelined": "async_copy_global_to_local" in ttgir or "async_tma_copy_global_to_local" in ttgir,
             "tma": "cp.async.bulk.tensor" in ptx,
             "warp_specialized": "ttg.warp_specialize" in ttgir,
+            # launched with launch_pdl and waiting for the previous kernel before any access
+            "pdl": bool(pdl_launch) and "griddepcontrol.wait" in ptx,
             "shared": compiled.metadata.shared,
             **(_machine_code_facts(compiled.asm["cubin"]) if machine_code else {}),
         }

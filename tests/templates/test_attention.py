@@ -21,7 +21,7 @@ from coopt.templates.attention import AttentionFamily
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FAMILY = AttentionFamily()
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 run_candidate = partial(_run_candidate, FAMILY, H200)
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "PACK_GQA": False, "SPLIT_KV": 1, "num_warps": 4, "num_stages": 2}
 
@@ -229,6 +229,7 @@ def test_covering_points_compile_for_hopper(tmp_path):
     for label, (dtype, head_dim, params) in expected.items():
         kernels = compiled[label]
         assert set(kernels) == {"_attention_kernel"} | ({"_combine_splits_kernel"} if params["SPLIT_KV"] > 1 else set())
+        assert all(k["pdl"] for k in kernels.values()), f"a launch without programmatic dependent launch: {params}"
         main = kernels["_attention_kernel"]
         if params["num_stages"] > 1 and head_dim == 128:
             assert main["pipelined"], f"K/V loads not pipelined for {label} {params}"
@@ -287,3 +288,126 @@ def test_query_lengths_variant_compiles_for_hopper(compile_for_sm90):
               {"BLOCK_M": 64, "BLOCK_N": 64, "PACK_GQA": True, "SPLIT_KV": 1, "num_warps": 4, "num_stages": 3}]
     compile_for_sm90([(f"p{i}", FAMILY.render(region, p), [q, k, v, lengths], "_attention_kernel")
                       for i, p in enumerate(params)])
+
+
+# -- a prompt over an fp8 KV cache (docs/kv-cache.md): K/V float8_e4m3fn read as k * k_scale ----
+
+GRANULARITIES = ("per-tensor", "per-head", "per-token")
+E4M3_MAX = 448.0
+
+
+def fp8_lengths_region(batch, heads, kv_heads, seq_q, seq_k, head_dim, granularity, dtype="bfloat16", dims=None,
+                       scale_shapes=None, cache_dtype="float8_e4m3fn") -> RegionSummary:
+    base = lengths_region(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, dims=dims)
+    cache = TensorSpec(base.inputs[1].shape, cache_dtype)
+    shape = {"per-tensor": (1,), "per-head": (kv_heads,), "per-token": (batch, kv_heads, seq_k)}.get(granularity)
+    scales = tuple(TensorSpec(s, "float32") for s in (scale_shapes or [shape, shape]))
+    return RegionSummary("prompt", "attention", (base.inputs[0], cache, cache, base.inputs[3], *scales),
+                         base.outputs, {**base.attrs, "kv_scale": granularity}, dims=base.dims)
+
+
+def make_fp8_inputs(region: RegionSummary, lengths, concrete=None, seed: int = 0):
+    """q as make_inputs; fp8 caches filling e4m3's range with outliers at +-448 and sequence 0's
+    kv head 0 all zeros (rounded by torch: the interpreter's fp8 rounding is wrong); positive scales."""
+    gen = torch.Generator().manual_seed(seed)
+    q = make_inputs(region, concrete, seed)[0]
+    shape = region.inputs[1].concrete(concrete or {})
+    caches = []
+    for _ in "kv":
+        values = (torch.randn(shape, generator=gen) * 112).clamp(-E4M3_MAX, E4M3_MAX)
+        values.view(-1)[torch.randint(0, values.numel(), (values.numel() // 50,), generator=gen)] = E4M3_MAX
+        values.view(-1)[torch.randint(0, values.numel(), (values.numel() // 50,), generator=gen)] = -E4M3_MAX
+        values[0, 0] = 0.0
+        caches.append(values.to(torch.float8_e4m3fn).to(DEVICE))
+    scales = [(torch.rand(region.inputs[i].concrete(concrete or {}), generator=gen) + 0.5).div(112).to(DEVICE)
+              for i in (4, 5)]
+    return [q, *caches, torch.tensor(lengths, dtype=torch.int32, device=DEVICE), *scales]
+
+
+def fp8_reference(region: RegionSummary, q, k, v, lengths, k_scale, v_scale) -> torch.Tensor:
+    """The region's reference as verification's ref_hi runs it (inputs upcast to float64):
+    k.float() * s (broadcast by granularity) in q's dtype, then SDPA with each query's prefix."""
+    granularity = region.attrs["kv_scale"]
+    broadcast = {"per-tensor": (1, 1, 1, 1), "per-head": (1, -1, 1, 1), "per-token": (*k_scale.shape, 1)}[granularity]
+    k, v = ((c.float() * s.double().reshape(broadcast)).to(torch.float64) for c, s in ((k, k_scale), (v, v_scale)))
+    group = q.shape[1] // k.shape[1]
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]
+    out = F.scaled_dot_product_attention(q.double(), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                         attn_mask=mask, scale=region.attrs["scale"])
+    return out.float()
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("params", [
+    SMALL,
+    {**SMALL, "PACK_GQA": True},
+    {**SMALL, "SPLIT_KV": 2},
+    {**SMALL, "PACK_GQA": True, "SPLIT_KV": 2},
+], ids=["plain", "pack_gqa", "split_kv", "pack+split"])
+def test_fp8_query_lengths(params, granularity, load_candidate):
+    """Each query over its own prefix of an fp8 cache: 1, the whole cache, tile boundaries, odd."""
+    region = fp8_lengths_region(2, 4, 2, 5, 70, 32, granularity)
+    inputs = make_fp8_inputs(region, [1, 70, 16, 33, 17], seed=3)
+    (out,) = run_candidate(load_candidate, region, params, inputs)
+    assert out.dtype == torch.bfloat16
+    check_close(out, fp8_reference(region, *inputs))
+
+
+def test_fp8_query_lengths_mha_fp16_and_saturated_caches(load_candidate):
+    region = fp8_lengths_region(2, 2, 2, 7, 40, 16, "per-token", "float16")
+    q, k, v, lengths, k_scale, v_scale = make_fp8_inputs(region, [40, 1, 39, 17, 32, 15, 33], seed=4)
+    k[1] = E4M3_MAX  # sequence 1 all at the limit: no overflow, no NaN
+    v[1] = -E4M3_MAX
+    inputs = [q, k, v, lengths, k_scale, v_scale]
+    (out,) = run_candidate(load_candidate, region, SMALL, inputs)
+    assert torch.isfinite(out.float()).all()
+    check_close(out, fp8_reference(region, *inputs))
+
+
+def test_fp8_only_a_prompt_over_a_cache_and_only_the_contract_matches():
+    for granularity in GRANULARITIES:
+        region = fp8_lengths_region(1, 4, 2, "T", 64, 32, granularity, dims={"T": (1, 64)})
+        assert FAMILY.matches(region) and FAMILY.check(region, SMALL, H200) is None
+    region = fp8_lengths_region(1, 4, 2, "T", 64, 32, "per-head", dims={"T": (1, 64)})
+    plain_attrs = {k: v for k, v in region.attrs.items() if not k.startswith("lengths")}
+    illegal = {
+        "causal attention over fp8": RegionSummary("r", "attention", region.inputs[:3], region.outputs,
+                                                   {**plain_attrs, "causal": True}),
+        "no scales": RegionSummary("r", "attention", region.inputs[:4], region.outputs, region.attrs),
+        "no kv_scale": RegionSummary("r", "attention", region.inputs, region.outputs,
+                                     {k: v for k, v in region.attrs.items() if k != "kv_scale"}),
+        "e5m2": fp8_lengths_region(1, 4, 2, 8, 64, 32, "per-head", cache_dtype="float8_e5m2"),
+        "per-token shaped per-head": fp8_lengths_region(1, 4, 2, 8, 64, 32, "per-head", scale_shapes=[(1, 2, 64)] * 2),
+        "per-head shaped per-token": fp8_lengths_region(1, 4, 2, 8, 64, 32, "per-token", scale_shapes=[(2,)] * 2),
+        "unknown granularity": fp8_lengths_region(1, 4, 2, 8, 64, 32, "per-block", scale_shapes=[(1,)] * 2),
+    }
+    for name, candidate in illegal.items():
+        assert not FAMILY.matches(candidate), name
+    assert "k_scale, v_scale" in FAMILY.check(illegal["no scales"], SMALL, H200)
+    assert "is not per-head" in FAMILY.check(illegal["per-token shaped per-head"], SMALL, H200)
+
+
+def test_fp8_register_and_shared_memory_rules():
+    region = fp8_lengths_region(1, 32, 8, "T", 4096, 128, "per-token", dims={"T": (1, 4096)})
+    ok = {"BLOCK_M": 128, "BLOCK_N": 128, "PACK_GQA": False, "SPLIT_KV": 1, "num_warps": 8, "num_stages": 4}
+    assert FAMILY.check(region, ok, H200) is None  # 1-byte stages: 128 KiB less than bf16's
+    bf16 = lengths_region(1, 32, 8, "T", 4096, 128, "bfloat16", dims={"T": (1, 4096)})
+    assert "shared memory" in FAMILY.check(bf16, ok, H200)
+    small_rows = {**ok, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}  # legal for bf16
+    assert FAMILY.check(bf16, small_rows, H200) is None
+    assert "widening 128x128 fp8" in FAMILY.check(region, small_rows, H200)
+    fp32 = fp8_lengths_region(1, 32, 8, "T", 4096, 128, "per-head", "float32", dims={"T": (1, 4096)})
+    assert FAMILY.legal_points(fp32, H200) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_fp8_query_lengths_compile_for_hopper(compile_for_sm90):
+    params = [{"BLOCK_M": 128, "BLOCK_N": 64, "PACK_GQA": False, "SPLIT_KV": 1, "num_warps": 8, "num_stages": 3},
+              {"BLOCK_M": 16, "BLOCK_N": 64, "PACK_GQA": True, "SPLIT_KV": 1, "num_warps": 4, "num_stages": 4}]
+    jobs = []
+    for granularity, point in zip(GRANULARITIES, params + params[:1]):
+        region = fp8_lengths_region(1, 32, 8, "T", 4096, 128, granularity, dims={"T": (1, 4096)})
+        inputs = make_fp8_inputs(region, list(range(1, 257)), {"T": 256})
+        assert FAMILY.check(region, point, H200) is None
+        jobs.append((granularity, FAMILY.render(region, point), inputs, "_attention_kernel"))
+    compile_for_sm90(jobs)

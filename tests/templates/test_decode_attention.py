@@ -272,9 +272,12 @@ def test_heuristic_fills_the_sms(batch, length, split):
     region = make_region(batch, 32, 8, 32768, 128, "bfloat16", example_length=length)
     request = AdviceRequest(region, "decode_attention", FAMILY.param_space(region, H200),
                             tuple(FAMILY.legal_points(region, H200)), H200.facts())
-    best = HeuristicAdvisor().advise(request).ranked[0]
+    best, second = HeuristicAdvisor().advise(request).ranked[:2]
     assert best["SPLIT_KV"] == split, best
     assert best["USE_DOT"] and best["BLOCK_N"] == 64
+    # long splits: twice the splits (two programs per SM) is measured next, not a tile variant
+    long_splits = length // split >= 1024
+    assert (second["SPLIT_KV"] == 2 * split) == long_splits, second
 
 
 # -- Hopper compilation (no GPU needed) ---------------------------------------------------
@@ -295,8 +298,258 @@ def test_covering_points_compile_for_hopper(tmp_path):
         kernels = compiled[label]
         reduce = {"_decode_reduce_kernel"} if params["SPLIT_KV"] > 1 else set()
         assert set(kernels) == {"_decode_split_kernel"} | reduce
+        assert all(k["pdl"] for k in kernels.values()), f"a launch without programmatic dependent launch: {params}"
         split = kernels["_decode_split_kernel"]
         # streaming K/V is the whole cost: with stages, the loads must be asynchronous copies
         assert split["pipelined"] == (params["num_stages"] > 1), f"K/V pipelining for {label} {params}"
         assert split["shared"] <= H200.smem_per_block_bytes
 
+
+
+# -- an fp8 KV cache (docs/kv-cache.md): float8_e4m3fn K/V read as k * k_scale ---------------
+
+GRANULARITIES = ("per-tensor", "per-head", "per-token")
+E4M3_MAX = 448.0
+# GQA group 4, D 64: legal for fp32 and bf16 queries (the fp32 tl.dot budget is the tightest)
+FP8_FMA = {"BLOCK_N": 16, "SPLIT_KV": 1, "USE_DOT": False, "num_warps": 4, "num_stages": 2}
+FP8_DOT = {"BLOCK_N": 16, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+
+
+def scale_shape(granularity: str, cache_shape) -> tuple:
+    return {"per-tensor": (1,), "per-head": (cache_shape[1],), "per-token": tuple(cache_shape[:3])}[granularity]
+
+
+def fp8_region(batch, heads, kv_heads, max_length, head_dim, granularity, dtype="bfloat16", dims=None,
+               cache_dtype="float8_e4m3fn", scale_dtype="float32", scale_shapes=None,
+               example_length=None) -> RegionSummary:
+    """decode_attention over an fp8 cache: inputs q, k_cache, v_cache, lengths, k_scale, v_scale."""
+    base = make_region(batch, heads, kv_heads, max_length, head_dim, dtype, dims=dims, example_length=example_length)
+    cache = TensorSpec(base.inputs[1].shape, cache_dtype)
+    shapes = scale_shapes or [scale_shape(granularity, cache.shape)] * 2
+    scales = tuple(TensorSpec(shape, scale_dtype) for shape in shapes)
+    return RegionSummary(base.name, base.family, (base.inputs[0], cache, cache, base.inputs[3], *scales),
+                         base.outputs, attrs={**base.attrs, "kv_scale": granularity}, dims=base.dims)
+
+
+def fp8_cache(shape, gen, zero_head=None):
+    """What the fp8-kv-cache pass stores: values filling e4m3's range, some exactly +-448, one head
+    (sequence, kv head) all zeros when asked. Rounded by torch (Triton's interpreter rounds to fp8
+    wrongly; the kernels only read fp8)."""
+    values = (torch.randn(shape, generator=gen) * 112).clamp(-E4M3_MAX, E4M3_MAX)
+    flat = values.view(-1)
+    outliers = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=gen)
+    flat[outliers] = E4M3_MAX * (torch.randint(0, 2, outliers.shape, generator=gen) * 2 - 1).float()
+    if zero_head is not None:
+        values[zero_head] = 0.0
+    return values.to(torch.float8_e4m3fn)
+
+
+def make_fp8_inputs(region: RegionSummary, lengths, concrete: dict | None = None, seed: int = 0, zero_head=(0, 1)):
+    """q a transpose view (as make_inputs), fp8 caches, positive scales of ~1/112: the
+    dequantized cache is ~N(0, 1) with outliers at ~4."""
+    gen = torch.Generator().manual_seed(seed)
+    q = make_inputs(region, lengths, concrete, seed)[0]
+    shape = region.inputs[1].concrete(concrete or {})
+    k, v = (fp8_cache(shape, gen, zero_head).to(DEVICE) for _ in "kv")
+    k_scale, v_scale = ((torch.rand(region.inputs[i].concrete(concrete or {}), generator=gen) + 0.5).div(112).to(DEVICE)
+                        for i in (4, 5))
+    return [q, k, v, torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k_scale, v_scale]
+
+
+def dequantize(cache, scale, granularity: str, dtype) -> torch.Tensor:
+    """The region's reference (codegen): k.float() * s, s broadcast by granularity, in q's dtype."""
+    broadcast = {"per-tensor": (1, 1, 1, 1), "per-head": (1, -1, 1, 1), "per-token": (*scale.shape, 1)}
+    return (cache.float() * scale.reshape(broadcast[granularity])).to(dtype)
+
+
+def fp8_reference(region: RegionSummary, q, k, v, lengths, k_scale, v_scale) -> torch.Tensor:
+    """The region's reference as verification runs it for ref_hi (inputs upcast to float64, so
+    "q's dtype" is float64): dequantize, then SDPA over each sequence's valid prefix (sliced: a
+    NaN past the length must not reach the reference), kv heads repeated."""
+    granularity = region.attrs["kv_scale"]
+    k, v = (dequantize(c, s.double(), granularity, torch.float64) for c, s in ((k, k_scale), (v, v_scale)))
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    for b, length in enumerate(lengths.tolist()):
+        keys, values = (t[b : b + 1, :, :length].repeat_interleave(group, 1) for t in (k, v))
+        out[b] = F.scaled_dot_product_attention(q[b : b + 1].double(), keys, values, scale=region.attrs["scale"])[0]
+    return out.float()
+
+
+FP8_LENGTHS = {name: LENGTHS[name] for name in ("one", "seven", "block edges", "two blocks", "max", "mixed")}
+
+
+@pytest.mark.parametrize("case", FP8_LENGTHS)
+@pytest.mark.parametrize("params", [FP8_FMA, FP8_DOT], ids=["fma", "dot-four-splits"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_fp8_cache_lengths(case, params, granularity, load_candidate):
+    # GQA group 4; sequence 0's kv head 1 is all zeros, outliers at +-448 everywhere else
+    region = fp8_region(3, 8, 2, 80, 64, granularity)
+    inputs = make_fp8_inputs(region, FP8_LENGTHS[case])
+    (out,) = run_candidate(load_candidate, region, params, inputs)
+    assert out.dtype == torch.bfloat16
+    check_close(out, fp8_reference(region, *inputs))
+
+
+@pytest.mark.parametrize("params", [FP8_FMA, FP8_DOT], ids=["fma", "dot-four-splits"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fp8_cache_under_fp32_and_fp16_queries(dtype, granularity, params, load_candidate):
+    region = fp8_region(3, 8, 2, 80, 64, granularity, dtype)
+    inputs = make_fp8_inputs(region, LENGTHS["mixed"], seed=1)
+    (out,) = run_candidate(load_candidate, region, params, inputs)
+    assert out.dtype == DTYPES[dtype]
+    check_close(out, fp8_reference(region, *inputs))
+
+
+@pytest.mark.parametrize("heads,kv_heads,use_dot", [(4, 4, False), (4, 4, True), (8, 1, True)],
+                         ids=["mha-fma", "mha-dot", "gqa8-dot"])  # no FMA tile is legal for 8 x 32
+def test_fp8_cache_heads(heads, kv_heads, use_dot, load_candidate):
+    region = fp8_region(2, heads, kv_heads, 48, 32, "per-token")
+    inputs = make_fp8_inputs(region, [48, 21], zero_head=(1, 0))
+    params = {**FP8_FMA, "USE_DOT": use_dot, "SPLIT_KV": 2, "num_warps": 2}
+    (out,) = run_candidate(load_candidate, region, params, inputs)
+    check_close(out, fp8_reference(region, *inputs))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_fp8_all_zero_heads_and_saturated_caches(granularity, load_candidate):
+    # every kv head of sequence 0 zero (uniform softmax over zero values: zeros), sequence 1's
+    # caches all at +-448 with the largest scales: no overflow, no NaN
+    region = fp8_region(2, 4, 2, 40, 32, granularity)
+    q, k, v, lengths, k_scale, v_scale = make_fp8_inputs(region, [40, 33], seed=2)
+    k[0], v[0] = 0.0, 0.0
+    signs = torch.randint(0, 2, k[1].shape, generator=torch.Generator().manual_seed(3)).float() * 2 - 1
+    k[1], v[1] = (signs * E4M3_MAX).to(torch.float8_e4m3fn).to(DEVICE), (-signs * E4M3_MAX).to(torch.float8_e4m3fn).to(DEVICE)
+    inputs = [q, k, v, lengths, k_scale, v_scale]
+    for i, params in enumerate(({**FP8_FMA, "num_warps": 2}, {**FP8_DOT, "SPLIT_KV": 2, "num_warps": 2})):
+        (out,) = run_candidate(load_candidate, region, params, inputs, stem=f"zero{i}")
+        assert out[0].abs().max() == 0 and torch.isfinite(out.float()).all()
+        check_close(out, fp8_reference(region, *inputs))
+
+
+def test_fp8_reads_only_the_valid_prefix(load_candidate):
+    # NaN (e4m3fn 0x7f) in the caches and in the per-token scales past each length
+    region = fp8_region(2, 4, 2, 128, 32, "per-token")
+    q, k, v, lengths, k_scale, v_scale = make_fp8_inputs(region, [20, 100])
+    for b, length in enumerate(lengths.tolist()):
+        for t in (k, v):
+            t.view(torch.uint8)[b, :, length:] = 0x7F
+        k_scale[b, :, length:] = float("nan")
+        v_scale[b, :, length:] = float("nan")
+    inputs = [q, k, v, lengths, k_scale, v_scale]
+    for split_kv in (1, 8):
+        params = {**FP8_DOT, "SPLIT_KV": split_kv, "num_warps": 2}
+        (out,) = run_candidate(load_candidate, region, params, inputs, stem=f"fp8nan{split_kv}")
+        check_close(out, fp8_reference(region, *inputs))
+
+
+def test_fp8_strided_scales_and_caches(load_candidate):
+    # per-token scale buffers and caches kept [B, S_max, Hkv, ...] and viewed as [B, Hkv, S_max, ...]
+    region = fp8_region(2, 4, 2, 64, 32, "per-token")
+    q, k, v, lengths, _, _ = make_fp8_inputs(region, [64, 13])
+    k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    k_scale, v_scale = (torch.rand(2, 64, 2, device=DEVICE).add(0.5).div(112).transpose(1, 2) for _ in "kv")
+    inputs = [q, k, v, lengths, k_scale, v_scale]
+    (out,) = run_candidate(load_candidate, region, {**FP8_DOT, "num_warps": 2}, inputs)
+    check_close(out, fp8_reference(region, *inputs))
+
+
+def test_fp8_matches_and_check_accept_exactly_the_contract():
+    legal = {granularity: fp8_region(1, 4, 2, 64, 64, granularity) for granularity in GRANULARITIES}
+    for region in legal.values():
+        assert FAMILY.matches(region) and FAMILY.check(region, FP8_FMA, H200) is None
+    plain = make_region(1, 4, 2, 64, 64, "bfloat16")
+    per_head = legal["per-head"]
+    illegal = {
+        # an fp8 cache without its scales, and scales without "kv_scale"
+        "no scales": RegionSummary("r", "decode_attention", per_head.inputs[:4], per_head.outputs, per_head.attrs),
+        "no kv_scale": RegionSummary("r", "decode_attention", per_head.inputs, per_head.outputs, plain.attrs),
+        "fp8 without kv_scale": RegionSummary("r", "decode_attention", per_head.inputs[:4], per_head.outputs,
+                                              plain.attrs),
+        "bf16 cache with scales": fp8_region(1, 4, 2, 64, 64, "per-head", cache_dtype="bfloat16"),
+        "e5m2": fp8_region(1, 4, 2, 64, 64, "per-head", cache_dtype="float8_e5m2"),
+        "bf16 scales": fp8_region(1, 4, 2, 64, 64, "per-head", scale_dtype="bfloat16"),
+        "unknown granularity": fp8_region(1, 4, 2, 64, 64, "per-channel", scale_shapes=[(2,), (2,)]),
+        "per-head shaped per-tensor": fp8_region(1, 4, 2, 64, 64, "per-head", scale_shapes=[(1,), (1,)]),
+        "per-tensor shaped per-head": fp8_region(1, 4, 2, 64, 64, "per-tensor", scale_shapes=[(2,), (2,)]),
+        "per-token without positions": fp8_region(1, 4, 2, 64, 64, "per-token", scale_shapes=[(1, 2), (1, 2)]),
+        "per-token v of another cache": fp8_region(1, 4, 2, 64, 64, "per-token", scale_shapes=[(1, 2, 64), (1, 2, 32)]),
+        "fp8 query": RegionSummary("r", "decode_attention", (TensorSpec((1, 4, 1, 64), "float8_e4m3fn"),
+                                                             *per_head.inputs[1:]), per_head.outputs, per_head.attrs),
+    }
+    for name, region in illegal.items():
+        assert not FAMILY.matches(region), name
+    for name in ("no kv_scale", "bf16 cache with scales", "e5m2", "bf16 scales", "unknown granularity",
+                 "per-head shaped per-tensor", "per-tensor shaped per-head", "per-token without positions"):
+        assert FAMILY.check(illegal[name], FP8_FMA, H200) is not None, name
+    assert "k_scale, v_scale" in FAMILY.check(illegal["no scales"], FP8_FMA, H200)
+    assert "is not per-head" in FAMILY.check(illegal["per-head shaped per-tensor"], FP8_FMA, H200)
+
+
+def test_fp8_register_and_shared_memory_rules():
+    llama = fp8_region(1, 32, 8, 4096, 128, "per-token")
+    ok = {"BLOCK_N": 128, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 4, "num_stages": 4}
+    # 1-byte stages: BLOCK_N 128 x 4 stages fit in shared memory (bf16 would not)
+    assert FAMILY.check(llama, ok, H200) is None
+    assert "shared memory" in FAMILY.check(make_region(1, 32, 8, 4096, 128, "bfloat16"), ok, H200)
+    # widening fp8 tiles costs registers: 8 warps at BLOCK_N 128 spill (bf16 caches do not)
+    assert "fp8 K/V tiles over 8 warps spills" in FAMILY.check(llama, {**ok, "num_warps": 8}, H200)
+    assert FAMILY.check(make_region(1, 32, 8, 4096, 128, "bfloat16"), {**ok, "num_warps": 8, "num_stages": 3}, H200) is None
+    # fp32 queries: tl.dot on widened tiles only at 16 keys over 8 warps
+    fp32 = fp8_region(1, 32, 8, 4096, 128, "per-head", "float32")
+    small = {"BLOCK_N": 16, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 8, "num_stages": 3}
+    assert FAMILY.check(fp32, small, H200) is None
+    assert "spills" in FAMILY.check(fp32, {**small, "BLOCK_N": 32}, H200)
+    assert "spills" in FAMILY.check(fp32, {**small, "num_warps": 4}, H200)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_fp8_every_region_has_a_legal_point(dtype, granularity):
+    for heads, head_dim, max_length in ((1, 8, 5), (32, 128, 4096), (8, 64, 32768), (16, 16, 16)):
+        region = fp8_region(1, heads, 1 if heads < 32 else 8, max_length, head_dim, granularity, dtype)
+        assert FAMILY.legal_points(region, H200), (heads, head_dim, max_length)
+
+
+def test_fp8_bandwidth_model():
+    per_head = fp8_region(2, 32, 8, 32768, 128, "per-head")
+    per_token = fp8_region(2, 32, 8, 32768, 128, "per-token")
+    assert kv_bytes_read(per_head, [32768, 1]) == 32769 * 8 * 128 * 2  # 1-byte K and V rows
+    assert kv_bytes_read(per_token, [32768, 1]) == 32769 * 8 * (128 + 4) * 2  # and a scale per row
+    assert kv_bytes_read(per_head, [32768]) * 2 == kv_bytes_read(make_region(2, 32, 8, 32768, 128, "bfloat16"), [32768])
+
+
+def test_fp8_heuristic_takes_twice_the_keys_per_tile():
+    # the same ~16 KiB per K tile: BLOCK_N 128 of 1-byte rows where bf16 takes 64
+    region = fp8_region(1, 32, 8, 32768, 128, "per-head", example_length=32768)
+    request = AdviceRequest(region, "decode_attention", FAMILY.param_space(region, H200),
+                            tuple(FAMILY.legal_points(region, H200)), H200.facts())
+    best = HeuristicAdvisor().advise(request).ranked[0]
+    assert best["BLOCK_N"] == 128 and best["USE_DOT"] and best["SPLIT_KV"] == 16, best
+    assert FAMILY.check(region, best, H200) is None
+
+
+def test_fp8_golden_rendering(golden):
+    region = fp8_region("B", 32, 8, 32768, 128, "per-token", dims={"B": (1, 32)})
+    params = {"BLOCK_N": 128, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+    assert FAMILY.check(region, params, H200) is None
+    golden("decode_attention_fp8_per_token.py", FAMILY.render(region, params))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_fp8_covering_points_compile_for_hopper(tmp_path):
+    jobs, expected = [], {}
+    for dtype, granularity in (("bfloat16", "per-token"), ("bfloat16", "per-head"), ("float32", "per-tensor")):
+        region = fp8_region(2, 32, 8, "S", 128, granularity, dtype, dims={"S": (1, 8192)})
+        inputs = make_fp8_inputs(region, [256, 100], {"S": 256})
+        points = covering_points(FAMILY.legal_points(region, H200))
+        for i, params in enumerate(points if granularity == "per-token" else points[:2]):
+            label = f"{dtype}_{granularity}_{i}"
+            jobs.append((label, FAMILY.render(region, params), inputs))
+            expected[label] = params
+    compiled = compile_for_hopper(jobs, tmp_path)
+    for label, params in expected.items():
+        split = compiled[label]["_decode_split_kernel"]
+        assert split["pipelined"] == (params["num_stages"] > 1), f"fp8 K/V pipelining for {label} {params}"
+        assert split["shared"] <= H200.smem_per_block_bytes

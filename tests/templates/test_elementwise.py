@@ -207,3 +207,15 @@ def test_kernels_compile_for_sm90(compile_for_sm90):
 
 def test_golden_rendering(golden):
     golden("elementwise_scale_shift.py", FAMILY.render(SCALE_SHIFT, {"BLOCK": 1024, "num_warps": 4}))
+
+
+def test_programmatic_dependent_launch_only_on_hopper_gpus(load_candidate):
+    """Every template shares the PDL switch (triton/_pdl.j2): on an sm_90+ GPU kernels are
+    launched with launch_pdl and wait for the previous kernel first (the sm_90 compile tests
+    check the wait); in Triton's interpreter, which has no such launch, it must be off."""
+    summary = region([(4, 8)], [["y", "silu", ["in0"]]], ["y"])
+    module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]))
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    assert module.PDL is hopper and module.PDL_LAUNCH == ({"launch_pdl": True} if hopper else {})
+    (y,) = module.run(on_test_device([torch.ones(4, 8)])[0])
+    assert torch.allclose(y.float().cpu(), torch.nn.functional.silu(torch.ones(4, 8)))

@@ -524,6 +524,7 @@ def test_covering_points_compile_for_hopper(tmp_path):
         name = "_tiles_kernel" if params.get("PERSISTENT") or tma else "_matmul_kernel"
         assert set(kernels) == {name} | ({"_split_k_reduce_kernel"} if params["SPLIT_K"] > 1 else set())
         main = kernels[name]
+        assert all(k["pdl"] for k in kernels.values()), f"a launch without programmatic dependent launch: {params}"
         # (rows 200 B apart leave cp.async nothing 16-byte aligned to pipeline)
         assert main["pipelined"] or label == "fallback", f"operand loads not pipelined for {dtype} {params}"
         assert main["wgmma"] == (dtype == "bfloat16" and params["BLOCK_M"] >= 64), f"wgmma use for {dtype} {params}"
@@ -568,6 +569,7 @@ def test_gemv_points_compile_for_hopper(tmp_path):
         assert set(compiled[label]) == {"_gemv_kernel"}, label  # one launch, split or not
         kernel = compiled[label]["_gemv_kernel"]
         assert kernel["launches"] == 1 and kernel["pipelined"], f"weight loads not pipelined: {params}"
+        assert kernel["pdl"], f"launched without programmatic dependent launch: {params}"
         assert kernel["shared"] <= FAMILY._gemv_smem(region, params), f"check() underestimates shared memory: {params}"
         if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
             assert kernel["spill_instructions"] == 0, f"spills for {params}"

@@ -119,3 +119,60 @@ def test_profiles_are_registered_without_replacing_hypothesis_ci_profile():
     assert settings.get_profile("coopt-thorough").max_examples == THOROUGH.max_examples
     assert settings.get_profile("coopt-ci").database is None
     assert settings.get_profile("ci") is not settings.get_profile("coopt-ci")
+
+
+# -- an fp8 KV cache: fp8 values filling e4m3's range, positive scales -----------------------
+
+def fp8_decode_region(granularity: str) -> RegionSummary:
+    q = TensorSpec(("B", 4, 1, 16), "bfloat16")
+    cache = TensorSpec(("B", 2, "S", 16), "float8_e4m3fn")
+    shape = {"per-tensor": (1,), "per-head": (2,), "per-token": ("B", 2, "S")}[granularity]
+    scale = TensorSpec(shape, "float32")
+    return RegionSummary(
+        "attn0", "decode_attention", (q, cache, cache, TensorSpec(("B",), "int32"), scale, scale), (q,),
+        attrs={"scale": 0.25, "num_heads": 4, "num_kv_heads": 2, "lengths_input": 3, "lengths_bound": [1, 2],
+               "kv_scale": granularity},
+        dims={"B": (1, 4), "S": (1, 4096)}, example_dims={"B": 2, "S": 40})
+
+
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head", "per-token"])
+def test_fp8_caches_fill_the_range_and_scales_are_positive(granularity):
+    region = fp8_decode_region(granularity)
+    assert strategies.scale_inputs(region) == (4, 5)
+    zero_heads = 0
+    for seed in range(16):
+        magnitude = strategies.MAGNITUDES[seed % 4]
+        q, k, v, lengths, k_scale, v_scale = make_inputs(region, Example((("B", 3), ("S", 40)), seed, magnitude))
+        for cache in (k, v):
+            values = cache.float()
+            assert cache.dtype == torch.float8_e4m3fn and not torch.isnan(values).any()
+            assert float(values.max()) == 448.0 and float(values.min()) == -448.0  # outliers at the limits
+            assert float(values.abs().median()) > 16  # the range is used, whatever the magnitude
+            zero_heads += int((values.abs().amax(dim=(2, 3)) == 0).any())
+        for scale in (k_scale, v_scale):
+            assert scale.dtype == torch.float32 and scale.shape == region.inputs[4].concrete({"B": 3, "S": 40})
+            # positive, dequantized values of the example's magnitude (within a factor of two)
+            assert bool((scale > 0).all())
+            assert magnitude / 2 <= float(scale.min()) * 112 and float(scale.max()) * 112 <= magnitude * 2
+        assert 1 <= int(lengths.min()) and int(lengths.max()) <= 40
+    assert 4 <= zero_heads <= 28  # an all-zero (sequence, kv head) in about half the caches
+
+
+def test_scale_inputs_of_a_quantizing_kv_write_and_of_plain_regions():
+    plain = RegionSummary("a", "decode_attention", (), (), {"lengths_input": 3})
+    assert strategies.scale_inputs(plain) == ()
+    write = RegionSummary("w", "kv_write", (), (), {"rope": False, "quant": "per-head", "inplace": [0, 1]})
+    assert strategies.scale_inputs(write) == (5, 6)
+    assert strategies.scale_inputs(RegionSummary("w", "kv_write", (), (), {"rope": True, "quant": "none"})) == ()
+
+
+def test_fp8_inputs_are_deterministic_and_other_inputs_unchanged():
+    region = fp8_decode_region("per-token")
+    example = Example((("B", 2), ("S", 33)), seed=5, magnitude=30.0)
+    first, second = make_inputs(region, example), make_inputs(region, example)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(first, second))
+    # q is drawn first, exactly as for a bf16 cache
+    bf16 = RegionSummary(region.name, region.family, (region.inputs[0], *(TensorSpec(s.shape, "bfloat16")
+                         for s in region.inputs[1:3]), region.inputs[3]), region.outputs,
+                         {k: v for k, v in region.attrs.items() if k != "kv_scale"}, region.dims)
+    assert torch.equal(make_inputs(bf16, example)[0], first[0])

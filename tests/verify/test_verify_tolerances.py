@@ -129,3 +129,71 @@ def test_family_slack_widens_only_the_floor():
     assert compare(off, hi, None, dtype="float32", slack=FAMILY_SLACK["attention"]).ok
     far = (hi + 100.0 * 1e-3).float()
     assert not compare(far, hi, None, dtype="float32", slack=FAMILY_SLACK["attention"]).ok
+
+
+# -- a region reading an fp8 cache is judged at its output's (q's) dtype ----------------------
+
+FP8_DECODE_REFERENCE = """
+    import torch
+
+    def run(q, k_cache, v_cache, lengths, k_scale, v_scale):
+        # as codegen writes it: dequantize (k.float() * s) in q's dtype, then SDPA
+        k = (k_cache.float() * k_scale.view(1, -1, 1, 1)).to(q.dtype)
+        v = (v_cache.float() * v_scale.view(1, -1, 1, 1)).to(q.dtype)
+        group = q.shape[1] // k.shape[1]
+        visible = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]
+        return (torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+            attn_mask=visible[:, None, None, :], scale=0.25),)
+"""
+
+
+def fp8_decode_region():
+    from coopt.ir.region import RegionSummary, TensorSpec
+
+    q = TensorSpec(("B", 4, 1, 16), "bfloat16")
+    cache = TensorSpec(("B", 2, "S", 16), "float8_e4m3fn")
+    scale = TensorSpec((2,), "float32")
+    return RegionSummary(
+        "attn0", "decode_attention", (q, cache, cache, TensorSpec(("B",), "int32"), scale, scale), (q,),
+        attrs={"scale": 0.25, "num_heads": 4, "num_kv_heads": 2, "lengths_input": 3, "lengths_bound": [1, 2],
+               "kv_scale": "per-head"},
+        dims={"B": (1, 3), "S": (1, 4096)}, example_dims={"B": 2, "S": 40})
+
+
+def test_fp8_cache_regions_are_judged_at_the_output_dtype(tmp_path):
+    """A 4% error passes fp8's floor (6.25e-2) but not bf16's: the output's dtype decides."""
+    from verify_helpers import write_module
+
+    from coopt.runtime.kernel_loader import load_module_from_file
+    from coopt.verify.check import check_example
+    from coopt.verify.strategies import Example
+
+    region = fp8_decode_region()
+    reference = load_module_from_file(write_module(tmp_path, "ref", FP8_DECODE_REFERENCE))
+    off = load_module_from_file(write_module(tmp_path, "off", FP8_DECODE_REFERENCE.replace(
+        "scale=0.25),)", "scale=0.25) * 1.04,)")))
+    example = Example((("B", 2), ("S", 40)), seed=0, magnitude=1.0)
+    assert check_example(region, reference, reference, example, "cpu").ok
+    outcome = check_example(region, reference, off, example, "cpu")
+    assert not outcome.ok and "bfloat16 floor" in outcome.failure
+
+
+def test_fp8_decode_kernel_verifies_and_one_ignoring_the_v_scale_fails(tmp_path):
+    from verify_helpers import write_module
+
+    from coopt.templates.decode_attention import DecodeAttentionFamily
+    from coopt.verify.runner import verify_candidate
+
+    region = fp8_decode_region()
+    reference = write_module(tmp_path, "attn0__reference", FP8_DECODE_REFERENCE)
+    params = {"BLOCK_N": 16, "SPLIT_KV": 2, "USE_DOT": True, "num_warps": 2, "num_stages": 2}
+    source = DecodeAttentionFamily().render(region, params)
+    good = tmp_path / "attn0__c0.py"
+    good.write_text(source)
+    result = verify_candidate(region, reference, good, profile="ci", seed=1, device="cpu")
+    assert result.ok, result.failure
+    signature = "def run(q, k_cache, v_cache, lengths, k_scale, v_scale):"
+    bad = tmp_path / "attn0__c1.py"
+    bad.write_text(source.replace(signature, signature + "\n    v_scale = torch.ones_like(v_scale)"))
+    assert not verify_candidate(region, reference, bad, profile="ci", seed=1, device="cpu").ok

@@ -9,6 +9,21 @@ import torch
 import triton
 import triton.language as tl
 
+# Programmatic dependent launch (sm_90+): launched with launch_pdl, this module's kernels are
+# scheduled while the previous kernel of the stream drains, wait for its writes (gdc_wait) before
+# their first memory access, and release the next kernel at once (gdc_launch_dependents). In a
+# CUDA-graph-replayed decode step that hides most of the gap between back-to-back small kernels
+# (bench/pdl_probe.py on the H200: 12.6 -> 11.3 µs per GEMV + small-kernel pair). Off in Triton's
+# interpreter, before sm_90, and with COOPT_PDL=0.
+PDL = (
+    torch.cuda.is_available()
+    and os.environ.get("TRITON_INTERPRET") != "1"
+    and os.environ.get("COOPT_PDL", "1") != "0"
+    and torch.cuda.get_device_capability()[0] >= 9
+)
+PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
+
+
 BLOCK_M = 32
 BLOCK_N = 64
 BLOCK_D = 128
@@ -77,7 +92,12 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, UPCAST_DOT: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # nothing is read or written before the previous kernel's writes are visible
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     # int64 base offsets: a KV cache may hold more than 2**31 elements.
@@ -136,8 +156,12 @@ def _combine_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, o_ptr, num_rows, Sq,
     stride_ob, stride_oh, stride_os, stride_od,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
-    SPLIT_KV: tl.constexpr,
+    SPLIT_KV: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # nothing is read or written before the previous kernel's writes are visible
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of [batch, head, position]
     row_ok = rows < num_rows
     offs_d = tl.arange(0, BLOCK_D)
@@ -181,11 +205,11 @@ def run(q, k, v):
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM,
         NUM_HEADS=NUM_HEADS, NUM_KV_HEADS=NUM_KV_HEADS, GROUP=GROUP, UPCAST_DOT=UPCAST_DOT,
         SPLIT_KV=SPLIT_KV,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PDL=PDL, **PDL_LAUNCH, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _combine_splits_kernel[(triton.cdiv(num_rows, COMBINE_ROWS),)](
         part_acc, part_m, part_l, out, num_rows, seq_q, *out.stride(),
         BLOCK_R=COMBINE_ROWS, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, NUM_HEADS=NUM_HEADS, SPLIT_KV=SPLIT_KV,
-        num_warps=4,
+        PDL=PDL, **PDL_LAUNCH, num_warps=4,
     )
     return (out,)

@@ -5,9 +5,25 @@ Computes z, y from in0, in1, in2 in fp32 over the broadcast shape of the inputs;
 each output is stored in its own dtype.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Programmatic dependent launch (sm_90+): launched with launch_pdl, this module's kernels are
+# scheduled while the previous kernel of the stream drains, wait for its writes (gdc_wait) before
+# their first memory access, and release the next kernel at once (gdc_launch_dependents). In a
+# CUDA-graph-replayed decode step that hides most of the gap between back-to-back small kernels
+# (bench/pdl_probe.py on the H200: 12.6 -> 11.3 µs per GEMV + small-kernel pair). Off in Triton's
+# interpreter, before sm_90, and with COOPT_PDL=0.
+PDL = (
+    torch.cuda.is_available()
+    and os.environ.get("TRITON_INTERPRET") != "1"
+    and os.environ.get("COOPT_PDL", "1") != "0"
+    and torch.cuda.get_device_capability()[0] >= 9
+)
+PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -31,7 +47,12 @@ def elementwise_kernel(
     IN1_FLAT: tl.constexpr,
     IN2_FLAT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # nothing is read or written before the previous kernel's writes are visible
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     # 4-D index of each output element; only inputs not laid out like the output use it
@@ -98,6 +119,7 @@ def run(*inputs):
         IN1_FLAT=flat[1],
         IN2_FLAT=flat[2],
         BLOCK=BLOCK,
+        PDL=PDL, **PDL_LAUNCH,
         num_warps=NUM_WARPS,
     )
     return outputs

@@ -5,9 +5,25 @@ Computes y = softmax(x) over the last dim.
 Statistics in fp32, one program per row, the row walked in chunks of BLOCK_N.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Programmatic dependent launch (sm_90+): launched with launch_pdl, this module's kernels are
+# scheduled while the previous kernel of the stream drains, wait for its writes (gdc_wait) before
+# their first memory access, and release the next kernel at once (gdc_launch_dependents). In a
+# CUDA-graph-replayed decode step that hides most of the gap between back-to-back small kernels
+# (bench/pdl_probe.py on the H200: 12.6 -> 11.3 µs per GEMV + small-kernel pair). Off in Triton's
+# interpreter, before sm_90, and with COOPT_PDL=0.
+PDL = (
+    torch.cuda.is_available()
+    and os.environ.get("TRITON_INTERPRET") != "1"
+    and os.environ.get("COOPT_PDL", "1") != "0"
+    and torch.cuda.get_device_capability()[0] >= 9
+)
+PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
 
 BLOCK_N = 1024
 NUM_WARPS = 4
@@ -21,7 +37,12 @@ def row_reduction_kernel(
     n_cols,
     x_row_stride,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # nothing is read or written before the previous kernel's writes are visible
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     y_row = y_ptr + row * n_cols
@@ -68,6 +89,7 @@ def run(x):
         n_cols,
         x_rows.stride(0),
         BLOCK_N=BLOCK_N,
+        PDL=PDL, **PDL_LAUNCH,
         num_warps=NUM_WARPS,
     )
     return outputs

@@ -1,0 +1,322 @@
+"""fp8-kv-cache (lossy): KV caches stored as float8_e4m3fn, with scales (docs/kv-cache.md).
+
+A decode step streams its whole KV cache every token: halving its bytes (bf16 → fp8) halves the
+attention's memory traffic and doubles the context that fits. The pass finds each cache (a
+`coopt.weight` state buffer written by index_put and read as k / v by decode_attention /
+cache_attention), retypes it and every view of it to float8_e4m3fn, routes each write's value
+through `coopt.quantize_fp8`, and gives each attention its `k_scale` / `v_scale`.
+
+Where the scales come from (`scale-source`):
+- calibration (granularity per-tensor | per-head): the build runs the original model on the
+  calibration inputs before the passes and records, per cache buffer, the absmax of its contents
+  per kv head in the module attribute `coopt.kv_calibration` (JSON {buffer ref: [absmax per
+  head]}; `coopt opt` reads it from the IR text). Scale = max(absmax, SCALE_FLOOR) · headroom /
+  FP8_MAX, one per head or the largest for the tensor; a weight `<buffer ref>.scale` (fp32,
+  [Hkv] or [1]).
+- dynamic (granularity per-token): a state buffer `<buffer ref>.scale` [B_max, Hkv, S_max] fp32
+  beside each cache, written at the same positions as the cache with each written row's scale:
+  s = clamp_min(amax(abs(x), -1) as fp32, SCALE_FLOOR) · (headroom / FP8_MAX), a few ATen ops
+  before the write that a fused kv_write region may absorb.
+
+The pass touches no data: it records in the module attribute `coopt.fp8_kv_cache` (JSON
+{"granularity", "headroom", "caches": {cache ref: scale ref}, "scales": {scale ref: [values]}
+(calibration only)}) what the emitter (`compile.program_weights`) materialises: scale weights
+from those values, per-token scale buffers from the caches' existing contents, and each cache
+quantized with its scale. Lossy: never in the default pipeline; `--kv-cache fp8` adds it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects.builtin import ArrayAttr, Float8E4M3FNType, ModuleOp, StringAttr, TensorType, f32
+from xdsl.ir import Operation, SSAValue
+from xdsl.rewriter import InsertPoint, Rewriter
+
+from coopt.errors import ConfigError
+from coopt.ir.dialect import (
+    KV_SCALE_GRANULARITIES,
+    AtenOp,
+    CacheAttentionOp,
+    DecodeAttentionOp,
+    KernelOp,
+    QuantizeFp8Op,
+    StateUpdateOp,
+    WeightOp,
+)
+from coopt.passes.base import CooptPass, aten_target, literal_arg
+from coopt.passes.stats import count
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_FLOOR = 1e-12  # absmax floor: an all-zero head or row still gets a finite, nonzero scale
+CALIBRATION_ATTR = "coopt.kv_calibration"  # set by the build (compile.py) before the passes
+FP8_ATTR = "coopt.fp8_kv_cache"  # set by this pass, read by the emitter
+SCALE_SOURCES = ("calibration", "dynamic")
+LEGAL = {"calibration": ("per-tensor", "per-head"), "dynamic": ("per-token",)}
+
+_SLICE = "aten.slice.Tensor"
+
+
+def scale_ref(cache_ref: str) -> str:
+    """The state name of a cache's scales (a weight, or a per-token state buffer)."""
+    return cache_ref + ".scale"
+
+
+@dataclass(frozen=True)
+class Fp8KvCache(CooptPass):
+    name = "fp8-kv-cache"
+    summary = "KV caches stored as float8_e4m3fn with per-tensor/per-head (calibrated) or per-token (dynamic) scales"
+    lossy = True
+
+    granularity: str = "per-head"  # per-tensor | per-head | per-token
+    scale_source: str = "calibration"  # calibration | dynamic
+    headroom: float = 1.0  # scale = absmax * headroom / 448: > 1 leaves room above the calibrated range
+
+    def __post_init__(self):
+        if self.granularity not in KV_SCALE_GRANULARITIES:
+            raise ConfigError(f"fp8-kv-cache: knob granularity={self.granularity!r} is not one of {', '.join(KV_SCALE_GRANULARITIES)}")
+        if self.scale_source not in SCALE_SOURCES:
+            raise ConfigError(f"fp8-kv-cache: knob scale-source={self.scale_source!r} is not one of {', '.join(SCALE_SOURCES)}")
+        if self.granularity not in LEGAL[self.scale_source]:
+            raise ConfigError(
+                f"fp8-kv-cache: knob granularity={self.granularity} does not go with scale-source={self.scale_source} "
+                f"(calibration: per-tensor or per-head; dynamic: per-token)")
+        if not float(self.headroom) >= 1.0:
+            raise ConfigError(f"fp8-kv-cache: knob headroom={self.headroom} must be a number >= 1.0")
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        caches = find_caches(op)
+        if not caches:
+            raise ConfigError(
+                "fp8-kv-cache: the model has no KV cache to store in fp8 (no state buffer written by index_put "
+                "and read as k/v by a decode or cache attention); drop --kv-cache fp8 / the fp8-kv-cache pass")
+        record = {"granularity": self.granularity, "headroom": float(self.headroom), "caches": {}, "scales": {}}
+        calibration = _calibration(op) if self.scale_source == "calibration" else {}
+        scales: dict[SSAValue, SSAValue] = {}  # cache value (any view) -> its scale value
+        for ref, cache in caches.items():
+            weight = cache.weight
+            shape = weight.results[0].type.get_shape()
+            if self.scale_source == "calibration":
+                values = self._calibrated_scales(ref, calibration, shape[1])
+                scale = WeightOp(scale_ref(ref), TensorType(f32, [len(values)]))
+                record["scales"][scale_ref(ref)] = values
+            else:
+                scale = WeightOp(scale_ref(ref), TensorType(f32, list(shape[:3])))
+            Rewriter.insert_op(scale, InsertPoint.after(weight))
+            record["caches"][ref] = scale_ref(ref)
+            scales.update(self._quantize_writes(cache, scale.results[0]))
+            count("fp8_kv_cache.buffers")
+        for attention in _attentions(op):
+            if attention.k in scales and attention.v in scales:
+                _give_scales(attention, scales[attention.k], scales[attention.v], self.granularity)
+        op.attributes[FP8_ATTR] = StringAttr(json.dumps(record, sort_keys=True))
+
+    def _calibrated_scales(self, ref: str, calibration: dict, heads: int) -> list[float]:
+        absmax = calibration.get(ref)
+        if absmax is None or len(absmax) != heads:
+            raise ConfigError(
+                f"fp8-kv-cache{{scale-source=calibration}}: no calibration absmax for the {heads} heads of buffer '{ref}' "
+                f"(the build records it in the module attribute {CALIBRATION_ATTR} before the passes run)")
+        per_head = [max(float(a), SCALE_FLOOR) * self.headroom / FP8_MAX for a in absmax]
+        return per_head if self.granularity == "per-head" else [max(per_head)]
+
+    def _quantize_writes(self, cache: _Cache, scale: SSAValue) -> dict[SSAValue, SSAValue]:
+        """Retype the cache and its views to fp8, quantize what each write stores; returns cache
+        value -> scale value (the weight itself, or per-token the scale buffer's matching view)."""
+        per_token = self.granularity == "per-token"
+        mirror: dict[SSAValue, SSAValue] = {cache.weight.results[0]: scale}
+        for member in cache.ops:  # block order: writes, state updates and slices of the cache
+            x = None
+            if _is_write(member):
+                x = _rank4(member.operands[_write_value_index(member)], member)
+            if per_token:
+                self._mirror(member, x, mirror)
+            if x is not None:
+                row_scale = mirror[member.operands[_write_value_index(member)]] if per_token else scale
+                quantized = QuantizeFp8Op(x, row_scale, self.granularity, _fp8(x.type))
+                Rewriter.insert_op(quantized, InsertPoint.before(member))
+                member.operands[_write_value_index(member)] = quantized.result
+                count("fp8_kv_cache.quantized_writes")
+        for value in [cache.weight.results[0], *(r for member in cache.ops for r in member.results)]:
+            new = Rewriter.replace_value_with_new_type(value, _fp8(value.type))
+            mirror[new] = mirror.pop(value, scale)
+        return mirror if per_token else {v: scale for v in mirror}
+
+    def _mirror(self, member: Operation, x: SSAValue | None, mirror: dict) -> None:
+        """Per-token: the same op on the scale buffer (the shape without D, fp32), inserted before
+        `member`; a write stores its rows' scales, computed from the rows it writes (`x`)."""
+        operands = [mirror.get(v, v) for v in member.operands]
+        if x is not None:
+            rows = _row_scales(x, self.headroom, member)
+            mirror[member.operands[_write_value_index(member)]] = rows
+            operands[_write_value_index(member)] = rows
+        result = member.results[0]
+        if isinstance(member, StateUpdateOp):
+            clone = StateUpdateOp(scale_ref(member.ref.data), member.target.data, member.call, operands, _scale_type(result.type))
+        else:
+            clone = AtenOp(member.target.data, member.call, operands, [_scale_type(result.type)])
+        Rewriter.insert_op(clone, InsertPoint.before(member))
+        mirror[result] = clone.results[0]
+
+
+class _Cache:
+    """A cache buffer's weight op and the ops that write or view it (block order)."""
+
+    def __init__(self, weight: WeightOp, ops: list[Operation]):
+        self.weight, self.ops = weight, ops
+
+
+def find_caches(module: ModuleOp) -> dict[str, _Cache]:
+    """{ref: _Cache} of every buffer that is only written by index_put (indices [None, None,
+    positions]) and read as k or v by cache attentions, each of which reads two such buffers."""
+    candidates: dict[str, _Cache] = {}
+    for op in module.walk():
+        if isinstance(op, WeightOp) and not isinstance(op.parent_op(), KernelOp) and len(op.results[0].type.get_shape()) == 4:
+            ops = _cache_ops(op)
+            if ops is not None and any(_attention_reads(v) for member in [op, *ops] for v in member.results):
+                candidates[op.ref.data] = _Cache(op, ops)
+    changed = True
+    while changed:  # an attention converts only with both of its caches
+        changed = False
+        values = {v: ref for ref, c in candidates.items() for member in [c.weight, *c.ops] for v in member.results}
+        for attention in _attentions(module):
+            k_ref, v_ref = values.get(attention.k), values.get(attention.v)
+            if (k_ref is None) != (v_ref is None) or attention.k_scale is not None:
+                for ref in (k_ref, v_ref):
+                    if ref is not None and ref in candidates:
+                        del candidates[ref]
+                        changed = True
+    return candidates
+
+
+def _cache_ops(weight: WeightOp) -> list[Operation] | None:
+    """Ops reaching the buffer (views, writes) in block order, or None when something else
+    reads it (that reader would see fp8 bytes)."""
+    ref = weight.ref.data
+    block = weight.parent_block()
+    members: list[Operation] = []
+    frontier = [weight.results[0]]
+    seen: set[SSAValue] = set()
+    writes = 0
+    while frontier:
+        value = frontier.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        for use in value.uses:
+            user = use.operation
+            if isinstance(user, (DecodeAttentionOp, CacheAttentionOp)) and use.index in (1, 2):
+                continue
+            if user.parent_block() is not block:
+                return None
+            target = aten_target(user)
+            if target == _SLICE and use.index == 0 and literal_arg(user, 1) in (0, 1, 2):
+                pass
+            elif (target == "aten.index_put.default" or _is_index_put_(user)) and use.index == 0 and _row_indices(user):
+                writes += 1
+            elif isinstance(user, StateUpdateOp) and user.ref.data == ref and user.target.data == "coopt.slice_copy_" \
+                    and use.index in (0, 1):
+                pass
+            else:
+                return None
+            if user not in members:
+                members.append(user)
+            frontier.extend(user.results)
+    if not writes:
+        return None
+    order = {op: i for i, op in enumerate(block.ops)}
+    return sorted(members, key=order.__getitem__)
+
+
+def _is_index_put_(op: Operation) -> bool:
+    return isinstance(op, StateUpdateOp) and op.target.data == "aten.index_put_.default"
+
+
+def _is_write(op: Operation) -> bool:
+    """index_put, functional or in place (its operand 0 is a cache view, `_cache_ops` checked)."""
+    return aten_target(op) == "aten.index_put.default" or _is_index_put_(op)
+
+
+def _row_indices(op) -> bool:
+    """index_put(buffer, [None, None, positions], value): whole rows at some positions."""
+    indices = literal_arg(op, 1)
+    return (isinstance(indices, list) and len(indices) == 3 and indices[0] is None and indices[1] is None
+            and isinstance(indices[2], dict) and literal_arg(op, 3, "accumulate", False) is False)
+
+
+def _write_value_index(op) -> int:
+    return op.call["args"][2]["$t"]
+
+
+def _attentions(module: ModuleOp) -> list:
+    return [o for o in module.walk() if isinstance(o, (DecodeAttentionOp, CacheAttentionOp)) and not isinstance(o.parent_op(), KernelOp)]
+
+
+def _attention_reads(value: SSAValue) -> bool:
+    return any(isinstance(u.operation, (DecodeAttentionOp, CacheAttentionOp)) and u.index in (1, 2) for u in value.uses)
+
+
+def _calibration(module: ModuleOp) -> dict:
+    attr = module.attributes.get(CALIBRATION_ATTR)
+    return json.loads(attr.data) if attr is not None else {}
+
+
+def _names(type_: TensorType) -> list[str] | None:
+    """The symbolic dim names of a tensor type's encoding, or None."""
+    return [a.data for a in type_.encoding.data] if isinstance(type_.encoding, ArrayAttr) else None
+
+
+def _tensor(element, shape, names: list[str] | None) -> TensorType:
+    if names and any(names):
+        return TensorType(element, list(shape), ArrayAttr([StringAttr(n) for n in names]))
+    return TensorType(element, list(shape))
+
+
+def _fp8(type_: TensorType) -> TensorType:
+    return _tensor(Float8E4M3FNType(), type_.get_shape(), _names(type_))
+
+
+def _scale_type(type_: TensorType) -> TensorType:
+    """[B, Hkv, S, D] -> fp32 [B, Hkv, S]: the scales of a cache view, one per row."""
+    names = _names(type_)
+    return _tensor(f32, type_.get_shape()[:-1], names[:-1] if names else None)
+
+
+def _aten(target: str, args: list, inputs: list, type_: TensorType, kwargs: dict | None = None, before: Operation = None) -> SSAValue:
+    op = AtenOp(target, {"args": args, "kwargs": kwargs or {}}, inputs, [type_])
+    Rewriter.insert_op(op, InsertPoint.before(before))
+    return op.results[0]
+
+
+def _rank4(value: SSAValue, before: Operation) -> SSAValue:
+    """The written value as [B, Hkv, T, D]: index_put broadcasts a value without the batch dim
+    (export drops a size-1 batch), quantize_fp8 and the kv_write family take rank 4."""
+    while len(value.type.get_shape()) < 4:
+        t = value.type
+        names = _names(t)
+        new_type = _tensor(t.element_type, [1, *t.get_shape()], ["", *names] if names else None)
+        value = _aten("aten.unsqueeze.default", [{"$t": 0}, 0], [value], new_type, before=before)
+    return value
+
+
+def _row_scales(x: SSAValue, headroom: float, before: Operation) -> SSAValue:
+    """s = clamp_min(amax(|x|, -1) in fp32, SCALE_FLOOR) * headroom / FP8_MAX, [B, Hkv, T] (the
+    cast to fp32 only for 16-bit x)."""
+    rows = _scale_type(x.type)
+    same_dtype = _tensor(x.type.element_type, rows.get_shape(), _names(rows))
+    magnitude = _aten("aten.abs.default", [{"$t": 0}], [x], x.type, before=before)
+    absmax = _aten("aten.amax.default", [{"$t": 0}, [-1]], [magnitude], same_dtype, before=before)
+    as_fp32 = absmax if x.type.element_type == f32 else \
+        _aten("aten._to_copy.default", [{"$t": 0}], [absmax], rows, {"dtype": {"$dtype": "float32"}}, before=before)
+    floored = _aten("aten.clamp_min.default", [{"$t": 0}, SCALE_FLOOR], [as_fp32], rows, before=before)
+    return _aten("aten.mul.Tensor", [{"$t": 0}, float(headroom) / FP8_MAX], [floored], rows, before=before)
+
+
+def _give_scales(attention, k_scale: SSAValue, v_scale: SSAValue, granularity: str) -> None:
+    new = type(attention)(attention.q, attention.k, attention.v, attention.lengths, attention.scale.value.data,
+                          attention.result.type, k_scale=k_scale, v_scale=v_scale, kv_scale=granularity)
+    Rewriter.replace_op(attention, new)
+    count("fp8_kv_cache.attentions")
+

@@ -1,0 +1,116 @@
+"""Template family "kv_write": one decode (or prefill) step's KV-cache write in one launch.
+
+Region schema (coopt.ir.region, docs/kv-cache.md):
+
+    attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",
+             "inplace": [input indices written in place], ["headroom": float, per-token only]}
+    inputs: k_cache, v_cache [B_max, Hkv, S_max, D], positions [T] int32/int64,
+            k, v [B, Hkv, T, D] (any strides, B <= B_max), [cos, sin broadcastable to k],
+            [k_scale, v_scale: [1] / [Hkv] fp32 read, or per-token [B_max, Hkv, S_max] written]
+    outputs: the inplace inputs after cache[:B, :, positions] = quant(rope(k)) (resp. v)
+
+Without the fusion a Llama layer's step launches a rope kernel for K and two index_put_ copies
+(and with an fp8 cache two quantize kernels): four or five launches of a few µs each for a few
+KB. Here one program handles BLOCK_R rows (b, head, t) of D elements: it loads the K and V
+rows through their strides, rotates K in registers (rotate-half, as coopt.rope: partner element
+d ± D/2, cos and sin through broadcast strides), quantizes (below) and stores both rows at
+cache position positions[t]. Positions outside [0, S_max) are not written (the program's input
+checks refuse them before any kernel runs; this only keeps timing with arbitrary inputs safe).
+
+fp8 (float8_e4m3fn): q = clamp(x / s, -448, 448) rounded to nearest even; s is k_scale[0]
+(per-tensor), k_scale[h] (per-head), or per-token s = max(absmax(row), 1e-12) · (headroom / 448) (fp8-kv-cache's formula),
+computed here and stored at k_scale[b, h, positions[t]] next to the row.
+
+Knobs (explicit lists, pruned by `check`): BLOCK_R rows per program, num_warps.
+
+Example (a Llama-3-8B decode step, bf16 cache of 4096 positions, rope on K):
+    >>> from coopt.ir.region import RegionSummary, TensorSpec
+    >>> from coopt.targets import H200
+    >>> cache, row = TensorSpec((1, 8, 4096, 128), "bfloat16"), TensorSpec((1, 8, 1, 128), "bfloat16")
+    >>> table = TensorSpec((1, 128), "float32")
+    >>> region = RegionSummary("r3_kv_write", "kv_write",
+    ...     inputs=(cache, cache, TensorSpec((1,), "int64"), row, row, table, table),
+    ...     outputs=(cache, cache), attrs={"rope": True, "quant": "none", "inplace": [0, 1]})
+    >>> KvWriteFamily().matches(region)
+    True
+    >>> KvWriteFamily().legal_points(region, H200)[:2]
+    [{'BLOCK_R': 1, 'num_warps': 1}, {'BLOCK_R': 1, 'num_warps': 2}]
+"""
+
+from __future__ import annotations
+
+from coopt.ir.region import RegionSummary
+from coopt.targets import Target
+from coopt.templates.base import TemplateFamily, dim_range, lane_fill_problem, next_pow2, render_template
+
+BLOCK_ROWS = (1, 2, 4, 8, 16, 32)
+NUM_WARPS = (1, 2, 4, 8)
+# K, its rope partner, cos, sin and V per element: more than this per thread spills
+MAX_ELEMENTS_PER_THREAD = 32
+QUANT_MODES = ("none", "per-tensor", "per-head", "per-token")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+FP8 = "float8_e4m3fn"
+MAX_HEAD_DIM = 512
+
+
+class KvWriteFamily(TemplateFamily):
+    name = "kv_write"
+
+    def matches(self, region: RegionSummary) -> bool:
+        attrs = region.attrs
+        rope, quant = attrs.get("rope"), attrs.get("quant")
+        if region.family != self.name or not isinstance(rope, bool) or quant not in QUANT_MODES:
+            return False
+        want_inputs = 5 + 2 * rope + 2 * (quant != "none")
+        inplace = [0, 1, 5 + 2 * rope, 6 + 2 * rope] if quant == "per-token" else [0, 1]
+        if len(region.inputs) != want_inputs or list(attrs.get("inplace") or ()) != inplace:
+            return False
+        if len(region.outputs) != len(inplace):
+            return False
+        k_cache, v_cache, positions, k, v = region.inputs[:5]
+        if any(len(s.shape) != 4 for s in (k_cache, v_cache, k, v)) or len(positions.shape) != 1:
+            return False
+        head_dim = k_cache.shape[3]
+        cache_dtype = FP8 if quant != "none" else k.dtype
+        return (
+            isinstance(head_dim, int) and 1 <= head_dim <= MAX_HEAD_DIM
+            and (head_dim % 2 == 0 or not rope)
+            and all(s.shape[3] == head_dim for s in (v_cache, k, v))
+            and k_cache.shape[1] == v_cache.shape[1] == k.shape[1] == v.shape[1]
+            and k.shape[2] == v.shape[2] == positions.shape[0]
+            and positions.dtype in ("int32", "int64")
+            and k.dtype in FLOAT_DTYPES and v.dtype == k.dtype
+            and k_cache.dtype == v_cache.dtype == cache_dtype
+            and all(len(s.shape) <= 4 and s.dtype in FLOAT_DTYPES for s in region.inputs[5:5 + 2 * rope])
+            and all(s.dtype == "float32" for s in region.inputs[5 + 2 * rope:])
+            and [o.dtype for o in region.outputs] == [region.inputs[i].dtype for i in inplace]
+        )
+
+    def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
+        return {"BLOCK_R": list(BLOCK_ROWS), "num_warps": list(NUM_WARPS)}
+
+    def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        space = self.param_space(region, target)
+        for knob, values in space.items():
+            if params.get(knob) not in values:
+                return f"{knob}={params.get(knob)} is not in the space"
+        block_r = params["BLOCK_R"]
+        _, rows = dim_range(region, region.inputs[3].shape[:3])
+        if rows is not None and block_r > next_pow2(rows):
+            return f"BLOCK_R={block_r} exceeds the {rows} rows (b, head, t) of a step"
+        elements = block_r * next_pow2(region.inputs[0].shape[3])
+        if params["num_warps"] == min(NUM_WARPS) and elements < 32:
+            return None  # a small step (few rows of a small D): one warp, some lanes idle, is all there is
+        return lane_fill_problem(f"BLOCK_R={block_r} rows of D", elements, params["num_warps"], MAX_ELEMENTS_PER_THREAD)
+
+    def render(self, region: RegionSummary, params: dict) -> str:
+        attrs = region.attrs
+        return render_template(
+            "triton/kv_write.py.j2",
+            region_name=region.name,
+            BLOCK_R=params["BLOCK_R"],
+            num_warps=params["num_warps"],
+            rope=attrs["rope"],
+            quant=attrs["quant"],
+            headroom=repr(float(attrs.get("headroom", 1.0))),
+        )

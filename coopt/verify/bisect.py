@@ -1,0 +1,103 @@
+"""Which regions' kernels make a built model disagree with the original.
+
+Every selected kernel passed its own differential check, yet the whole model can still disagree
+with the original: a kernel may read a strided view it was never fuzzed with, write outside its
+output, or race on a workspace shared with another launch. Dropping every kernel then throws
+away all the speed for one culprit; this finds the culprits instead, by switching groups of
+regions (a region and its twins, which share one kernel) between their kernel and their
+reference and re-running the end-to-end check:
+
+1. each group alone on its kernel, every other region on its reference: a group that disagrees
+   alone is a culprit;
+2. all the others together: if they agree, done;
+3. otherwise (an interaction between groups) they are added one at a time and a group that
+   breaks the agreement is a culprit too.
+
+At most 2n + 1 checks for n groups; the caller's check restores any model state between runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+class ReferencesDisagree(Exception):
+    """Even with every region on its reference the built model disagrees: not a kernel's fault."""
+
+
+def culprit_groups(groups: Sequence[str], agrees: Callable[[frozenset[str]], bool]) -> list[str]:
+    """The groups whose kernels must fall back, in `groups` order.
+
+    `agrees(enabled)` runs the end-to-end check with the kernels of the `enabled` groups and the
+    references everywhere else and returns whether the built model matched the original.
+    """
+    if not agrees(frozenset()):
+        raise ReferencesDisagree("the built model disagrees with the original with every region on its reference")
+    culprits = {g for g in groups if not agrees(frozenset({g}))}
+    kept = [g for g in groups if g not in culprits]
+    if kept and not agrees(frozenset(kept)):
+        enabled: set[str] = set()
+        for group in kept:
+            if agrees(frozenset(enabled | {group})):
+                enabled.add(group)
+            else:
+                culprits.add(group)
+    return [g for g in groups if g in culprits]
+
+
+def snapshot_buffers(*modules) -> Callable[[], None]:
+    """A function that puts every buffer of `modules` (KV caches, running stats) back to its
+    current value: each end-to-end check of the bisection starts from the same state."""
+    import torch
+
+    saved = [(buffer, buffer.detach().clone()) for module in modules for buffer in module.buffers()]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+    return restore
+
+
+def regions_at_fault(built, regions, out, check: Callable[[], bool]) -> list[str]:
+    """Names of the regions whose selected kernels break the end-to-end agreement.
+
+    `built` is a loaded BuiltModel: its `_kernels` (region -> run) is switched in place between
+    each region's selected kernel and its reference (out/kernels/<region>__reference.py) and put
+    back as it was at the end. `regions` are the build's RegionBuilds; twins (`same_as`) share
+    their leader's kernel and move with it. `check()` runs the end-to-end comparison once.
+    """
+    from coopt.candidates import REFERENCE
+
+    groups: dict[str, list[str]] = {}
+    for region in regions:
+        if region.selected != REFERENCE:
+            groups.setdefault(region.same_as or region.summary.name, []).append(region.summary.name)
+    chosen = dict(built._kernels)
+    reference = reference_runs(regions, out)
+
+    def agrees(enabled: frozenset[str]) -> bool:
+        for leader, members in groups.items():
+            for name in members:
+                built._kernels[name] = chosen[name] if leader in enabled else reference[name]
+        return check()
+
+    try:
+        culprits = culprit_groups(list(groups), agrees)
+    finally:
+        built._kernels.update(chosen)
+    return [name for group in culprits for name in groups[group]]
+
+
+def reference_runs(regions, out) -> dict[str, Callable]:
+    """{region: run} of the reference module of every region that selected a kernel."""
+    from coopt.candidates import REFERENCE
+    from coopt.runtime.kernel_loader import load_module_from_file
+
+    runs = {}
+    for region in regions:
+        if region.selected != REFERENCE:
+            entry = next(c for c in region.candidates if c.label == REFERENCE)
+            runs[region.summary.name] = load_module_from_file(out / entry.module).run
+    return runs

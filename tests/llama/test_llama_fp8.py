@@ -1,0 +1,119 @@
+"""`coopt build examples/llama/model.py --kv-cache fp8` on the tiny preset: one CLI build for the
+module (decode step + prefill entry, --top-k 1; about 50 s without a GPU). The caches are stored
+in fp8 with calibrated per-head scales, both entries use the same caches and scales, the decode
+step writes quantized rows, and the build measures and reports its accuracy cost."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import coopt
+from coopt.frontend.model_file import load_model_file
+from llama_helpers import MODEL_PATH
+
+CACHES = [f"layers.{layer}.attention.{kind}_cache" for layer in range(2) for kind in "kv"]
+# Top-1 bound over the 16 teacher-forced decode steps. Per-head e4m3 keeps 3 mantissa bits (a
+# relative error up to 1/16 per cached element); on the tiny random model that moves the logits
+# by ~0.3 and flips 2 of 16 close greedy choices (measured 0.875). Half is far below that yet far
+# above what a broken dequantization gives (a wrong scale or layout: near-chance 1/256 agreement).
+MIN_TOP1 = 0.5
+
+
+@pytest.fixture(scope="module")
+def built_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama_fp8") / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COOPT_LLAMA_") and k != "COOPT_EXAMPLE_DTYPE"}
+    command = [sys.executable, "-m", "coopt.cli.main", "build", str(MODEL_PATH), "-o", str(out), "--top-k", "1",
+               "--kv-cache", "fp8", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    build = json.loads(result.stdout[result.stdout.index("{"):])
+    assert "raise-patterns,fp8-kv-cache," in json.loads((out / "build.json").read_text())["pipeline"]
+    assert build["end_to_end"]["lossy"] and build["entries"]["prefill"]["end_to_end"]["lossy"]
+    return out
+
+
+def test_weights_hold_fp8_caches_and_their_scales_once(built_dir):
+    main = torch.load(built_dir / "weights.pt", weights_only=True)
+    for name in CACHES:
+        assert main[name].dtype == torch.float8_e4m3fn and main[name].shape == (1, 2, 128, 16)
+        assert main[name + ".scale"].dtype == torch.float32 and main[name + ".scale"].shape == (2,)
+    # the prefill entry stores no cache or scale of its own: it uses the main entry's
+    extra = torch.load(built_dir / "entries" / "prefill" / "weights.pt", weights_only=True)
+    assert not any("cache" in name for name in extra)
+    # existing contents (the model's stand-in history) are stored quantized with the same scales
+    eager = load_model_file(MODEL_PATH).model
+    history = eager.layers[0].attention.k_cache[:, :, :8]
+    scale = main[CACHES[0] + ".scale"]
+    expected = torch.clamp(history / scale[:, None, None], -448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(main[CACHES[0]][:, :, :8].view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_decode_step_writes_rows_quantized_with_the_calibrated_scales(built_dir):
+    eager = load_model_file(MODEL_PATH)
+    built = coopt.load(built_dir)
+    tokens, position = eager.example_inputs
+    with torch.no_grad():
+        built(tokens, position)
+        eager.model(tokens, position)
+    row = int(position[0])
+    # layer 0's keys and values come from the embedding alone, so eager writes exactly the rows the
+    # build quantizes (layer 1's already depend on layer 0's attention over the fp8 cache)
+    for kind in "kv":
+        name = f"layers.0.attention.{kind}_cache"
+        written = getattr(eager.model.layers[0].attention, f"{kind}_cache")[:, :, row]  # [1, Hkv, D]
+        scale = built.state_tensor(name + ".scale")
+        expected = torch.clamp(written / scale[:, None], -448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(built.state_tensor(name)[:, :, row].view(torch.uint8), expected.view(torch.uint8)), name
+
+
+def test_prefill_entry_shares_fp8_caches_and_scales(built_dir):
+    built = coopt.load(built_dir)
+    prefill = built.entry_points["prefill"]
+    for name in (CACHES[0], CACHES[0] + ".scale"):
+        assert prefill.state_tensor(name) is built.state_tensor(name)
+    assert "'layers.0.attention.k_cache.scale'" in (built_dir / "entries" / "prefill" / "program.py").read_text()
+    # the prompt's attention region reads the fp8 cache with its scales (docs/kv-cache.md)
+    regions = json.loads((built_dir / "entries" / "prefill" / "selection.json").read_text())["regions"]
+    summary = next(r["summary"] for r in regions.values() if r["family"] == "attention")
+    assert summary["attrs"]["kv_scale"] == "per-head"
+    assert [i["dtype"] for i in summary["inputs"]] == ["float32", "float8_e4m3fn", "float8_e4m3fn", "int32", "float32", "float32"]
+    # a prompt through the prefill entry, then a decode step over what it wrote: fp8-close to eager
+    eager = load_model_file(MODEL_PATH).model
+    prompt = torch.randint(0, eager.args.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = prefill(prompt, torch.arange(11)), eager(prompt, torch.arange(11))
+        assert float((got - want).abs().max()) < 0.1 * float(want.abs().max())
+        assert torch.isfinite(built(torch.tensor([[7]]), torch.tensor([11]))).all()
+
+
+def test_build_json_and_report_state_the_measured_accuracy_cost(built_dir):
+    accuracy = json.loads((built_dir / "build.json").read_text())["accuracy"]
+    assert accuracy["passes"] == [{"pass": "fp8-kv-cache",
+                                   "knobs": {"granularity": "per-head", "scale-source": "calibration", "headroom": 1.0}}]
+    for key in ("max_abs_err", "max_rel_err", "top1_agreement", "mean_kl"):
+        assert math.isfinite(accuracy[key]) and accuracy[key] >= 0, key
+    assert accuracy["decode_steps"] == 16 and accuracy["top1_agreement"] >= MIN_TOP1, accuracy
+    assert accuracy["mean_kl"] < 0.1, accuracy
+    memory = accuracy["kv_cache_bytes"]
+    assert memory["before"] == 4 * 128 * 2 * 16 * 4 and memory["after"] == memory["before"] // 4 + 4 * 2 * 4
+    report = (built_dir / "report.md").read_text()
+    assert "## Lossy transformations" in report and "fp8-kv-cache" in report and "top-1 agreement" in report
+    prefill = json.loads((built_dir / "entries" / "prefill" / "build.json").read_text())
+    assert math.isfinite(prefill["accuracy"]["max_abs_err"]) and "top1_agreement" not in prefill["accuracy"]
+    assert json.loads((built_dir / "manifest.json").read_text())["lossy_passes"] == ["fp8-kv-cache"]
+
+
+def test_generate_runs_on_the_fp8_build(built_dir):
+    built = coopt.load(built_dir)
+    prompt = torch.tensor([[3, 17, 42, 9]])
+    tokens = coopt.generate(built, prompt, 6)
+    assert tokens.shape == (1, 10) and torch.equal(tokens[:, :4], prompt)
+    assert int(tokens.min()) >= 0 and int(tokens.max()) < 256

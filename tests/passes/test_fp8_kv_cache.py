@@ -1,0 +1,187 @@
+"""fp8-kv-cache (docs/kv-cache.md): each KV cache becomes float8_e4m3fn, every write goes through
+coopt.quantize_fp8, every cache attention gets k_scale / v_scale; per-token scales live in state
+buffers written beside the cache. Illegal knob combinations and a model without a cache are
+pipeline errors (exit 5), never a silent no-op."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from xdsl.context import Context
+
+import coopt
+from coopt.errors import ConfigError
+from coopt.fp8_cache import calibrate_kv_absmax, set_calibration
+from coopt.frontend.capture import capture
+from coopt.frontend.importer import import_program
+from coopt.ir.dialect import DecodeAttentionOp, KernelOp, QuantizeFp8Op, StateUpdateOp, WeightOp
+from coopt.passes.fp8_kv_cache import FP8_ATTR, FP8_MAX, SCALE_FLOOR
+from coopt.passes.registry import parse_pipeline_text
+from coopt.passes.stats import collect_counters
+
+HEADS, KV_HEADS, DIM, MAX_SEQ = 4, 2, 16, 32
+RAISE = "inplace-state-writes,raise-patterns"
+
+
+class DecodeStep(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k_cache", torch.randn(1, KV_HEADS, MAX_SEQ, DIM))
+        self.register_buffer("v_cache", torch.randn(1, KV_HEADS, MAX_SEQ, DIM) * 2)
+        self.register_buffer("cache_positions", torch.arange(MAX_SEQ))
+
+    def forward(self, q, k, v, input_pos):
+        self.k_cache[:, :, input_pos] = k
+        self.v_cache[:, :, input_pos] = v
+        mask = self.cache_positions[None, :] <= input_pos[:, None]
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+
+
+def step(pos: int, generator=None):
+    g = generator or torch.Generator().manual_seed(pos)
+    return (torch.randn(1, HEADS, 1, DIM, generator=g), torch.randn(1, KV_HEADS, 1, DIM, generator=g),
+            torch.randn(1, KV_HEADS, 1, DIM, generator=g), torch.tensor([pos]))
+
+
+def run(pipeline: str, model=None, calibrate=True):
+    torch.manual_seed(0)
+    model = (model or DecodeStep()).eval()
+    inputs = step(5)
+    module = import_program(capture(model, inputs), inputs).module
+    if calibrate:
+        set_calibration(module, calibrate_kv_absmax(model, [inputs]))
+    with collect_counters() as counters:
+        for compiler_pass in parse_pipeline_text(pipeline):
+            compiler_pass.apply(Context(allow_unregistered=True), module)
+            module.verify()
+    return module, counters, model
+
+
+def ops(module, kind):
+    return [op for op in module.walk() if isinstance(op, kind)]
+
+
+def weight_types(module) -> dict:
+    return {op.ref.data: str(op.result.type) for op in ops(module, WeightOp)}
+
+
+def test_before_the_pass_caches_are_fp32_and_attention_has_no_scales():
+    module, _, _ = run(RAISE)
+    assert weight_types(module)["k_cache"] == "tensor<1x2x32x16xf32>"
+    (attention,) = ops(module, DecodeAttentionOp)
+    assert attention.k_scale is None and attention.kv_scale is None and not ops(module, QuantizeFp8Op)
+
+
+def test_per_head_retypes_caches_quantizes_writes_and_attaches_scales():
+    module, counters, model = run(RAISE + ",fp8-kv-cache")
+    types = weight_types(module)
+    assert types["k_cache"] == types["v_cache"] == "tensor<1x2x32x16xf8E4M3FN>"
+    assert types["k_cache.scale"] == types["v_cache.scale"] == "tensor<2xf32>"
+    quantized = ops(module, QuantizeFp8Op)
+    assert [q.granularity.data for q in quantized] == ["per-head", "per-head"]
+    for update in ops(module, StateUpdateOp):  # the write stores what quantize_fp8 made
+        assert isinstance(update.inputs[2].owner, QuantizeFp8Op) and "f8E4M3FN" in str(update.results[0].type)
+    (attention,) = ops(module, DecodeAttentionOp)
+    assert attention.kv_scale.data == "per-head"
+    assert attention.k_scale.owner.ref.data == "k_cache.scale" and attention.v_scale.owner.ref.data == "v_cache.scale"
+    assert "f8E4M3FN" in str(attention.k.type) and "f8E4M3FN" in str(attention.v.type)
+    assert counters["fp8_kv_cache.buffers"] == 2 and counters["fp8_kv_cache.attentions"] == 1
+    record = json.loads(module.attributes[FP8_ATTR].data)
+    assert record["caches"] == {"k_cache": "k_cache.scale", "v_cache": "v_cache.scale"}
+    absmax = model.v_cache.abs().amax(dim=(0, 2, 3))  # calibrated after the step wrote row 5
+    assert record["scales"]["v_cache.scale"] == pytest.approx((absmax / FP8_MAX).tolist())
+
+
+def test_per_tensor_scale_is_the_largest_head_with_headroom():
+    module, _, model = run(RAISE + ",fp8-kv-cache{granularity=per-tensor headroom=1.5}")
+    assert weight_types(module)["k_cache.scale"] == "tensor<1xf32>"
+    record = json.loads(module.attributes[FP8_ATTR].data)
+    assert record["scales"]["k_cache.scale"] == pytest.approx([float(model.k_cache.abs().max()) * 1.5 / FP8_MAX])
+    assert {q.granularity.data for q in ops(module, QuantizeFp8Op)} == {"per-tensor"}
+
+
+def test_per_token_adds_scale_buffers_written_at_the_same_positions():
+    module, _, _ = run(RAISE + ",fp8-kv-cache{granularity=per-token,scale-source=dynamic}", calibrate=False)
+    types = weight_types(module)
+    assert types["k_cache.scale"] == types["v_cache.scale"] == "tensor<1x2x32xf32>"
+    updates = {u.ref.data: u for u in ops(module, StateUpdateOp)}
+    assert set(updates) == {"k_cache", "v_cache", "k_cache.scale", "v_cache.scale"}
+    for name in ("k_cache", "v_cache"):
+        cache, scale = updates[name], updates[name + ".scale"]
+        assert cache.inputs[1] is scale.inputs[1]  # the same positions
+        quantize = cache.inputs[2].owner
+        assert isinstance(quantize, QuantizeFp8Op) and quantize.granularity.data == "per-token"
+        assert quantize.scale is scale.inputs[2]  # the rows' scales are written and used
+    (attention,) = ops(module, DecodeAttentionOp)
+    assert attention.kv_scale.data == "per-token" and str(attention.k_scale.type) == "tensor<1x2x32xf32>"
+    assert json.loads(module.attributes[FP8_ATTR].data)["scales"] == {}
+
+
+def test_regions_carry_the_scales():
+    module, counters, _ = run(RAISE + ",fp8-kv-cache,fuse-attention")
+    (kernel,) = [k for k in ops(module, KernelOp) if k.family.data == "decode_attention"]
+    assert kernel.family_attrs["kv_scale"] == "per-head" and len(kernel.inputs) == 6
+    assert [str(v.type) for v in kernel.inputs[4:]] == ["tensor<2xf32>", "tensor<2xf32>"]
+    assert counters["fuse.attention.fp8_cache"] == 1
+
+
+@pytest.mark.parametrize("knobs, culprit", [
+    ("granularity=per-token", "granularity=per-token does not go with scale-source=calibration"),
+    ("scale-source=dynamic", "granularity=per-head does not go with scale-source=dynamic"),
+    ("granularity=per-tensor,scale-source=dynamic", "granularity=per-tensor"),
+    ("granularity=per-row", "granularity='per-row'"),
+    ("scale-source=online", "scale-source='online'"),
+    ("headroom=0.5", "headroom=0.5"),
+])
+def test_illegal_knob_combinations_are_pipeline_errors_naming_the_knob(knobs, culprit):
+    with pytest.raises(ConfigError, match="fp8-kv-cache") as error:
+        parse_pipeline_text(f"raise-patterns,fp8-kv-cache{{{knobs}}}")
+    assert culprit in error.value.message and error.value.exit_code == 5
+
+
+def test_a_model_without_a_kv_cache_is_an_error():
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    inputs = (torch.randn(2, 8),)
+    module = import_program(capture(mlp.eval(), inputs), inputs).module
+    with pytest.raises(ConfigError, match="no KV cache"):
+        for compiler_pass in parse_pipeline_text(RAISE + ",fp8-kv-cache"):
+            compiler_pass.apply(Context(allow_unregistered=True), module)
+
+
+def test_calibration_data_is_required_for_calibrated_scales():
+    with pytest.raises(ConfigError, match="no calibration absmax"):
+        run(RAISE + ",fp8-kv-cache", calibrate=False)
+
+
+def test_kv_cache_option_inserts_the_pass_after_raise_patterns():
+    pipe = coopt.Pipeline("inplace-state-writes,raise-patterns,fuse-elementwise{max-ops=4}", kv_cache="fp8")
+    assert pipe.pipeline_text == "inplace-state-writes,raise-patterns,fp8-kv-cache,fuse-elementwise{max-ops=4}"
+    assert [p.name for p in pipe.passes][2] == "fp8-kv-cache" and pipe.config().lossy_passes
+    assert coopt.Pipeline(kv_cache="bf16").pipeline_text == coopt.Pipeline().pipeline_text
+    with pytest.raises(ConfigError, match="raise-patterns"):
+        coopt.Pipeline("fuse-elementwise", kv_cache="fp8")
+
+
+def test_per_token_build_writes_quantized_rows_and_their_scales(tmp_path):
+    """The reference program of a per-token build: rows quantized with their own scale, the
+    scale stored beside them, and attention within fp8 error of the fp32 model."""
+    torch.manual_seed(0)
+    eager = DecodeStep()
+    build_model = DecodeStep()
+    build_model.load_state_dict(eager.state_dict())
+    pipeline = "inplace-state-writes,raise-patterns,fp8-kv-cache{granularity=per-token,scale-source=dynamic},fuse-attention"
+    result = coopt.Pipeline(pipeline, top_k=1).build(build_model, step(3), tmp_path / "out")
+    assert result.accuracy["kv_cache_bytes"]["saved"] > 0 and result.e2e["lossy"]
+    built = coopt.load(tmp_path / "out")
+    assert built.state_tensor("k_cache").dtype == torch.float8_e4m3fn
+    for pos in (3, 9):
+        inputs = step(pos, torch.Generator().manual_seed(100 + pos))
+        got = built(*inputs)
+        want = eager(*inputs)
+        torch.testing.assert_close(got, want, rtol=0.1, atol=0.1)
+        row = inputs[1][0, :, 0]  # k written at pos: [Hkv, D]
+        scale = row.abs().amax(-1).clamp_min(SCALE_FLOOR) / FP8_MAX
+        torch.testing.assert_close(built.state_tensor("k_cache.scale")[0, :, pos], scale)
+        expected = torch.clamp(row / scale[:, None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        assert torch.equal(built.state_tensor("k_cache")[0, :, pos].view(torch.uint8), expected.view(torch.uint8))

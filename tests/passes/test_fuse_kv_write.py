@@ -1,0 +1,162 @@
+"""fuse-kv-write: a step's K and V cache writes (with K's rope and an fp8 quantize) become one
+in-place kv_write region; what it cannot take is left alone and counted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from xdsl.context import Context
+from xdsl.dialects.builtin import Float8E4M3FNType, TensorType, f32
+from xdsl.rewriter import InsertPoint, Rewriter
+
+from coopt.codegen.torch_lines import reference_module_source
+from coopt.ir.dialect import QuantizeFp8Op, RopeOp, StateUpdateOp, WeightOp
+from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text
+from coopt.passes.stats import collect_counters
+from coopt.runtime.kernel_loader import load_module_from_source
+from pass_helpers import kernels, run_pipeline
+
+UP_TO_RAISE = "inplace-state-writes,raise-patterns"
+FUSE = "inplace-state-writes,raise-patterns,fuse-kv-write,fuse-rope"
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+
+class Step(torch.nn.Module):
+    """One attention layer's cache write, gpt-fast style: cache[:B, :, pos] = rope(k), v."""
+
+    def __init__(self, b_max=1, batch=None, k_rope_elsewhere=False, v_positions_offset=False):
+        super().__init__()
+        self.batch, self.k_rope_elsewhere, self.offset = batch, k_rope_elsewhere, v_positions_offset
+        self.register_buffer("k_cache", torch.zeros(b_max, 2, 16, 8))
+        self.register_buffer("v_cache", torch.zeros(b_max, 2, 16, 8))
+
+    def forward(self, k, v, cos, sin, pos):
+        k = k * cos + rotate_half(k) * sin
+        b = self.batch or k.shape[0]
+        self.k_cache[:b, :, pos] = k
+        self.v_cache[:b, :, pos + 1 if self.offset else pos] = v
+        out = self.k_cache.sum(-1) + self.v_cache.sum(-1)
+        return out + k.sum() if self.k_rope_elsewhere else out
+
+
+def inputs(b=1, t=1):
+    torch.manual_seed(0)
+    return [torch.randn(b, 2, t, 8), torch.randn(b, 2, t, 8), torch.randn(t, 8), torch.randn(t, 8), torch.arange(3, 3 + t)]
+
+
+def kv_writes(module):
+    return [k for k in kernels(module) if k.family.data == "kv_write"]
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (2, 1), (1, 3)], ids=["batch1-view", "batch2", "prompt"])
+def test_k_and_v_writes_and_ks_rope_become_one_region(b, t):
+    module, counters = run_pipeline(Step(b_max=b), inputs(b, t), FUSE)
+    (region,) = kv_writes(module)
+    assert region.family_attrs == {"rope": True, "quant": "none", "inplace": [0, 1]}
+    assert counters["fuse.kv_write"] == counters["fuse.kv_write.rope"] == 1 and not counters["fuse.rope"]
+    body = list(region.body.block.ops)
+    assert [type(op).__name__ for op in body] == ["RopeOp", "StateUpdateOp", "StateUpdateOp", "YieldOp"]
+    # inputs in schema order: caches (weights), positions, k, v [B, Hkv, T, D], cos, sin
+    assert [v.owner.ref.data for v in region.inputs[:2]] == ["k_cache", "v_cache"]
+    assert [v.type.get_shape() for v in region.inputs[3:5]] == [(b, 2, t, 8)] * 2
+    # no state_update outside the region, and the caches' readers read the region's results
+    assert not [op for op in module.walk() if isinstance(op, StateUpdateOp) and op.parent_op() is not region]
+    assert all(use.operation.parent_op() is not region for r in region.results for use in r.uses)
+    assert len([u for r in region.results for u in r.uses]) >= 2
+
+
+def test_reference_module_writes_its_inputs_in_place_and_returns_them(tmp_path):
+    module, _ = run_pipeline(Step(), inputs(), FUSE)
+    (region,) = kv_writes(module)
+    reference = load_module_from_source(reference_module_source(region), tmp_path, "reference")
+    k_cache, v_cache = torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16, 8)
+    k, v, cos, sin, pos = inputs()
+    out = reference.run(k_cache, v_cache, pos, k, v, cos, sin)
+    assert out[0] is k_cache and out[1] is v_cache
+    torch.testing.assert_close(k_cache[:, :, 3], (k * cos + rotate_half(k) * sin)[:, :, 0])
+    torch.testing.assert_close(v_cache[:, :, 3], v[:, :, 0])
+    assert not k_cache[:, :, 4:].any()
+
+
+def test_rope_read_elsewhere_stays_its_own_region():
+    module, counters = run_pipeline(Step(k_rope_elsewhere=True), inputs(), FUSE)
+    (region,) = kv_writes(module)
+    assert region.family_attrs["rope"] is False and counters["fuse.rope"] == 1
+    assert isinstance(region.inputs[3].owner.body.block.first_op, RopeOp)  # k comes from the rope region
+
+
+def test_default_pipeline_fuses_before_fuse_rope():
+    assert DEFAULT_PIPELINE.index("fuse-kv-write") < DEFAULT_PIPELINE.index("fuse-rope")
+    module, counters = run_pipeline(Step(), inputs())
+    assert counters["fuse.kv_write.rope"] == 1 and len(kv_writes(module)) == 1
+
+
+@pytest.mark.parametrize("model,why", [
+    (Step(v_positions_offset=True), "unpaired"),  # V written at other positions: no partner
+    (Step(b_max=2, batch=1), "sliced_cache"),  # cache[:1] of a 2-sequence cache: a slice is written
+], ids=["other-positions", "batch-below-cache"])
+def test_unmatched_writes_are_left_alone_and_counted(model, why):
+    module, counters = run_pipeline(model, inputs(), FUSE)
+    assert not kv_writes(module)
+    assert counters[f"fuse.kv_write.skipped.{why}"] >= 1, counters
+    assert len([op for op in module.walk() if isinstance(op, StateUpdateOp)]) >= 2 or why == "sliced_cache"
+
+
+def _quantize_writes(module, granularity):
+    """What fp8-kv-cache does to each write: value -> quantize_fp8(value, <cache>.scale)."""
+    for update in [op for op in module.walk() if isinstance(op, StateUpdateOp)]:
+        index = update.call["args"][2]["$t"]
+        value = update.inputs[index]
+        heads = update.inputs[0].type.get_shape()[1]
+        scale_shape = {"per-tensor": [1], "per-head": [heads], "per-token": list(value.type.get_shape())[:-1]}[granularity]
+        scale = WeightOp(update.ref.data + ".scale", TensorType(f32, scale_shape))
+        fp8 = TensorType(Float8E4M3FNType(), value.type.get_shape(), value.type.encoding)
+        quantize = QuantizeFp8Op(value, scale.result, granularity, fp8)
+        Rewriter.insert_op([scale, quantize], InsertPoint.before(update))
+        operands = list(update.operands)
+        operands[index] = quantize.results[0]
+        update.operands = operands
+
+
+def _fuse(module):
+    with collect_counters() as counters:
+        for compiler_pass in parse_pipeline_text("fuse-kv-write,fuse-rope"):
+            compiler_pass.apply(Context(allow_unregistered=True), module)
+        module.verify()
+    return counters
+
+
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
+def test_quantized_writes_are_absorbed(granularity):
+    module, _ = run_pipeline(Step(), inputs(), UP_TO_RAISE)  # batch 1: the write's value is a [Hkv, T, D] view
+    _quantize_writes(module, granularity)
+    counters = _fuse(module)
+    (region,) = kv_writes(module)
+    assert region.family_attrs == {"rope": True, "quant": granularity, "inplace": [0, 1]}
+    assert counters["fuse.kv_write.quantized"] == 1
+    assert [v.owner.ref.data for v in region.inputs[7:]] == ["k_cache.scale", "v_cache.scale"]
+    quantizes = [op for op in region.body.block.ops if isinstance(op, QuantizeFp8Op)]
+    # rebuilt on the [B, Hkv, T, D] value the schema names (the leading-1 view is gone)
+    assert [q.x.type.get_shape() for q in quantizes] == [(1, 2, 1, 8)] * 2
+    assert not [op for op in module.walk() if isinstance(op, QuantizeFp8Op) and op.parent_op() is not region]
+
+
+def test_per_token_quantization_is_not_fused_yet():
+    module, _ = run_pipeline(Step(), inputs(), UP_TO_RAISE)
+    _quantize_writes(module, "per-token")
+    counters = _fuse(module)
+    assert not kv_writes(module) and counters["fuse.kv_write.skipped.per_token"] == 2
+
+
+def test_quantize_knob_off_leaves_quantized_writes():
+    module, _ = run_pipeline(Step(), inputs(), UP_TO_RAISE)
+    _quantize_writes(module, "per-head")
+    with collect_counters() as counters:
+        parse_pipeline_text("fuse-kv-write{quantize=false}")[0].apply(Context(allow_unregistered=True), module)
+    assert not kv_writes(module) and counters["fuse.kv_write.skipped.quantized"] == 2

@@ -1,0 +1,191 @@
+"""Template family "kv_write": the fused KV-cache write (rope on K, fp8 quantization) against a
+torch reference that rounds to float8_e4m3fn correctly (torch's own cast), in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from template_helpers import on_test_device
+
+from coopt.ir.region import RegionSummary, TensorSpec
+from coopt.targets import H200
+from coopt.templates.kv_write import KvWriteFamily
+
+FAMILY = KvWriteFamily()
+FP8 = torch.float8_e4m3fn
+SCALE_FLOOR = 1e-12
+
+
+def region(b_max, heads, s_max, b, t, d, *, rope=False, quant="none", dtype="float32", headroom=None):
+    cache_dtype = "float8_e4m3fn" if quant != "none" else dtype
+    cache = TensorSpec((b_max, heads, s_max, d), cache_dtype)
+    row = TensorSpec((b, heads, t, d), dtype)
+    inputs = [cache, cache, TensorSpec((t,), "int64"), row, row]
+    if rope:
+        inputs += [TensorSpec((t, d), "float32")] * 2
+    inplace = [0, 1]
+    if quant in ("per-tensor", "per-head"):
+        inputs += [TensorSpec((1,) if quant == "per-tensor" else (heads,), "float32")] * 2
+    elif quant == "per-token":
+        inputs += [TensorSpec((b_max, heads, s_max), "float32")] * 2
+        inplace = [0, 1, len(inputs) - 2, len(inputs) - 1]
+    attrs = {"rope": rope, "quant": quant, "inplace": inplace}
+    if headroom is not None:
+        attrs["headroom"] = headroom
+    return RegionSummary("kv", "kv_write", tuple(inputs), tuple(inputs[i] for i in inplace), attrs)
+
+
+def rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    out = x.float() * cos + torch.cat((-x[..., half:], x[..., :half]), -1).float() * sin
+    return out.to(x.dtype)
+
+
+def quantize(x, scale, granularity):
+    """coopt.quantize_fp8's semantics: clamp(x / s, -448, 448), round to nearest even (torch's cast)."""
+    s = {"per-tensor": lambda: scale.view(1, 1, 1, 1), "per-head": lambda: scale.view(1, -1, 1, 1),
+         "per-token": lambda: scale[..., None]}[granularity]()
+    return (x.float() / s).clamp(-448, 448).to(FP8)
+
+
+def reference(inputs, *, rope_on, quant, headroom=1.0):
+    """What the unfused ops do: rope, quantize, index_put_ of the first B rows."""
+    k_cache, v_cache, positions, k, v, *extra = [t.clone() for t in inputs]
+    if rope_on:
+        cos, sin, *extra = extra
+        k = rope(k, cos, sin)
+    written = [k_cache, v_cache]
+    b = k.shape[0]
+    if quant == "per-token":
+        k_scale, v_scale = extra
+        scales = []
+        for x, buffer in ((k, k_scale), (v, v_scale)):
+            s = x.float().abs().amax(-1).clamp_min(SCALE_FLOOR) * (headroom / 448)
+            buffer[:b, :, positions] = s
+            scales.append(s)
+        k, v = quantize(k, scales[0], quant), quantize(v, scales[1], quant)
+        written += [k_scale, v_scale]
+    elif quant != "none":
+        k, v = quantize(k, extra[0], quant), quantize(v, extra[1], quant)
+    k_cache[:b, :, positions] = k
+    v_cache[:b, :, positions] = v
+    return written
+
+
+def make_inputs(summary, positions, seed=0, magnitude=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for i, spec in enumerate(summary.inputs):
+        if i == 2:
+            tensors.append(torch.tensor(positions, dtype=torch.int64))
+            continue
+        values = torch.randn(spec.shape, generator=generator) * magnitude
+        if spec.dtype == "float8_e4m3fn":
+            tensors.append(values.clamp(-448, 448).to(FP8))
+        elif i >= len(summary.inputs) - 2 and summary.attrs["quant"] in ("per-tensor", "per-head"):
+            tensors.append(values.abs() * 0.05 + 0.01)  # positive scales
+        else:
+            tensors.append(values.to(getattr(torch, spec.dtype)))
+    return tensors
+
+
+def check(load_candidate, summary, positions, params=None, seed=0, magnitude=1.0, strided=False):
+    params = params or FAMILY.legal_points(summary, H200)[0]
+    inputs = make_inputs(summary, positions, seed, magnitude)
+    if strided:  # k and v as [B, T, H, D] projections viewed [B, H, T, D]
+        inputs[3] = inputs[3].transpose(1, 2).contiguous().transpose(1, 2)
+        inputs[4] = inputs[4].transpose(1, 2).contiguous().transpose(1, 2)
+    expected = reference(inputs, rope_on=summary.attrs["rope"], quant=summary.attrs["quant"],
+                         headroom=summary.attrs.get("headroom", 1.0))
+    module = load_candidate(FAMILY.render(summary, params))
+    device_inputs = on_test_device([t.clone() for t in inputs])
+    outputs = module.run(*device_inputs)
+    # in place: the outputs are the written inputs themselves
+    assert [o.data_ptr() for o in outputs] == [device_inputs[i].data_ptr() for i in summary.attrs["inplace"]]
+    for got, want in zip(outputs, expected):
+        assert got.dtype == want.dtype
+        if got.dtype == FP8:
+            assert torch.equal(got.cpu().float(), want.float()), (got.cpu().float() - want.float()).abs().max()
+        else:
+            torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-6, atol=2e-6)
+    return inputs, outputs
+
+
+@pytest.mark.parametrize("rope_on", [False, True])
+@pytest.mark.parametrize("positions", [[0], [15], [3, 9, 4], list(range(16))], ids=["first", "last", "scattered", "all"])
+def test_unquantized_positions(load_candidate, rope_on, positions):
+    summary = region(2, 3, 16, 2, len(positions), 8, rope=rope_on)
+    inputs, outputs = check(load_candidate, summary, positions)
+    untouched = [p for p in range(16) if p not in positions]
+    assert torch.equal(outputs[0].cpu()[:, :, untouched], inputs[0][:, :, untouched])
+
+
+@pytest.mark.parametrize("params", FAMILY.legal_points(region(1, 4, 32, 1, 3, 16, rope=True), H200),
+                         ids=lambda p: f"R{p['BLOCK_R']}w{p['num_warps']}")
+def test_every_point_strided_k_and_v(load_candidate, params):
+    check(load_candidate, region(1, 4, 32, 1, 3, 16, rope=True), [7, 8, 9], params, strided=True)
+
+
+def test_batch_smaller_than_the_cache_leaves_other_sequences_untouched(load_candidate):
+    summary = region(4, 2, 8, 2, 1, 16, rope=True)
+    inputs, outputs = check(load_candidate, summary, [5])
+    assert torch.equal(outputs[0].cpu()[2:], inputs[0][2:]) and torch.equal(outputs[1].cpu()[2:], inputs[1][2:])
+
+
+@pytest.mark.parametrize("quant", ["per-tensor", "per-head", "per-token"])
+@pytest.mark.parametrize("rope_on", [False, True])
+@pytest.mark.parametrize("magnitude", [1.0, 30.0])
+def test_fp8_quantization_rounds_like_torch(load_candidate, quant, rope_on, magnitude):
+    """Bit-exact against torch's correctly rounding cast, including values whose rounding carries
+    into the exponent (where the interpreter's own fp8 cast is wrong) and saturation at 448."""
+    summary = region(2, 2, 8, 2, 3, 32, rope=rope_on, quant=quant,
+                     headroom=1.25 if quant == "per-token" else None)
+    inputs, outputs = check(load_candidate, summary, [1, 6, 2], magnitude=magnitude, seed=3)
+    untouched = [0, 3, 4, 5, 7]
+    assert torch.equal(outputs[0].cpu()[:, :, untouched].float(), inputs[0][:, :, untouched].float())
+
+
+def test_e4m3_grid_rounding_edge_values(load_candidate):
+    """Ties, carries into the exponent, subnormals and saturation, through per-tensor scale 1."""
+    summary = region(1, 1, 4, 1, 1, 16, quant="per-tensor")
+    values = torch.tensor([31.0, -1.94, 17.0, 19.0, 0.0019, 2 ** -10, 3 * 2 ** -10, 447.0, 460.0, -1000.0,
+                           0.1, 240.0, 15.5, -0.0, 1.0625, 1.1875]).view(1, 1, 1, 16)
+    inputs = make_inputs(summary, [2])
+    inputs[3], inputs[5] = values, torch.ones(1)
+    module = load_candidate(FAMILY.render(summary, {"BLOCK_R": 2, "num_warps": 1}))
+    k_cache, _ = module.run(*on_test_device([t.clone() for t in inputs]))
+    assert torch.equal(k_cache.cpu()[0, 0, 2].float(), values.view(16).clamp(-448, 448).to(FP8).float())
+
+
+def test_bf16_rows_with_rope(load_candidate):
+    summary = region(1, 2, 8, 1, 2, 16, rope=True, dtype="bfloat16")
+    inputs = make_inputs(summary, [3, 4])
+    expected = reference(inputs, rope_on=True, quant="none")
+    module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]))
+    outputs = module.run(*on_test_device([t.clone() for t in inputs]))
+    # the interpreter truncates fp32 -> bf16: one bf16 ulp
+    torch.testing.assert_close(outputs[0].cpu().float(), expected[0].float(), rtol=1.6e-2, atol=1e-2)
+    assert torch.equal(outputs[1].cpu(), expected[1])
+
+
+def test_matches_and_space():
+    assert FAMILY.matches(region(1, 8, 4096, 1, 1, 128, rope=True))
+    assert FAMILY.matches(region(1, 8, 64, 1, 1, 7))  # odd D without rope: masked
+    assert not FAMILY.matches(region(1, 8, 64, 1, 1, 7, rope=True))  # rope needs an even D
+    odd = region(1, 8, 64, 1, 1, 8, quant="per-head")
+    assert not FAMILY.matches(RegionSummary(odd.name, odd.family, odd.inputs, odd.outputs, {**odd.attrs, "inplace": [0]}))
+    decode = region(1, 8, 4096, 1, 1, 128, rope=True)
+    points = FAMILY.legal_points(decode, H200)
+    assert points and all(p["BLOCK_R"] <= 8 for p in points)  # 8 rows (b, head, t) in a decode step
+    assert FAMILY.check(decode, {"BLOCK_R": 64, "num_warps": 1}, H200) == "BLOCK_R=64 is not in the space"
+    # a tiny step still has a legal point
+    assert FAMILY.legal_points(region(1, 1, 8, 1, 1, 16), H200) == [{"BLOCK_R": 1, "num_warps": 1}]
+
+
+def test_compiles_for_hopper(compile_for_sm90):
+    jobs = []
+    for quant in ("none", "per-head", "per-token"):
+        summary = region(1, 2, 16, 1, 2, 32, rope=True, quant=quant, dtype="bfloat16")
+        inputs = make_inputs(summary, [0, 1])
+        jobs.append((quant, FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]), inputs, "kv_write_kernel"))
+    compile_for_sm90(jobs)
