@@ -17,7 +17,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.printer import Printer
 
 from coopt.candidates import REFERENCE, RegionBuild, make_candidates, region_signature
-from coopt.end_to_end import check_end_to_end
+from coopt.end_to_end import check_end_to_end, reference_program
 from coopt.codegen.program import program_source
 from coopt.frontend.capture import capture
 from coopt.fp8_cache import calibrate_kv_absmax, needs_calibration, set_calibration
@@ -441,10 +441,12 @@ def _forward_params(model, count: int) -> list[str]:
 
 
 def _lossy_end_to_end(model, example_inputs, regions, out, config, measured, warnings, module, program) -> tuple[dict, dict]:
-    """(e2e, accuracy) of a build with a lossy pass: the built model cannot match the original
-    at the normal tolerance, so its cost is measured (outputs on fresh inputs; for a decoder
-    also teacher-forced decode steps: top-1 agreement, mean KL) and recorded. Non-finite outputs
-    still fail the build, after a retry on the references if kernels were selected."""
+    """(e2e, accuracy) of a build with a lossy pass: its kernels are checked against the
+    build's own reference program (bisected and fallen back like a lossless build's); the
+    built model cannot match the original at the normal tolerance, so the transform's cost is
+    measured (outputs on fresh inputs; for a decoder also teacher-forced decode steps: top-1
+    agreement, mean KL) and recorded. Non-finite outputs still fail the build, after a retry on
+    the references if kernels were selected."""
     import copy
 
     from coopt.errors import EndToEndMismatch
@@ -452,6 +454,15 @@ def _lossy_end_to_end(model, example_inputs, regions, out, config, measured, war
     from coopt.verify.end_to_end import measure_end_to_end
 
     device = _device_of(example_inputs)
+    kernels_check = None
+    if any(r.selected != REFERENCE for r in regions):
+        # The kernels are held to the program they replace (the same lossy transform, on the
+        # reference ops), with the normal tolerance and bisection; the cost of the transform
+        # itself is then measured against the original model below.
+        kernels_check = check_end_to_end(reference_program(out, regions, device), example_inputs, regions, out,
+                         trials=config.e2e_trials, seed=config.seed, measured=False, stateful=True,
+                         cuda_graphs=config.cuda_graphs or False, warnings=warnings,
+                         write_selection=lambda: write_selection(out, regions, measured))
     outputs = measure_end_to_end(copy.deepcopy(model), load(out, device=device), example_inputs, trials=config.e2e_trials, seed=config.seed)
     kernel_regions = [r for r in regions if r.selected != REFERENCE]
     if not outputs["finite"] and kernel_regions:
@@ -476,7 +487,7 @@ def _lossy_end_to_end(model, example_inputs, regions, out, config, measured, war
     if record is not None:
         accuracy["kv_cache_bytes"] = kv_cache_bytes(record, {**program.state_dict, **program.constants})
     e2e = {"ok": True, "lossy": True, "trials": outputs["trials"], "max_abs_err": outputs["max_abs_err"],
-           "max_rel_err": outputs["max_rel_err"]}
+           "max_rel_err": outputs["max_rel_err"], "kernels_vs_reference_program": kernels_check}
     return e2e, accuracy
 
 

@@ -71,17 +71,33 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
     return record
 
 
+def reference_program(out, regions, device):
+    """The build in `out` loaded with every region on its reference: the program its kernels
+    replace (for a lossy build, the lossy transform on ATen ops)."""
+    from coopt.runtime.loader import load
+    from coopt.verify.bisect import reference_runs
+
+    program = load(out, device=device)
+    program._kernels.update(reference_runs(regions, out))
+    return program
+
+
 def _bisect(model, built, example_inputs, regions, out, seed: int) -> list[str]:
-    """Regions whose kernels break the agreement; each probe is one quick trial against eager
-    (no float64 copy of the model per probe), from the same model state."""
+    """Regions whose kernels break the agreement; each probe is one trial of the end-to-end
+    check, from the same model state."""
     from coopt.verify import verify_end_to_end
     from coopt.verify.bisect import ReferencesDisagree, regions_at_fault, snapshot_buffers
+    from coopt.verify.end_to_end import float64_copy
 
-    restore = snapshot_buffers(model, built)
+    # Probes are judged like the full check (the float64 reference sets the tolerance: the bf16
+    # floor alone rejects even the reference program of a deep model), on one float64 copy.
+    high = float64_copy(model)
+    restore = snapshot_buffers(*(m for m in (model, built, high) if m is not None))
 
     def agrees() -> bool:
         restore()
-        return verify_end_to_end(model, built, example_inputs, trials=1, seed=seed, float64_reference=False).ok
+        return verify_end_to_end(model, built, example_inputs, trials=1, seed=seed,
+                                 float64_reference=high is not None, float64_model=high).ok
 
     try:
         at_fault = regions_at_fault(built, regions, out, agrees)

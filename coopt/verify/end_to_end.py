@@ -39,15 +39,21 @@ def verify_end_to_end(
     trials: int = 3,
     seed: int = 0,
     float64_reference: bool = True,
+    float64_model: torch.nn.Module | None = None,
 ) -> VerifyResult:
     """Compare `built_module(*inputs)` with `original_module(*inputs)` over `trials` trials.
 
     `dynamic_shapes` (optional) is aligned with `example_inputs`, in torch.export's form: per
     input None or {dim_index: torch.export.Dim(name, min=, max=)} (or a (name, min, max)
     tuple); dims sharing a name get the same size. Modules and inputs stay on their device.
-    `float64_reference=False` skips the float64 copy (it takes 4x the memory of bf16 weights).
+    `float64_reference=False` skips the float64 copy (it takes 4x the memory of bf16 weights);
+    `float64_model` is one made beforehand by `float64_copy` (repeated checks, as bisection runs,
+    then copy the model once; the caller restores its state between checks).
     """
-    hi_model = _float64_copy(original_module) if float64_reference else None
+    if float64_model is not None:
+        hi_model = float64_model
+    else:
+        hi_model = float64_copy(original_module) if float64_reference else None
     sizes_rng = random.Random(seed)
     max_abs = max_rel = 0.0
     for trial in range(trials):
@@ -92,7 +98,8 @@ def _compare_leaf(native, built, hi) -> tuple[str | None, float, float]:
     return verdict.reason, verdict.max_abs_err, verdict.max_rel_err
 
 
-def _float64_copy(module):
+def float64_copy(module):
+    """A float64 deep copy of `module` (the high-precision reference), or None if it cannot be made."""
     try:
         return copy.deepcopy(module).to(torch.float64)
     except Exception:  # noqa: BLE001 - uncopyable module: fall back to native outputs

@@ -1,0 +1,52 @@
+"""A kernel that passed its own check but breaks the whole model (here: made wrong after the
+build) is found by bisection and falls back alone; the other kernels stay selected."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import coopt
+from coopt.candidates import REFERENCE
+from coopt.end_to_end import check_end_to_end
+
+
+class TwoBlocks(torch.nn.Module):
+    """Two different linear+epilogue regions (different widths: not twins)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) + x
+
+
+def test_bisection_drops_only_the_kernel_that_breaks_the_model(tmp_path):
+    torch.manual_seed(0)
+    model, inputs, out = TwoBlocks(), (torch.randn(4, 16),), tmp_path / "out"
+    result = coopt.Pipeline(top_k=1).build(model, inputs, out)
+    kernels = [r for r in result.regions if r.selected != REFERENCE]
+    assert len(kernels) == 2, [(r.summary.name, r.selected) for r in result.regions]
+    broken, kept = kernels
+    # the selected kernel of one region now returns twice its result
+    chosen = next(c for c in broken.candidates if c.label == broken.selected)
+    path = out / chosen.module
+    path.write_text(path.read_text() + "\n\n_run = run\n\ndef run(*inputs):\n"
+                    "    return tuple(2 * y for y in _run(*inputs))\n")
+    warnings: list[str] = []
+    rewrites = []
+    record = check_end_to_end(model, inputs, result.regions, out, trials=2, seed=0, measured=False,
+                              stateful=False, cuda_graphs=False, warnings=warnings,
+                              write_selection=lambda: rewrites.append(coopt.compile.write_selection(
+                                  out, result.regions, False)))
+    assert record["ok"]
+    assert broken.selected == REFERENCE and "bisection" in broken.reason
+    assert kept.selected != REFERENCE
+    assert broken.summary.name in warnings[0] and kept.summary.name not in warnings[0]
+    selection = json.loads((out / "selection.json").read_text())["regions"]
+    assert selection[broken.summary.name]["selected"] == REFERENCE
+    with torch.no_grad():
+        torch.testing.assert_close(coopt.load(out)(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
