@@ -36,7 +36,8 @@ from coopt.passes.fusion_common import only_user
 from coopt.passes.shapes import dims
 from coopt.passes.stats import count
 
-_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
+_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.unsqueeze.default",
+          "aten.squeeze.dim")
 _FUSED_GRANULARITIES = ("per-tensor", "per-head")
 
 

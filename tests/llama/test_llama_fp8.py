@@ -111,6 +111,21 @@ def test_build_json_and_report_state_the_measured_accuracy_cost(built_dir):
     assert json.loads((built_dir / "manifest.json").read_text())["lossy_passes"] == ["fp8-kv-cache"]
 
 
+def test_fp8_writes_are_one_kv_write_with_rope_and_checked_against_the_reference_program(built_dir):
+    """The quantize between K's rope and the cache write (and the unsqueeze the pass adds for a
+    batch-1 export) does not stop fuse-kv-write: one launch per layer rotates, quantizes and
+    writes; and the lossy build's kernels were judged against its own reference program."""
+    regions = json.loads((built_dir / "selection.json").read_text())["regions"]
+    writes = [r for r in regions.values() if r["family"] == "kv_write"]
+    assert len(writes) == 2 and all(r["summary"]["attrs"]["rope"] and r["summary"]["attrs"]["quant"] == "per-head"
+                                    for r in writes)
+    assert all(r["selected"] != "reference" for r in writes)
+    ropes = [r for r in regions.values() if r["family"] == "rope"]
+    assert all(r["summary"]["inputs"][0]["shape"][1] == 4 for r in ropes)  # only q's (4 heads) remain
+    check = json.loads((built_dir / "build.json").read_text())["end_to_end"]["kernels_vs_reference_program"]
+    assert check["ok"] and check["max_abs_err"] < 1e-3
+
+
 def test_generate_runs_on_the_fp8_build(built_dir):
     built = coopt.load(built_dir)
     prompt = torch.tensor([[3, 17, 42, 9]])
