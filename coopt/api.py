@@ -35,6 +35,11 @@ class Pipeline:
     raise-patterns; the build then reports its measured accuracy cost), like `--kv-cache fp8`:
 
         coopt.Pipeline(kv_cache="fp8").build_file("examples/llama/model.py", "out/llama-fp8")
+
+    `prefill_chunk=N` bounds the prompt length of each entry point exported with a dynamic one
+    (a decoder's prefill) by N tokens (adds chunked-prefill{chunk=N} to that entry's pipeline;
+    the T = 1 decode step is left alone): `generate()` then prefills a long prompt N tokens per
+    call, like `--prefill-chunk N`.
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class Pipeline:
         candidate_timeout_s: float = 300.0,
         cuda_graphs: bool | None = None,
         kv_cache: str = "none",
+        prefill_chunk: int | None = None,
     ):
         from coopt.compile import with_kv_cache
         from coopt.llm_advisor import make_advisor
@@ -77,6 +83,11 @@ class Pipeline:
         self.seed = seed
         self.candidate_timeout_s = candidate_timeout_s
         self.cuda_graphs = cuda_graphs
+        self.prefill_chunk = prefill_chunk
+        if prefill_chunk is not None:  # a bad chunk fails now, not after capture
+            from coopt.passes.chunked_prefill import ChunkedPrefill
+
+            ChunkedPrefill(prefill_chunk)
 
     def config(self) -> BuildConfig:
         return BuildConfig(
@@ -91,6 +102,7 @@ class Pipeline:
             candidate_timeout_s=self.candidate_timeout_s,
             cuda_graphs=self.cuda_graphs,
             kv_cache=self.kv_cache,
+            prefill_chunk=self.prefill_chunk,
         )
 
     def build(self, model, example_inputs, out_dir, *, dynamic_shapes=None, force=False, progress=None, model_path=None,
@@ -105,6 +117,8 @@ class Pipeline:
         for the main entry: the entries share its caches and so its scales.
         """
         kwargs = {"progress": progress} if progress else {}
+        if self.prefill_chunk is not None and dynamic_shapes is None and not any(d for _, d in (entry_points or {}).values()):
+            raise _no_prompt_to_chunk()
         with staged_out_dir(Path(out_dir), force) as staging:
             result = compile_model(
                 model, tuple(example_inputs), staging, self.config(), dynamic_shapes=dynamic_shapes, model_path=model_path,
@@ -119,6 +133,8 @@ class Pipeline:
                 )
                 result.entries[name] = entry
                 result.seconds += entry.seconds
+            if self.prefill_chunk is not None and not any(r.prefill_chunk for r in (result, *result.entries.values())):
+                raise _no_prompt_to_chunk()
             if result.entries:
                 record_entry_points(staging, result)
         result.out_dir = Path(out_dir).resolve()
@@ -136,6 +152,13 @@ class Pipeline:
             dynamic_shapes=loaded.dynamic_shapes, force=force, progress=progress, model_path=loaded.path,
             entry_points=loaded.entry_points, calibration_inputs=loaded.calibration_inputs,
         )
+
+
+def _no_prompt_to_chunk():
+    from coopt.errors import ConfigError
+
+    return ConfigError("--prefill-chunk: no entry point of the model has a dynamic prompt length to chunk (a decoder step "
+                       "forward(tokens [B, T], positions [T]) exported with T dynamic, e.g. a prefill entry point)")
 
 
 def build(model_file, out_dir, *, target: str = "h100", pipeline: str = DEFAULT_PIPELINE, force: bool = False, progress=None, **options) -> BuildResult:

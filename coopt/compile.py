@@ -23,6 +23,7 @@ from coopt.frontend.capture import capture
 from coopt.fp8_cache import calibrate_kv_absmax, needs_calibration, set_calibration
 from coopt.frontend.importer import import_program
 from coopt.ir.summary import kernels, name_regions, summarize, symbol_table
+from coopt.passes.chunked_prefill import fit_example_inputs, prefill_chunk
 from coopt.passes.stats import collect_counters
 from coopt.targets import Target
 
@@ -45,9 +46,16 @@ class BuildConfig:
     # KV-cache storage: "fp8" adds fp8-kv-cache (defaults) after raise-patterns unless the
     # pipeline has it already; "bf16" / "none" leave the pipeline as it is (the model's dtype)
     kv_cache: str = "none"
+    # tokens per prefill call: entries with a dynamic prompt length get chunked-prefill{chunk=N}
+    # appended (decided per entry after import, `with_prefill_chunk`); None: as exported
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         self.passes, self.pipeline_text = with_kv_cache(self.passes, self.pipeline_text, self.kv_cache)
+        if self.prefill_chunk is not None:
+            from coopt.passes.chunked_prefill import ChunkedPrefill
+
+            ChunkedPrefill(self.prefill_chunk)  # a bad chunk fails here, before any build step
 
     @property
     def lossy_passes(self) -> list:
@@ -84,6 +92,20 @@ def _insert_after_raise(text: str) -> str:
     return re.sub(r"(^|,)raise-patterns(\{[^}]*\})?", lambda m: m.group(0) + ",fp8-kv-cache", text, count=1)
 
 
+def with_prefill_chunk(config: BuildConfig, module: ModuleOp) -> BuildConfig:
+    """The config of one entry point: --prefill-chunk appends chunked-prefill{chunk=N} when the
+    entry's prompt length is dynamic (a prefill); the decode step (T = 1) keeps its pipeline."""
+    import dataclasses
+
+    from coopt.passes.chunked_prefill import ChunkedPrefill, prompt_length_symbol
+
+    chunk = config.prefill_chunk
+    if chunk is None or "chunked-prefill" in (p.name for p in config.passes) or prompt_length_symbol(module) is None:
+        return config
+    text = f"{config.pipeline_text},chunked-prefill{{chunk={chunk}}}"
+    return dataclasses.replace(config, passes=[*config.passes, ChunkedPrefill(chunk)], pipeline_text=text)
+
+
 @dataclass
 class BuildResult:
     out_dir: Path
@@ -100,6 +122,7 @@ class BuildResult:
     # fp8 KV cache with calibrated scales: {buffer: absmax per kv head}, shared with the entries
     kv_calibration: dict | None = None
     accuracy: dict | None = None  # a lossy build's measured cost against the original (build.json)
+    prefill_chunk: int | None = None  # chunked-prefill's chunk, when the entry's pipeline ran it
 
     def to_json(self) -> dict:
         return {
@@ -194,6 +217,10 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
             kv_calibration = calibrate_kv_absmax(model, calibration_inputs or [example_inputs])
         set_calibration(module, kv_calibration)
 
+    # 2c. chunked prefill: --prefill-chunk bounds a dynamic prompt length (a prefill entry) by the
+    #     chunk; only the import says whether this entry has one (the decode step has T = 1)
+    config = with_prefill_chunk(config, module)
+
     # 3. passes: raise patterns, then fuse into kernel regions; an IR dump after each pass
     ctx = Context(allow_unregistered=True)
     with collect_counters() as counters:
@@ -203,6 +230,8 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
             module.verify()
             dump_ir(module, out / "ir" / f"{index:02d}-{compiler_pass.name}.mlir")
     name_regions(module)
+    # a chunked prefill program refuses calls longer than the chunk: check it on the first chunk
+    example_inputs = fit_example_inputs(module, example_inputs)
 
     # 4. candidates: the reference (the replaced ATen ops) plus the advisor's top-k legal points,
     #    made once per distinct region (the layers of a model repeat the same regions)
@@ -240,7 +269,7 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
 
     # 9. record: report for people, manifest for tools, advice for replay
     result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings, graphs,
-                         kv_calibration=kv_calibration, accuracy=accuracy)
+                         kv_calibration=kv_calibration, accuracy=accuracy, prefill_chunk=prefill_chunk(module))
     result.seconds = time.monotonic() - start
     result.step_seconds = progress.totals()
     advice_log.write(out / "advice.json")

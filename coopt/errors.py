@@ -6,7 +6,8 @@ Exit codes (also in README.md and `coopt --help`):
   3  model file: missing, unparseable, no `Model`, or `get_inputs()`/`get_init_inputs()` failed
   4  torch.export could not capture the model
   5  bad configuration: unknown target, unknown pass or knob, malformed pipeline string, a
-     pass that cannot apply (fp8-kv-cache / --kv-cache fp8 on a model without a KV cache)
+     pass that cannot apply (fp8-kv-cache / --kv-cache fp8 on a model without a KV cache,
+     chunked-prefill / --prefill-chunk on one without a dynamic prompt length)
   6  output directory exists and is not empty (use --force)
   7  advisor failed and fallback to the heuristic was disabled (--no-advisor-fallback)
   8  the built model does not match the original model end to end

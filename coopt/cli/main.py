@@ -99,6 +99,10 @@ def build(
         "none", "--kv-cache",
         help="KV-cache storage: none/bf16 (default: as the model) or fp8 (lossy: adds fp8-kv-cache after raise-patterns, "
              "per-head calibrated scales; the report measures the accuracy cost; exit 5 for a model without a KV cache)"),
+    prefill_chunk: Optional[int] = typer.Option(
+        None, "--prefill-chunk",
+        help="tokens per prefill call (a power of two >= 16): adds chunked-prefill{chunk=N} to entry points with a "
+             "dynamic prompt length, so a long prompt is prefilled chunk by chunk (exit 5 when there is none)"),
     force: bool = typer.Option(False, "--force", help="replace a non-empty output directory"),
     as_json: bool = typer.Option(False, "--json", help="print a machine-readable result on stdout"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="no progress display"),
@@ -112,7 +116,7 @@ def build(
             pipeline or DEFAULT_PIPELINE, target, advisor,
             advisor_url=advisor_url, advisor_model=advisor_model, advice_file=advice,
             strict_advice=no_advisor_fallback, top_k=top_k, verify_profile=profile, seed=seed,
-            cuda_graphs=cuda_graphs, kv_cache=kv_cache,
+            cuda_graphs=cuda_graphs, kv_cache=kv_cache, prefill_chunk=prefill_chunk,
         )
         with _Progress(quiet or as_json) as progress:
             return pipe.build_file(model_file, out, force=force, progress=progress)

@@ -12,7 +12,7 @@ final IR: the bounds that keep a KV-cache write or a table lookup inside its buf
   and break every shape traced after it).
 - decoder: a gpt-fast-style step `forward(tokens [B, T] int, positions [T] int) -> [B, T, V]`
   whose positions index a state buffer: what `generate` needs to know (cache length, batch
-  and length ranges of one call).
+  and length ranges of one call, and the prefill chunk a `chunked-prefill` build records).
 
 Anything computed from an input (`input_pos + 1` used as an index) is not traced: no bound is
 derived for it. Every derived bound is necessary (a call outside it indexes out of range, wraps
@@ -29,6 +29,7 @@ from xdsl.ir import Block, BlockArgument, SSAValue
 from coopt.ir.dialect import KernelOp, StateUpdateOp, StateWriteOp, WeightOp
 from coopt.ir.summary import tensor_spec
 from coopt.passes.base import literal_arg, tensor_arg
+from coopt.passes.chunked_prefill import prefill_chunk
 from coopt.passes.shapes import dims
 
 # ops whose result holds exactly the values of operand 0 (same set of values, maybe reshaped or
@@ -204,6 +205,9 @@ def derive_input_bounds(module, fn: func.FuncOp, symbols: dict[str, list[int]]) 
     index_bounds = sorted(index.values(), key=lambda b: (b.input, b.high - b.low))
     size_bounds = sorted(size.values(), key=lambda b: (b.input, b.dim, b.high))
     decoder = _decoder(fn, index_bounds, size_bounds, symbols)
+    if decoder is not None and prefill_chunk(module) is not None:
+        # chunked-prefill bounded the length by it (already in "length"); absent: no chunk set
+        decoder["prefill_chunk"] = prefill_chunk(module)
     return InputBounds(index_bounds, size_bounds, decoder)
 
 

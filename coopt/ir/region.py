@@ -50,6 +50,12 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     per-token), attrs "kv_scale": that granularity; the cache is read as k * k_scale. The same
     holds for attention with lengths (a prompt over an fp8 cache).
 
+    Paged KV (coopt/runtime/paged.py): attrs add "page_size": P (a power of two, 16..256);
+    inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D], lengths [B] int32,
+    page_table [B, max_pages] int32 (then k_scale, v_scale as above when "kv_scale": per-tensor
+    or per-head). Position p of sequence b is k_pages[page_table[b, p // P], :, p % P]; slots of
+    page_table past cdiv(lengths[b], P) are never read.
+
 kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quantization)
     attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",
              "inplace": [input indices written in place]}

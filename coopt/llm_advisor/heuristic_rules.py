@@ -324,6 +324,12 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     kv_heads, max_length = (kv[-3], kv[-2]) if len(kv) >= 3 else (heads, 1)
     group = max(1, heads // max(1, kv_heads))
     attrs = request.region.attrs
+    # Paged KV: dim 2 of the pages is the page size; the cache a sequence may fill is what its
+    # page table row addresses (max_pages x page size), and a K/V tile must lie in one page.
+    page_size = attrs.get("page_size")
+    if page_size:
+        table = _shape(request, 4)
+        max_length = (table[-1] if table else 1) * page_size
     length = min(max_length, max(1, int(attrs.get("example_length") or max_length)))
     # K/V element size: 1 for an fp8 cache, whose tiles are widened to q's dtype for tl.dot
     elem = {"float32": 4, "float8_e4m3fn": 1}.get(request.region.inputs[1].dtype, 2)
@@ -331,6 +337,8 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     sms = int(request.target.get("num_sms") or 132)
     split_vals = _numbers(knob(request.space, ("SPLIT_KV",))) or [1]
     bn_vals = _numbers(knob(request.space, BLOCK_N))
+    if page_size:
+        bn_vals = [v for v in bn_vals if page_size % v == 0] or bn_vals
 
     # Decode attention streams each (sequence, kv head)'s valid K/V once: bandwidth bound, and
     # one program per (sequence, kv head) leaves most SMs idle when batch x kv heads is small.

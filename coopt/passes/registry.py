@@ -22,6 +22,7 @@ _BUILTIN = {
     "fuse-rope": "coopt.passes.fuse_rope:FuseRope",
     "fuse-linear-epilogue": "coopt.passes.fuse_linear_epilogue:FuseLinearEpilogue",
     "fuse-elementwise": "coopt.passes.fuse_elementwise:FuseElementwise",
+    "chunked-prefill": "coopt.passes.chunked_prefill:ChunkedPrefill",
 }
 
 # Phase order matters: state writes become in-place first (they change what later ops read),

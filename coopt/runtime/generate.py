@@ -8,11 +8,14 @@
 The model is a decoder step `forward(tokens [B, T] int64, positions [T] int64) -> [B, T, V]`
 that writes its KV cache in place (gpt-fast style); a coopt build of one carries the contract
 as `model.decoder` (cache length, the batch and length ranges one call accepts), derived from
-its IR. Prefill: one call over the prompt when the build accepts T > 1 (exported with a dynamic
-sequence dim; chunks of the longest accepted T), or through the artifact's `prefill` entry point
-(`model.entry_points["prefill"]`, see `entry_points()` in a model file), else the prompt is fed
-token by token through the decode step, unless `prefill` is given: a callable with the same signature that writes the
-*same* cache (e.g. a model whose cache buffers are the decode model's). Decode steps replay a
+its IR. Prefill: through the artifact's `prefill` entry point (`model.entry_points["prefill"]`,
+see `entry_points()` in a model file) or the model itself when the build accepts T > 1 (exported
+with a dynamic sequence dim), one call per chunk of the prompt — the build's prefill chunk
+(DECODER["prefill_chunk"], set by `--prefill-chunk`) or the `prefill_chunk=` argument, capped
+by the longest T a call accepts; each chunk attends to the cache the chunks before it wrote —
+else the prompt is fed token by token through the decode step, unless `prefill` is given: a
+callable with the same signature that writes the *same* cache (e.g. a model whose cache
+buffers are the decode model's). Decode steps replay a
 CUDA graph per batch bucket on the GPU (`cuda_graphs=False` calls the module); on the CPU they
 call the module. Imports torch only.
 """
@@ -30,8 +33,8 @@ GRAPHS_ATTR = "_coopt_decode_graphs"
 
 def decoder_contract(model) -> dict:
     """`model.decoder`: {"tokens", "positions", "dtype", "max_seq", "batch": [lo, hi],
-    "length": [lo, hi], "token_range": [lo, hi] or None} (ranges of one call; hi exclusive for
-    token ids only)."""
+    "length": [lo, hi], "token_range": [lo, hi] or None[, "prefill_chunk": int]} (ranges of one
+    call; hi exclusive for token ids only; "prefill_chunk" only in a chunked-prefill build)."""
     contract = getattr(model, "decoder", None)
     if not isinstance(contract, dict):
         raise TypeError(
@@ -43,7 +46,8 @@ def decoder_contract(model) -> dict:
 
 @torch.no_grad()
 def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-             generator: torch.Generator | None = None, prefill=None, cuda_graphs: bool = True) -> torch.Tensor:
+             generator: torch.Generator | None = None, prefill=None, cuda_graphs: bool = True,
+             prefill_chunk: int | None = None) -> torch.Tensor:
     """Continue each prompt row of `tokens` [B, T] by `max_new_tokens` tokens; returns
     [B, T + max_new_tokens] on the model's device.
 
@@ -56,11 +60,17 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
     the prompt's token ids) is checked before the first model call, so a rejected request
     leaves the cache as it was.
 
+    The prompt is prefilled in chunks of `prefill_chunk` tokens (default: the build's
+    DECODER["prefill_chunk"], else the longest call it accepts), never more than one call of the
+    prefill entry (or model) accepts; a `prefill` callable gets the whole prompt in one call.
+
     >>> coopt.generate(built, torch.tensor([[1, 5, 7]]), 4).shape  # doctest: +SKIP
     torch.Size([1, 7])
     """
     contract = decoder_contract(model)
     batch, prompt_length = _check_request(contract, tokens, max_new_tokens, temperature, top_k)
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
     device = _model_device(model, tokens)
     tokens = tokens.to(device)
     if max_new_tokens == 0:
@@ -70,7 +80,7 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
     padded = _pad_rows(tokens, rows)
     step = _decode_step(model, rows, device, graphs)
 
-    logits = _prefill(model, contract, prefill, step, padded, device)
+    logits = _prefill(model, contract, prefill, step, padded, device, prefill_chunk)
     generated = [tokens]
     for i in range(max_new_tokens):
         next_token = sample(logits[:batch], temperature, top_k, generator)
@@ -178,23 +188,33 @@ class _LazyGraph:
         return self.graph(tokens, positions)
 
 
-def _prefill(model, contract: dict, prefill, step, padded: torch.Tensor, device) -> torch.Tensor:
+def _prefill(model, contract: dict, prefill, step, padded: torch.Tensor, device, prefill_chunk: int | None = None) -> torch.Tensor:
     """Logits [rows, V] of the last prompt position, after writing every prompt position."""
     prompt_length = padded.shape[1]
     if prefill is not None:
         return prefill(padded, torch.arange(prompt_length, device=device))[:, -1]
     entry = getattr(model, "entry_points", {}).get("prefill")
-    entry_lengths = entry.decoder["length"] if isinstance(getattr(entry, "decoder", None), dict) else None
-    chunk = contract["length"][1]  # the longest prompt piece one call takes (1: decode-only build)
+    entry_contract = entry.decoder if isinstance(getattr(entry, "decoder", None), dict) else None
+    # tokens per call: the requested chunk, else the build's, else the longest one call takes
+    model_chunk = _chunk(contract, prefill_chunk)  # 1: a decode-only build
+    entry_chunk = _chunk(entry_contract, prefill_chunk) if entry_contract is not None else 0
+    entry_min = entry_contract["length"][0] if entry_contract is not None else 0
     start = 0
     while start < prompt_length:
         left = prompt_length - start
-        if entry_lengths is not None and left >= entry_lengths[0]:
+        if entry_contract is not None and entry_min <= min(left, entry_chunk):
             # the artifact's prefill entry point: same weights and cache, many tokens per call
-            run, size = entry, min(left, entry_lengths[1])
+            run, size = entry, min(left, entry_chunk)
         else:
-            run, size = (model if chunk > 1 else step), min(left, chunk)
+            run, size = (model if model_chunk > 1 else step), min(left, model_chunk)
         piece = padded[:, start:start + size]
         logits = run(piece, torch.arange(start, start + size, device=device))[:, -1]
         start += size
     return logits
+
+
+def _chunk(contract: dict, requested: int | None) -> int:
+    """Tokens per prefill call of a decoder: min(requested or its prefill chunk or the longest
+    call, the longest call)."""
+    longest = contract["length"][1]
+    return min(requested or contract.get("prefill_chunk") or longest, longest)

@@ -18,6 +18,16 @@ softmax scale, V's multiplies the program's output once. Per-token scales are lo
 tile: the score columns are multiplied by k_scale[b, h, n], the probabilities (not l_i) by
 v_scale[b, h, n] before P @ V.
 
+Paged KV (issue 4; the runtime is coopt/runtime/paged.py): attrs add "page_size": P (a power of
+two, 16..256); inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D] (pages shared by all
+sequences), lengths [B] int32, page_table [B, max_pages] int32, then k_scale, v_scale when attrs
+has "kv_scale" (per-tensor [1] or per-head [Hkv]; per-token scales are not supported with pages
+yet and `check` rejects them). Position p of sequence b is row p % P of page page_table[b, p // P];
+slots of page_table past cdiv(lengths[b], P) are never read, lengths are clamped to
+max_pages * P and page ids into [0, N_pages). The kernel is the same loop with one page table
+lookup per BLOCK_N tile, hence the rule (in `check`) that BLOCK_N divides P; kv_bytes_read is
+unchanged (the page table adds B * max_pages * 4 bytes at most).
+
 Kernel (two stages, as flash-decoding):
     split    grid (B * Hkv, SPLIT_KV): one program per (sequence, kv head, split). Its rows are
              the H // Hkv query heads sharing that kv head (GQA packing: each K/V block is read
@@ -79,6 +89,18 @@ The same step over an fp8 cache with per-head scales (BLOCK_N 128: the same byte
     True
     >>> kv_bytes_read(fp8_region, [2048])  # half the bytes
     4194304
+
+The same step through a page table: a pool of 1024 pages of 16 positions, up to 256 pages a
+sequence (BLOCK_N must divide the page):
+    >>> pages = TensorSpec((1024, 8, 16, 128), "bfloat16")
+    >>> paged_region = RegionSummary(
+    ...     "layer0_attn", "decode_attention",
+    ...     inputs=(q, pages, pages, TensorSpec((1,), "int32"), TensorSpec((1, 256), "int32")),
+    ...     outputs=(q,), attrs={**region.attrs, "page_size": 16})
+    >>> family.matches(paged_region), family.check(paged_region, {**params, "BLOCK_N": 16}, H200) is None
+    (True, True)
+    >>> family.check(paged_region, params, H200)
+    'BLOCK_N=64 does not divide page_size=16: a K/V tile must lie in one page'
 """
 
 from __future__ import annotations
@@ -110,6 +132,33 @@ _MAX_FP8_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "bf16/fp16 8 warps": 64, "fp
 _MIN_TILE_BYTES_PER_THREAD = 16
 
 
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+def page_size(region: RegionSummary) -> int | None:
+    """Positions per page of a paged KV cache (attrs "page_size"), None for a cache per sequence."""
+    return region.attrs.get("page_size")
+
+
+def paged_problem(region: RegionSummary) -> str | None:
+    """Why a paged region (attrs "page_size") breaks the paged schema, or None (also when not paged)."""
+    size = page_size(region)
+    if size is None:
+        return None
+    if size not in PAGE_SIZES:
+        return f"page_size={size} is none of {PAGE_SIZES}"
+    if len(region.inputs) < 5:
+        return f"paged KV needs a page_table input 4 (got {len(region.inputs)} inputs)"
+    q, k, v, _, table = region.inputs[:5]
+    if k.shape[2] != size or v.shape[2] != size:
+        return f"k / v pages hold {k.shape[2]} / {v.shape[2]} positions, page_size is {size}"
+    if len(table.shape) != 2 or table.dtype != "int32" or table.shape[0] != q.shape[0]:
+        return f"page_table {list(table.shape)} {table.dtype} is not [B, max_pages] int32"
+    if kv_scale(region) == "per-token":
+        return "per-token scales with paged KV are not supported yet (per-tensor or per-head)"
+    return None
+
+
 def kv_bytes_read(region: RegionSummary, lengths) -> int:
     """Bytes the kernel must read from the caches for these valid lengths: K and V rows (1 byte
     an element in fp8), and with per-token scales one fp32 K and one V scale per row."""
@@ -137,8 +186,15 @@ class DecodeAttentionFamily(TemplateFamily):
         rows = next_pow2(self._group(region))
         return max(16, rows) if use_dot else rows
 
+    @staticmethod
+    def _scales_at(region: RegionSummary) -> int:
+        """Index of k_scale (when fp8): after the page table in a paged region."""
+        return 4 if page_size(region) is None else 5
+
     def matches(self, region: RegionSummary) -> bool:
-        if region.family != self.name or len(region.inputs) not in (4, 6) or len(region.outputs) != 1:
+        scales_at = self._scales_at(region)
+        if (region.family != self.name or len(region.inputs) not in (scales_at, scales_at + 2)
+                or len(region.outputs) != 1):
             return False
         q, k, v, lengths = region.inputs[:4]
         if any(len(s.shape) != 4 for s in (q, k, v, region.outputs[0])) or len(lengths.shape) != 1:
@@ -153,14 +209,21 @@ class DecodeAttentionFamily(TemplateFamily):
             and isinstance(heads, int) and isinstance(kv_heads, int)
             and kv_heads >= 1 and heads % kv_heads == 0
             and all(s.dtype in _TL_DTYPE for s in (q, region.outputs[0]))
-            # k, v in q's dtype, or an fp8 cache with its scales (inputs 4, 5)
-            and kv_cache_problem(region, 4) is None
+            # k, v in q's dtype, or an fp8 cache with its scales (inputs 4, 5; 5, 6 when paged)
+            and kv_cache_problem(region, scales_at) is None
+            and (page_size(region) is None or self._page_schema_ok(region))
             and q.shape[1] == heads and k.shape[1] == kv_heads
             and lengths.dtype in ("int32", "int64")
             # verification draws valid lengths only when the region names them (verify/strategies.py)
             and region.attrs.get("lengths_input") == 3
             and list(region.attrs.get("lengths_bound") or ()) == [1, 2]
         )
+
+    @staticmethod
+    def _page_schema_ok(region: RegionSummary) -> bool:
+        # per-token scales are a legal schema that `check` rejects (not supported yet)
+        problem = paged_problem(region)
+        return problem is None or problem.startswith("per-token")
 
     # -- the space -----------------------------------------------------------------------
     def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
@@ -173,7 +236,7 @@ class DecodeAttentionFamily(TemplateFamily):
         }
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        problem = kv_cache_problem(region, 4)
+        problem = kv_cache_problem(region, self._scales_at(region)) or paged_problem(region)
         if problem is not None:
             return problem
         space = self.param_space(region, target)
@@ -187,8 +250,13 @@ class DecodeAttentionFamily(TemplateFamily):
         q_elem = DTYPE_BYTES[region.inputs[0].dtype]
         fp8 = kv_scale(region) is not None
         threads = 32 * warps
+        paged = page_size(region)
+        if paged is not None and paged % bn:
+            return f"BLOCK_N={bn} does not divide page_size={paged}: a K/V tile must lie in one page"
         # A K tile may cover the largest cache, never more; each split at least one K tile.
-        _, max_length = dim_range(region, [region.inputs[1].shape[2]])
+        # (Paged: the cache a page table addresses, max_pages x page_size.)
+        cache_dims = [region.inputs[1].shape[2]] if paged is None else [region.inputs[4].shape[1], paged]
+        _, max_length = dim_range(region, cache_dims)
         if max_length is not None and bn > max(16, next_pow2(max_length)):
             return f"BLOCK_N={bn} exceeds the cache (S_max <= {max_length})"
         if max_length is not None and split_kv > 1 and split_kv * bn > max_length:
@@ -233,6 +301,8 @@ class DecodeAttentionFamily(TemplateFamily):
             reduce_warps=4 if params["SPLIT_KV"] * block_d >= 2048 else 1,
             ieee_dot=region.inputs[0].dtype == "float32",
             kv_scale=kv_scale(region),
+            paged=page_size(region) is not None,
+            page_size=page_size(region),
             # fp8 tiles are converted to what the scores are computed in: q's dtype for tl.dot
             # (e4m3 is exact in bf16 / fp16), fp32 for multiply and sum
             tile_tl_dtype=_TL_DTYPE[region.inputs[0].dtype] if params["USE_DOT"] else "tl.float32",

@@ -293,6 +293,15 @@ def test_covering_points_compile_for_hopper(tmp_path):
             label = f"{dtype}_{heads}_{head_dim}_{i}"
             jobs.append((label, FAMILY.render(region, params), inputs))
             expected[label] = params
+    # paged KV (pages of 64 through a page table; fp8 pages with per-head scales): one page
+    # lookup per tile must not stop the K/V loads from pipelining
+    for granularity in (None, "per-head"):
+        region = paged_region(2, 32, 8, 16, 64, 8, 128, "bfloat16", granularity)
+        inputs, _ = make_paged_inputs(region, [256, 100])
+        params = {"BLOCK_N": 64, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+        label = f"paged_{granularity or 'bf16'}"
+        jobs.append((label, FAMILY.render(region, params), inputs))
+        expected[label] = params
     compiled = compile_for_hopper(jobs, tmp_path)
     for label, params in expected.items():
         kernels = compiled[label]
@@ -553,3 +562,186 @@ def test_fp8_covering_points_compile_for_hopper(tmp_path):
         split = compiled[label]["_decode_split_kernel"]
         assert split["pipelined"] == (params["num_stages"] > 1), f"fp8 K/V pipelining for {label} {params}"
         assert split["shared"] <= H200.smem_per_block_bytes
+
+
+# -- paged KV (issue 4): pages [N_pages, Hkv, P, D] read through a page table ---------------
+
+PAGED_FMA = {"BLOCK_N": 16, "SPLIT_KV": 1, "USE_DOT": False, "num_warps": 2, "num_stages": 2}
+PAGED_DOT = {"BLOCK_N": 16, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 2, "num_stages": 3}
+
+
+def paged_region(batch, heads, kv_heads, num_pages, page_size, max_pages, head_dim, dtype="float32",
+                 granularity=None, cache_dtype=None, table_dtype="int32", dims=None,
+                 example_length=None) -> RegionSummary:
+    """decode_attention through a page table: q, k_pages, v_pages, lengths, page_table[, k_scale, v_scale]."""
+    base = make_region(batch, heads, kv_heads, 1, head_dim, dtype, dims=dims, example_length=example_length)
+    pages = TensorSpec((num_pages, kv_heads, page_size, head_dim),
+                       cache_dtype or ("float8_e4m3fn" if granularity else dtype))
+    inputs = (base.inputs[0], pages, pages, base.inputs[3], TensorSpec((batch, max_pages), table_dtype))
+    attrs = {**base.attrs, "page_size": page_size}
+    if granularity:
+        inputs += (TensorSpec(scale_shape(granularity, pages.shape), "float32"),) * 2
+        attrs["kv_scale"] = granularity
+    return RegionSummary("decode_attn", "decode_attention", inputs, base.outputs, attrs=attrs, dims=base.dims)
+
+
+def make_paged_inputs(region: RegionSummary, lengths, seed: int = 0):
+    """Pages of all sequences interleaved in a shuffled pool (sequence b's i-th page is drawn in
+    turn with the others'); free pages and the slots past each length hold NaN, so any read of
+    them poisons the output. Returns the kernel's inputs and the sequences' contiguous caches
+    [B, Hkv, max_pages * P, D] (for the reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = make_inputs(make_region(*region.inputs[0].shape[:2], 1, 1, region.inputs[0].shape[3],
+                                region.inputs[0].dtype), lengths, seed=seed)[0]
+    num_pages, kv_heads, size, head_dim = region.inputs[1].shape
+    batch, max_pages = region.inputs[4].shape
+    fp8 = region.inputs[1].dtype == "float8_e4m3fn"
+    dtype = torch.float8_e4m3fn if fp8 else DTYPES[region.inputs[1].dtype]
+    full = (batch, kv_heads, max_pages * size, head_dim)
+    caches = [fp8_cache(full, gen) if fp8 else torch.randn(full, generator=gen).to(dtype) for _ in "kv"]
+    for cache in caches:
+        for b, length in enumerate(lengths):
+            if fp8:
+                cache.view(torch.uint8)[b, :, length:] = 0x7F  # e4m3fn NaN
+            else:
+                cache[b, :, length:] = float("nan")
+    pool = [torch.full((num_pages, kv_heads, size, head_dim), float("nan")).to(dtype) for _ in "kv"]
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    table = torch.zeros(batch, max_pages, dtype=torch.int32)
+    counts = [-(-n // size) for n in lengths]
+    for i in range(max(counts)):  # round-robin: the sequences' pages interleave in the pool
+        for b in range(batch):
+            if i < counts[b]:
+                page = order.pop()
+                table[b, i] = page
+                for cache, pages in zip(caches, pool):
+                    pages[page] = cache[b, :, i * size:(i + 1) * size]
+    inputs = [q, *(p.to(DEVICE) for p in pool), torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+              table.to(DEVICE)]
+    if fp8:
+        inputs += [(torch.rand(region.inputs[i].shape, generator=gen) + 0.5).div(112).to(DEVICE) for i in (5, 6)]
+    return inputs, [c.to(DEVICE) for c in caches]
+
+
+PAGED_CASES = {  # page size, lengths
+    "one": (16, [1, 1, 1]),
+    "page edges": (16, [15, 16, 17]),
+    "exact pages": (32, [32, 64, 96]),
+    "two tiles a page": (32, [31, 33, 65]),
+    "mixed": (32, [1, 70, 33]),
+}
+
+
+@pytest.mark.parametrize("case", PAGED_CASES)
+@pytest.mark.parametrize("params", [PAGED_FMA, PAGED_DOT], ids=["fma", "dot-four-splits"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_lengths(case, params, dtype, load_candidate):
+    # GQA group 4, pages of three sequences shuffled and interleaved in a pool with free pages
+    size, lengths = PAGED_CASES[case]
+    max_pages = max(4, -(-max(lengths) // size) + 1)  # four splits of 16 fit the table
+    region = paged_region(3, 8, 2, 3 * max_pages + 2, size, max_pages, 32, dtype)
+    inputs, (k, v) = make_paged_inputs(region, lengths)
+    (out,) = run_candidate(load_candidate, region, params, inputs)
+    assert out.dtype == DTYPES[dtype]
+    check_close(out, reference(region, inputs[0], k, v, inputs[3]))
+
+
+@pytest.mark.parametrize("heads,kv_heads,use_dot", [(4, 4, False), (8, 1, True)], ids=["mha-fma", "gqa8-dot"])
+def test_paged_heads(heads, kv_heads, use_dot, load_candidate):
+    region = paged_region(2, heads, kv_heads, 9, 64, 4, 32)
+    inputs, (k, v) = make_paged_inputs(region, [200, 64], seed=1)
+    params = {**PAGED_FMA, "BLOCK_N": 32, "USE_DOT": use_dot, "SPLIT_KV": 2, "num_warps": 2}
+    (out,) = run_candidate(load_candidate, region, params, inputs)
+    check_close(out, reference(region, inputs[0], k, v, inputs[3]))
+
+
+@pytest.mark.parametrize("params", [PAGED_FMA, PAGED_DOT], ids=["fma", "dot-four-splits"])
+@pytest.mark.parametrize("granularity", ["per-head", "per-tensor"])
+def test_paged_fp8(granularity, params, load_candidate):
+    region = paged_region(3, 8, 2, 12, 16, 4, 64, "bfloat16", granularity)
+    inputs, (k, v) = make_paged_inputs(region, [1, 50, 33], seed=2)
+    (out,) = run_candidate(load_candidate, region, {**params, "num_warps": 4}, inputs)  # D 64
+    assert out.dtype == torch.bfloat16
+    check_close(out, fp8_reference(region, inputs[0], k, v, inputs[3], *inputs[5:]))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-per-head"])
+def test_paged_kernel_reads_the_runtime_pool(fp8, load_candidate):
+    # coopt.runtime.paged: sequences added, grown in turns and one released, then a decode step
+    from coopt.runtime.paged import PagedKVCache
+
+    gen = torch.Generator().manual_seed(4)
+    scales = {"k_scale": torch.tensor([0.01, 0.02]), "v_scale": torch.tensor([0.03, 0.01])} if fp8 else {}
+    cache = PagedKVCache(num_layers=1, num_pages=16, num_kv_heads=2, page_size=16, head_dim=32,
+                         dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=DEVICE, **scales)
+    seqs = [cache.add_sequence(n) for n in (5, 17, 40)]
+    for seq in seqs:
+        n = cache.lengths([seq]).item()
+        cache.write(0, [seq], torch.arange(n)[None], *(torch.randn(1, 2, n, 32, generator=gen) for _ in "kv"))
+    cache.release(seqs.pop(0))
+    seqs.append(cache.add_sequence())
+    for _ in range(12):  # decode steps: pages taken as sequences cross page boundaries
+        positions = cache.step(seqs)
+        cache.write(0, seqs, positions, *(torch.randn(3, 2, 1, 32, generator=gen) for _ in "kv"))
+    lengths, table = cache.lengths(seqs), cache.page_table(seqs)
+    region = paged_region(3, 4, 2, 16, 16, table.shape[1], 32, "bfloat16", "per-head" if fp8 else None)
+    q = torch.randn(3, 4, 1, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    inputs = [q, *cache.pages(0), lengths, table, *(cache.scales(0) if fp8 else ())]
+    (out,) = run_candidate(load_candidate, region, PAGED_DOT, inputs)
+    k, v = (torch.zeros(3, 2, table.shape[1] * 16, 32) for _ in "kv")
+    for b, seq in enumerate(seqs):
+        seq_k, seq_v = cache.gather(0, seq, dequantize=True)
+        k[b, :, :seq_k.shape[1]], v[b, :, :seq_v.shape[1]] = seq_k, seq_v
+    check_close(out, reference(region, q, k, v, lengths))
+
+
+def test_paged_matches_and_check():
+    ok = paged_region(1, 32, 8, 1024, 16, 256, 128, "bfloat16")
+    params = {"BLOCK_N": 16, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+    assert FAMILY.matches(ok) and FAMILY.check(ok, params, H200) is None
+    assert "does not divide page_size=16" in FAMILY.check(ok, {**params, "BLOCK_N": 32}, H200)
+    big = paged_region(1, 32, 8, 64, 256, 16, 128, "bfloat16")
+    assert FAMILY.check(big, {**params, "BLOCK_N": 64}, H200) is None  # 64 divides 256
+    # the cache a page table addresses bounds the splits: 2 pages of 16
+    short = paged_region(1, 32, 8, 64, 16, 2, 128, "bfloat16")
+    assert "exceed the cache" in FAMILY.check(short, {**params, "SPLIT_KV": 4}, H200)
+    assert FAMILY.check(short, {**params, "SPLIT_KV": 2}, H200) is None
+    fp8 = paged_region(1, 32, 8, 64, 32, 16, 128, "bfloat16", "per-head")
+    assert FAMILY.matches(fp8) and FAMILY.check(fp8, {**params, "BLOCK_N": 32}, H200) is None
+    # per-token scales through pages: a legal schema, not supported yet
+    per_token = paged_region(1, 32, 8, 64, 32, 16, 128, "bfloat16", "per-token")
+    assert FAMILY.matches(per_token)
+    assert "per-token scales with paged KV" in FAMILY.check(per_token, {**params, "BLOCK_N": 32}, H200)
+    pages = ok.inputs[1]
+    illegal = {
+        "page size 24": paged_region(1, 32, 8, 64, 24, 8, 128, "bfloat16"),
+        "page size 512": paged_region(1, 32, 8, 64, 512, 8, 128, "bfloat16"),
+        "int64 table": paged_region(1, 32, 8, 64, 16, 8, 128, "bfloat16", table_dtype="int64"),
+        "no table": RegionSummary("r", "decode_attention", ok.inputs[:4], ok.outputs, ok.attrs),
+        "pages of another size": RegionSummary("r", "decode_attention", (
+            ok.inputs[0], TensorSpec((1024, 8, 32, 128), "bfloat16"), pages, *ok.inputs[3:]), ok.outputs, ok.attrs),
+        "table of another batch": RegionSummary("r", "decode_attention", (
+            *ok.inputs[:4], TensorSpec((2, 256), "int32")), ok.outputs, ok.attrs),
+    }
+    for name, region in illegal.items():
+        assert not FAMILY.matches(region), name
+        assert FAMILY.check(region, params, H200) is not None, name
+    # a plain region with a fifth input is still not paged
+    plain = make_region(1, 32, 8, 64, 128, "bfloat16")
+    assert not FAMILY.matches(RegionSummary("r", "decode_attention", ok.inputs, ok.outputs, plain.attrs))
+
+
+@pytest.mark.parametrize("size,block_n", [(16, 16), (32, 32), (256, 64)])
+def test_paged_heuristic_respects_the_page(size, block_n):
+    # 32768 positions addressable, planned for all of them: the non-paged choice when it fits a page
+    region = paged_region(1, 32, 8, 4096, size, 32768 // size, 128, "bfloat16", example_length=32768)
+    request = AdviceRequest(region, "decode_attention", FAMILY.param_space(region, H200),
+                            tuple(FAMILY.legal_points(region, H200)), H200.facts())
+    best = HeuristicAdvisor().advise(request).ranked[0]
+    assert best["BLOCK_N"] == block_n and best["SPLIT_KV"] == 16, best
+    assert FAMILY.check(region, best, H200) is None
+
+
+def test_paged_bandwidth_model_counts_the_same_bytes():
+    paged = paged_region(2, 32, 8, 4096, 16, 2048, 128, "bfloat16")
+    assert kv_bytes_read(paged, [32768, 1]) == kv_bytes_read(make_region(2, 32, 8, 32768, 128, "bfloat16"), [32768, 1])

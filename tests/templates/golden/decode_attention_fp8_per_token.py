@@ -167,6 +167,9 @@ def _decode_reduce_kernel(
 
 def run(q, k_cache, v_cache, lengths, k_scale, v_scale):
     batch, num_heads, _, head_dim = q.shape
+    # the kernel reads lengths[b] at lengths_ptr + b: a decode step's lengths are often
+    # expand(input_pos + 1) over the batch, a stride-0 view of one element
+    lengths = lengths.contiguous()
     max_length = k_cache.shape[2]
     out = torch.empty((batch, num_heads, 1, head_dim), device=q.device, dtype=torch.bfloat16)
     if out.numel() == 0:

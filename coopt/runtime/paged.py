@@ -1,0 +1,284 @@
+"""Paged KV cache: a pool of fixed-size pages and a page table per sequence (issue 4, slice 1).
+
+Runtime code: torch only. Each of the L layers owns K and V page tensors
+`[num_pages, Hkv, page_size, D]`; a sequence owns a list of page ids (its page table) and a
+length. Sequence b's position p lives at `k_pages[page_table[b, p // page_size], :, p % page_size]`,
+which is what the paged `decode_attention` kernel reads (coopt/templates/decode_attention.py).
+Pages are taken as a sequence grows and returned when it is released, so the memory held is
+proportional to the tokens held (rounded up to whole pages per sequence).
+
+Failures are explicit and leave the pool untouched:
+- `PoolExhausted` (a RuntimeError): not enough free pages for a request. Nothing changed; the
+  caller may release sequences and retry.
+- `UnknownSequence` (a KeyError): an id never added, or already released (releasing twice,
+  writing to or reading a released sequence). Ids are never reused.
+
+Example (2 layers, 8 pages of 16 tokens, 2 kv heads, D 4):
+    >>> cache = PagedKVCache(num_layers=2, num_pages=8, num_kv_heads=2, page_size=16, head_dim=4,
+    ...                      dtype=torch.float32)
+    >>> a = cache.add_sequence(20)          # 2 pages
+    >>> b = cache.add_sequence()            # no page yet
+    >>> cache.extend(b, 1)                  # 1 page
+    >>> cache.lengths([a, b]).tolist(), cache.pages_in_use()
+    ([20, 1], 3)
+    >>> cache.page_table([a, b]).shape      # [B, max pages]; unused slots hold 0
+    torch.Size([2, 2])
+    >>> positions = cache.step([a, b])      # one more token each: their positions
+    >>> positions.tolist()
+    [20, 1]
+    >>> k = v = torch.ones(2, 2, 1, 4)      # [B, Hkv, T, D]
+    >>> cache.write(0, [a, b], positions, k, v)
+    >>> cache.gather(0, b)[0].shape         # K of sequence b, layer 0: [Hkv, length, D]
+    torch.Size([2, 2, 4])
+    >>> cache.release(a)
+    >>> cache.pages_in_use()
+    1
+    >>> cache.release(a)
+    Traceback (most recent call last):
+    ...
+    coopt.runtime.paged.UnknownSequence: sequence 0 was released already
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+class PoolExhausted(RuntimeError):
+    """The pool has fewer free pages than a request needs; the request changed nothing."""
+
+    def __init__(self, needed: int, free: int, what: str):
+        super().__init__(f"{what} needs {needed} pages but only {free} are free "
+                         f"(nothing was allocated: release sequences and retry)")
+        self.needed = needed
+        self.free = free
+
+
+class UnknownSequence(KeyError):
+    """A sequence id that was never added, or was released already."""
+
+    def __str__(self) -> str:  # KeyError's str() is the repr of its argument; keep it readable
+        return str(self.args[0]) if self.args else "unknown sequence"
+
+
+class PagedKVCache:
+    """K/V pages for `num_layers` layers, shared by all sequences through per-sequence page tables.
+
+    dtype: bf16 / fp16 / fp32, or float8_e4m3fn with `k_scale`, `v_scale` (fp32, per head:
+    `[Hkv]` for every layer or `[num_layers, Hkv]`); fp8 pages store clamp(x / s, -448, 448)
+    rounded to nearest even, and are read as page * s.
+    Page ids are handed out in a fixed pseudo-random order (`seed`), never contiguous by design:
+    nothing may assume that a sequence's pages are adjacent.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, seed: int = 0):
+        if page_size not in PAGE_SIZES:
+            raise ValueError(f"page_size {page_size} is none of {PAGE_SIZES}")
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"dtype {dtype} is none of {CACHE_DTYPES}")
+        if min(num_layers, num_pages, num_kv_heads, head_dim) < 1:
+            raise ValueError("num_layers, num_pages, num_kv_heads and head_dim must be positive")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
+        self.key_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.value_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_scale = self._layer_scales(k_scale, "k_scale")
+        self.v_scale = self._layer_scales(v_scale, "v_scale")
+        # A stack: pop() takes the next page, release pushes pages back (reused first).
+        order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+        self._free_pages: list[int] = order[::-1]
+        self._pages: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._released: set[int] = set()
+        self._next_id = 0
+
+    def _layer_scales(self, scale, name: str) -> torch.Tensor | None:
+        """[num_layers, Hkv] fp32 scales for an fp8 pool, None otherwise."""
+        if self.dtype != FP8_DTYPE:
+            if scale is not None:
+                raise ValueError(f"{name} is only for {FP8_DTYPE} pages, not {self.dtype}")
+            return None
+        if scale is None:
+            raise ValueError(f"{FP8_DTYPE} pages need per-head {name} [Hkv] or [num_layers, Hkv]")
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=self.device)
+        if scale.shape == (self.num_kv_heads,):
+            scale = scale.expand(self.num_layers, -1)
+        if scale.shape != (self.num_layers, self.num_kv_heads):
+            raise ValueError(f"{name} shape {tuple(scale.shape)} is neither [{self.num_kv_heads}] "
+                             f"nor [{self.num_layers}, {self.num_kv_heads}]")
+        if not bool((scale > 0).all()):
+            raise ValueError(f"{name} must be positive")
+        return scale.contiguous()
+
+    # -- sequences ------------------------------------------------------------------------
+    def add_sequence(self, num_tokens: int = 0) -> int:
+        """A new sequence holding `num_tokens` positions (pages taken now); returns its id.
+
+        Raises PoolExhausted (and adds nothing) when the pool cannot hold them."""
+        needed = self._pages_for(num_tokens)
+        self._check_free(needed, f"a sequence of {num_tokens} tokens")
+        seq_id = self._next_id
+        self._next_id += 1
+        self._pages[seq_id] = [self._free_pages.pop() for _ in range(needed)]
+        self._lengths[seq_id] = num_tokens
+        return seq_id
+
+    def extend(self, seq_id: int, n: int) -> None:
+        """Grow sequence `seq_id` by `n` positions, taking pages as needed (all or nothing)."""
+        self._require(seq_id)
+        if n < 0:
+            raise ValueError(f"cannot extend by {n} tokens")
+        self._grow({seq_id: n})
+
+    def step(self, seq_ids: Sequence[int] | None = None) -> torch.Tensor:
+        """One more position for each sequence (default: every live one), all or nothing.
+
+        Returns the new positions, int64 [B], in `seq_ids` order: where this step's K/V go."""
+        seq_ids = self.live_sequences() if seq_ids is None else list(seq_ids)
+        for seq_id in seq_ids:
+            self._require(seq_id)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a step lists a sequence twice: {seq_ids}")
+        positions = [self._lengths[s] for s in seq_ids]
+        self._grow(dict.fromkeys(seq_ids, 1))
+        return torch.tensor(positions, dtype=torch.int64, device=self.device)
+
+    def release(self, seq_id: int) -> None:
+        """End sequence `seq_id`: its pages return to the pool; the id is never valid again."""
+        self._require(seq_id)
+        self._free_pages.extend(reversed(self._pages.pop(seq_id)))
+        del self._lengths[seq_id]
+        self._released.add(seq_id)
+
+    def live_sequences(self) -> list[int]:
+        """Ids of the sequences added and not released, oldest first."""
+        return list(self._lengths)
+
+    # -- what the kernel reads --------------------------------------------------------------
+    def lengths(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        """Valid positions of each sequence, int32 [B]."""
+        return torch.tensor([self._lengths[self._require(s)] for s in seq_ids], dtype=torch.int32,
+                            device=self.device)
+
+    def page_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:
+        """Page ids of each sequence, int32 [B, max_pages]; slots past a sequence's pages hold 0
+        (never read: the kernel stops at the length). `max_pages` fixes the width (e.g. for a
+        CUDA graph); by default the most pages any of these sequences holds (at least 1)."""
+        tables = [self._pages[self._require(s)] for s in seq_ids]
+        width = max([1, *(len(t) for t in tables)]) if max_pages is None else max_pages
+        if any(len(t) > width for t in tables):
+            raise ValueError(f"max_pages={width} is fewer than a sequence holds")
+        rows = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(tables), width)
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages of `layer`, [num_pages, Hkv, page_size, D] each."""
+        return self.key_pages[layer], self.value_pages[layer]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head fp32 K and V scales [Hkv] of `layer` (fp8 pools only)."""
+        if self.k_scale is None:
+            raise ValueError(f"a {self.dtype} pool has no scales")
+        return self.k_scale[layer], self.v_scale[layer]
+
+    # -- rows ------------------------------------------------------------------------------
+    def write(self, layer: int, seq_ids: Sequence[int], positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store K/V rows: k, v [B, Hkv, T, D] at `positions` [B, T] ([B] when T is 1).
+
+        Positions must lie inside each sequence's length (extend or step first). fp8 pools
+        quantize with the layer's per-head scales. A reference implementation (torch indexing)."""
+        seq_ids = list(seq_ids)
+        positions = torch.as_tensor(positions, device=self.device).to(torch.int64)
+        if positions.dim() == 1:
+            positions = positions[:, None]
+        batch, tokens = positions.shape
+        expected = (batch, self.num_kv_heads, tokens, self.head_dim)
+        if len(seq_ids) != batch or tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"write of {len(seq_ids)} sequences at positions {tuple(positions.shape)} "
+                             f"needs k, v {list(expected)}, got {list(k.shape)} / {list(v.shape)}")
+        lengths = self.lengths(seq_ids).to(self.device, torch.int64)[:, None]
+        if bool(((positions < 0) | (positions >= lengths)).any()):
+            raise IndexError(f"positions {positions.tolist()} outside the lengths {lengths.flatten().tolist()}")
+        table = self.page_table(seq_ids).to(torch.int64)
+        page_ids = table.gather(1, positions // self.page_size).flatten()
+        slots = (positions % self.page_size).flatten()
+        for pages, rows, scale in ((self.key_pages[layer], k, self.k_scale),
+                                   (self.value_pages[layer], v, self.v_scale)):
+            rows = rows.to(self.device).permute(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)
+            pages[page_ids, :, slots] = self._store_form(rows, None if scale is None else scale[layer])
+
+    def _store_form(self, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """Rows [N, Hkv, D] as the pages store them (fp8: x / s clamped to e4m3's range)."""
+        if scale is None:
+            return rows.to(self.dtype)
+        return (rows.float() / scale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
+
+    def gather(self, layer: int, seq_id: int, dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous K and V of one sequence, [Hkv, length, D] each, as stored (for tests and
+        references); `dequantize` returns fp8 pages as fp32 page * scale."""
+        length = self._lengths[self._require(seq_id)]
+        page_ids = torch.tensor(self._pages[seq_id], dtype=torch.int64, device=self.device)
+        result = []
+        for pages, scale in ((self.key_pages[layer], self.k_scale), (self.value_pages[layer], self.v_scale)):
+            rows = pages[page_ids].permute(1, 0, 2, 3).reshape(self.num_kv_heads, -1, self.head_dim)[:, :length]
+            if dequantize and scale is not None:
+                rows = rows.float() * scale[layer][:, None, None]
+            result.append(rows.contiguous())
+        return result[0], result[1]
+
+    # -- accounting ------------------------------------------------------------------------
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free_pages)
+
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def bytes_per_page(self) -> int:
+        """K and V bytes of one page over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim * self.dtype.itemsize
+
+    def bytes_held(self) -> int:
+        """Bytes of the pages held by live sequences: proportional to the pages in use."""
+        return self.pages_in_use() * self.bytes_per_page()
+
+    def capacity_tokens(self) -> int:
+        """Positions the whole pool can hold (every page full)."""
+        return self.num_pages * self.page_size
+
+    # -- internals -------------------------------------------------------------------------
+    def _pages_for(self, num_tokens: int) -> int:
+        if num_tokens < 0:
+            raise ValueError(f"a sequence cannot hold {num_tokens} tokens")
+        return -(-num_tokens // self.page_size)
+
+    def _check_free(self, needed: int, what: str) -> None:
+        if needed > len(self._free_pages):
+            raise PoolExhausted(needed, len(self._free_pages), what)
+
+    def _grow(self, growth: dict[int, int]) -> None:
+        """Lengthen several sequences at once: every page is checked for before any is taken."""
+        needed = {s: self._pages_for(self._lengths[s] + n) - len(self._pages[s]) for s, n in growth.items()}
+        total = sum(needed.values())
+        self._check_free(total, f"growing {len(growth)} sequence(s) by {sum(growth.values())} tokens")
+        for seq_id, n in growth.items():
+            self._pages[seq_id].extend(self._free_pages.pop() for _ in range(needed[seq_id]))
+            self._lengths[seq_id] += n
+
+    def _require(self, seq_id: int) -> int:
+        if seq_id in self._lengths:
+            return seq_id
+        if seq_id in self._released:
+            raise UnknownSequence(f"sequence {seq_id} was released already")
+        raise UnknownSequence(f"sequence {seq_id} was never added")
