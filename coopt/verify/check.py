@@ -133,7 +133,17 @@ def _upcast(inputs, dtype: torch.dtype, keep=frozenset()) -> list[torch.Tensor]:
 
 def _clones(inputs) -> list[torch.Tensor]:
     # Each module gets its own copies: an in-place candidate must not corrupt the reference's.
-    return [t.clone() for t in inputs]
+    return [_clone_keeping_layout(t) for t in inputs]
+
+
+def _clone_keeping_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy with `t`'s own strides: a stride-0 expand (decode lengths) stays one, where
+    `clone()` would hand the kernel a contiguous tensor and hide how it reads the real one."""
+    if t.is_contiguous():
+        return t.clone()
+    elements = t.untyped_storage().nbytes() // t.element_size()
+    storage = torch.as_strided(t, (elements,), (1,), 0).clone()
+    return storage.as_strided(t.size(), t.stride(), t.storage_offset())
 
 
 def _as_outputs(result) -> tuple:

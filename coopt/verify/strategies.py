@@ -15,7 +15,8 @@ Values: standard normal times a magnitude drawn from (1, 1e-3, 30, 1e3), one mag
 example for all inputs; shrinking moves toward 1. An integer input that the region names as
 valid lengths (attrs {"lengths_input": i, "lengths_bound": [j, d]}: every value of input i lies
 in [1, inputs[j].shape[d]], as decode_attention's lengths [B] against S_max) gets such lengths,
-chosen per element from the example's seed (see `valid_lengths`).
+chosen per element from the example's seed (see `valid_lengths`); examples of even seed (the anchors of a build's default seed 0 among them) pass a
+single length expanded over the batch, the stride-0 view a decode step really passes.
 
 fp8 (an fp8 KV cache, docs/kv-cache.md): a quantizer fills the format's range, so fp8 inputs
 are N(0, 1) * max / 4 whatever the magnitude (every exponent of e4m3, subnormals included),
@@ -228,6 +229,10 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
             tensor = torch.randint(0, 2, shape, generator=generator, device=device).bool()
         elif index == region.attrs.get("lengths_input"):
             tensor = valid_lengths(shape, _max_length(region, dims), example.seed).to(dtype).to(device)
+            if example.seed % 2 == 0 and tensor.dim() == 1 and tensor.numel() > 1:
+                # as a decode step passes them: one length expanded over the batch (a stride-0
+                # view; a kernel reading it as contiguous gets garbage past element 0)
+                tensor = tensor[:1].expand(tensor.shape[0])
         else:
             tensor = torch.randint(0, 8, shape, generator=generator, dtype=dtype, device=device)
         tensors.append(tensor)

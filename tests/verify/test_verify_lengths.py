@@ -102,3 +102,21 @@ def test_fuzzer_verifies_a_decode_kernel_and_catches_a_static_cache_one(dtype, t
     bad.write_text(source.replace(signature, signature + whole_cache))
     result = verify_candidate(region, reference, bad, profile="ci", seed=1, device="cpu")
     assert not result.ok
+
+
+def test_fuzzer_catches_a_kernel_that_reads_expanded_lengths_as_contiguous(tmp_path):
+    """A decode step passes one length expanded over the batch (stride 0); verification passes
+    lengths that way too (and keeps the layout when it copies inputs), so a kernel reading
+    lengths[b] at lengths_ptr + b fails here instead of in the whole model."""
+    from coopt.templates.decode_attention import DecodeAttentionFamily
+
+    region = decode_region("float32")
+    reference = write_module(tmp_path, "attn0__reference", DECODE_REFERENCE)
+    params = {"BLOCK_N": 16, "SPLIT_KV": 2, "USE_DOT": True, "num_warps": 2, "num_stages": 2}
+    source = DecodeAttentionFamily().render(region, params)
+    assert "lengths = lengths.contiguous()" in source
+    bad = tmp_path / "attn0__c1.py"
+    bad.write_text(source.replace("lengths = lengths.contiguous()", "pass"))
+    # seed 0, a build's default: its anchor examples pass the expanded form
+    result = verify_candidate(region, reference, bad, profile="ci", seed=0, device="cpu")
+    assert not result.ok
