@@ -4,7 +4,6 @@ without a dynamic prompt length, or a chunk that is not a power of two >= 16, is
 error (exit 5), never a silent no-op."""
 
 import json
-import textwrap
 
 import pytest
 import torch
@@ -105,25 +104,13 @@ def test_pipeline_text_parses_the_chunk_and_rejects_bad_ones():
         parse_pipeline_text("chunked-prefill{size=16}")
 
 
-MLP = """
-import torch
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-    def forward(self, x):
-        return torch.relu(self.fc(x))
-def get_inputs():
-    return [torch.randn(2, 8)]
-"""
+
 
 
 @pytest.mark.parametrize("chunk, message", [("16", "no entry point of the model has a dynamic prompt length"),
                                              ("24", "power of two >= 16")])
-def test_cli_prefill_chunk_errors_exit_5(tmp_path, chunk, message):
-    path = tmp_path / "model.py"
-    path.write_text(textwrap.dedent(MLP))
-    result = CliRunner().invoke(app, ["build", str(path), "-o", str(tmp_path / "out"), "-q", "--prefill-chunk", chunk])
+def test_cli_prefill_chunk_errors_exit_5(tmp_path, plain_model_file, chunk, message):
+    result = CliRunner().invoke(app, ["build", str(plain_model_file), "-o", str(tmp_path / "out"), "-q", "--prefill-chunk", chunk])
     assert result.exit_code == 5, result.output
     assert message in result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
