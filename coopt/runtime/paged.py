@@ -111,15 +111,15 @@ class PagedKVCache:
             return None
         if scale is None:
             raise ValueError(f"{FP8_DTYPE} pages need per-head {name} [Hkv] or [num_layers, Hkv]")
-        scale = torch.as_tensor(scale, dtype=torch.float32, device=self.device)
+        scale = torch.as_tensor(scale, dtype=torch.float32)
         if scale.shape == (self.num_kv_heads,):
             scale = scale.expand(self.num_layers, -1)
         if scale.shape != (self.num_layers, self.num_kv_heads):
             raise ValueError(f"{name} shape {tuple(scale.shape)} is neither [{self.num_kv_heads}] "
                              f"nor [{self.num_layers}, {self.num_kv_heads}]")
-        if not bool((scale > 0).all()):
+        if not bool((scale > 0).all()):  # checked where the caller's values are, then moved
             raise ValueError(f"{name} must be positive")
-        return scale.contiguous()
+        return scale.to(self.device).contiguous()
 
     # -- sequences ------------------------------------------------------------------------
     def add_sequence(self, num_tokens: int = 0) -> int:
