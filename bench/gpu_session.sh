@@ -6,7 +6,9 @@
 #   bash bench/gpu_session.sh decode     # bench/decode.py: batch 1 at 2048 and 32768, agreement
 #   bash bench/gpu_session.sh batched    # bench/decode.py: batch 32 at 2048, and prefill of 2048
 #   bash bench/gpu_session.sh pair       # two GPUs (nvidia-h200-x2), in parallel: GPU 0 examples then
-#                                        # GPU tests, GPU 1 decode (3 cases, bf16 and fp8 KV, prefill)
+#                                        # GPU tests, GPU 1 decode (3 cases, bf16 and fp8 KV)
+#                                        # (session 3: every step overran its limit, the two jobs
+#                                        # sharing the host's CPUs; one job per call is safer)
 #
 # Every step has its own time limit, so a slow step costs its own results, not the others'.
 set -uo pipefail

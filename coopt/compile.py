@@ -17,7 +17,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.printer import Printer
 
 from coopt.candidates import REFERENCE, RegionBuild, make_candidates, region_signature
-from coopt.end_to_end import check_end_to_end, reference_program
+from coopt.end_to_end import check_end_to_end, device_of, measure_lossy_end_to_end
 from coopt.codegen.program import program_source
 from coopt.frontend.capture import capture
 from coopt.fp8_cache import calibrate_kv_absmax, needs_calibration, set_calibration
@@ -261,7 +261,10 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     accuracy = None
     if config.lossy_passes:
         # a lossy pass changes numerics by design: measure its cost against the original instead
-        e2e, accuracy = _lossy_end_to_end(model, example_inputs, regions, out, config, measured, warnings, module, program)
+        e2e, accuracy = measure_lossy_end_to_end(
+            model, example_inputs, regions, out, lossy_passes=config.lossy_passes, trials=config.e2e_trials,
+            seed=config.seed, cuda_graphs=graphs, warnings=warnings,
+            write_selection=lambda: write_selection(out, regions, measured), module=module, program=program)
     else:
         e2e = check_end_to_end(model, example_inputs, regions, out, trials=config.e2e_trials, seed=config.seed,
                                measured=measured, stateful=_is_stateful(module), cuda_graphs=graphs, warnings=warnings,
@@ -281,7 +284,7 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
 
 def _on_build_device(model, example_inputs):
     """Model and inputs on the GPU if there is one (a copy: the caller's model is not moved)."""
-    if not torch.cuda.is_available() or _device_of(example_inputs).type == "cuda":
+    if not torch.cuda.is_available() or device_of(example_inputs).type == "cuda":
         return model, example_inputs
     import copy
 
@@ -467,91 +470,5 @@ def _forward_params(model, count: int) -> list[str]:
             names.append(p.name)
     names = names[:count]
     return names if len(names) == count else [f"input_{i}" for i in range(count)]
-
-
-def _lossy_end_to_end(model, example_inputs, regions, out, config, measured, warnings, module, program) -> tuple[dict, dict]:
-    """(e2e, accuracy) of a build with a lossy pass: its kernels are checked against the
-    build's own reference program (bisected and fallen back like a lossless build's); the
-    built model cannot match the original at the normal tolerance, so the transform's cost is
-    measured (outputs on fresh inputs; for a decoder also teacher-forced decode steps: top-1
-    agreement, mean KL) and recorded. Non-finite outputs still fail the build, after a retry on
-    the references if kernels were selected."""
-    import copy
-
-    from coopt.errors import EndToEndMismatch
-    from coopt.runtime.loader import load
-    from coopt.verify.end_to_end import measure_end_to_end
-
-    device = _device_of(example_inputs)
-    kernels_check = None
-    if any(r.selected != REFERENCE for r in regions):
-        # The kernels are held to the program they replace (the same lossy transform, on the
-        # reference ops), with the normal tolerance and bisection; the cost of the transform
-        # itself is then measured against the original model below.
-        kernels_check = check_end_to_end(reference_program(out, regions, device), example_inputs, regions, out,
-                         trials=config.e2e_trials, seed=config.seed, measured=False, stateful=True,
-                         cuda_graphs=config.cuda_graphs or False, warnings=warnings,
-                         write_selection=lambda: write_selection(out, regions, measured))
-    outputs = measure_end_to_end(copy.deepcopy(model), load(out, device=device), example_inputs, trials=config.e2e_trials, seed=config.seed)
-    kernel_regions = [r for r in regions if r.selected != REFERENCE]
-    if not outputs["finite"] and kernel_regions:
-        warnings.append("the lossy build's outputs were not finite with kernels; every region fell back to its reference")
-        for region in kernel_regions:
-            region.selected, region.reason = REFERENCE, "non-finite end-to-end outputs with kernels: fell back to the reference"
-        write_selection(out, regions, measured)
-        outputs = measure_end_to_end(copy.deepcopy(model), load(out, device=device), example_inputs, trials=config.e2e_trials, seed=config.seed)
-    lossy = ", ".join(p.name for p in config.lossy_passes)
-    if not outputs["finite"]:
-        raise EndToEndMismatch(f"the built model's outputs are not finite (lossy pipeline: {lossy}); "
-                               f"try fp8-kv-cache{{headroom=...}} above 1 or per-token scales")
-    accuracy = {
-        "passes": [{"pass": p.name, "knobs": _knobs(p)} for p in config.lossy_passes],
-        "reference": "the original model, unquantized (eager)",
-        **{k: outputs[k] for k in ("trials", "max_abs_err", "max_rel_err")},
-        **_decode_accuracy(model, out, example_inputs, device),
-    }
-    from coopt.fp8_cache import fp8_record, kv_cache_bytes
-
-    record = fp8_record(module)
-    if record is not None:
-        accuracy["kv_cache_bytes"] = kv_cache_bytes(record, {**program.state_dict, **program.constants})
-    e2e = {"ok": True, "lossy": True, "trials": outputs["trials"], "max_abs_err": outputs["max_abs_err"],
-           "max_rel_err": outputs["max_rel_err"], "kernels_vs_reference_program": kernels_check}
-    return e2e, accuracy
-
-
-DECODE_STEPS = 16  # teacher-forced decode steps a lossy decoder build is measured over
-
-
-def _decode_accuracy(model, out, example_inputs, device) -> dict:
-    """Top-1 agreement and mean KL over teacher-forced decode steps from the example position,
-    when the build is a decode step (DECODER contract, one token per call); else {}."""
-    import copy
-
-    from coopt.runtime.loader import load
-    from coopt.verify.decode_agreement import decode_agreement
-
-    built = load(out, device=device)
-    decoder = getattr(built, "decoder", None)
-    if decoder is None or not decoder["length"][0] <= 1 <= decoder["length"][1]:
-        return {}
-    tokens = example_inputs[decoder["tokens"]][:, :1]
-    start = int(example_inputs[decoder["positions"]].min())
-    steps = min(DECODE_STEPS, decoder["max_seq"] - start)
-    if steps < 1:
-        return {}
-    agreement = decode_agreement(built, copy.deepcopy(model), tokens, start, steps)
-    return {"decode_steps": agreement.steps, "top1_agreement": agreement.top1_agreement, "mean_kl": agreement.mean_kl,
-            "decode_max_abs_err": agreement.max_abs_err}
-
-
-def _knobs(compiler_pass) -> dict:
-    import dataclasses
-
-    return {f.name.replace("_", "-"): getattr(compiler_pass, f.name) for f in dataclasses.fields(compiler_pass) if f.name != "name"}
-
-
-def _device_of(example_inputs):
-    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 

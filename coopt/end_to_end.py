@@ -1,4 +1,4 @@
-"""Step 8 of a build (lossless pipelines): the whole built model against the original.
+"""Step 8 of a build: the whole built model against the original.
 
 Every region's kernel was verified on its own; the whole model can still disagree with the
 original (a kernel fed a view it was never fuzzed with, a write outside its output) or run
@@ -13,6 +13,10 @@ the built program as it will run, and both fall back region by region where they
   SLOWER_MARGIN, the reference program (every region on its reference) is timed in the same
   rounds and, when faster, replaces the kernels, so a build is not slower end to end than the
   program its regions fell back from.
+
+A build with a lossy pass (fp8-kv-cache) cannot match the original at the normal tolerance:
+`measure_lossy_end_to_end` holds its kernels to the build's own reference program (the same
+transform on ATen ops) as above, then measures the transform's cost against the original.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
 
     if stateful:
         model = copy.deepcopy(model)  # the check runs the model: never mutate the caller's buffers
-    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    device = device_of(example_inputs)
     built = load(out, device=device)
 
     def full_check(built):
@@ -71,6 +75,83 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
     return record
 
 
+def measure_lossy_end_to_end(model, example_inputs, regions, out, *, lossy_passes, trials: int, seed: int,
+                             cuda_graphs: bool, warnings: list[str], write_selection, module, program) -> tuple[dict, dict]:
+    """(end_to_end, accuracy) records of a build with lossy passes: its kernels are checked
+    against the build's own reference program (bisected and fallen back as `check_end_to_end`
+    does); the transform's cost is then measured against the original model (outputs on fresh
+    inputs; for a decoder also teacher-forced decode steps: top-1 agreement, mean KL; the KV
+    bytes saved). Non-finite outputs fail the build, after a retry on the references if kernels
+    were selected."""
+    from coopt.fp8_cache import fp8_record, kv_cache_bytes
+    from coopt.runtime.loader import load
+    from coopt.verify.end_to_end import measure_end_to_end
+
+    device = device_of(example_inputs)
+    kernels_check = None
+    if any(r.selected != REFERENCE for r in regions):
+        kernels_check = check_end_to_end(reference_program(out, regions, device), example_inputs, regions, out,
+                                         trials=trials, seed=seed, measured=False, stateful=True,
+                                         cuda_graphs=cuda_graphs, warnings=warnings, write_selection=write_selection)
+
+    def measure() -> dict:
+        return measure_end_to_end(copy.deepcopy(model), load(out, device=device), example_inputs, trials=trials, seed=seed)
+
+    outputs = measure()
+    kernel_regions = [r.summary.name for r in regions if r.selected != REFERENCE]
+    if not outputs["finite"] and kernel_regions:
+        warnings.append("the lossy build's outputs were not finite with kernels; every region fell back to its reference")
+        _fall_back(regions, kernel_regions, "non-finite end-to-end outputs with kernels: fell back to the reference")
+        write_selection()
+        outputs = measure()
+    if not outputs["finite"]:
+        raise EndToEndMismatch(f"the built model's outputs are not finite (lossy pipeline: "
+                               f"{', '.join(p.name for p in lossy_passes)}); "
+                               f"try fp8-kv-cache{{headroom=...}} above 1 or per-token scales")
+    accuracy = {
+        "passes": [{"pass": p.name, "knobs": _knob_values(p)} for p in lossy_passes],
+        "reference": "the original model, unquantized (eager)",
+        **{k: outputs[k] for k in ("trials", "max_abs_err", "max_rel_err")},
+        **_decode_accuracy(model, out, example_inputs, device),
+    }
+    record = fp8_record(module)
+    if record is not None:
+        accuracy["kv_cache_bytes"] = kv_cache_bytes(record, {**program.state_dict, **program.constants})
+    e2e = {"ok": True, "lossy": True, "trials": outputs["trials"], "max_abs_err": outputs["max_abs_err"],
+           "max_rel_err": outputs["max_rel_err"], "kernels_vs_reference_program": kernels_check}
+    return e2e, accuracy
+
+
+DECODE_STEPS = 16  # teacher-forced decode steps a lossy decoder build is measured over
+
+
+def _decode_accuracy(model, out, example_inputs, device) -> dict:
+    """Top-1 agreement and mean KL over teacher-forced decode steps from the example position,
+    when the build is a decode step (DECODER contract, one token per call); else {}."""
+    from coopt.runtime.loader import load
+    from coopt.verify.decode_agreement import decode_agreement
+
+    built = load(out, device=device)
+    decoder = getattr(built, "decoder", None)
+    if decoder is None or not decoder["length"][0] <= 1 <= decoder["length"][1]:
+        return {}
+    tokens = example_inputs[decoder["tokens"]][:, :1]
+    start = int(example_inputs[decoder["positions"]].min())
+    steps = min(DECODE_STEPS, decoder["max_seq"] - start)
+    if steps < 1:
+        return {}
+    agreement = decode_agreement(built, copy.deepcopy(model), tokens, start, steps)
+    return {"decode_steps": agreement.steps, "top1_agreement": agreement.top1_agreement, "mean_kl": agreement.mean_kl,
+            "decode_max_abs_err": agreement.max_abs_err}
+
+
+def _knob_values(compiler_pass) -> dict:
+    """{kebab-case knob: value} of a pass instance (the knobs `coopt passes` lists)."""
+    from coopt.passes.registry import pass_knobs
+
+    return {name: getattr(compiler_pass, name.replace("-", "_")) for name, _, _ in pass_knobs(type(compiler_pass))}
+
+
 def reference_program(out, regions, device):
     """The build in `out` loaded with every region on its reference: the program its kernels
     replace (for a lossy build, the lossy transform on ATen ops)."""
@@ -80,6 +161,11 @@ def reference_program(out, regions, device):
     program = load(out, device=device)
     program._kernels.update(reference_runs(regions, out))
     return program
+
+
+def device_of(example_inputs) -> torch.device:
+    """The device of the first tensor input (the model's), else the CPU."""
+    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
 def _bisect(model, built, example_inputs, regions, out, seed: int) -> list[str]:
@@ -129,12 +215,16 @@ def _timing(model, built, example_inputs, regions, out, cuda_graphs: bool, warni
     if cuda_graphs or not kernels or ms["built"] <= ms["eager"] * (1 + SLOWER_MARGIN):
         return record
     chosen, references = dict(built._kernels), reference_runs(regions, out)
+
+    def running(kernels: dict):
+        def run():
+            built._kernels.update(kernels)
+            return built(*example_inputs)
+        return run
+
     with torch.no_grad():
-        built._kernels.update(references)
-        with_references = lambda: built(*example_inputs)  # noqa: E731 - timed in place of run_built
-        ms = time_interleaved({"eager": run_eager, "kernels": lambda: _with(built, chosen, run_built),
-                               "references": lambda: _with(built, references, with_references)})
-        built._kernels.update(chosen)
+        ms = time_interleaved({"eager": run_eager, "kernels": running(chosen), "references": running(references)})
+    built._kernels.update(chosen)
     record["reference_program_ms"] = ms["references"]
     if ms["references"] < ms["kernels"]:
         _fall_back(regions, kernels, f"end to end the kernels lost to the references ({ms['kernels']:.4g} vs "
@@ -146,7 +236,3 @@ def _timing(model, built, example_inputs, regions, out, cuda_graphs: bool, warni
         record.update(eager_ms=ms["eager"], built_ms=ms["references"], speedup=ms["eager"] / ms["references"])
     return record
 
-
-def _with(built, kernels: dict, run):
-    built._kernels.update(kernels)
-    return run()

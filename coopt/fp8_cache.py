@@ -86,6 +86,9 @@ def fp8_weights(record: dict, state: dict) -> dict[str, torch.Tensor]:
 def kv_cache_bytes(record: dict, state: dict) -> dict:
     """Bytes of the KV caches as the model had them and as stored in fp8 with their scales."""
     before = sum(state[c].numel() * state[c].element_size() for c in record["caches"])
-    fp8 = fp8_weights(record, state)
-    after = sum(fp8[name].numel() * fp8[name].element_size() for pair in record["caches"].items() for name in pair)
+    after = 0
+    for cache_ref, scale_ref in record["caches"].items():
+        cache = state[cache_ref]  # one byte an element in fp8, plus its fp32 scales
+        scales = cache[..., 0].numel() if record["granularity"] == "per-token" else torch.tensor(record["scales"][scale_ref]).numel()
+        after += cache.numel() + 4 * scales
     return {"before": before, "after": after, "saved": before - after}

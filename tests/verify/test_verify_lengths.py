@@ -114,9 +114,9 @@ def test_fuzzer_catches_a_kernel_that_reads_expanded_lengths_as_contiguous(tmp_p
     reference = write_module(tmp_path, "attn0__reference", DECODE_REFERENCE)
     params = {"BLOCK_N": 16, "SPLIT_KV": 2, "USE_DOT": True, "num_warps": 2, "num_stages": 2}
     source = DecodeAttentionFamily().render(region, params)
-    assert "lengths = lengths.contiguous()" in source
+    assert "lengths_ptr + batch * stride_len" in source
     bad = tmp_path / "attn0__c1.py"
-    bad.write_text(source.replace("lengths = lengths.contiguous()", "pass"))
+    bad.write_text(source.replace("lengths_ptr + batch * stride_len", "lengths_ptr + batch"))
     # seed 0, a build's default: its anchor examples pass the expanded form
     result = verify_candidate(region, reference, bad, profile="ci", seed=0, device="cpu")
     assert not result.ok

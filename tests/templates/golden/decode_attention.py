@@ -47,6 +47,7 @@ UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, max_length,
+    stride_len,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -65,7 +66,8 @@ def _decode_split_kernel(
     batch = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     # Clamped to [0, S_max]: a length outside the schema must not read outside the cache.
-    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + batch).to(tl.int32), 0), max_length)
+    # through its stride: a decode step's lengths are expand(input_pos + 1), a stride-0 view
+    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + batch * stride_len).to(tl.int32), 0), max_length)
     # An equal BLOCK_N-aligned share of this sequence's valid keys; a split past the end gets an
     # empty range, loads no key and stores nothing (the reduce stage skips it).
     split = tl.program_id(1)
@@ -121,7 +123,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, lengths_ptr, o_ptr, max_length,
+    part_acc_ptr, part_m_ptr, part_l_ptr, lengths_ptr, o_ptr, max_length, stride_len,
     stride_ob, stride_oh, stride_od,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
     SPLIT_KV: tl.constexpr, PDL: tl.constexpr,
@@ -134,7 +136,7 @@ def _decode_reduce_kernel(
     row = tl.program_id(0)
     batch = row // NUM_HEADS
     head = row % NUM_HEADS
-    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + batch).to(tl.int32), 0), max_length)
+    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + batch * stride_len).to(tl.int32), 0), max_length)
     chunk = tl.cdiv(tl.cdiv(length, SPLIT_KV), BLOCK_N) * BLOCK_N  # as in _decode_split_kernel
     offs_s = tl.arange(0, SPLIT_KV)
     offs_d = tl.arange(0, BLOCK_D)
@@ -154,9 +156,6 @@ def _decode_reduce_kernel(
 
 def run(q, k_cache, v_cache, lengths):
     batch, num_heads, _, head_dim = q.shape
-    # the kernel reads lengths[b] at lengths_ptr + b: a decode step's lengths are often
-    # expand(input_pos + 1) over the batch, a stride-0 view of one element
-    lengths = lengths.contiguous()
     max_length = k_cache.shape[2]
     out = torch.empty((batch, num_heads, 1, head_dim), device=q.device, dtype=torch.bfloat16)
     if out.numel() == 0:
@@ -167,6 +166,7 @@ def run(q, k_cache, v_cache, lengths):
     part_l = torch.empty((parts,), device=q.device, dtype=torch.float32)
     _decode_split_kernel[(batch * NUM_KV_HEADS, SPLIT_KV)](
         q, k_cache, v_cache, lengths, part_acc, part_m, part_l, max_length,
+        lengths.stride(0),
         q.stride(0), q.stride(1), q.stride(3), *k_cache.stride(), *v_cache.stride(),
         SCALE * LOG2E,
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM,
@@ -175,7 +175,7 @@ def run(q, k_cache, v_cache, lengths):
         PDL=PDL, **PDL_LAUNCH, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _decode_reduce_kernel[(batch * num_heads,)](
-        part_acc, part_m, part_l, lengths, out, max_length, out.stride(0), out.stride(1), out.stride(3),
+        part_acc, part_m, part_l, lengths, out, max_length, lengths.stride(0), out.stride(0), out.stride(1), out.stride(3),
         BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, NUM_HEADS=NUM_HEADS, SPLIT_KV=SPLIT_KV,
         PDL=PDL, **PDL_LAUNCH, num_warps=REDUCE_WARPS,
     )

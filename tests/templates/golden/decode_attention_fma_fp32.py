@@ -44,6 +44,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, o_ptr, max_length,
+    stride_len,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -62,7 +63,8 @@ def _decode_split_kernel(
     batch = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     # Clamped to [0, S_max]: a length outside the schema must not read outside the cache.
-    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + batch).to(tl.int32), 0), max_length)
+    # through its stride: a decode step's lengths are expand(input_pos + 1), a stride-0 view
+    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + batch * stride_len).to(tl.int32), 0), max_length)
     start = 0
     end = length
     offs_h = tl.arange(0, BLOCK_H)
@@ -109,15 +111,13 @@ def _decode_split_kernel(
 
 def run(q, k_cache, v_cache, lengths):
     batch, num_heads, _, head_dim = q.shape
-    # the kernel reads lengths[b] at lengths_ptr + b: a decode step's lengths are often
-    # expand(input_pos + 1) over the batch, a stride-0 view of one element
-    lengths = lengths.contiguous()
     max_length = k_cache.shape[2]
     out = torch.empty((batch, num_heads, 1, head_dim), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return (out,)
     _decode_split_kernel[(batch * NUM_KV_HEADS, SPLIT_KV)](
         q, k_cache, v_cache, lengths, out, max_length,
+        lengths.stride(0),
         q.stride(0), q.stride(1), q.stride(3), *k_cache.stride(), *v_cache.stride(),
         out.stride(0), out.stride(1), out.stride(3),
         SCALE * LOG2E,
