@@ -25,7 +25,8 @@ step() {  # step SECONDS NAME COMMAND...: run, log to $OUT/NAME.log, print the l
 }
 case "${1:-}" in
     examples)
-        step 330 run python bench/run.py --out "$OUT/run.json" --build-dir /tmp/coopt-bench
+        # session 4: minigpt's max-autotune alone took 128 s; 330 s cut the Llama layer's build
+        step 540 run python bench/run.py --out "$OUT/run.json" --build-dir /tmp/coopt-bench
         for e in mlp minigpt_block llama_layer; do cp "/tmp/coopt-bench/$e/report.md" "$OUT/report_$e.md" 2>/dev/null; done
         step 90 gemm python bench/gemm.py --quick --shapes skinny,decode
         step 150 pytest python -m pytest -q -x -p no:cacheprovider tests/templates tests/e2e/test_cuda_graph.py tests/llama/test_llama_generate.py

@@ -688,7 +688,7 @@ def test_paged_kernel_reads_the_runtime_pool(fp8, load_candidate):
     q = torch.randn(3, 4, 1, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
     inputs = [q, *cache.pages(0), lengths, table, *(cache.scales(0) if fp8 else ())]
     (out,) = run_candidate(load_candidate, region, PAGED_DOT, inputs)
-    k, v = (torch.zeros(3, 2, table.shape[1] * 16, 32) for _ in "kv")
+    k, v = (torch.zeros(3, 2, table.shape[1] * 16, 32, device=DEVICE) for _ in "kv")
     for b, seq in enumerate(seqs):
         seq_k, seq_v = cache.gather(0, seq, dequantize=True)
         k[b, :, :seq_k.shape[1]], v[b, :, :seq_v.shape[1]] = seq_k, seq_v
