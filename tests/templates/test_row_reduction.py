@@ -206,6 +206,7 @@ def test_residual_normalises_h_as_stored(load_candidate, assert_close, params):
     x = torch.full((3, 200), 1000.0, dtype=torch.float16)
     residual = (torch.rand(3, 200, generator=generator) * 0.5).half()
     weight, bias = torch.ones(200, dtype=torch.float16), torch.zeros(200, dtype=torch.float16)
+    x, residual, weight, bias = on_test_device([x, residual, weight, bias])
     y, h = load_candidate(FAMILY.render(summary, params)).run(x, residual, weight, bias)
     assert torch.equal(h, x + residual)
     assert_close(y, torch_reference(summary, x + residual))
@@ -214,7 +215,7 @@ def test_residual_normalises_h_as_stored(load_candidate, assert_close, params):
 def test_empty_rows(load_candidate):
     summary = region("rms_norm", 16, residual=True)
     module = load_candidate(FAMILY.render(summary, {"BLOCK_N": 16, "num_warps": 1, "single_pass": True}))
-    y, h = module.run(torch.randn(0, 16), torch.randn(0, 16), torch.randn(16))
+    y, h = module.run(*on_test_device([torch.randn(0, 16), torch.randn(0, 16), torch.randn(16)]))
     assert y.shape == h.shape == (0, 16)
 
 
