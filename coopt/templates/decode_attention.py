@@ -28,15 +28,18 @@ max_pages * P and page ids into [0, N_pages). The kernel is the same loop with o
 lookup per BLOCK_N tile, hence the rule (in `check`) that BLOCK_N divides P; kv_bytes_read is
 unchanged (the page table adds B * max_pages * 4 bytes at most).
 
-Kernel (two stages, as flash-decoding):
+Kernel (flash-decoding's two stages in one launch):
     split    grid (B * Hkv, SPLIT_KV): one program per (sequence, kv head, split). Its rows are
              the H // Hkv query heads sharing that kv head (GQA packing: each K/V block is read
              once for the whole group). It takes an equal BLOCK_N-aligned share of the
              sequence's valid keys 0 .. lengths[b] - 1 and runs an online softmax over it in
              fp32; positions past lengths[b] are never loaded, and a split whose share is empty
-             does nothing. With SPLIT_KV = 1 it normalises and writes the output itself.
-    reduce   grid (B * H,), only when SPLIT_KV > 1: merges the fp32 partials (acc, max, sum)
-             of the splits that saw keys.
+             loads nothing. With SPLIT_KV = 1 it normalises and writes the output itself.
+    merge    only when SPLIT_KV > 1, in the same launch: each split stores its fp32 partials
+             (acc, max, sum) and counts itself in on a counter per (sequence, kv head); the last
+             to arrive merges the splits that saw keys, in split order, and writes the output
+             (templates/triton/_split_meeting.j2; a second kernel would cost a launch gap, ~1-2
+             µs, as much as the whole attention at short lengths).
 
 Bandwidth model: per cached position and kv head the kernel reads 2 * D * element-size bytes
 (K and V rows; element size 1 for an fp8 cache, plus 2 * 4 bytes of per-token scales) and does 4 * D * (H // Hkv) flops: 2 * group / element-size flops per byte (4 for
@@ -54,7 +57,7 @@ stream at full bandwidth every SM needs a program: B * Hkv * SPLIT_KV should cov
 
 Knobs (explicit lists, pruned by `check`):
     BLOCK_N      cache positions per step (K and V tiles of BLOCK_N x D)
-    SPLIT_KV     programs per (sequence, kv head); 1 = no reduce stage
+    SPLIT_KV     programs per (sequence, kv head); 1 = no merge
     USE_DOT      scores and P @ V by tl.dot (group padded to 16 rows: tensor cores) or by
                  multiply and sum on CUDA cores (no padding: best for small groups and fp32)
     num_warps, num_stages  launch options (stages pipeline the K/V loads)
@@ -74,7 +77,7 @@ Example (one decode step of a 32-head model with 8 kv heads, cache of 4096 posit
     True
     >>> family.check(region, {**params, "SPLIT_KV": 128}, H200)
     'SPLIT_KV=128 is not in the space'
-    >>> "_decode_reduce_kernel[" in family.render(region, params)
+    >>> "atomic_add(arrivals_ptr" in family.render(region, params)  # the splits meet in one launch
     True
     >>> kv_bytes_read(region, [2048])  # K and V rows of 2048 positions, 8 kv heads, bf16
     8388608
@@ -298,7 +301,6 @@ class DecodeAttentionFamily(TemplateFamily):
             head_dim=head_dim,
             block_d=block_d,
             block_h=self.block_h(region, params["USE_DOT"]),
-            reduce_warps=4 if params["SPLIT_KV"] * block_d >= 2048 else 1,
             ieee_dot=region.inputs[0].dtype == "float32",
             kv_scale=kv_scale(region),
             paged=page_size(region) is not None,

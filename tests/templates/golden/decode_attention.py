@@ -35,10 +35,9 @@ NUM_HEADS = 32
 NUM_KV_HEADS = 8
 GROUP = NUM_HEADS // NUM_KV_HEADS  # query heads per kv head
 SCALE = 0.08838834764831845
-SPLIT_KV = 16  # programs per (sequence, kv head), merged by the reduce kernel
+SPLIT_KV = 16  # programs per (sequence, kv head), merged by the last to finish
 NUM_WARPS = 4
 NUM_STAGES = 3
-REDUCE_WARPS = 4
 LOG2E = 1.4426950408889634
 # Triton's interpreter computes bf16 tl.dot wrongly: upcast the operands there (never on a GPU).
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
@@ -46,11 +45,12 @@ UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, lengths_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, max_length,
+    q_ptr, k_ptr, v_ptr, lengths_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, arrivals_ptr, max_length,
     stride_len,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_od,
     qk_scale,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SPLIT_KV: tl.constexpr,
@@ -58,7 +58,8 @@ def _decode_split_kernel(
     UPCAST_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: the GROUP query heads of one (sequence, kv head) over one split of its keys."""
+    """One program: the GROUP query heads of one (sequence, kv head) over one split of its keys
+    (with SPLIT_KV > 1 the last split of the (sequence, kv head) to finish merges them all)."""
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -119,39 +120,63 @@ def _decode_split_kernel(
     tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=written[:, None])
     tl.store(part_m_ptr + part, m_i, mask=written)
     tl.store(part_l_ptr + part, l_i, mask=written)
+    # The splits of one (sequence, kv head) meet here, in this launch (no reduce kernel, no second
+    # launch gap): each counts itself in after its partials are stored (acq_rel at GPU scope makes
+    # them visible to the program that takes the last count); the last merges the splits that saw
+    # keys in split order (the same result whichever split finishes last), zeroes the counter
+    # for the next launch and writes the output.
+    tl.debug_barrier()
+    meeting = batch * NUM_KV_HEADS + kv_head
+    arrived = tl.atomic_add(arrivals_ptr + meeting, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_KV - 1:
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for other in range(SPLIT_KV):
+            seen = offs_h < tl.where(other * chunk < length, GROUP, 0)
+            row = (batch * NUM_HEADS + head) * SPLIT_KV + other
+            # .cg reads at L2, where the other SMs' partials are, never a stale L1 line.
+            part_m = tl.load(part_m_ptr + row, mask=seen, other=-1.0e30, cache_modifier=".cg")
+            part_l = tl.load(part_l_ptr + row, mask=seen, other=0.0, cache_modifier=".cg")
+            part_acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=seen[:, None],
+                               other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_i, part_m)
+            alpha = tl.exp2(m_i - m_new)
+            weight = tl.exp2(part_m - m_new)
+            l_i = l_i * alpha + part_l * weight
+            acc = acc * alpha[:, None] + part_acc * weight[:, None]
+            m_i = m_new
+        tl.store(arrivals_ptr + meeting, 0)
+        # A length of 0 (outside the schema) leaves l_i == 0: zeros, not NaN.
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        o_rows = o_ptr + batch * stride_ob + head * stride_oh
+        tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(tl.bfloat16),
+                 mask=head_ok[:, None])
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, lengths_ptr, o_ptr, max_length, stride_len,
-    stride_ob, stride_oh, stride_od,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
-    SPLIT_KV: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program per (sequence, query head): merge the partials of the splits that saw keys."""
-    if PDL:  # nothing is read or written before the previous kernel's writes are visible
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
-    row = tl.program_id(0)
-    batch = row // NUM_HEADS
-    head = row % NUM_HEADS
-    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + batch * stride_len).to(tl.int32), 0), max_length)
-    chunk = tl.cdiv(tl.cdiv(length, SPLIT_KV), BLOCK_N) * BLOCK_N  # as in _decode_split_kernel
-    offs_s = tl.arange(0, SPLIT_KV)
-    offs_d = tl.arange(0, BLOCK_D)
-    split_ok = offs_s * chunk < length
-    part = row * SPLIT_KV + offs_s
-    part_m = tl.load(part_m_ptr + part, mask=split_ok, other=-1.0e30)
-    weight = tl.where(split_ok, tl.exp2(part_m - tl.max(part_m, 0)), 0.0)
-    l_i = tl.sum(tl.load(part_l_ptr + part, mask=split_ok, other=0.0) * weight, 0)
-    part_acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=split_ok[:, None], other=0.0)
-    acc = tl.sum(part_acc * weight[:, None], 0)
-    # A length of 0 (outside the schema) leaves l_i == 0: zeros, not NaN.
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i
-    o_row = o_ptr + batch.to(tl.int64) * stride_ob + head * stride_oh
-    tl.store(o_row + offs_d * stride_od, out.to(tl.bfloat16))
+_WORKSPACES: dict = {}
+
+
+def _workspace(device, partial_elements, counters):
+    """fp32 partials and int32 arrival counters of the split meeting, kept per device.
+
+    The last split of each meeting zeroes its counter, so the counters are zero again when a
+    launch ends and need no clearing; the partials are written before they are read. A call therefore
+    allocates only its outputs and a CUDA graph can capture it. Memory allocated while a graph
+    is being captured belongs to the graph's pool: it is used then, never kept. Launches of one
+    module on two streams at once would share the counters: keep them on one stream.
+    """
+    cached = _WORKSPACES.get(device)
+    if cached is not None and cached[0].numel() >= partial_elements and cached[1].numel() >= counters:
+        return cached
+    workspace = (torch.empty(partial_elements, device=device, dtype=torch.float32),
+                 torch.zeros(counters, device=device, dtype=torch.int32))
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _WORKSPACES[device] = workspace
+    return workspace
+
 
 
 def run(q, k_cache, v_cache, lengths):
@@ -160,23 +185,19 @@ def run(q, k_cache, v_cache, lengths):
     out = torch.empty((batch, num_heads, 1, head_dim), device=q.device, dtype=torch.bfloat16)
     if out.numel() == 0:
         return (out,)
+    # partials [parts, BLOCK_D] then m [parts] then l [parts]; one counter per (sequence, kv head)
     parts = batch * num_heads * SPLIT_KV
-    part_acc = torch.empty((parts, BLOCK_D), device=q.device, dtype=torch.float32)
-    part_m = torch.empty((parts,), device=q.device, dtype=torch.float32)
-    part_l = torch.empty((parts,), device=q.device, dtype=torch.float32)
+    partials, arrivals = _workspace(q.device, parts * (BLOCK_D + 2), batch * NUM_KV_HEADS)
+    part_acc, part_m, part_l = partials[:parts * (BLOCK_D + 2)].split([parts * BLOCK_D, parts, parts])
     _decode_split_kernel[(batch * NUM_KV_HEADS, SPLIT_KV)](
-        q, k_cache, v_cache, lengths, part_acc, part_m, part_l, max_length,
+        q, k_cache, v_cache, lengths, out, part_acc, part_m, part_l, arrivals, max_length,
         lengths.stride(0),
         q.stride(0), q.stride(1), q.stride(3), *k_cache.stride(), *v_cache.stride(),
+        out.stride(0), out.stride(1), out.stride(3),
         SCALE * LOG2E,
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM,
         NUM_HEADS=NUM_HEADS, NUM_KV_HEADS=NUM_KV_HEADS, GROUP=GROUP, SPLIT_KV=SPLIT_KV, NUM_STAGES=NUM_STAGES,
         UPCAST_DOT=UPCAST_DOT,
         PDL=PDL, **PDL_LAUNCH, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
-    _decode_reduce_kernel[(batch * num_heads,)](
-        part_acc, part_m, part_l, lengths, out, max_length, lengths.stride(0), out.stride(0), out.stride(1), out.stride(3),
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM, NUM_HEADS=NUM_HEADS, SPLIT_KV=SPLIT_KV,
-        PDL=PDL, **PDL_LAUNCH, num_warps=REDUCE_WARPS,
     )
     return (out,)

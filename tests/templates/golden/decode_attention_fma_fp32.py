@@ -55,7 +55,8 @@ def _decode_split_kernel(
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: the GROUP query heads of one (sequence, kv head) over one split of its keys."""
+    """One program: the GROUP query heads of one (sequence, kv head) over one split of its keys
+    (with SPLIT_KV > 1 the last split of the (sequence, kv head) to finish merges them all)."""
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -107,6 +108,7 @@ def _decode_split_kernel(
     o_rows = o_ptr + batch * stride_ob + head * stride_oh
     tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(tl.float32),
              mask=head_ok[:, None])
+
 
 
 def run(q, k_cache, v_cache, lengths):
