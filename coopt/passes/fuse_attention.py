@@ -1,4 +1,6 @@
-"""fuse-attention: each coopt.attention → an attention region (flash-attention candidates)."""
+"""fuse-attention: each coopt.attention → an attention region (flash-attention candidates); each
+decode / prompt-over-cache attention → a decode_attention / attention region (with lengths), a
+decode attention taking in the rope of its query when only it reads that (knob `rope`)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 
-from coopt.ir.dialect import AttentionOp, CacheAttentionOp, DecodeAttentionOp, KernelOp
+from coopt.ir.dialect import AttentionOp, CacheAttentionOp, DecodeAttentionOp, KernelOp, RopeOp
 from coopt.ir.outline import outline
 from coopt.passes.base import CooptPass, static_shape
+from coopt.passes.fusion_common import only_user
 from coopt.passes.stats import count
 
 
@@ -17,6 +20,9 @@ from coopt.passes.stats import count
 class FuseAttention(CooptPass):
     name = "fuse-attention"
     summary = "attention (SDPA or the explicit pattern, MHA or GQA) → attention region; decode steps → decode_attention"
+
+    # absorb the rope producing a decode attention's q (when only the attention reads it)
+    rope: bool = True
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         for attn in [o for o in op.walk() if isinstance(o, AttentionOp)]:
@@ -46,10 +52,25 @@ class FuseAttention(CooptPass):
                 "lengths_bound": [1, 2],
             }
             inputs = [attn.q, attn.k, attn.v, attn.lengths]
+            ops = [attn]
+            rope = _query_rope(attn) if decode and self.rope else None
+            if rope is not None:  # q's rotary embedding in the kernel's q load: one launch less a layer
+                inputs = [rope.x, *inputs[1:], rope.cos, rope.sin]
+                ops = [rope, *ops]
+                attrs["rope"] = True
+                count("fuse.decode_attention.rope")
             if attn.kv_scale is not None:  # an fp8 cache (fp8-kv-cache): k_scale, v_scale follow lengths
                 attrs["kv_scale"] = attn.kv_scale.data
                 inputs += [attn.k_scale, attn.v_scale]
                 count("fuse.attention.fp8_cache")
             family = "decode_attention" if decode else "attention"
-            outline([attn], family, attrs, inputs=inputs, outputs=[attn.result])
+            outline(ops, family, attrs, inputs=inputs, outputs=[attn.result])
             count("fuse.decode_attention" if decode else "fuse.attention.prompt_over_cache")
+
+
+def _query_rope(attn):
+    """The coopt.rope producing a decode attention's q when nothing else reads it, else None."""
+    rope = attn.q.owner
+    if not isinstance(rope, RopeOp) or only_user(attn.q) is not attn or isinstance(rope.parent_op(), KernelOp):
+        return None
+    return rope

@@ -28,6 +28,11 @@ max_pages * P and page ids into [0, N_pages). The kernel is the same loop with o
 lookup per BLOCK_N tile, hence the rule (in `check`) that BLOCK_N divides P; kv_bytes_read is
 unchanged (the page table adds B * max_pages * 4 bytes at most).
 
+RoPE of the query (attrs "rope": True, from fuse-attention): input 0 is the query before its
+rotary embedding and two inputs cos, sin (broadcastable to q, in q's dtype) follow the lengths /
+page table, before any scales; the kernel rotates q as it loads it (rotate-half form, fp32,
+rounded to q's dtype for tl.dot), so the step has no rope kernel for q.
+
 Kernel (flash-decoding's two stages in one launch):
     split    grid (B * Hkv, SPLIT_KV): one program per (sequence, kv head, split). Its rows are
              the H // Hkv query heads sharing that kv head (GQA packing: each K/V block is read
@@ -162,13 +167,25 @@ def paged_problem(region: RegionSummary) -> str | None:
     return None
 
 
+def rope_at(region: RegionSummary) -> int | None:
+    """Index of cos (sin follows) when the region rotates its query (attrs "rope"), else None."""
+    if not region.attrs.get("rope"):
+        return None
+    return 4 if page_size(region) is None else 5
+
+
+def scales_at(region: RegionSummary) -> int:
+    """Index of k_scale (when fp8): after the lengths, the page table and the rope tables."""
+    return 4 + (page_size(region) is not None) + 2 * bool(region.attrs.get("rope"))
+
+
 def kv_bytes_read(region: RegionSummary, lengths) -> int:
     """Bytes the kernel must read from the caches for these valid lengths: K and V rows (1 byte
     an element in fp8), and with per-token scales one fp32 K and one V scale per row."""
     _, kv_heads, _, head_dim = region.inputs[1].shape
     row_bytes = head_dim * DTYPE_BYTES[region.inputs[1].dtype]
     if kv_scale(region) == "per-token":
-        row_bytes += DTYPE_BYTES[region.inputs[4].dtype]
+        row_bytes += DTYPE_BYTES[region.inputs[scales_at(region)].dtype]
     return sum(int(n) for n in lengths) * kv_heads * 2 * row_bytes
 
 
@@ -189,14 +206,9 @@ class DecodeAttentionFamily(TemplateFamily):
         rows = next_pow2(self._group(region))
         return max(16, rows) if use_dot else rows
 
-    @staticmethod
-    def _scales_at(region: RegionSummary) -> int:
-        """Index of k_scale (when fp8): after the page table in a paged region."""
-        return 4 if page_size(region) is None else 5
-
     def matches(self, region: RegionSummary) -> bool:
-        scales_at = self._scales_at(region)
-        if (region.family != self.name or len(region.inputs) not in (scales_at, scales_at + 2)
+        first_scale = scales_at(region)
+        if (region.family != self.name or len(region.inputs) not in (first_scale, first_scale + 2)
                 or len(region.outputs) != 1):
             return False
         q, k, v, lengths = region.inputs[:4]
@@ -213,7 +225,8 @@ class DecodeAttentionFamily(TemplateFamily):
             and kv_heads >= 1 and heads % kv_heads == 0
             and all(s.dtype in _TL_DTYPE for s in (q, region.outputs[0]))
             # k, v in q's dtype, or an fp8 cache with its scales (inputs 4, 5; 5, 6 when paged)
-            and kv_cache_problem(region, scales_at) is None
+            and kv_cache_problem(region, first_scale) is None
+            and (rope_at(region) is None or self._rope_ok(region))
             and (page_size(region) is None or self._page_schema_ok(region))
             and q.shape[1] == heads and k.shape[1] == kv_heads
             and lengths.dtype in ("int32", "int64")
@@ -221,6 +234,19 @@ class DecodeAttentionFamily(TemplateFamily):
             and region.attrs.get("lengths_input") == 3
             and list(region.attrs.get("lengths_bound") or ()) == [1, 2]
         )
+
+    @staticmethod
+    def _rope_ok(region: RegionSummary) -> bool:
+        """cos and sin broadcast to q [B, H, 1, D] (rank <= 4, each dim 1 or q's), an even D."""
+        q = region.inputs[0]
+        at = rope_at(region)
+        for table in region.inputs[at:at + 2]:
+            dims_ = list(table.shape)
+            if len(dims_) > 4 or table.dtype != q.dtype:
+                return False
+            if any(d != 1 and d != full for d, full in zip(dims_[::-1], list(q.shape)[::-1])):
+                return False
+        return q.shape[3] % 2 == 0
 
     @staticmethod
     def _page_schema_ok(region: RegionSummary) -> bool:
@@ -239,7 +265,7 @@ class DecodeAttentionFamily(TemplateFamily):
         }
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        problem = kv_cache_problem(region, self._scales_at(region)) or paged_problem(region)
+        problem = kv_cache_problem(region, scales_at(region)) or paged_problem(region)
         if problem is not None:
             return problem
         space = self.param_space(region, target)
@@ -305,6 +331,7 @@ class DecodeAttentionFamily(TemplateFamily):
             kv_scale=kv_scale(region),
             paged=page_size(region) is not None,
             page_size=page_size(region),
+            rope=bool(region.attrs.get("rope")),
             # fp8 tiles are converted to what the scores are computed in: q's dtype for tl.dot
             # (e4m3 is exact in bf16 / fp16), fp32 for multiply and sum
             tile_tl_dtype=_TL_DTYPE[region.inputs[0].dtype] if params["USE_DOT"] else "tl.float32",

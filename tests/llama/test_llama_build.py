@@ -62,7 +62,11 @@ def test_each_layer_writes_its_cache_in_one_kv_write_region_with_k_rope(built_di
         writes = [r for r in selection.values() if r["family"] == "kv_write"]
         assert len(writes) == 2 and all(r["summary"]["attrs"] == {"rope": True, "quant": "none", "inplace": [0, 1]}
                                         for r in writes)
-        assert sum(r["family"] == "rope" for r in selection.values()) == 2  # only q's rope is left
+        # q's rope: inside the decode attention in the decode step, its own region in the prefill
+        decode_step = entry == built_dir
+        assert sum(r["family"] == "rope" for r in selection.values()) == (0 if decode_step else 2)
+        assert all(r["summary"]["attrs"].get("rope") is True for r in selection.values()
+                   if r["family"] == "decode_attention") and counters.get("fuse.decode_attention.rope", 0) == 2 * decode_step
         chosen = [next(c for c in r["candidates"] if c["label"] == r["selected"]) for r in writes]
         assert all(c["verified"] and c["family"] == "kv_write" for c in chosen)
     built = coopt.load(built_dir)

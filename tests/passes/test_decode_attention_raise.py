@@ -1,11 +1,15 @@
 """A static-cache decode step (gpt-fast style): the masked SDPA over the cache becomes a
 decode_attention region with explicit lengths = input_pos + 1, and the build stays exact."""
 
+import json
+
 import torch
 import torch.nn.functional as F
 
 import coopt
 from pass_helpers import kernels, run_pipeline
+
+from coopt.passes.registry import DEFAULT_PIPELINE
 
 
 class DecodeStep(torch.nn.Module):
@@ -49,6 +53,55 @@ def test_built_decode_steps_match_eager(tmp_path):
     torch.manual_seed(0)
     eager = DecodeStep()
     coopt.Pipeline(top_k=1).build(DecodeStep(), inputs(3), tmp_path / "out")
+    built = coopt.load(tmp_path / "out")
+    built.w_k_cache.copy_(eager.k_cache)
+    built.w_v_cache.copy_(eager.v_cache)
+    for pos in (3, 4, 31):
+        step = inputs(pos)
+        torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RopedDecodeStep(DecodeStep):
+    """The query rotated (RoPE at input_pos) before the decode attention, as a Llama layer does."""
+
+    def __init__(self, also_return_q=False):
+        super().__init__()
+        angles = torch.arange(32)[:, None] * torch.rand(16, generator=torch.Generator().manual_seed(2))
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+        self.also_return_q = also_return_q
+
+    def forward(self, q, k, v, input_pos):
+        cos, sin = self.cos[input_pos], self.sin[input_pos]
+        q = q * cos + rotate_half(q) * sin
+        out = super().forward(q, k, v, input_pos)
+        return (out, q) if self.also_return_q else out
+
+
+def test_the_query_rope_joins_the_decode_attention_region(tmp_path):
+    module, counters = run_pipeline(RopedDecodeStep(), inputs(5))
+    (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert counters["fuse.decode_attention.rope"] == 1 and region.family_attrs["rope"] is True
+    assert not [k for k in kernels(module) if k.family.data == "rope"] and not counters["fuse.rope"]
+    # a rotated query read elsewhere too stays its own rope region
+    module, counters = run_pipeline(RopedDecodeStep(also_return_q=True), inputs(5))
+    assert not counters["fuse.decode_attention.rope"] and counters["fuse.rope"] == 1
+    # and the knob turns it off
+    _, counters = run_pipeline(RopedDecodeStep(), inputs(5), DEFAULT_PIPELINE.replace("fuse-attention", "fuse-attention{rope=false}"))
+    assert not counters["fuse.decode_attention.rope"] and counters["fuse.rope"] == 1
+    # the built step (the kernel rotating q in the interpreter) matches eager
+    torch.manual_seed(0)
+    eager = RopedDecodeStep()
+    coopt.Pipeline(top_k=1).build(RopedDecodeStep(), inputs(3), tmp_path / "out")
+    (attention,) = [r for r in json.loads((tmp_path / "out" / "selection.json").read_text())["regions"].values()
+                    if r["family"] == "decode_attention"]
+    chosen = next(c for c in attention["candidates"] if c["label"] == attention["selected"])
+    assert chosen["verified"] and chosen["family"] == "decode_attention"  # the kernel, not the reference
     built = coopt.load(tmp_path / "out")
     built.w_k_cache.copy_(eager.k_cache)
     built.w_v_cache.copy_(eager.v_cache)
