@@ -85,8 +85,8 @@ def _decode_split_kernel(
     head_ok = offs_h < GROUP
     # int64 base offsets: a KV cache may hold more than 2**31 elements.
     batch = batch.to(tl.int64)
-    q = tl.load(q_ptr + batch * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=head_ok[:, None], other=0.0)
+    q_rows = q_ptr + batch * stride_qb + head[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)
     k_base = k_ptr + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
     # fp8 cache, one K and one V scale per cached row: loaded with each K/V tile.
