@@ -1,41 +1,82 @@
 """Accuracy of each configuration against the fp32 eager baseline, on held-out Python stdlib
 source, with a byte-level Llama trained here (no downloads): held-out perplexity and its change,
-mean KL(baseline || configuration), top-1 agreement, greedy-generation agreement.
+mean KL(baseline || configuration), top-1 agreement, greedy-generation agreement, KV-cache bytes
+per token.
 
-    python bench/accuracy.py --config tiny --steps 30                  # CPU, seconds
-    python bench/accuracy.py --config small --steps 2000 --save runs/stdlib-small --out accuracy.json
-    python bench/accuracy.py --checkpoint runs/stdlib-small --out accuracy.json
+    python bench/accuracy.py --config tiny --steps 30 --reference-program         # CPU, a minute
+    python bench/accuracy.py --config tiny --steps 30 --seq-len 64 --windows 8 --greedy-tokens 16   # CPU, kernels: ~15 min
+    python bench/accuracy.py --config small --steps 2000 --device cuda --out accuracy.json      # GPU
+    python bench/accuracy.py --checkpoint runs/stdlib-small --only "coopt fp8 KV per-head" --out a.json
 
-A configuration is a name -> function(baseline model) -> logits_fn (CONFIGURATIONS below); a
-coopt build (e.g. with an fp8 KV cache, once that pass exists) is one more entry.
+A configuration is a name -> function(trained model, Run) -> logits_fn or metrics.Candidate
+(CONFIGURATIONS below). The "coopt ..." ones build the trained model in bf16 through coopt's API
+(coopt/accuracy/builds.py: decode step + prefill entry sharing one KV cache, fp8 scales calibrated
+on training-split text) and measure the loaded artifact: teacher-forced logits from its prefill
+entry (whose attention reads the cache it wrote, fp8 in an fp8 build), greedy tokens from
+coopt.generate (its prefill, then its decode step). `--reference-program` builds them without
+kernel regions (ATen ops around the same fp8 cache): fast on a CPU, not the numbers to report.
+Results go to the JSON after every configuration, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
+import platform
+import re
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from coopt.accuracy import builds  # first: decides Triton's interpreter before triton.language loads
 from coopt.accuracy import metrics, train
-from coopt.accuracy.corpus import load_corpus
+from coopt.accuracy.corpus import Corpus, load_corpus
+from progress import build_progress
 
 BASELINE = "eager fp32"
+PROMPT_LEN = 32  # greedy prompts: the first PROMPT_LEN tokens of held-out windows
+EVAL_BATCH = 8  # windows per call; a build's static batch
+# issue 4's targets for the fp8 KV cache, against the fp32 eager baseline
+TARGETS = {"coopt fp8 KV per-head": {"perplexity_change": ("<=", 0.005), "top1_agreement": (">=", 0.99)}}
+
+
+@dataclass
+class Run:
+    """What a configuration may need besides the trained model."""
+    corpus: Corpus
+    setting: builds.BuildSetting
+    build_dir: Path
+    base_pipeline: str
+
+    @cached_property
+    def calibration(self):  # the same training-split text for every build of a run
+        return builds.calibration_inputs(self.corpus.train, self.setting)
+
+
+def kv_bytes(model, dtype: torch.dtype) -> float:
+    """K and V bytes per token of every layer in `dtype` (what an eager decoder caches)."""
+    args = model.args
+    return args.n_layers * 2 * args.n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def eager_in(dtype: torch.dtype):
     """The baseline's weights, RoPE tables and caches cast to `dtype`, run eagerly."""
-    def build(model):
-        return metrics.model_logits_fn(copy.deepcopy(model).to(dtype))
-    return build
+    def configure(model, run):
+        return metrics.Candidate(metrics.model_logits_fn(copy.deepcopy(model).to(dtype)),
+                                 details={"kv_bytes_per_token": kv_bytes(model, dtype)})
+    return configure
 
 
 @torch.no_grad()
-def fp8_rounded_weights(model):
+def fp8_rounded_weights(model, run):
     """A lossy configuration for demonstration: every linear weight (projections, MLP, output head)
     rounded through float8_e4m3fn with one fp32 scale per output channel (amax / 448), then
     computed in fp32. This is weight rounding; it says nothing about an fp8 KV cache."""
@@ -46,14 +87,27 @@ def fp8_rounded_weights(model):
             weight = module.weight
             scale = weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / fp8_max
             weight.copy_((weight / scale).to(torch.float8_e4m3fn).float() * scale)
-    return metrics.model_logits_fn(rounded)
+    return metrics.Candidate(metrics.model_logits_fn(rounded), details={"kv_bytes_per_token": kv_bytes(model, torch.float32)})
+
+
+def coopt_build(granularity: str | None):
+    """The trained model built by coopt in bf16: lossless, or with fp8-kv-cache{granularity}."""
+    def configure(model, run):
+        pipeline = builds.fp8_kv_pipeline(granularity, run.base_pipeline) if granularity else run.base_pipeline
+        out = run.build_dir / (f"fp8-{granularity}" if granularity else "bf16")
+        print(f"  building {out} ({pipeline})", flush=True)
+        return builds.build_candidate(model, out, pipeline, run.setting, run.calibration, progress=build_progress())
+    return configure
 
 
 CONFIGURATIONS = {
-    BASELINE: lambda model: metrics.model_logits_fn(model),
+    BASELINE: eager_in(torch.float32),
     "eager bf16": eager_in(torch.bfloat16),
     "eager fp32, weights rounded to fp8-e4m3 per output channel (not KV-cache fp8)": fp8_rounded_weights,
-    # next: "coopt build --kv-cache fp8": a logits_fn over the built artifact's prefill entry point
+    "coopt bf16": coopt_build(None),
+    "coopt fp8 KV per-tensor": coopt_build("per-tensor"),
+    "coopt fp8 KV per-head": coopt_build("per-head"),
+    "coopt fp8 KV per-token": coopt_build("per-token"),
 }
 
 
@@ -61,11 +115,12 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(train.CONFIGS), default="small")
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32, help="training batch")
     parser.add_argument("--train-seq-len", type=int, default=None, help="default: max_position_embeddings")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="training, evaluation and builds (default: cuda when there is a GPU)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="load this HF directory instead of training")
     parser.add_argument("--save", type=Path, default=None, help="save the trained model (HF format) here")
     parser.add_argument("--seq-len", type=int, default=128, help="evaluation window length")
@@ -73,6 +128,12 @@ def parse_args():
     parser.add_argument("--greedy-prompts", type=int, default=8)
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--only", default=None, help="comma-separated configuration names (default: all)")
+    parser.add_argument("--top-k", type=int, default=1, help="kernel candidates per region of a coopt build")
+    parser.add_argument("--calibration-calls", type=int, default=4,
+                        help=f"fp8 scales: calls of {EVAL_BATCH} training-split windows of the cache's length")
+    parser.add_argument("--reference-program", action="store_true",
+                        help="coopt builds without kernel regions (ATen ops, the same fp8 cache): fast on a CPU")
+    parser.add_argument("--build-dir", type=Path, default=None, help="keep the coopt builds here (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     return parser.parse_args()
 
@@ -93,38 +154,109 @@ def baseline_model(options, corpus) -> tuple[torch.nn.Module, dict | None]:
     return model, asdict(history)
 
 
-def print_table(results: dict) -> None:
-    width = max(len("configuration"), *(len(name) for name in results))
-    print(f"\n{'configuration':<{width}} {'ppl':>8} {'Δppl':>9} {'KL mean':>10} {'KL max':>9} {'top-1':>7} {'greedy':>9}")
-    for name, report in results.items():
-        print(f"{name:<{width}} {report['candidate_perplexity']:8.4f} {report['perplexity_change']:+9.2%} "
-              f"{report['kl_mean']:10.2e} {report['kl_max']:9.2e} {report['top1_agreement']:7.2%} "
-              f"{report['greedy_agreement']:5.1f}/{report['greedy_tokens']}")
+def environment(device: str) -> dict:
+    """Versions and machine, so a result says what produced it."""
+    import triton
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            return ""
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else f"cpu ({platform.processor() or platform.machine()})",
+        "triton_interpreter": not torch.cuda.is_available(),
+        "torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
+        "commit": git("rev-parse", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "command": " ".join(sys.argv),
+    }
+
+
+def target_verdicts(name: str, report: dict) -> dict:
+    """{metric: {"target", "value", "pass"}} for the configurations issue 4 sets targets for."""
+    verdicts = {}
+    for metric, (relation, bound) in TARGETS.get(name, {}).items():
+        value = report[metric]
+        verdicts[metric] = {"target": f"{relation} {bound}", "value": value,
+                            "pass": value <= bound if relation == "<=" else value >= bound}
+    return verdicts
+
+
+def print_table(results: dict, bf16_bytes: float) -> None:
+    """The results as a markdown table, then the issue's targets with PASS / MISS."""
+    print("\n| configuration | ppl | Δppl | KL mean | KL max | top-1 | greedy | KV B/token | vs bf16 | s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | failed: {r['error'][:160]} | | | | | | | | {r['seconds']:.0f} |")
+            continue
+        kv = r.get("kv_bytes_per_token")
+        kv_cells = f"{kv:.1f} | {kv / bf16_bytes:.3f}" if kv else "— | —"
+        print(f"| {name} | {r['candidate_perplexity']:.4f} | {r['perplexity_change']:+.3%} | {r['kl_mean']:.2e} | "
+              f"{r['kl_max']:.2e} | {r['top1_agreement']:.2%} | {r['greedy_agreement']:.1f}/{r['greedy_tokens']} | "
+              f"{kv_cells} | {r['seconds']:.0f} |")
+    for name, r in results.items():
+        for metric, verdict in r.get("targets", {}).items():
+            relation, bound = TARGETS[name][metric]
+            shown = "{:+.3%}" if metric == "perplexity_change" else "{:.2%}"
+            print(f"{name}: {metric} {shown.format(verdict['value'])} (target {relation} {shown.format(bound)}): "
+                  f"{'PASS' if verdict['pass'] else 'MISS'}")
+
+
+def measure(name: str, model, run: Run, reference, options) -> dict:
+    """One configuration's metrics against the baseline, with what it reports of itself."""
+    start = time.perf_counter()
+    candidate = metrics.as_candidate(CONFIGURATIONS[name](model, run))
+    report = metrics.compare(reference, candidate, run.corpus.heldout, options.seq_len, options.windows,
+                             batch=EVAL_BATCH, greedy_prompts=options.greedy_prompts, prompt_len=PROMPT_LEN,
+                             greedy_tokens=options.greedy_tokens).to_dict()
+    return {**report, **candidate.details, "seconds": time.perf_counter() - start, "targets": target_verdicts(name, report)}
 
 
 def main() -> None:
     options = parse_args()
+    # names are split at commas without a space after them: some names hold ", "
+    chosen = re.split(r",(?! )", options.only) if options.only else list(CONFIGURATIONS)
+    if unknown := [name for name in chosen if name not in CONFIGURATIONS]:
+        raise SystemExit(f"unknown configuration(s) {unknown}; known: {list(CONFIGURATIONS)}")
+    env = environment(options.device)
+    print(json.dumps(env), flush=True)
     corpus = load_corpus()
     model, history = baseline_model(options, corpus)
     if options.seq_len + 1 > model.max_seq_length:
         raise SystemExit(f"--seq-len {options.seq_len} exceeds the model's {model.max_seq_length - 1} positions")
-    reference = CONFIGURATIONS[BASELINE](model)
-    chosen = options.only.split(",") if options.only else list(CONFIGURATIONS)
-    if unknown := [name for name in chosen if name not in CONFIGURATIONS]:
-        raise SystemExit(f"unknown configuration(s) {unknown}; known: {list(CONFIGURATIONS)}")
+    # the builds' cache holds a whole window, or a greedy prompt and what follows it
+    max_seq = -(-max(options.seq_len, PROMPT_LEN + options.greedy_tokens) // 64) * 64
+    setting = builds.BuildSetting(batch=EVAL_BATCH, max_seq=min(max_seq, model.max_seq_length), device=options.device,
+                                  top_k=options.top_k, calibration_calls=options.calibration_calls)
+    build_dir = options.build_dir or Path(tempfile.mkdtemp(prefix="coopt-accuracy-"))
+    run = Run(corpus, setting, build_dir, builds.REFERENCE_PIPELINE if options.reference_program else builds.DEFAULT_PIPELINE)
+    reference = CONFIGURATIONS[BASELINE](model, run)
+    bf16_bytes = kv_bytes(model, torch.bfloat16)
     results = {}
-    for name in chosen:
+    for index, name in enumerate(chosen, 1):
+        print(f"[{index}/{len(chosen)}] {name}", flush=True)
         start = time.perf_counter()
-        report = metrics.compare(reference, CONFIGURATIONS[name](model), corpus.heldout, options.seq_len,
-                                 options.windows, greedy_prompts=options.greedy_prompts,
-                                 greedy_tokens=options.greedy_tokens)
-        results[name] = {**report.to_dict(), "seconds": time.perf_counter() - start}
-    print_table(results)
+        try:
+            results[name] = result = measure(name, model, run, reference, options)
+            print(f"  Δppl {result['perplexity_change']:+.3%}  KL {result['kl_mean']:.2e}  top-1 {result['top1_agreement']:.2%}"
+                  f"  greedy {result['greedy_agreement']:.1f}/{result['greedy_tokens']}  {result['seconds']:.0f}s", flush=True)
+        except Exception as error:  # a failed build is a result too; the other configurations still run
+            results[name] = {"error": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - start}
+            print(f"  FAILED {results[name]['error']}", flush=True)
+        if options.out is not None:  # after every configuration: a run cut short keeps what it measured
+            options.out.write_text(json.dumps({
+                "baseline": BASELINE, "environment": env, "options": {k: str(v) for k, v in vars(options).items()},
+                "corpus": corpus.describe(), "model": asdict(model.args), "training": history,
+                "build_setting": {**asdict(setting), "dtype": str(setting.dtype), "base_pipeline": run.base_pipeline,
+                                  "build_dir": str(build_dir)},
+                "kv_bytes_per_token_bf16": bf16_bytes, "results": results,
+            }, indent=2, default=str) + "\n")
+    print_table(results, bf16_bytes)
     if options.out is not None:
-        options.out.write_text(json.dumps({
-            "baseline": BASELINE, "corpus": corpus.describe(), "model": asdict(model.args),
-            "training": history, "device": options.device, "results": results,
-        }, indent=2) + "\n")
         print(f"wrote {options.out}")
 
 

@@ -9,7 +9,10 @@ Shapes (bf16, M x N x K): `up` 4096x16384x4096 + bias, gelu (the MLP up-projecti
 4096x4096x16384 + bias + residual; `decode` M = 1, 8, 32 with N = 4096 / 14336, K = 4096 (a
 plain linear); `skinny` the Llama-3-8B decode GEMMs: 1x4096x4096 (attention projection),
 1x14336x4096 (MLP up), 1x4096x14336 (MLP down), 32x4096x4096 (batch 32) and 1x128256x4096 (the
-vocabulary projection). Each point is rendered by the family, checked against eager PyTorch,
+vocabulary projection); `fused` the same decode GEMVs with what fuse-decode-gemv puts in them:
+an RMSNorm prologue (`norm`: q|k|v 6144 wide, lm_head) and SwiGLU over the merged gate|up
+(`norm_swiglu`: N = 14336 outputs from a [2 x 14336, 4096] weight), against eager running
+F.rms_norm, the GEMM, silu and mul as separate kernels. Each point is rendered by the family, checked against eager PyTorch,
 then timed with triton.testing.do_bench (median, L2 flushed). References: `cublas` is the bare
 matmul (torch.matmul), `eager` the whole region (F.linear plus the epilogue) as the model runs it.
 
@@ -51,6 +54,9 @@ SHAPES = {
     "decode": [(m, n, 4096, "plain") for m in (1, 8, 32) for n in (4096, 14336)],
     "skinny": [(1, 4096, 4096, "plain"), (1, 14336, 4096, "plain"), (1, 4096, 14336, "plain"),
                (32, 4096, 4096, "plain"), (1, 128256, 4096, "plain")],
+    # fuse-decode-gemv's regions; N is the output width (the swiglu weight has 2N rows)
+    "fused": [(1, 6144, 4096, "norm"), (1, 14336, 4096, "norm_swiglu"), (32, 6144, 4096, "norm"),
+              (32, 14336, 4096, "norm_swiglu"), (1, 128256, 4096, "norm")],
 }
 SKINNY_M = 64  # shapes with at most this many rows are also timed under CUDA graphs
 COPY_BYTES_PER_S = 4.2e12  # device-to-device copy on the H200 (reads + writes)
@@ -143,10 +149,18 @@ def parse_args():
 def make_region(m: int, n: int, k: int, epilogue: str):
     from coopt.ir.region import RegionSummary, TensorSpec
 
-    inputs = [TensorSpec((m, k), "bfloat16"), TensorSpec((n, k), "bfloat16")]
-    program, has_bias = [], epilogue != "plain"
+    swiglu = epilogue.endswith("swiglu")
+    inputs = [TensorSpec((m, k), "bfloat16"), TensorSpec((2 * n if swiglu else n, k), "bfloat16")]
+    program, has_bias = [], epilogue in ("gelu", "residual")
     if has_bias:
         inputs.append(TensorSpec((n,), "bfloat16"))
+    extra_attrs = {}
+    if epilogue.startswith("norm"):  # the RMSNorm prologue's weight
+        inputs.append(TensorSpec((k,), "bfloat16"))
+        extra_attrs["prologue"] = {"kind": "rms_norm", "eps": 1e-5, "has_weight": True}
+    if swiglu:
+        extra_attrs["glu"] = True
+        program = [["t0", "silu", ["acc"]], ["y", "mul", ["t0", "acc_hi"]]]
     if epilogue == "gelu":
         program = [["y", "gelu", ["acc"]]]
     elif epilogue == "residual":
@@ -156,7 +170,7 @@ def make_region(m: int, n: int, k: int, epilogue: str):
     return RegionSummary(
         name=f"gemm_{m}x{n}x{k}_{epilogue}", family="matmul_epilogue", inputs=tuple(inputs),
         outputs=(TensorSpec((m, n), "bfloat16"),),
-        attrs={"b_layout": "nk", "has_bias": has_bias, "epilogue": program, "outputs": outputs},
+        attrs={"b_layout": "nk", "has_bias": has_bias, "epilogue": program, "outputs": outputs, **extra_attrs},
     )
 
 
@@ -170,17 +184,26 @@ def make_inputs(region, seed: int = 0):
         x = torch.randn(spec.shape, generator=gen, device="cuda", dtype=torch.float32)
         if i == 1:
             x = x / math.sqrt(k)  # keep the product O(1), as a trained weight would
+        elif len(spec.shape) == 1 and "prologue" in region.attrs:
+            x = 1 + 0.1 * x  # a norm weight
         tensors.append(x.to(torch.bfloat16))
     return tensors
 
 
 def eager(region, inputs):
-    """The region as the model runs it: F.linear (cuBLAS) then the epilogue."""
+    """The region as the model runs it: F.linear (cuBLAS) then the epilogue (with fuse-decode-gemv's
+    forms: F.rms_norm before, silu(gate) * up after, each its own kernel)."""
     import torch.nn.functional as F
 
     program = region.attrs["epilogue"]
     bias = inputs[2] if region.attrs["has_bias"] else None
-    y = F.linear(inputs[0], inputs[1], bias)
+    x = inputs[0]
+    if "prologue" in region.attrs:
+        x = F.rms_norm(x, (x.shape[-1],), inputs[2], 1e-5)
+    y = F.linear(x, inputs[1], bias)
+    if region.attrs.get("glu"):
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
     if program and program[0][1] == "gelu":
         y = F.gelu(y)
     elif program and program[0][1] == "add":

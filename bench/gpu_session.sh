@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh examples   # bench/run.py (3 examples) + skinny GEMMs + GPU tests
 #   bash bench/gpu_session.sh decode     # bench/decode.py: batch 1 at 2048 and 32768, agreement
 #   bash bench/gpu_session.sh batched    # bench/decode.py: batch 32 at 2048, and prefill of 2048
+#   bash bench/gpu_session.sh core       # decode b1 and b32 at 2048 + the GPU tests of the decode templates
 #   bash bench/gpu_session.sh pair       # two GPUs (nvidia-h200-x2), in parallel: GPU 0 examples then
 #                                        # GPU tests, GPU 1 decode (3 cases, bf16 and fp8 KV)
 #                                        # (session 3: every step overran its limit, the two jobs
@@ -40,6 +41,16 @@ case "${1:-}" in
         step 560 batched python bench/decode.py --cases 32:2048:4096 --prefill 2048 \
             --out "$OUT/batched.json" --build-dir /tmp/coopt-decode
         ;;
+    core)  # one call: decode b1 and b32 at 2048 (issue 3's core cases) + the GPU template tests
+        step 400 decode python bench/decode.py --cases 1:2048:4096,32:2048:4096 --modes eager,reduce-overhead,coopt \
+            --prefill 0 --agreement-steps 16 --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
+        cp /tmp/coopt-decode/b1-pos2048/report.md "$OUT/report_decode_b1_2048.md" 2>/dev/null
+        cp /tmp/coopt-decode/b32-pos2048/report.md "$OUT/report_decode_b32_2048.md" 2>/dev/null
+        step 150 pytest python -m pytest -q -p no:cacheprovider tests/templates/test_matmul_gemv_fusions.py \
+            tests/templates/test_decode_attention.py tests/templates/test_decode_attention_rope.py \
+            tests/templates/test_kv_write_paged.py tests/templates/test_kv_write_per_row.py tests/templates/test_rope.py \
+            tests/e2e/test_cuda_graph.py tests/llama/test_llama_generate.py
+        ;;
     pair)
         # at most 8 files come back from a device call: the reports travel as one archive
         (
@@ -60,7 +71,7 @@ case "${1:-}" in
             | tar czf "$out_dir/reports.tar.gz" -T -)
         ;;
     *)
-        echo "usage: bash bench/gpu_session.sh examples|decode|batched|pair" >&2
+        echo "usage: bash bench/gpu_session.sh examples|decode|batched|core|pair" >&2
         exit 2
         ;;
 esac

@@ -36,6 +36,10 @@ class Pipeline:
 
         coopt.Pipeline(kv_cache="fp8").build_file("examples/llama/model.py", "out/llama-fp8")
 
+    `paged_kv=P` stores each KV cache as a pool of pages of P positions read and written through a
+    `page_table` input (adds paged-kv{page-size=P} after raise-patterns / fp8-kv-cache), like
+    `--paged-kv P`; the built model is driven by `coopt.runtime.serve.PagedDecoder`.
+
     `prefill_chunk=N` bounds the prompt length of each entry point exported with a dynamic one
     (a decoder's prefill) by N tokens (adds chunked-prefill{chunk=N} to that entry's pipeline;
     the T = 1 decode step is left alone): `generate()` then prefills a long prompt N tokens per
@@ -59,14 +63,17 @@ class Pipeline:
         cuda_graphs: bool | None = None,
         kv_cache: str = "none",
         prefill_chunk: int | None = None,
+        paged_kv: int | None = None,
     ):
-        from coopt.compile import with_kv_cache
+        from coopt.compile import with_kv_cache, with_paged_kv
         from coopt.llm_advisor import make_advisor
 
         self.pipeline_text = passes if isinstance(passes, str) else ",".join(p.name for p in passes)
         self.passes = parse_pipeline_text(passes) if isinstance(passes, str) else list(passes)
         self.passes, self.pipeline_text = with_kv_cache(self.passes, self.pipeline_text, kv_cache)
+        self.passes, self.pipeline_text = with_paged_kv(self.passes, self.pipeline_text, paged_kv)
         self.kv_cache = kv_cache
+        self.paged_kv = paged_kv
         self.target = target if isinstance(target, Target) else get_target(target)
         if advice_file is not None and advisor == "heuristic":
             advisor = "replay"
@@ -103,6 +110,7 @@ class Pipeline:
             cuda_graphs=self.cuda_graphs,
             kv_cache=self.kv_cache,
             prefill_chunk=self.prefill_chunk,
+            paged_kv=self.paged_kv,
         )
 
     def build(self, model, example_inputs, out_dir, *, dynamic_shapes=None, force=False, progress=None, model_path=None,

@@ -24,6 +24,7 @@ from coopt.fp8_cache import calibrate_kv_absmax, needs_calibration, set_calibrat
 from coopt.frontend.importer import import_program
 from coopt.ir.summary import kernels, name_regions, summarize, symbol_table
 from coopt.passes.chunked_prefill import fit_example_inputs, prefill_chunk
+from coopt.passes.paged_kv import PAGE_TABLE, paged_record
 from coopt.passes.stats import collect_counters
 from coopt.targets import Target
 
@@ -49,9 +50,13 @@ class BuildConfig:
     # tokens per prefill call: entries with a dynamic prompt length get chunked-prefill{chunk=N}
     # appended (decided per entry after import, `with_prefill_chunk`); None: as exported
     prefill_chunk: int | None = None
+    # positions per page: paged-kv{page-size=N} after raise-patterns / fp8-kv-cache (KV caches as
+    # page pools read through a page table input); None: caches as the model has them
+    paged_kv: int | None = None
 
     def __post_init__(self):
         self.passes, self.pipeline_text = with_kv_cache(self.passes, self.pipeline_text, self.kv_cache)
+        self.passes, self.pipeline_text = with_paged_kv(self.passes, self.pipeline_text, self.paged_kv)
         if self.prefill_chunk is not None:
             from coopt.passes.chunked_prefill import ChunkedPrefill
 
@@ -83,6 +88,31 @@ def with_kv_cache(passes: list, pipeline_text: str, kv_cache: str) -> tuple[list
     at = names.index("raise-patterns") + 1
     passes = [*passes[:at], Fp8KvCache(), *passes[at:]]
     return passes, _insert_after_raise(pipeline_text)
+
+
+def with_paged_kv(passes: list, pipeline_text: str, page_size: int | None) -> tuple[list, str]:
+    """(passes, pipeline text) for --paged-kv P: paged-kv{page-size=P} right after fp8-kv-cache
+    when the pipeline has it (pages hold what the fp8 pass stores), else after raise-patterns
+    (it rewrites the raised cache attentions and writes, before fusion outlines them). A
+    pipeline that already has paged-kv keeps it and its knobs."""
+    import re
+
+    from coopt.errors import ConfigError
+    from coopt.passes.paged_kv import PagedKv
+
+    if page_size is None:
+        return list(passes), pipeline_text
+    paged = PagedKv(page_size=page_size)  # a bad page size fails here, with the knob's message
+    names = [p.name for p in passes]
+    if "paged-kv" in names:
+        return list(passes), pipeline_text
+    after = "fp8-kv-cache" if "fp8-kv-cache" in names else "raise-patterns"
+    if after not in names:
+        raise ConfigError("--paged-kv needs raise-patterns in the pipeline (paged-kv rewrites the raised cache attentions)")
+    at = names.index(after) + 1
+    pattern = "(^|,)" + re.escape(after) + r"(\{[^}]*\})?"
+    text = re.sub(pattern, lambda m: m.group(0) + f",paged-kv{{page-size={page_size}}}", pipeline_text, count=1)
+    return [*passes[:at], paged, *passes[at:]], text
 
 
 def _insert_after_raise(text: str) -> str:
@@ -232,6 +262,8 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     name_regions(module)
     # a chunked prefill program refuses calls longer than the chunk: check it on the first chunk
     example_inputs = fit_example_inputs(module, example_inputs)
+    if paged_record(module) is not None:  # before any verification: the end-to-end check needs it
+        _check_paged_example(paged_record(module), example_inputs)
 
     # 4. candidates: the reference (the replaced ATen ops) plus the advisor's top-k legal points,
     #    made once per distinct region (the layers of a model repeat the same regions)
@@ -259,16 +291,18 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     #    kernels still disagrees, or loses to eager, fall back to the references (end_to_end.py)
     progress("end-to-end", "built model vs original")
     accuracy = None
+    # paged-kv: the program takes a page table; it is checked as its static-cache original
+    adapt = paged_as_static if paged_record(module) is not None else None
     if config.lossy_passes:
         # a lossy pass changes numerics by design: measure its cost against the original instead
         e2e, accuracy = measure_lossy_end_to_end(
             model, example_inputs, regions, out, lossy_passes=config.lossy_passes, trials=config.e2e_trials,
             seed=config.seed, cuda_graphs=graphs, warnings=warnings,
-            write_selection=lambda: write_selection(out, regions, measured), module=module, program=program)
+            write_selection=lambda: write_selection(out, regions, measured), module=module, program=program, adapt=adapt)
     else:
         e2e = check_end_to_end(model, example_inputs, regions, out, trials=config.e2e_trials, seed=config.seed,
                                measured=measured, stateful=_is_stateful(module), cuda_graphs=graphs, warnings=warnings,
-                               write_selection=lambda: write_selection(out, regions, measured))
+                               write_selection=lambda: write_selection(out, regions, measured), adapt=adapt)
 
     # 9. record: report for people, manifest for tools, advice for replay
     result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings, graphs,
@@ -280,6 +314,30 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     write_build_record(out, config, model_path, result)
     write_report(out)
     return result
+
+
+def paged_as_static(built):
+    """A loaded paged-kv program behind the static-cache signature of the model it was built
+    from (identity page table; coopt.runtime.paged.StaticView)."""
+    from coopt.runtime.paged_layout import StaticView
+
+    return StaticView(built, built.paged)
+
+
+def _check_paged_example(record: dict, example_inputs) -> None:
+    """The end-to-end check lays the caches out as pages, sequence b in pages b*J .. b*J+J-1
+    (J = num_pages // batch, at most max_pages): the example call's positions must fit."""
+    from coopt.errors import ConfigError
+    from coopt.runtime.paged_layout import identity_pages
+
+    index = record.get("positions_input")
+    positions = example_inputs[index] if index is not None and index < len(example_inputs) else None
+    per = identity_pages(record["batch"], record["max_pages"], record["num_pages"]) * record["page_size"]
+    if isinstance(positions, torch.Tensor) and positions.numel() and int(positions.max()) >= per:
+        raise ConfigError(
+            f"paged-kv: num-pages={record['num_pages']} is too few to check the build against the original: its example "
+            f"call holds {record['batch']} sequences up to position {int(positions.max())}, which needs "
+            f"{record['batch']} x {int(positions.max()) // record['page_size'] + 1} pages of {record['page_size']}")
 
 
 def _on_build_device(model, example_inputs):
@@ -409,6 +467,8 @@ INDUCTOR = "torch.compile"
 
 def _emit(module, program, imported, model, example_inputs, regions, out, config, measured, shared_weights=None) -> None:
     params = _forward_params(model, len(imported.user_input_names))
+    if paged_record(module) is not None:  # paged-kv added the page table as the last input
+        params = [*params, PAGE_TABLE]
     out_spec = torch.utils._pytree.treespec_dumps(program.call_spec.out_spec)
     source = program_source(
         module,
@@ -438,10 +498,12 @@ def program_weights(module: ModuleOp, state: dict) -> dict:
     KV caches (fp8-kv-cache) are stored quantized, beside their scales (coopt.fp8_cache)."""
     from coopt.fp8_cache import fp8_record, fp8_weights
     from coopt.ir.dialect import StateUpdateOp, StateWriteOp, WeightOp
+    from coopt.runtime.paged_layout import cache_to_pages
     from coopt.passes.fuse_parallel_linears import concat_parts
 
     record = fp8_record(module)  # fp8-kv-cache: quantized caches and their scales
     fp8 = fp8_weights(record, state) if record is not None else {}
+    paged = paged_record(module)  # paged-kv: each cache's contents laid out as pages
     weights = {}
     for op in module.walk():
         if not isinstance(op, (WeightOp, StateWriteOp, StateUpdateOp)) or op.ref.data in weights:
@@ -452,6 +514,8 @@ def program_weights(module: ModuleOp, state: dict) -> dict:
             tensor = fp8[name]
         else:
             tensor = torch.cat([state[p] for p in parts], dim=0) if parts else state[name]
+        if paged is not None and name in paged["pools"]:
+            tensor = cache_to_pages(tensor, paged["batch"], paged["num_pages"], paged["page_size"], paged["max_pages"])
         weights[name] = tensor.detach().clone()
     return weights
 

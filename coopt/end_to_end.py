@@ -34,11 +34,17 @@ SLOWER_MARGIN = 0.02
 
 
 def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: int, measured: bool,
-                     stateful: bool, cuda_graphs: bool, warnings: list[str], write_selection) -> dict:
+                     stateful: bool, cuda_graphs: bool, warnings: list[str], write_selection, adapt=None) -> dict:
     """The build.json "end_to_end" record: the verdict, and on a GPU the interleaved timing.
-    `write_selection()` rewrites selection.json after a fallback changed `regions`."""
-    from coopt.runtime.loader import load
+    `write_selection()` rewrites selection.json after a fallback changed `regions`. `adapt`
+    wraps each loaded build into something called like `model` (a paged-kv program takes a page
+    table the original does not: compile.paged_as_static)."""
+    from coopt.runtime.loader import load as load_build
     from coopt.verify import verify_end_to_end
+
+    def load(out, device):
+        built = load_build(out, device=device)
+        return adapt(built) if adapt is not None else built
 
     if stateful:
         model = copy.deepcopy(model)  # the check runs the model: never mutate the caller's buffers
@@ -76,7 +82,8 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
 
 
 def measure_lossy_end_to_end(model, example_inputs, regions, out, *, lossy_passes, trials: int, seed: int,
-                             cuda_graphs: bool, warnings: list[str], write_selection, module, program) -> tuple[dict, dict]:
+                             cuda_graphs: bool, warnings: list[str], write_selection, module, program,
+                             adapt=None) -> tuple[dict, dict]:
     """(end_to_end, accuracy) records of a build with lossy passes: its kernels are checked
     against the build's own reference program (bisected and fallen back as `check_end_to_end`
     does); the transform's cost is then measured against the original model (outputs on fresh
@@ -88,14 +95,16 @@ def measure_lossy_end_to_end(model, example_inputs, regions, out, *, lossy_passe
     from coopt.verify.end_to_end import measure_end_to_end
 
     device = device_of(example_inputs)
+    adapt = adapt or (lambda built: built)
     kernels_check = None
     if any(r.selected != REFERENCE for r in regions):
-        kernels_check = check_end_to_end(reference_program(out, regions, device), example_inputs, regions, out,
+        kernels_check = check_end_to_end(adapt(reference_program(out, regions, device)), example_inputs, regions, out,
                                          trials=trials, seed=seed, measured=False, stateful=True,
-                                         cuda_graphs=cuda_graphs, warnings=warnings, write_selection=write_selection)
+                                         cuda_graphs=cuda_graphs, warnings=warnings, write_selection=write_selection,
+                                         adapt=adapt)
 
     def measure() -> dict:
-        return measure_end_to_end(copy.deepcopy(model), load(out, device=device), example_inputs, trials=trials, seed=seed)
+        return measure_end_to_end(copy.deepcopy(model), adapt(load(out, device=device)), example_inputs, trials=trials, seed=seed)
 
     outputs = measure()
     kernel_regions = [r.summary.name for r in regions if r.selected != REFERENCE]

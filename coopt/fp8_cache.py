@@ -29,14 +29,22 @@ def needs_calibration(passes) -> bool:
 
 @torch.no_grad()
 def calibrate_kv_absmax(model: torch.nn.Module, calibration_inputs) -> dict[str, list[float]]:
-    """{buffer name: [absmax of dim-1 slice h]} for every 4-D floating buffer after running a
-    deep copy of `model` on each input tuple (the caller's model and its buffers stay as they are)."""
+    """{buffer name: [absmax of dim-1 slice h]} for every 4-D floating buffer, the largest it held
+    before or after any call of a deep copy of `model` on each input tuple (the caller's model and
+    its buffers stay as they are)."""
     model = copy.deepcopy(model)
     device = next((b.device for b in model.buffers()), torch.device("cpu"))
+
+    def head_absmax() -> dict[str, torch.Tensor]:
+        return {name: buffer.detach().float().abs().amax(dim=(0, 2, 3))
+                for name, buffer in model.named_buffers() if buffer.dim() == 4 and buffer.is_floating_point()}
+
+    # a running maximum: calls at the same positions (several prompts) overwrite each other's rows
+    absmax = head_absmax()
     for inputs in calibration_inputs:
         model(*[x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs])
-    return {name: [float(v) for v in buffer.detach().float().abs().amax(dim=(0, 2, 3)).cpu()]
-            for name, buffer in model.named_buffers() if buffer.dim() == 4 and buffer.is_floating_point()}
+        absmax = {name: torch.maximum(absmax[name], now) for name, now in head_absmax().items()}
+    return {name: [float(v) for v in values.cpu()] for name, values in absmax.items()}
 
 
 def set_calibration(module, absmax: dict) -> None:

@@ -1,6 +1,8 @@
 """Accuracy harness that needs no downloads: a byte-level Llama trained on the Python standard
-library's own source (`corpus`, `train`), and the metrics that compare a candidate's logits with
-a reference's on held-out text (`metrics`). `bench/accuracy.py` runs the whole thing.
+library's own source (`corpus`, `train`), the metrics that compare a candidate's logits with
+a reference's on held-out text (`metrics`), and coopt builds of the trained model as candidates
+(`builds`: through `coopt.Pipeline` and `coopt.load`, like any user). `bench/accuracy.py` runs
+the whole thing.
 
     from coopt.accuracy import corpus, metrics, train
     data = corpus.load_corpus(max_bytes=2_000_000)

@@ -1,24 +1,49 @@
 """How far a candidate's next-token distributions are from a reference's, on held-out text.
 
-A model is a `logits_fn(tokens [B, T] int64) -> logits [B, T, V]` (cache-free, causal), so an
-eager model, a dtype variant or a coopt build all compare the same way:
+A model is a `logits_fn(tokens [B, T] int64) -> logits [B, T, V]` (causal, every call from
+position 0), so an eager model, a dtype variant or a coopt build all compare the same way:
 
     report = compare(model_logits_fn(reference), model_logits_fn(candidate), corpus.heldout)
     report.kl_mean, report.top1_agreement, report.perplexity_change, report.greedy_agreement
     print(report.to_json())
+
+A model that decodes its own way (a coopt build: a prefill, then one-token steps over its KV
+cache) is a `Candidate(logits_fn, generate)`: its greedy tokens come from `generate`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+GreedyFn = Callable[[torch.Tensor, int], torch.Tensor]  # (prompts [B, T0], n) -> new tokens [B, n] on the CPU
+
+
+@dataclass
+class Candidate:
+    """A model as compare() measures it: teacher-forced `logits`, and greedy generation by
+    `generate` when given (a build decoding through its KV cache), else a full forward of
+    `logits` per token. `details` are reported beside the metrics (a build's KV bytes, ...);
+    `model` is what runs (a loaded build), for inspection."""
+    logits: LogitsFn
+    generate: GreedyFn | None = None
+    details: dict = field(default_factory=dict)
+    model: object = None
+
+    def greedy(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        if self.generate is not None:
+            return self.generate(prompts, new_tokens)
+        return greedy_generate(self.logits, prompts, new_tokens)
+
+
+def as_candidate(model: LogitsFn | Candidate) -> Candidate:
+    return model if isinstance(model, Candidate) else Candidate(model)
 
 
 @dataclass
@@ -83,12 +108,13 @@ def leading_agreement(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compare(reference: LogitsFn, candidate: LogitsFn, heldout: torch.Tensor, seq_len: int = 128,
+def compare(reference: LogitsFn | Candidate, candidate: LogitsFn | Candidate, heldout: torch.Tensor, seq_len: int = 128,
             windows: int = 32, batch: int = 8, greedy_prompts: int = 8, prompt_len: int = 32,
             greedy_tokens: int = 32) -> AccuracyReport:
     """Teacher-forced metrics over `windows` held-out windows (perplexity, KL, top-1), then greedy
     generation from the first `prompt_len` tokens of `greedy_prompts` windows. Example:
     `compare(fn, fn, corpus.heldout)` has KL 0, top-1 1.0 and greedy agreement `greedy_tokens`."""
+    reference, candidate = as_candidate(reference), as_candidate(candidate)
     data = heldout_windows(heldout, seq_len, windows)
     nll = {"reference": 0.0, "candidate": 0.0}
     kl_sum = kl_max = 0.0
@@ -96,8 +122,8 @@ def compare(reference: LogitsFn, candidate: LogitsFn, heldout: torch.Tensor, seq
     for chunk in data.split(batch):
         inputs, targets = chunk[:, :-1], chunk[:, 1:].flatten()
         # fp64 log-softmax: KL of near-identical distributions is a difference of close numbers
-        ref_logp = F.log_softmax(reference(inputs).double(), dim=-1).flatten(0, 1)
-        cand_logp = F.log_softmax(candidate(inputs).double(), dim=-1).flatten(0, 1)
+        ref_logp = F.log_softmax(reference.logits(inputs).double(), dim=-1).flatten(0, 1)
+        cand_logp = F.log_softmax(candidate.logits(inputs).double(), dim=-1).flatten(0, 1)
         nll["reference"] += F.nll_loss(ref_logp, targets, reduction="sum").item()
         nll["candidate"] += F.nll_loss(cand_logp, targets, reduction="sum").item()
         kl = (ref_logp.exp() * (ref_logp - cand_logp)).sum(dim=-1).clamp_min(0.0)
@@ -110,8 +136,8 @@ def compare(reference: LogitsFn, candidate: LogitsFn, heldout: torch.Tensor, seq
     prompts = data[:greedy_prompts, :prompt_len]
     greedy = 0.0
     if greedy_tokens > 0 and len(prompts):
-        ref_tokens = greedy_generate(reference, prompts, greedy_tokens)
-        cand_tokens = greedy_generate(candidate, prompts, greedy_tokens)
+        ref_tokens = reference.greedy(prompts, greedy_tokens)
+        cand_tokens = candidate.greedy(prompts, greedy_tokens)
         greedy = leading_agreement(ref_tokens, cand_tokens).double().mean().item()
     return AccuracyReport(
         reference_perplexity=reference_ppl,

@@ -103,6 +103,11 @@ def build(
         None, "--prefill-chunk",
         help="tokens per prefill call (a power of two >= 16): adds chunked-prefill{chunk=N} to entry points with a "
              "dynamic prompt length, so a long prompt is prefilled chunk by chunk (exit 5 when there is none)"),
+    paged_kv: Optional[int] = typer.Option(
+        None, "--paged-kv",
+        help="page size (16, 32, 64, 128 or 256): KV caches become page pools read and written through a page_table "
+             "input (adds paged-kv{page-size=N} after raise-patterns / fp8-kv-cache; knob num-pages in the pipeline "
+             "string; exit 5 for a model without a KV cache)"),
     force: bool = typer.Option(False, "--force", help="replace a non-empty output directory"),
     as_json: bool = typer.Option(False, "--json", help="print a machine-readable result on stdout"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="no progress display"),
@@ -116,7 +121,7 @@ def build(
             pipeline or DEFAULT_PIPELINE, target, advisor,
             advisor_url=advisor_url, advisor_model=advisor_model, advice_file=advice,
             strict_advice=no_advisor_fallback, top_k=top_k, verify_profile=profile, seed=seed,
-            cuda_graphs=cuda_graphs, kv_cache=kv_cache, prefill_chunk=prefill_chunk,
+            cuda_graphs=cuda_graphs, kv_cache=kv_cache, prefill_chunk=prefill_chunk, paged_kv=paged_kv,
         )
         with _Progress(quiet or as_json) as progress:
             return pipe.build_file(model_file, out, force=force, progress=progress)

@@ -30,6 +30,7 @@ from coopt.ir.dialect import KernelOp, StateUpdateOp, StateWriteOp, WeightOp
 from coopt.ir.summary import tensor_spec
 from coopt.passes.base import literal_arg, tensor_arg
 from coopt.passes.chunked_prefill import prefill_chunk
+from coopt.passes.paged_kv import paged_record
 from coopt.passes.shapes import dims
 
 # ops whose result holds exactly the values of operand 0 (same set of values, maybe reshaped or
@@ -80,6 +81,7 @@ class InputBounds:
     index: list[IndexBound]
     size: list[SizeBound]
     decoder: dict | None
+    paged: dict | None = None  # a paged-kv program's contract (the runtime's PAGED), else None
 
 
 def _source(value: SSAValue) -> SSAValue:
@@ -114,6 +116,10 @@ def _weight_root(value: SSAValue) -> WeightOp | None:
     value = _source(value)
     while not isinstance(value.owner, WeightOp):
         op = value.owner
+        if isinstance(op, KernelOp) and op.family_attrs.get("inplace"):
+            # an in-place region's result i is its input inplace[i] after the write (a kv_write)
+            value = _source(op.inputs[op.family_attrs["inplace"][value.index]])
+            continue
         if not (isinstance(op, StateUpdateOp) or _call_target(op) in _VIEW_OF) or not op.inputs:
             return None
         value = _source(op.inputs[0])
@@ -201,6 +207,14 @@ def derive_input_bounds(module, fn: func.FuncOp, symbols: dict[str, list[int]]) 
             bound = _slice_bound(op, _SLICING[target], inputs, written)
             if bound is not None:
                 size.setdefault((bound.input, bound.dim, bound.high), bound)
+    paged = paged_record(module)
+    if paged is not None and paged.get("positions_input") is not None:
+        # paged-kv: positions reach the pools only through page arithmetic (not traced above);
+        # a position must lie within what a sequence can hold
+        what = (f"the positions of the paged KV cache ({paged['max_seq']} per sequence: pages of "
+                f"{paged['page_size']} through a page table of {paged['max_pages']})")
+        index.setdefault((paged["positions_input"], 0, paged["max_seq"]),
+                         IndexBound(paged["positions_input"], 0, paged["max_seq"], what, True))
     # tightest first: the first bound a call breaks is the one its error message names
     index_bounds = sorted(index.values(), key=lambda b: (b.input, b.high - b.low))
     size_bounds = sorted(size.values(), key=lambda b: (b.input, b.dim, b.high))
@@ -208,7 +222,30 @@ def derive_input_bounds(module, fn: func.FuncOp, symbols: dict[str, list[int]]) 
     if decoder is not None and prefill_chunk(module) is not None:
         # chunked-prefill bounded the length by it (already in "length"); absent: no chunk set
         decoder["prefill_chunk"] = prefill_chunk(module)
-    return InputBounds(index_bounds, size_bounds, decoder)
+    contract = _paged_contract(fn, paged, index_bounds, symbols, prefill_chunk(module)) if paged is not None else None
+    return InputBounds(index_bounds, size_bounds, decoder, contract)
+
+
+def _paged_contract(fn: func.FuncOp, paged: dict, index_bounds, symbols: dict, chunk: int | None) -> dict | None:
+    """What `coopt.runtime.serve.PagedDecoder` needs of a paged-kv program forward(tokens [B, T],
+    positions ([B] per row, T = 1; else [T]), page_table [B, max_pages]): the pool's geometry,
+    the batch and tokens per call, the vocabulary."""
+    args = fn.body.block.args
+    if paged.get("positions_input") != 1 or paged.get("page_table_input") != len(args) - 1 or len(args) != 3:
+        return None
+    tokens = dims(args[0])
+    length = _range(tokens[1], symbols, paged["max_seq"]) if len(tokens) == 2 else None
+    token_bounds = [b for b in index_bounds if b.input == 0]
+    vocab = [max(b.low for b in token_bounds), min(b.high for b in token_bounds)] if token_bounds else None
+    contract = {
+        "tokens": 0, "positions": 1, "page_table": 2, "dtype": tensor_spec(args[0]).dtype,
+        "per_row": bool(paged["per_row"]), "batch": paged["batch"], "length": length, "token_range": vocab,
+        **{k: paged[k] for k in ("page_size", "num_pages", "max_pages", "max_seq")},
+        "pools": sorted(paged["pools"]),
+    }
+    if chunk is not None:
+        contract["prefill_chunk"] = chunk
+    return contract
 
 
 def _range(dim, symbols: dict, cap: int | None = None) -> list[int] | None:

@@ -77,6 +77,7 @@ def program_source(module: ModuleOp, *, model_name: str, target: str, params: li
         index_bounds_repr=_rows([(b.input, b.low, b.high, b.reason) for b in bounds.index]),
         size_bounds_repr=_rows([(b.input, b.dim, b.high, b.reason) for b in bounds.size]),
         decoder_repr=repr(bounds.decoder),
+        paged_repr=repr(bounds.paged),
         out_spec=out_spec,
         params=params,
         unpack=unpack,

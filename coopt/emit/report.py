@@ -170,6 +170,10 @@ def write_report(out: Path) -> None:
     raised = {k: v for k, v in counters.items() if k.startswith("raise.")}
     lines += [f"- {k.removeprefix('fuse.')}: {v}" for k, v in fused.items()] or ["- nothing"]
     lines += ["", "Patterns recognised: " + (", ".join(f"{k.removeprefix('raise.')} ×{v}" for k, v in raised.items()) or "none"), ""]
+    if counters.get("paged_kv.caches"):  # paged-kv: the caches became page pools
+        lines += [f"Paged KV: paged {counters['paged_kv.caches']} caches into page pools; "
+                  f"{counters.get('paged_kv.writes', 0)} writes and {counters.get('paged_kv.attention_reads', 0)} attention "
+                  f"reads go through the page table (`page_table` input)", ""]
     lines += ["## What fell back to PyTorch", ""]
     if build["fallback_ops"]:
         lines += ["ATen ops the importer does not know run unchanged through PyTorch:", ""]

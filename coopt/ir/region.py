@@ -25,6 +25,12 @@ matmul_epilogue (C = A @ B' (+ bias) then an elementwise epilogue)
     The epilogue program (same form as elementwise) names the matmul(+bias) result "acc" and
     the extra epilogue tensors "in0", "in1", ...; an empty program with outputs ["acc"] is a
     plain (biased) matmul.
+    Optional, decode-sized regions only (fuse-decode-gemv; the GEMV kernel implements them):
+    "prologue": {"kind": "rms_norm", "eps": float, "has_weight": bool} normalizes a's rows
+    first, a * rsqrt(mean(a^2, -1) + eps) [* g], with g [K] the input right after [bias];
+    "glu": true means b holds two halves (2N rows for "nk", 2N columns for "kn") and the
+    program reads "acc" = a @ first half and "acc_hi" = a @ second half (SwiGLU:
+    silu(acc) * acc_hi); no bias then. Output [..., N].
 
 attention (softmax(q k^T * scale [+ causal mask]) v)
     attrs = {"causal": bool, "scale": float, "num_heads": int, "num_kv_heads": int,
@@ -54,14 +60,22 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D], lengths [B] int32,
     page_table [B, max_pages] int32 (then k_scale, v_scale as above when "kv_scale": per-tensor
     or per-head). Position p of sequence b is k_pages[page_table[b, p // P], :, p % P]; slots of
-    page_table past cdiv(lengths[b], P) are never read.
+    page_table past cdiv(lengths[b], P) are never read. paged-kv's regions also carry
+    "page_table_input": 4 and "pool_input": 1 (verification draws valid page ids and lengths
+    up to max_pages * P).
 
 kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quantization)
     attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",
              "inplace": [input indices written in place]}
     inputs: k_cache, v_cache [B_max, Hkv, S_max, D], positions [T] int, k, v [B, Hkv, T, D],
     [cos, sin when rope], [k_scale, v_scale when quantized]; outputs: the inplace inputs after
-    cache[:B, :, positions] = quant(rope(k)) (and v). docs/kv-cache.md has the whole contract.
+    cache[:B, :, positions] = quant(rope(k)) (and v). Per row (attrs "positions": "per-row",
+    "index_input": 2, "index_bound": [0, 2]; a ragged decode step): positions [B], k, v
+    [B, Hkv, 1, D], cache[b, :, positions[b]] = quant(rope(k[b, :, 0])). Paged (attrs
+    "page_size": P, "page_table_input": last, "pool_input": 0): k_cache / v_cache are pools
+    [N, Hkv, P, D] and a last input page_table [B, max_pages] int32 says where position p of
+    sequence b goes (row p % P of page page_table[b, p // P]). docs/kv-cache.md has the whole
+    contract.
 
 rope (rotary embedding, rotate-half form)
     attrs = {}

@@ -107,6 +107,8 @@ def matmul_epilogue(request: AdviceRequest) -> tuple[CostFn, str]:
     a, b = _shape(request, 0), _shape(request, 1)
     m, k = _prod(a[:-1]), (a[-1] if a else 1)
     n = (b[0] if request.region.attrs.get("b_layout") == "nk" else b[-1]) if b else 1
+    if request.region.attrs.get("glu"):
+        n = max(1, n // 2)  # b holds both halves of a gated linear unit: the output is half as wide
     sms = int(request.target.get("num_sms") or 132)
     if m <= GEMV_MAX_M and True in (knob(request.space, GEMV) or []):
         return _matmul_gemv(request, m, n, k, sms)
@@ -132,9 +134,15 @@ GEMV_MAX_PROGRAMS_PER_SM = 8  # of 4 warps: 32 warps an SM, registers to spare
 
 
 def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tuple[CostFn, str]:
-    """Decode-sized M with the GEMV kernel in the space: its points first, by bytes in flight."""
+    """Decode-sized M with the GEMV kernel in the space: its points first, by bytes in flight.
+
+    A GLU region (attrs "glu") streams two weight slabs a K step (rows n and N + n of the merged
+    gate|up weight) into one output tile: its slab, bytes in flight and shared memory count both.
+    An RMSNorm prologue adds only a [BLOCK_K] slice of the norm weight a step: ranked as without.
+    """
     a_elem = 4 if request.region.inputs[0].dtype == "float32" else 2
     b_elem = 4 if request.region.inputs[1].dtype == "float32" else 2
+    halves = 2 if request.region.attrs.get("glu") else 1
     smem = int(request.target.get("smem_per_block_bytes") or 232448)
     bm_vals = _numbers(knob(request.space, BLOCK_M))
     # One activation row: multiply-and-sum (BLOCK_M = 1); more: tl.dot on the fewest rows >= M.
@@ -151,11 +159,11 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
         # Rows past M are tl.dot padding; fewer rows than M re-read each slab (from L2).
         c = 2 * math.log2(bm / bm_t) if bm >= bm_t else 0.5 * math.log2(bm_t / bm)
         c += 0.5 * max(0.0, math.log2(GEMV_ROW_BYTES / (bk * b_elem)))
-        slab = bn * bk * b_elem
+        slab = halves * bn * bk * b_elem
         c += 0.1 * _log_gap(slab, GEMV_SLAB_BYTES)  # among equals, the measured winners' slab
         # Every column tile re-reads the M activation rows from L2: M / BLOCK_N of the weight's
         # bytes again (negligible for one row, twice the weight for 32 rows of 16-wide tiles).
-        c += math.log2(1 + m / bn)
+        c += math.log2(1 + m / (halves * bn))  # (a GLU program reads them once for both slabs)
         programs = math.ceil(m / bm) * math.ceil(n / bn) * split
         program_smem = max(1, stages - 1) * (bm * bk * a_elem + slab) + 2048
         resident = max(1, min(GEMV_MAX_PROGRAMS_PER_SM * 4 // warps, smem // program_smem))

@@ -46,7 +46,9 @@ def prompt_length_symbol(module: ModuleOp) -> str | None:
     if fn is None:
         return None
     symbols = symbol_table(module)
-    if derive_input_bounds(module, fn, symbols).decoder is None:
+    bounds = derive_input_bounds(module, fn, symbols)
+    # a DECODER step, or a paged-kv prompt step (tokens [B, T], positions [T], page_table)
+    if bounds.decoder is None and (bounds.paged is None or bounds.paged["per_row"]):
         return None
     length = dims(fn.body.block.args[0])[1]
     return length if isinstance(length, str) and length in symbols else None

@@ -129,6 +129,12 @@ class Fp8KvCache(CooptPass):
         mirror: dict[SSAValue, SSAValue] = {cache.weight.results[0]: scale}
         for member in cache.ops:  # block order: writes, state updates and slices of the cache
             x = None
+            if _is_write(member) and _per_row(member):
+                if per_token:
+                    raise ConfigError("fp8-kv-cache{granularity=per-token}: per-row (ragged decode) cache writes are not "
+                                      "supported yet; use per-tensor or per-head scales")
+                _quantize_per_row(member, scale, self.granularity)
+                continue
             if _is_write(member):
                 x = _rank4(member.operands[_write_value_index(member)], member)
             if per_token:
@@ -240,10 +246,43 @@ def _is_write(op: Operation) -> bool:
 
 
 def _row_indices(op) -> bool:
-    """index_put(buffer, [None, None, positions], value): whole rows at some positions."""
+    """index_put(buffer, [None, None, positions], value): whole rows at some positions; or
+    [arange(B), None, positions] (a ragged step: one row per sequence, at its own position)."""
     indices = literal_arg(op, 1)
-    return (isinstance(indices, list) and len(indices) == 3 and indices[0] is None and indices[1] is None
-            and isinstance(indices[2], dict) and literal_arg(op, 3, "accumulate", False) is False)
+    return (isinstance(indices, list) and len(indices) == 3 and (indices[0] is None or _per_row(op))
+            and indices[1] is None and isinstance(indices[2], dict) and literal_arg(op, 3, "accumulate", False) is False)
+
+
+def _per_row(op) -> bool:
+    """A per-row write: indices [arange(B), None, positions]."""
+    indices = literal_arg(op, 1)
+    if not (isinstance(indices, list) and len(indices) == 3 and isinstance(indices[0], dict)):
+        return False
+    rows = op.inputs[indices[0]["$t"]].owner
+    return aten_target(rows) in ("aten.arange.default", "aten.arange.start", "aten.arange.start_step") and not rows.inputs
+
+
+def _quantize_per_row(write: Operation, scale: SSAValue, granularity: str) -> None:
+    """A per-row write stores [B, Hkv, D] rows, select(x, 2, 0) of x [B, Hkv, 1, D]: quantize x
+    (rank 4, heads on dim 1 as quantize_fp8 wants) and store select(quantize(x), 2, 0)."""
+    index = _write_value_index(write)
+    value = write.operands[index]
+    select = value.owner
+    if aten_target(select) == "aten.select.int" and literal_arg(select, 1) == 2 and literal_arg(select, 2) == 0:
+        x = select.inputs[0]
+    else:  # [B, Hkv, D] from elsewhere: as [B, Hkv, 1, D]
+        b, heads, head_dim = value.type.get_shape()
+        x = _aten("aten.unsqueeze.default", [{"$t": 0}, 2], [value], TensorType(value.type.element_type, [b, heads, 1, head_dim]),
+                  before=write)
+    quantized = QuantizeFp8Op(x, scale, granularity, _fp8(x.type))
+    Rewriter.insert_op(quantized, InsertPoint.before(write))
+    rows = _aten("aten.select.int", [{"$t": 0}, 2, 0], [quantized.result], _fp8(value.type), before=write)
+    write.operands[index] = rows
+    if select is not None and isinstance(select, Operation) and not select.results[0].uses \
+            and aten_target(select) == "aten.select.int":
+        select.detach()
+        select.erase()
+    count("fp8_kv_cache.quantized_writes")
 
 
 def _write_value_index(op) -> int:

@@ -53,6 +53,13 @@ class FuseAttention(CooptPass):
             }
             inputs = [attn.q, attn.k, attn.v, attn.lengths]
             ops = [attn]
+            paged = _paged_views(attn) if decode else None
+            if paged is not None:  # paged-kv: the kernel reads through the page table, nothing is gathered
+                k_view, v_view = paged
+                inputs = [attn.q, k_view.pool, v_view.pool, attn.lengths, k_view.table]
+                ops = [*k_view.ops, *v_view.ops, attn]
+                attrs.update({"page_size": k_view.page_size, "page_table_input": 4, "pool_input": 1})
+                count("fuse.decode_attention.paged")
             rope = _query_rope(attn) if decode and self.rope else None
             if rope is not None:  # q's rotary embedding in the kernel's q load: one launch less a layer
                 inputs = [rope.x, *inputs[1:], rope.cos, rope.sin]
@@ -66,6 +73,17 @@ class FuseAttention(CooptPass):
             family = "decode_attention" if decode else "attention"
             outline(ops, family, attrs, inputs=inputs, outputs=[attn.result])
             count("fuse.decode_attention" if decode else "fuse.attention.prompt_over_cache")
+
+
+def _paged_views(attn):
+    """(k view, v view) when a decode attention reads both caches as paged views of one page
+    table (paged-kv), else None."""
+    from coopt.passes.paged_kv import read_paged_view
+
+    k_view, v_view = read_paged_view(attn.k), read_paged_view(attn.v)
+    if k_view is None or v_view is None or k_view.table is not v_view.table or k_view.page_size != v_view.page_size:
+        return None
+    return k_view, v_view
 
 
 def _query_rope(attn):

@@ -4,6 +4,11 @@ input_pos + 1 positions of the cache. Raised to coopt.decode_attention with expl
 lengths, so a flash-decoding kernel reads only the valid part of the cache. The same mask with
 several query tokens (a prompt, or a chunk of one, over the cache) becomes
 coopt.cache_attention with one length per query position.
+
+A ragged decode step (one token per row, each row at its own position: input_pos [B]) masks
+row b with `(cache_positions[None, :] <= input_pos[:, None]).view(B, 1, 1, S)`: the same
+comparison, one row per sequence, broadcast over heads and the single query. It is raised to a
+decode_attention with per-row lengths input_pos + 1 ([B], no expand).
 """
 
 from __future__ import annotations
@@ -24,6 +29,18 @@ def _unsqueezed(value, dim: int):
     if aten_target(op) == "aten.unsqueeze.default" and literal_arg(op, 1) == dim:
         return tensor_arg(op, 0)
     return None
+
+
+def _per_row_view(mask):
+    """The [B, S] mask under a [B, 1, 1, S] view of it (a ragged step's per-row mask), else None."""
+    op = mask.owner
+    if aten_target(op) not in ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"):
+        return None
+    source = tensor_arg(op, 0)
+    shape, out = (static_shape(source) if source is not None else []), static_shape(mask)
+    if len(shape) != 2 or len(out) != 4 or out != [shape[0], 1, 1, shape[1]]:
+        return None
+    return source
 
 
 def _positions_mask(mask):
@@ -52,7 +69,8 @@ class RaiseDecodeSDPA(RewritePattern):
             return
         if qs[2] == 1 and qs[0] is None:
             return
-        found = _positions_mask(mask)
+        per_row = _per_row_view(mask)  # a ragged step: one position per sequence
+        found = _positions_mask(per_row if per_row is not None else mask)
         if found is None:
             return
         input_pos, positions = found
@@ -61,16 +79,18 @@ class RaiseDecodeSDPA(RewritePattern):
         scale = literal_arg(op, 6, "scale", None)
         scale = 1.0 / math.sqrt(qs[3]) if scale is None else scale
         prompt = qs[2] != 1  # a prompt (chunk) over the cache: one length per query position
+        if per_row is not None and (prompt or static_shape(input_pos) != [qs[0]]):
+            return
         if prompt and input_pos.type.get_shape()[0] != q.type.get_shape()[2]:
             return
-        if not prompt and static_shape(input_pos) != [1]:
+        if not prompt and per_row is None and static_shape(input_pos) != [1]:
             return
         # lengths = input_pos + 1 as int32: per query position, or (decode) per sequence
         plus_one = AtenOp("aten.add.Tensor", {"args": [{"$t": 0}, 1], "kwargs": {}}, [input_pos], [input_pos.type])
         as_int = AtenOp("aten._to_copy.default", {"args": [{"$t": 0}], "kwargs": {"dtype": {"$dtype": "int32"}}},
                         [plus_one.results[0]], [TensorType(i32, input_pos.type.get_shape(), input_pos.type.encoding)])
         new_ops = [plus_one, as_int]
-        if not prompt:
+        if not prompt and per_row is None:  # one shared position: the same length for every sequence
             new_ops.append(AtenOp("aten.expand.default", {"args": [{"$t": 0}, [qs[0]]], "kwargs": {}},
                                   [as_int.results[0]], [TensorType(i32, [qs[0]])]))
         for new in new_ops:
@@ -78,6 +98,8 @@ class RaiseDecodeSDPA(RewritePattern):
         attention = CacheAttentionOp if prompt else DecodeAttentionOp
         rewriter.replace_matched_op(attention(q, k, v, new_ops[-1].results[0], float(scale), op.results[0].type))
         count("raise.attention." + ("prompt_over_cache" if prompt else "decode"))
+        if per_row is not None:
+            count("raise.attention.decode.per_row")
 
 
 def lengths_source(lengths):

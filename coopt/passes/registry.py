@@ -16,6 +16,7 @@ _BUILTIN = {
     "raise-patterns": "coopt.passes.raise_patterns:RaisePatterns",
     "fp8-kv-cache": "coopt.passes.fp8_kv_cache:Fp8KvCache",
     "fuse-parallel-linears": "coopt.passes.fuse_parallel_linears:FuseParallelLinears",
+    "fuse-decode-gemv": "coopt.passes.fuse_decode_gemv:FuseDecodeGemv",
     "fuse-norm-residual": "coopt.passes.fuse_norm_residual:FuseNormResidual",
     "fuse-attention": "coopt.passes.fuse_attention:FuseAttention",
     "fuse-kv-write": "coopt.passes.fuse_kv_write:FuseKvWrite",
@@ -23,14 +24,18 @@ _BUILTIN = {
     "fuse-linear-epilogue": "coopt.passes.fuse_linear_epilogue:FuseLinearEpilogue",
     "fuse-elementwise": "coopt.passes.fuse_elementwise:FuseElementwise",
     "chunked-prefill": "coopt.passes.chunked_prefill:ChunkedPrefill",
+    "paged-kv": "coopt.passes.paged_kv:PagedKv",
 }
 
 # Phase order matters: state writes become in-place first (they change what later ops read),
 # then raise (fusion matches raised ops), then merge linears that share an input (before any
-# of them is outlined with an epilogue), then the big regions (norms, attention, GEMM
-# epilogues) before plain elementwise chains take what is left. The KV-cache writes take K's
-# rope into their region before fuse-rope gives every remaining rope a region of its own.
-DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-norm-residual,fuse-attention,fuse-kv-write,fuse-rope,fuse-linear-epilogue,fuse-elementwise"
+# of them is outlined with an epilogue), then the decode GEMVs take the RMSNorm before them and
+# the SwiGLU after the merged gate|up (before fuse-norm-residual would give that norm a kernel of
+# its own; the residual add it leaves becomes the previous GEMV's epilogue), then the big regions
+# (norms, attention, GEMM epilogues) before plain elementwise chains take what is left. The
+# KV-cache writes take K's rope into their region before fuse-rope gives every remaining rope a
+# region of its own.
+DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-decode-gemv,fuse-norm-residual,fuse-attention,fuse-kv-write,fuse-rope,fuse-linear-epilogue,fuse-elementwise"
 
 
 def _load(ref: str):

@@ -36,7 +36,7 @@ Example (2 layers, 8 pages of 16 tokens, 2 kv heads, D 4):
     >>> cache.release(a)
     Traceback (most recent call last):
     ...
-    coopt.runtime.paged.UnknownSequence: sequence 0 was released already
+    coopt.runtime.pages.UnknownSequence: sequence 0 was released already
 """
 
 from __future__ import annotations
@@ -45,30 +45,14 @@ from collections.abc import Sequence
 
 import torch
 
+from coopt.runtime.pages import PAGE_SIZES, PageAllocator, PoolExhausted, UnknownSequence  # noqa: F401 (re-exported)
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
-PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
-class PoolExhausted(RuntimeError):
-    """The pool has fewer free pages than a request needs; the request changed nothing."""
-
-    def __init__(self, needed: int, free: int, what: str):
-        super().__init__(f"{what} needs {needed} pages but only {free} are free "
-                         f"(nothing was allocated: release sequences and retry)")
-        self.needed = needed
-        self.free = free
-
-
-class UnknownSequence(KeyError):
-    """A sequence id that was never added, or was released already."""
-
-    def __str__(self) -> str:  # KeyError's str() is the repr of its argument; keep it readable
-        return str(self.args[0]) if self.args else "unknown sequence"
-
-
-class PagedKVCache:
+class PagedKVCache(PageAllocator):
     """K/V pages for `num_layers` layers, shared by all sequences through per-sequence page tables.
 
     dtype: bf16 / fp16 / fp32, or float8_e4m3fn with `k_scale`, `v_scale` (fp32, per head:
@@ -87,21 +71,14 @@ class PagedKVCache:
             raise ValueError(f"dtype {dtype} is none of {CACHE_DTYPES}")
         if min(num_layers, num_pages, num_kv_heads, head_dim) < 1:
             raise ValueError("num_layers, num_pages, num_kv_heads and head_dim must be positive")
-        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        super().__init__(num_pages, page_size, device, seed)
+        self.num_layers = num_layers
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.device = torch.device(device)
         shape = (num_pages, num_kv_heads, page_size, head_dim)
         self.key_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.value_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.k_scale = self._layer_scales(k_scale, "k_scale")
         self.v_scale = self._layer_scales(v_scale, "v_scale")
-        # A stack: pop() takes the next page, release pushes pages back (reused first).
-        order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
-        self._free_pages: list[int] = order[::-1]
-        self._pages: dict[int, list[int]] = {}
-        self._lengths: dict[int, int] = {}
-        self._released: set[int] = set()
-        self._next_id = 0
 
     def _layer_scales(self, scale, name: str) -> torch.Tensor | None:
         """[num_layers, Hkv] fp32 scales for an fp8 pool, None otherwise."""
@@ -120,67 +97,6 @@ class PagedKVCache:
         if not bool((scale > 0).all()):  # checked where the caller's values are, then moved
             raise ValueError(f"{name} must be positive")
         return scale.to(self.device).contiguous()
-
-    # -- sequences ------------------------------------------------------------------------
-    def add_sequence(self, num_tokens: int = 0) -> int:
-        """A new sequence holding `num_tokens` positions (pages taken now); returns its id.
-
-        Raises PoolExhausted (and adds nothing) when the pool cannot hold them."""
-        needed = self._pages_for(num_tokens)
-        self._check_free(needed, f"a sequence of {num_tokens} tokens")
-        seq_id = self._next_id
-        self._next_id += 1
-        self._pages[seq_id] = [self._free_pages.pop() for _ in range(needed)]
-        self._lengths[seq_id] = num_tokens
-        return seq_id
-
-    def extend(self, seq_id: int, n: int) -> None:
-        """Grow sequence `seq_id` by `n` positions, taking pages as needed (all or nothing)."""
-        self._require(seq_id)
-        if n < 0:
-            raise ValueError(f"cannot extend by {n} tokens")
-        self._grow({seq_id: n})
-
-    def step(self, seq_ids: Sequence[int] | None = None) -> torch.Tensor:
-        """One more position for each sequence (default: every live one), all or nothing.
-
-        Returns the new positions, int64 [B], in `seq_ids` order: where this step's K/V go."""
-        seq_ids = self.live_sequences() if seq_ids is None else list(seq_ids)
-        for seq_id in seq_ids:
-            self._require(seq_id)
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"a step lists a sequence twice: {seq_ids}")
-        positions = [self._lengths[s] for s in seq_ids]
-        self._grow(dict.fromkeys(seq_ids, 1))
-        return torch.tensor(positions, dtype=torch.int64, device=self.device)
-
-    def release(self, seq_id: int) -> None:
-        """End sequence `seq_id`: its pages return to the pool; the id is never valid again."""
-        self._require(seq_id)
-        self._free_pages.extend(reversed(self._pages.pop(seq_id)))
-        del self._lengths[seq_id]
-        self._released.add(seq_id)
-
-    def live_sequences(self) -> list[int]:
-        """Ids of the sequences added and not released, oldest first."""
-        return list(self._lengths)
-
-    # -- what the kernel reads --------------------------------------------------------------
-    def lengths(self, seq_ids: Sequence[int]) -> torch.Tensor:
-        """Valid positions of each sequence, int32 [B]."""
-        return torch.tensor([self._lengths[self._require(s)] for s in seq_ids], dtype=torch.int32,
-                            device=self.device)
-
-    def page_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:
-        """Page ids of each sequence, int32 [B, max_pages]; slots past a sequence's pages hold 0
-        (never read: the kernel stops at the length). `max_pages` fixes the width (e.g. for a
-        CUDA graph); by default the most pages any of these sequences holds (at least 1)."""
-        tables = [self._pages[self._require(s)] for s in seq_ids]
-        width = max([1, *(len(t) for t in tables)]) if max_pages is None else max_pages
-        if any(len(t) > width for t in tables):
-            raise ValueError(f"max_pages={width} is fewer than a sequence holds")
-        rows = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(tables), width)
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pages of `layer`, [num_pages, Hkv, page_size, D] each."""
@@ -239,12 +155,6 @@ class PagedKVCache:
         return result[0], result[1]
 
     # -- accounting ------------------------------------------------------------------------
-    def pages_in_use(self) -> int:
-        return self.num_pages - len(self._free_pages)
-
-    def free_pages(self) -> int:
-        return len(self._free_pages)
-
     def bytes_per_page(self) -> int:
         """K and V bytes of one page over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim * self.dtype.itemsize
@@ -252,33 +162,3 @@ class PagedKVCache:
     def bytes_held(self) -> int:
         """Bytes of the pages held by live sequences: proportional to the pages in use."""
         return self.pages_in_use() * self.bytes_per_page()
-
-    def capacity_tokens(self) -> int:
-        """Positions the whole pool can hold (every page full)."""
-        return self.num_pages * self.page_size
-
-    # -- internals -------------------------------------------------------------------------
-    def _pages_for(self, num_tokens: int) -> int:
-        if num_tokens < 0:
-            raise ValueError(f"a sequence cannot hold {num_tokens} tokens")
-        return -(-num_tokens // self.page_size)
-
-    def _check_free(self, needed: int, what: str) -> None:
-        if needed > len(self._free_pages):
-            raise PoolExhausted(needed, len(self._free_pages), what)
-
-    def _grow(self, growth: dict[int, int]) -> None:
-        """Lengthen several sequences at once: every page is checked for before any is taken."""
-        needed = {s: self._pages_for(self._lengths[s] + n) - len(self._pages[s]) for s, n in growth.items()}
-        total = sum(needed.values())
-        self._check_free(total, f"growing {len(growth)} sequence(s) by {sum(growth.values())} tokens")
-        for seq_id, n in growth.items():
-            self._pages[seq_id].extend(self._free_pages.pop() for _ in range(needed[seq_id]))
-            self._lengths[seq_id] += n
-
-    def _require(self, seq_id: int) -> int:
-        if seq_id in self._lengths:
-            return seq_id
-        if seq_id in self._released:
-            raise UnknownSequence(f"sequence {seq_id} was released already")
-        raise UnknownSequence(f"sequence {seq_id} was never added")

@@ -3,11 +3,21 @@
 Region schema (coopt.ir.region, docs/kv-cache.md):
 
     attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",
-             "inplace": [input indices written in place], ["headroom": float, per-token only]}
+             "inplace": [input indices written in place], ["headroom": float, per-token only],
+             ["positions": "per-row", "index_input": 2, "index_bound": [0, 2]]}
     inputs: k_cache, v_cache [B_max, Hkv, S_max, D], positions [T] int32/int64,
             k, v [B, Hkv, T, D] (any strides, B <= B_max), [cos, sin broadcastable to k],
             [k_scale, v_scale: [1] / [Hkv] fp32 read, or per-token [B_max, Hkv, S_max] written]
     outputs: the inplace inputs after cache[:B, :, positions] = quant(rope(k)) (resp. v)
+
+    Per row ("positions": "per-row", a ragged decode step): positions [B], k, v [B, Hkv, 1, D]:
+    cache[b, :, positions[b]] = quant(rope(k[b, :, 0])), each sequence at its own position.
+
+    Paged (paged-kv; attrs "page_size": P, "page_table_input": last, "pool_input": 0): k_cache,
+    v_cache are page pools [N_pages, Hkv, P, D] and a last input page_table [B, max_pages] int32;
+    position p of sequence b is row p % P of page page_table[b, p // P] (per row or per token as
+    above; quant none / per-tensor / per-head). Positions outside [0, max_pages * P) are not
+    written; page ids are clamped into the pool.
 
 Without the fusion a Llama layer's step launches a rope kernel for K and two index_put_ copies
 (and with an fp8 cache two quantize kernels): four or five launches of a few µs each for a few
@@ -51,6 +61,7 @@ QUANT_MODES = ("none", "per-tensor", "per-head", "per-token")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 FP8 = "float8_e4m3fn"
 MAX_HEAD_DIM = 512
+PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 class KvWriteFamily(TemplateFamily):
@@ -61,7 +72,8 @@ class KvWriteFamily(TemplateFamily):
         rope, quant = attrs.get("rope"), attrs.get("quant")
         if region.family != self.name or not isinstance(rope, bool) or quant not in QUANT_MODES:
             return False
-        want_inputs = 5 + 2 * rope + 2 * (quant != "none")
+        paged = attrs.get("page_size") is not None
+        want_inputs = 5 + 2 * rope + 2 * (quant != "none") + paged
         inplace = [0, 1, 5 + 2 * rope, 6 + 2 * rope] if quant == "per-token" else [0, 1]
         if len(region.inputs) != want_inputs or list(attrs.get("inplace") or ()) != inplace:
             return False
@@ -70,20 +82,39 @@ class KvWriteFamily(TemplateFamily):
         k_cache, v_cache, positions, k, v = region.inputs[:5]
         if any(len(s.shape) != 4 for s in (k_cache, v_cache, k, v)) or len(positions.shape) != 1:
             return False
+        per_row = attrs.get("positions", "shared")
+        if per_row not in ("shared", "per-row"):
+            return False
+        # per row: one position per sequence, each writing its one token (T = 1)
+        indexed = (k.shape[0], 1) if per_row == "per-row" else (k.shape[2], k.shape[2])
         head_dim = k_cache.shape[3]
         cache_dtype = FP8 if quant != "none" else k.dtype
+        if paged and not self._paged_ok(region):
+            return False
         return (
             isinstance(head_dim, int) and 1 <= head_dim <= MAX_HEAD_DIM
             and (head_dim % 2 == 0 or not rope)
             and all(s.shape[3] == head_dim for s in (v_cache, k, v))
             and k_cache.shape[1] == v_cache.shape[1] == k.shape[1] == v.shape[1]
-            and k.shape[2] == v.shape[2] == positions.shape[0]
+            and k.shape[2] == v.shape[2] == indexed[1] and positions.shape[0] == indexed[0]
             and positions.dtype in ("int32", "int64")
             and k.dtype in FLOAT_DTYPES and v.dtype == k.dtype
             and k_cache.dtype == v_cache.dtype == cache_dtype
             and all(len(s.shape) <= 4 and s.dtype in FLOAT_DTYPES for s in region.inputs[5:5 + 2 * rope])
-            and all(s.dtype == "float32" for s in region.inputs[5 + 2 * rope:])
+            and all(s.dtype == "float32" for s in region.inputs[5 + 2 * rope:len(region.inputs) - paged])
             and [o.dtype for o in region.outputs] == [region.inputs[i].dtype for i in inplace]
+        )
+
+    @staticmethod
+    def _paged_ok(region: RegionSummary) -> bool:
+        """The paged schema: pools [N, Hkv, P, D], page table [B, max_pages] int32 last, no per-token scales."""
+        attrs, table = region.attrs, region.inputs[-1]
+        size = attrs.get("page_size")
+        return (
+            size in PAGE_SIZES and attrs.get("quant") != "per-token"
+            and attrs.get("page_table_input") == len(region.inputs) - 1 and attrs.get("pool_input") == 0
+            and region.inputs[0].shape[2] == region.inputs[1].shape[2] == size
+            and len(table.shape) == 2 and table.dtype == "int32" and table.shape[0] == region.inputs[3].shape[0]
         )
 
     def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
@@ -112,5 +143,7 @@ class KvWriteFamily(TemplateFamily):
             num_warps=params["num_warps"],
             rope=attrs["rope"],
             quant=attrs["quant"],
+            per_row=attrs.get("positions") == "per-row",
+            page_size=attrs.get("page_size") or 0,
             headroom=repr(float(attrs.get("headroom", 1.0))),
         )

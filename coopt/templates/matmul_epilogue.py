@@ -53,6 +53,24 @@ Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows 
                                1x14336x4096 4.0 (3.9), 1x128256x4096 4.5 (4.4), 32x4096x4096
                                2.7 (2.5).
 
+Fused forms of the GEMV kernel (attrs "prologue" / "glu", regions of fuse-decode-gemv): only
+GEMV points are legal for them, so such a region exists only where M is decode-sized.
+    RMSNorm prologue           inputs a, b, [bias], g [K]: the K loop sums each row's squares
+                               (fp32) and multiplies x by g on load; 1/rms(row) scales the fp32
+                               accumulator before bias and epilogue (it factors out of the dot).
+                               BLOCK_M = 1 keeps x * g in fp32; tl.dot rounds x * g to a's dtype
+                               once (the reference rounds the normed row once too). SPLIT_K
+                               stores each split's row sums beside its partials and the last
+                               split adds them up in order, like the partials.
+    GLU epilogue               b = [gate | up] halves of 2N rows: each program streams the same
+                               BLOCK_N rows of both (two slabs a K step, counted twice in the
+                               register and shared-memory checks) into acc and acc_hi, which the
+                               epilogue program combines (silu(acc) * acc_hi) into [M, N].
+                               Measured on sm_90 (triton 3.9), a [BLOCK_K] lane accumulator for
+                               the squares cost 157 registers against 48 kept as [1, BLOCK_K] in
+                               the slab's layout; tl.dot tiles of the fused forms have their own
+                               register estimates (_MAX_GEMV_FUSED_*).
+
 What Triton's interpreter (CPU tests) runs: every point, TMA ones included (it emulates tensor
 descriptors, zero padding and clipped stores); bf16 dots are upcast to fp32 there, and the
 persistent grid has 3 programs so each walks several tiles. What it cannot show (copy engine,
@@ -105,17 +123,46 @@ GEMV_MAX_M = 64
 # (a 32x512 bf16 slab over 4 warps) compiles to 114-144 registers without spills on sm_90
 # (triton 3.6 and 3.9); twice that spills.
 _MAX_GEMV_FMA_ELEMENTS_PER_THREAD = 128
+# The tl.dot GEMV (BLOCK_M >= 16) of a fused region (norm prologue, GLU) on 16-bit operands:
+# registers a thread holds per K step, estimated as fp32 accumulators + the activation tile (fp32
+# with a norm prologue, which squares and scales it; packed 16-bit without) + the weight slabs
+# (packed 16-bit). Compiled for sm_90 (triton 3.9): estimates up to 208 used 94-216 registers
+# without spills; 224 (32x64x256, norm + GLU) spilled at 2 stages, 272 used 240 of 255.
+_MAX_GEMV_FUSED_DOT_REGS = 208
+# The same on the IEEE fp32 path, estimated as for the tile kernels (accumulators + operands, all
+# fp32): up to 88 compiled to 56-128 registers; 112 with norm + GLU used 255 and spilled hundreds.
+_MAX_GEMV_FUSED_FP32_REGS = 96
 # Barriers and alignment padding the compiler adds to the tile loop's shared memory (<= 1.1 KB
 # measured for sm_90 with triton 3.6 and 3.9).
 _TILE_LOOP_SMEM_SLACK = 2048
 
 
+def _norm_prologue(region: RegionSummary) -> dict | None:
+    """attrs["prologue"] when it is an RMSNorm of a's rows (the only prologue there is), else None."""
+    prologue = region.attrs.get("prologue")
+    return prologue if isinstance(prologue, dict) and prologue.get("kind") == "rms_norm" else None
+
+
+def _n_extra(region: RegionSummary) -> int:
+    """How many extra epilogue inputs follow a, b, [bias] and [the norm weight]."""
+    norm = _norm_prologue(region)
+    fixed = 2 + int(bool(region.attrs.get("has_bias"))) + int(bool(norm and norm.get("has_weight")))
+    return len(region.inputs) - fixed
+
+
 def _loaded_extras(region: RegionSummary) -> list[TensorSpec]:
     """The extra epilogue inputs that the epilogue program reads (in0, in1, ...)."""
-    n_extra = len(region.inputs) - 2 - int(bool(region.attrs.get("has_bias")))
+    n_extra = _n_extra(region)
     used = {a for _, _, args in region.attrs.get("epilogue", []) for a in args if isinstance(a, str)}
     used |= set(region.attrs.get("outputs", []))
     return [spec for i, spec in enumerate(region.inputs[len(region.inputs) - n_extra:]) if f"in{i}" in used]
+
+
+def _gemv_only(region: RegionSummary) -> str | None:
+    """What only the GEMV kernel implements (a norm prologue, a GLU epilogue), or None."""
+    parts = [what for what, on in (("the RMSNorm prologue", _norm_prologue(region)),
+                                   ("the GLU epilogue", region.attrs.get("glu"))) if on]
+    return " and ".join(parts) or None
 
 
 class MatmulEpilogueFamily(TemplateFamily):
@@ -124,8 +171,11 @@ class MatmulEpilogueFamily(TemplateFamily):
     # -- shape facts -------------------------------------------------------------------
     @staticmethod
     def _mnk(region: RegionSummary):
+        """(M, N, K) ranges; N is the output's width (half of b's for a GLU region)."""
         a, b = region.inputs[0].shape, region.inputs[1].shape
         n_dim, k_dim = (b[0], b[1]) if region.attrs["b_layout"] == "nk" else (b[1], b[0])
+        if region.attrs.get("glu"):
+            n_dim //= 2  # static: matches() requires it
         return dim_range(region, a[:-1]), dim_range(region, [n_dim]), dim_range(region, [k_dim])
 
     @staticmethod
@@ -140,8 +190,17 @@ class MatmulEpilogueFamily(TemplateFamily):
         a, b = region.inputs[0], region.inputs[1]
         if len(a.shape) < 1 or len(b.shape) != 2 or region.attrs.get("b_layout") not in ("nk", "kn"):
             return False
-        n_extra = len(region.inputs) - 2 - int(bool(region.attrs.get("has_bias")))
+        n_extra = _n_extra(region)
         dtypes_ok = all(s.dtype in _TL_DTYPE for s in (*region.inputs, *region.outputs))
+        if region.attrs.get("prologue") is not None and _norm_prologue(region) is None:
+            return False  # a prologue this family does not know
+        if region.attrs.get("glu"):
+            # b holds both halves ([2N, K] "nk", [K, 2N] "kn"); no bias (the merged gate|up has none)
+            n_b = b.shape[0] if region.attrs["b_layout"] == "nk" else b.shape[1]
+            width = region.outputs[0].shape[-1] if region.outputs and region.outputs[0].shape else None
+            static = isinstance(n_b, int) and isinstance(width, int)
+            if region.attrs.get("has_bias") or not (static and n_b == 2 * width):
+                return False
         return n_extra >= 0 and dtypes_ok and len(region.outputs) == len(region.attrs.get("outputs", []))
 
     @staticmethod
@@ -199,6 +258,9 @@ class MatmulEpilogueFamily(TemplateFamily):
         elem = max(DTYPE_BYTES[region.inputs[0].dtype], DTYPE_BYTES[region.inputs[1].dtype])
         if bm < 16 or bn < 32 or bk > 128:
             return f"{bm}x{bn}x{bk} is a GEMV tile (BLOCK_M=1, BLOCK_N=16, BLOCK_K>128 need GEMV=True)"
+        gemv_only = _gemv_only(region)
+        if gemv_only:
+            return f"{gemv_only} run in the GEMV kernel only (GEMV=True)"
         reason = self._check_variant(region, params)
         if reason:
             return reason
@@ -279,21 +341,39 @@ class MatmulEpilogueFamily(TemplateFamily):
         if smem > target.smem_per_block_bytes:
             return f"GEMV pipeline stages need {smem} B of shared memory > {target.smem_per_block_bytes} B"
         threads = 32 * warps
-        if bm == 1 and bn * bk // threads > _MAX_GEMV_FMA_ELEMENTS_PER_THREAD:
-            return f"a {bn}x{bk} weight slab over {warps} warps spills registers (multiply-and-sum)"
-        if bm > 1 and self._ieee_dot(region) and (bm * bn + bm * bk + bk * bn) // threads > _MAX_FP32_ACC_AND_OPERAND_REGS:
+        halves = 2 if region.attrs.get("glu") else 1  # a GLU program streams two slabs per K step
+        slabs = f"{halves} x {bn}x{bk}" if halves > 1 else f"a {bn}x{bk}"
+        if bm == 1 and halves * bn * bk // threads > _MAX_GEMV_FMA_ELEMENTS_PER_THREAD:
+            return f"{slabs} weight slab over {warps} warps spills registers (multiply-and-sum)"
+        operand_regs = (halves * bm * bn + bm * bk + halves * bk * bn) // threads
+        fp32_cap = _MAX_GEMV_FUSED_FP32_REGS if _gemv_only(region) else _MAX_FP32_ACC_AND_OPERAND_REGS
+        if bm > 1 and self._ieee_dot(region) and operand_regs > fp32_cap:
             return f"{bm}x{bn}x{bk} fp32 accumulator and operands over {warps} warps spill registers"
-        if warps == 8 and bn * bk < 64 * 256:
-            return f"8 warps on a {bn}x{bk} weight slab leave most threads idle"
+        if bm > 1 and not self._ieee_dot(region) and _gemv_only(region):
+            norm = _norm_prologue(region) is not None
+            fused_regs = (halves * bm * bn + bm * bk * (1 if norm else 0.5) + halves * bk * bn * 0.5) / threads
+            if fused_regs > _MAX_GEMV_FUSED_DOT_REGS:
+                return f"{bm}x{bn}x{bk} tiles of {_gemv_only(region)} over {warps} warps spill registers"
+        if warps == 8 and halves * bn * bk < 64 * 256:
+            return f"8 warps on {slabs} weight slab leave most threads idle"
         return None
 
     @staticmethod
     def _gemv_smem(region: RegionSummary, params: dict) -> int:
         """Shared memory of the GEMV pipeline: Triton keeps num_stages - 1 activation and weight
-        tiles in flight (measured for sm_90 with triton 3.6 and 3.9), plus reduction scratch."""
+        tiles in flight (measured for sm_90 with triton 3.6 and 3.9), plus reduction scratch.
+        A GLU region streams two weight slabs a step, a norm prologue a slice of the norm weight;
+        the IEEE fp32 tl.dot kernel (BLOCK_M > 1) then also changes the layout of the scaled
+        activation tile through shared memory (measured for sm_90; 16-bit operands need none)."""
         a_elem, b_elem = DTYPE_BYTES[region.inputs[0].dtype], DTYPE_BYTES[region.inputs[1].dtype]
         bm, bn, bk = params["BLOCK_M"], params["BLOCK_N"], params["BLOCK_K"]
-        return (params["num_stages"] - 1) * (bm * bk * a_elem + bn * bk * b_elem) + _TILE_LOOP_SMEM_SLACK
+        halves = 2 if region.attrs.get("glu") else 1
+        norm = _norm_prologue(region)
+        g_elem = DTYPE_BYTES[region.inputs[2 + int(bool(region.attrs.get("has_bias")))].dtype] \
+            if norm and norm.get("has_weight") else 0
+        step = bm * bk * a_elem + halves * bn * bk * b_elem + bk * g_elem
+        rescaled = bm * bk * 4 if norm and bm > 1 and MatmulEpilogueFamily._ieee_dot(region) else 0
+        return (params["num_stages"] - 1) * step + rescaled + _TILE_LOOP_SMEM_SLACK
 
     def _check_tma(self, region: RegionSummary) -> str | None:
         """Tensor descriptors need 16-bit operands here and 16-byte aligned rows. Symbolic sizes
@@ -334,10 +414,14 @@ class MatmulEpilogueFamily(TemplateFamily):
     def render(self, region: RegionSummary, params: dict) -> str:
         attrs = region.attrs
         has_bias = bool(attrs.get("has_bias"))
-        n_extra = len(region.inputs) - 2 - int(has_bias)
-        extras = [f"in{i}" for i in range(n_extra)]
+        params = {**VARIANT_DEFAULTS, **params}
+        if _gemv_only(region) and not params["GEMV"]:
+            raise ValueError(f"{_gemv_only(region)} run in the GEMV kernel only (GEMV=True)")
+        norm = _norm_prologue(region)
+        glu = bool(attrs.get("glu"))
+        extras = [f"in{i}" for i in range(_n_extra(region))]
         program = attrs.get("epilogue", [])
-        names = {"acc": "acc", **{e: e for e in extras}}
+        names = {"acc": "acc", **({"acc_hi": "acc_hi"} if glu else {}), **{e: e for e in extras}}
         epilogue_lines = render_program(program, names)
         used = {a for _, _, args in program for a in args if isinstance(a, str)} | set(attrs["outputs"])
         outputs = [
@@ -347,9 +431,11 @@ class MatmulEpilogueFamily(TemplateFamily):
         return render_template(
             "triton/matmul_epilogue.py.j2",
             region_name=region.name,
-            params={**VARIANT_DEFAULTS, **params},
+            params=params,
             b_layout=attrs["b_layout"],
             has_bias=has_bias,
+            norm=norm and {"eps": float(norm["eps"]), "has_weight": bool(norm.get("has_weight"))},
+            glu=glu,
             extras=extras,
             loaded_extras=[e for e in extras if e in used],
             epilogue_lines=epilogue_lines,

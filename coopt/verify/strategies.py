@@ -16,7 +16,16 @@ example for all inputs; shrinking moves toward 1. An integer input that the regi
 valid lengths (attrs {"lengths_input": i, "lengths_bound": [j, d]}: every value of input i lies
 in [1, inputs[j].shape[d]], as decode_attention's lengths [B] against S_max) gets such lengths,
 chosen per element from the example's seed (see `valid_lengths`); examples of even seed (the anchors of a build's default seed 0 among them) pass a
-single length expanded over the batch, the stride-0 view a decode step really passes.
+single length expanded over the batch, the stride-0 view a decode step really passes. An
+integer input named as an index (attrs {"index_input": i, "index_bound": [j, d]}: every value in
+[0, inputs[j].shape[d]), as a ragged kv_write's per-row positions [B] into the cache's S_max)
+gets such lengths minus one: every row its own position, the first and last among them.
+
+Paged regions (paged-kv: attrs "page_size": P, "page_table_input": i, "pool_input": j) get a
+valid page table: page ids in [0, inputs[j].shape[0]), a permutation of the pool laid out column
+by column, so rows never share a page while the pool has a page for each slot (`valid_page_table`);
+their lengths and index bounds count positions through the table (max_pages * P), not the
+pool's page dim.
 
 fp8 (an fp8 KV cache, docs/kv-cache.md): a quantizer fills the format's range, so fp8 inputs
 are N(0, 1) * max / 4 whatever the magnitude (every exponent of e4m3, subnormals included),
@@ -227,12 +236,18 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
             tensor = (values * example.magnitude).to(dtype)
         elif dtype == torch.bool:
             tensor = torch.randint(0, 2, shape, generator=generator, device=device).bool()
+        elif index == region.attrs.get("page_table_input"):
+            pool = region.inputs[region.attrs.get("pool_input", 0)].concrete(dims)[0]
+            tensor = valid_page_table(shape, pool, example.seed).to(dtype).to(device)
         elif index == region.attrs.get("lengths_input"):
             tensor = valid_lengths(shape, _max_length(region, dims), example.seed).to(dtype).to(device)
             if example.seed % 2 == 0 and tensor.dim() == 1 and tensor.numel() > 1:
                 # as a decode step passes them: one length expanded over the batch (a stride-0
                 # view; a kernel reading it as contiguous gets garbage past element 0)
                 tensor = tensor[:1].expand(tensor.shape[0])
+        elif index == region.attrs.get("index_input"):
+            bound = _bound_of(region, "index_bound", dims)
+            tensor = (valid_lengths(shape, bound, example.seed) - 1).to(dtype).to(device)
         else:
             tensor = torch.randint(0, 8, shape, generator=generator, dtype=dtype, device=device)
         tensors.append(tensor)
@@ -243,18 +258,22 @@ def scale_inputs(region: RegionSummary) -> tuple[int, ...]:
     """Indices of the fp8 scale inputs (fp32, positive) the region's schema names.
 
     k_scale, v_scale: inputs 4, 5 of a decode_attention / attention over an fp8 cache (attrs
-    "kv_scale"); of a quantizing kv_write (attrs "quant" not "none") the two after k, v and,
-    with "rope", cos, sin (coopt/ir/region.py).
+    "kv_scale"), after the page table of a paged one (attrs "page_size") and the query's cos,
+    sin of one with "rope"; of a quantizing kv_write (attrs "quant" not "none") the two after
+    k, v and, with "rope", cos, sin (coopt/ir/region.py).
 
         >>> from coopt.ir.region import TensorSpec
         >>> kv = TensorSpec((1, 2, 8, 16), "float8_e4m3fn")
         >>> scale_inputs(RegionSummary("r", "decode_attention", (), (), {"kv_scale": "per-head"}))
         (4, 5)
+        >>> scale_inputs(RegionSummary("r", "decode_attention", (), (), {"kv_scale": "per-head", "page_size": 16}))
+        (5, 6)
         >>> scale_inputs(RegionSummary("w", "kv_write", (), (), {"rope": True, "quant": "per-token"}))
         (7, 8)
     """
     if region.attrs.get("kv_scale") is not None:
-        return (4, 5)
+        first = 4 + (region.attrs.get("page_size") is not None) + 2 * bool(region.attrs.get("rope"))
+        return (first, first + 1)
     if region.family == "kv_write" and region.attrs.get("quant", "none") != "none":
         first = 7 if region.attrs.get("rope") else 5
         return (first, first + 1)
@@ -322,9 +341,35 @@ def valid_lengths(shape, max_length: int, seed: int) -> torch.Tensor:
 
 
 def _max_length(region: RegionSummary, dims: dict[str, int]) -> int:
-    """The bound of a lengths input: the size of the dim `attrs["lengths_bound"]` names."""
-    bound = region.attrs.get("lengths_bound")
+    """The bound of a lengths input: the size of the dim `attrs["lengths_bound"]` names (paged:
+    what the page table addresses, max_pages * page_size)."""
+    table = region.attrs.get("page_table_input")
+    if region.attrs.get("page_size") and table is not None:
+        return region.inputs[table].concrete(dims)[1] * region.attrs["page_size"]
+    return _bound_of(region, "lengths_bound", dims)
+
+
+def valid_page_table(shape, num_pages: int, seed: int) -> torch.Tensor:
+    """int64 page ids [B, max_pages] in [0, num_pages): a seeded permutation of the pool laid out
+    column by column (entry [b, j] = perm[(j * B + b) % num_pages]), so that the rows of one
+    column never share a page, and no two entries do while num_pages >= B * max_pages.
+
+        >>> valid_page_table((2, 3), 8, seed=0).tolist()
+        [[4, 7, 2], [0, 3, 5]]
+    """
+    batch, width = shape
+    perm = torch.randperm(max(1, num_pages), generator=torch.Generator().manual_seed(seed))
+    slots = (torch.arange(width)[None, :] * batch + torch.arange(batch)[:, None]) % max(1, num_pages)
+    return perm[slots]
+
+
+def _bound_of(region: RegionSummary, attr: str, dims: dict[str, int]) -> int:
+    """The size of the dim `attrs[attr]` ([input, dim]) names."""
+    bound = region.attrs.get(attr)
     if bound is None:
-        raise ValueError(f"region {region.name}: 'lengths_input' needs 'lengths_bound' [input, dim]")
+        raise ValueError(f"region {region.name}: '{attr.replace('bound', 'input')}' needs '{attr}' [input, dim]")
     tensor_index, dim_index = bound
-    return region.inputs[tensor_index].concrete(dims)[dim_index]
+    size = region.inputs[tensor_index].concrete(dims)[dim_index]
+    if region.attrs.get("page_size") and tensor_index == region.attrs.get("page_table_input"):
+        size *= region.attrs["page_size"]  # a page table's dim 1 counts pages: positions are P per page
+    return size

@@ -2,6 +2,8 @@
 grouped-query attention over a static KV cache written in place, SwiGLU.
 
     logits = model(tokens, input_pos)    # tokens [B, T] int64, input_pos [T] int64 -> [B, T, vocab]
+    logits = model(tokens, positions)    # ragged decode: tokens [B, 1], positions [B] (B > 1), row b
+                                         # at its own position positions[b] -> [B, 1, vocab]
 
 writes the keys and values of positions `input_pos` into every layer's cache buffers
 (`k_cache[:, :, input_pos] = k`: torch.export captures it as `aten.index_put` plus a
@@ -23,6 +25,11 @@ prompt, for `--kv-cache fp8`) and `load_weights(model)`, configured by the envir
     COOPT_LLAMA_MAX_SEQ     cache length (default min(max_position_embeddings, 4096))
     COOPT_LLAMA_POS         position of the decode step (default max_seq // 2); the cache before
                             it holds seeded random keys/values, standing in for a prefilled prompt
+    COOPT_LLAMA_RAGGED      1: the decode step of get_inputs() is ragged (needs COOPT_LLAMA_BATCH
+                            > 1): tokens [B, 1] at positions [B], row b at COOPT_LLAMA_POS - b *
+                            (COOPT_LLAMA_POS // B), sequences of different lengths in one batch;
+                            built with --paged-kv P it is what coopt.runtime.serve.PagedDecoder
+                            serves (add / step / release sequences, docs/kv-cache.md)
 
 Without a checkpoint the weights are random (seeded), scaled so activations and logits stay O(1).
 """
@@ -153,6 +160,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def is_ragged_step(tokens: torch.Tensor, input_pos: torch.Tensor | None) -> bool:
+    """A ragged decode step: one token per row (tokens [B, 1], B > 1) and one position per row
+    (input_pos [B]): row b's token sits at position input_pos[b], so the rows of a batch may be
+    sequences of different lengths. With B = 1 the two forms are the same step, and the shared
+    form (input_pos [T]) is used."""
+    if input_pos is None or input_pos.dim() != 1 or tokens.shape[1] != 1:
+        return False
+    return tokens.shape[0] > 1 and input_pos.shape[0] == tokens.shape[0]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -177,7 +194,7 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x, cos, sin, input_pos, mask):
+    def forward(self, x, cos, sin, input_pos, mask, per_row: bool = False):
         batch, length, _ = x.shape
         q = self.wq(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -185,6 +202,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if input_pos is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif per_row:
+            # ragged decode: row b's one token goes to its own position input_pos[b]
+            rows = torch.arange(batch, device=x.device)
+            self.k_cache[rows, :, input_pos] = k[:, :, 0]
+            self.v_cache[rows, :, input_pos] = v[:, :, 0]
+            out = F.scaled_dot_product_attention(
+                q, self.k_cache[:batch], self.v_cache[:batch], attn_mask=mask, enable_gqa=True
+            )
         else:
             # index assignment, not index_copy_: both export as buffer mutations, but index_put
             # is an op coopt's importer knows (index_copy would be a fallback op)
@@ -215,8 +240,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, input_pos, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask)
+    def forward(self, x, cos, sin, input_pos, mask, per_row: bool = False):
+        x = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask, per_row)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -287,16 +312,22 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         if self.rope_cos is None:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before running the model")
-        length = tokens.shape[1]
+        batch, length = tokens.shape
         x = self.embed(tokens)
+        per_row = is_ragged_step(tokens, input_pos)
         if input_pos is None:  # cache-free causal forward over positions 0..length-1
             cos, sin, mask = self.rope_cos[:length], self.rope_sin[:length], None
+        elif per_row:
+            # ragged decode: row b at its own position; rope rows [B, 1, 1, D], mask [B, 1, 1, max_seq]
+            cos = self.rope_cos[input_pos].view(batch, 1, 1, -1)
+            sin = self.rope_sin[input_pos].view(batch, 1, 1, -1)
+            mask = (self.cache_positions[None, :] <= input_pos[:, None]).view(batch, 1, 1, -1)
         else:
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
             # [length, max_seq]: query i sees cache slot j iff j <= input_pos[i]
             mask = self.cache_positions[None, :] <= input_pos[:, None]
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, mask)
+            x = layer(x, cos, sin, input_pos, mask, per_row)
         return self.output(self.norm(x))
 
 
@@ -414,6 +445,7 @@ def _settings() -> dict:
         checkpoint=checkpoint,
         # example prompt length of the prefill entry point; 0 builds the decode step only
         prefill=int(env("COOPT_LLAMA_PREFILL", min(16, max_seq))),
+        ragged=env("COOPT_LLAMA_RAGGED", "0") == "1",
     )
 
 
@@ -440,11 +472,22 @@ def get_init_inputs():
 
 
 def get_inputs():
-    """One decode step: a token per sequence at position COOPT_LLAMA_POS."""
+    """One decode step: a token per sequence at position COOPT_LLAMA_POS; with COOPT_LLAMA_RAGGED=1
+    each sequence at its own position (`ragged_positions`)."""
     s = _settings()
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, s["args"].vocab_size, (s["batch"], 1), generator=generator)
+    if s["ragged"]:
+        return [tokens, ragged_positions(s["pos"], s["batch"])]
     return [tokens, torch.tensor([s["pos"]])]
+
+
+def ragged_positions(pos: int, batch: int) -> torch.Tensor:
+    """Positions [B] of a ragged decode step's example: pos, then evenly fewer down to about
+    pos / B (sequences of different lengths, all within the cache history)."""
+    if batch < 2:
+        raise ValueError(f"a ragged decode step needs a batch of at least 2 sequences (COOPT_LLAMA_BATCH={batch})")
+    return torch.tensor([pos - b * (pos // batch) for b in range(batch)])
 
 
 def entry_points():

@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from coopt.accuracy import metrics, train
 from coopt.accuracy.corpus import HELDOUT_EVERY, load_corpus, source_files, stdlib_root
 
-SEQ_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(max_bytes=400_000)
-
-
-@pytest.fixture(scope="module")
-def trained(corpus):
-    """The tiny config after a few dozen steps, with its history."""
-    return train.train("tiny", steps=40, batch=16, seq_len=SEQ_LEN, seed=0, log_every=10, corpus=corpus,
-                       heldout_windows_count=8, log=lambda line: None)
+SEQ_LEN = 64  # the training crops of conftest's `trained`
 
 
 def test_corpus_is_deterministic_and_split_by_file(corpus):

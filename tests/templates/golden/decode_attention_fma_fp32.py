@@ -12,16 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-# Programmatic dependent launch (sm_90+): launched with launch_pdl, this module's kernels are
-# scheduled while the previous kernel of the stream drains, wait for its writes (gdc_wait) before
-# their first memory access, and release the next kernel at once (gdc_launch_dependents). In a
-# CUDA-graph-replayed decode step that hides most of the gap between back-to-back small kernels
-# (bench/pdl_probe.py on the H200: 12.6 -> 11.3 µs per GEMV + small-kernel pair). Off in Triton's
-# interpreter, before sm_90, and with COOPT_PDL=0.
+# Programmatic dependent launch (sm_90+), opt-in with COOPT_PDL=1: launched with launch_pdl, this
+# module's kernels are scheduled while the previous kernel of the stream drains and wait for its
+# writes (gdc_wait) before their first memory access. Off by default: in a whole CUDA-graph
+# replayed Llama-3-8B decode step (8 layers, b1, H200) it measured 1463 µs with PDL against 1268
+# µs without (bench/profile_step.py, bench/RESULTS.md), although a pair of small kernels alone
+# gains from it (bench/pdl_probe.py: 12.6 -> 11.3 µs). Never in Triton's interpreter or before sm_90.
 PDL = (
     torch.cuda.is_available()
     and os.environ.get("TRITON_INTERPRET") != "1"
-    and os.environ.get("COOPT_PDL", "1") != "0"
+    and os.environ.get("COOPT_PDL", "0") == "1"
     and torch.cuda.get_device_capability()[0] >= 9
 )
 PDL_LAUNCH = {"launch_pdl": True} if PDL else {}

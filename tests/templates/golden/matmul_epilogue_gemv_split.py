@@ -24,16 +24,16 @@ NUM_STAGES = 3
 # Triton's interpreter computes bf16 tl.dot wrongly: upcast the operands there (never on a GPU).
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Programmatic dependent launch (sm_90+): launched with launch_pdl, this module's kernels are
-# scheduled while the previous kernel of the stream drains, wait for its writes (gdc_wait) before
-# their first memory access, and release the next kernel at once (gdc_launch_dependents). In a
-# CUDA-graph-replayed decode step that hides most of the gap between back-to-back small kernels
-# (bench/pdl_probe.py on the H200: 12.6 -> 11.3 µs per GEMV + small-kernel pair). Off in Triton's
-# interpreter, before sm_90, and with COOPT_PDL=0.
+# Programmatic dependent launch (sm_90+), opt-in with COOPT_PDL=1: launched with launch_pdl, this
+# module's kernels are scheduled while the previous kernel of the stream drains and wait for its
+# writes (gdc_wait) before their first memory access. Off by default: in a whole CUDA-graph
+# replayed Llama-3-8B decode step (8 layers, b1, H200) it measured 1463 µs with PDL against 1268
+# µs without (bench/profile_step.py, bench/RESULTS.md), although a pair of small kernels alone
+# gains from it (bench/pdl_probe.py: 12.6 -> 11.3 µs). Never in Triton's interpreter or before sm_90.
 PDL = (
     torch.cuda.is_available()
     and os.environ.get("TRITON_INTERPRET") != "1"
-    and os.environ.get("COOPT_PDL", "1") != "0"
+    and os.environ.get("COOPT_PDL", "0") == "1"
     and torch.cuda.get_device_capability()[0] >= 9
 )
 PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
@@ -127,20 +127,20 @@ def _gemv_kernel(
 _WORKSPACES: dict = {}
 
 
-def _workspace(device, partial_elements, tiles):
-    """fp32 partial sums and per-tile arrival counters of the split-K meeting, kept per device.
+def _workspace(device, partial_elements, counters):
+    """fp32 partials and int32 arrival counters of the split meeting, kept per device.
 
-    The last split of each tile zeroes its counter, so the counters are zero again when a launch
-    ends and need no clearing; the partials are written before they are read. A call therefore
+    The last split of each meeting zeroes its counter, so the counters are zero again when a
+    launch ends and need no clearing; the partials are written before they are read. A call therefore
     allocates only its outputs and a CUDA graph can capture it. Memory allocated while a graph
     is being captured belongs to the graph's pool: it is used then, never kept. Launches of one
     module on two streams at once would share the counters: keep them on one stream.
     """
     cached = _WORKSPACES.get(device)
-    if cached is not None and cached[0].numel() >= partial_elements and cached[1].numel() >= tiles:
+    if cached is not None and cached[0].numel() >= partial_elements and cached[1].numel() >= counters:
         return cached
     workspace = (torch.empty(partial_elements, device=device, dtype=torch.float32),
-                 torch.zeros(tiles, device=device, dtype=torch.int32))
+                 torch.zeros(counters, device=device, dtype=torch.int32))
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         _WORKSPACES[device] = workspace
     return workspace

@@ -1,0 +1,78 @@
+"""Where a built decode step's time goes on the GPU: each kernel's time inside the replayed CUDA
+graph (the real step, not a region timed alone) and the time between kernels.
+
+    python bench/profile_step.py BUILD_DIR [--layers 8 --batch 1 --pos 2048 --cache 4096]
+    COOPT_PDL=1 python bench/profile_step.py BUILD_DIR ...   # the same with programmatic dependent launch
+
+BUILD_DIR is a coopt build of examples/llama/model.py (bench/decode.py --build-dir keeps one per
+case). The step is replayed as bench/decode.py times it (GraphedStep), under torch.profiler;
+kernel times come from CUPTI. With PDL a kernel may start before the previous one ends and waits
+inside (gdc_wait), so its duration then includes that wait: compare the step's span with
+COOPT_PDL=1 (off by default since this measurement: bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("build_dir", type=Path)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--pos", type=int, default=2048)
+    parser.add_argument("--cache", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from triton.testing import do_bench
+
+    import coopt
+    from coopt.runtime.cuda_graph import GraphedStep
+    from decode import load_case
+
+    _, inputs = load_case(args.layers, args.batch, args.pos, args.cache)
+    built = coopt.load(args.build_dir, device="cuda")
+    step = GraphedStep(built, inputs, check=False)
+    ms = do_bench(lambda: step.graph.replay(), warmup=25, rep=200, return_mode="median")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step.graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    per_step = len(kernels) // args.steps
+    by_name = defaultdict(lambda: [0, 0.0])
+    busy = span = 0.0
+    for i in range(args.steps):
+        chunk = kernels[i * per_step:(i + 1) * per_step]
+        span += (chunk[-1].time_range.end - chunk[0].time_range.start) / args.steps
+        for e in chunk:
+            by_name[e.name][0] += 1
+            by_name[e.name][1] += (e.time_range.end - e.time_range.start) / args.steps
+            busy += (e.time_range.end - e.time_range.start) / args.steps
+    pdl = os.environ.get("COOPT_PDL", "0") == "1"
+    print(f"replay median {ms * 1000:.1f} us (do_bench); profiled: {per_step} kernels a step, span {span:.1f} us, "
+          f"sum of kernel durations {busy:.1f} us (PDL {'on' if pdl else 'off'})")
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    for name, (count, us) in rows:
+        print(f"  {us:9.1f} us  x{count // args.steps:<3d} {name[:90]}")
+    if args.out:
+        args.out.write_text(json.dumps({"pdl": pdl, "replay_us": ms * 1000, "span_us": span, "busy_us": busy,
+                                        "kernels": {n: {"per_step": c // args.steps, "us": us} for n, (c, us) in rows}},
+                                       indent=2))
+
+
+if __name__ == "__main__":
+    main()

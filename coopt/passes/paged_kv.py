@@ -1,0 +1,366 @@
+"""paged-kv: each KV cache becomes a page pool shared by the batch through a page table.
+
+A static cache [B_max, Hkv, S_max, D] holds S_max positions for every sequence whatever its
+length; a pool of `num-pages` pages [num_pages, Hkv, P, D] holds only the pages sequences use
+(coopt/runtime/paged.py hands them out). Position p of sequence b is row p % P of page
+page_table[b, p // P]; `page_table` [B, max_pages] int32 (max_pages = cdiv(S_max, P)) becomes a
+new last input of the program.
+
+Matched, on the raised IR (after raise-patterns and fp8-kv-cache, before fusion): every 4-D state
+buffer written once by `coopt.state_update` index_put_ with indices [None, None, positions] (one
+position per token, shared by the batch: a prefill or a plain decode step; the whole batch) or
+[arange(B), None, positions] (one position per row: a ragged decode step), and read only by
+decode / cache attentions (as k or v, through `[:B]` slices of dim 0). Rewritten:
+- the buffer: a pool weight of the same state name and dtype (fp8 stays fp8), [N, Hkv, P, D];
+- the write: `pool.index_put_([page_ids, None, slots], value)` with page_ids =
+  page_table[rows, positions // P] (per row; value [B, Hkv, D]) or page_table[:, positions // P]
+  (shared: [B, T], value permuted to [B, T, Hkv, D]) and slots = positions % P;
+- each attention read: the sequences' pages gathered in table order, pool[page_table]
+  [B, max_pages, Hkv, P, D] permuted and reshaped to [B, Hkv, max_pages * P, D] (`paged_view`):
+  the attention and its lengths are unchanged. fuse-attention takes a decode attention over two
+  such views into a decode_attention region in paged mode (inputs q, k_pages, v_pages, lengths,
+  page_table: the kernel reads through the table, nothing is gathered); a prompt's cache
+  attention reads the gathered view (a transient copy of the table's pages per layer).
+  fuse-kv-write takes the paged writes into a kv_write region in paged mode.
+
+The pass touches no data: it records {"page_size", "num_pages", "max_pages", "batch",
+"max_seq", "pools": {ref: [N, Hkv, P, D]}, "page_table_input", "positions_input", "per_row"} in
+the module attribute `coopt.paged_kv`; the emitter lays each cache's contents out as pages
+(`coopt.runtime.paged_layout.cache_to_pages`, sequence b in pages b*J .. b*J+J-1) and the program's
+PAGED contract tells the runtime (`coopt.runtime.serve.PagedDecoder`) how to call it. Not
+lossy. Refused with a one-line configuration error (exit 5): a model without a KV cache, a
+cache written or read otherwise (a dynamic batch's sliced write, a functional update), fusion
+already run, per-token fp8 scales.
+
+    coopt build examples/llama/model.py -o out/paged --paged-kv 16
+    coopt opt step.mlir -p 'paged-kv{page-size=16 num-pages=64}'
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects import func
+from xdsl.dialects.builtin import DYNAMIC_INDEX, ArrayAttr, FunctionType, ModuleOp, StringAttr, TensorType, i32
+from xdsl.ir import Operation, SSAValue
+from xdsl.rewriter import InsertPoint, Rewriter
+
+from coopt.errors import ConfigError
+from coopt.ir.dialect import AtenOp, CacheAttentionOp, DecodeAttentionOp, KernelOp, StateUpdateOp, WeightOp
+from coopt.passes.base import CooptPass, aten_target, literal_arg, tensor_arg
+from coopt.passes.shapes import dims
+from coopt.passes.stats import count
+
+PAGE_SIZES = (16, 32, 64, 128, 256)
+PAGED_ATTR = "coopt.paged_kv"
+PAGE_TABLE = "page_table"  # the name of the new input in the program
+_ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
+
+
+def paged_record(module: ModuleOp) -> dict | None:
+    """What the pass recorded (module attribute coopt.paged_kv), or None."""
+    attr = module.attributes.get(PAGED_ATTR)
+    return json.loads(attr.data) if attr is not None else None
+
+
+@dataclass(frozen=True)
+class PagedKv(CooptPass):
+    name = "paged-kv"
+    summary = "KV caches → page pools [num_pages, Hkv, P, D] read and written through a page_table input"
+
+    page_size: int = 16  # positions per page: a power of two, 16 .. 256
+    num_pages: int = 0  # pages in each pool; 0: as many as the static caches hold (B_max * cdiv(S_max, P))
+
+    def __post_init__(self):
+        size, pages = self.page_size, self.num_pages
+        if isinstance(size, bool) or not isinstance(size, int) or size not in PAGE_SIZES:
+            raise ConfigError(f"paged-kv: knob page-size={size!r} must be one of {', '.join(map(str, PAGE_SIZES))}")
+        if isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
+            raise ConfigError(f"paged-kv: knob num-pages={pages!r} must be an int >= 1 (0: the static caches' capacity)")
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        fn = next((o for o in op.walk() if isinstance(o, func.FuncOp) and o.sym_name.data == "forward"), None)
+        caches = [_read_cache(w) for w in op.walk() if isinstance(w, WeightOp) and _is_cache_candidate(w)]
+        caches = [c for c in caches if c is not None]
+        if fn is None or not caches:
+            raise ConfigError("paged-kv: the model has no KV cache to page (no state buffer written by index_put and read "
+                              "as k/v by a decode or cache attention); drop --paged-kv / the paged-kv pass")
+        problems = [c for c in caches if isinstance(c, str)]
+        if problems:
+            raise ConfigError(f"paged-kv: {problems[0]}")
+        batches = {c.batch for c in caches}
+        max_seq = max(c.shape[2] for c in caches)
+        if len(batches) != 1:
+            raise ConfigError(f"paged-kv: the caches are written for different batches {sorted(batches)}")
+        batch = batches.pop()
+        size = self.page_size
+        max_pages = -(-max_seq // size)
+        num_pages = self.num_pages or max(c.shape[0] for c in caches) * max_pages
+        table = _add_input(fn, TensorType(i32, [batch, max_pages]))
+        pools = {}
+        for cache in caches:
+            pools[cache.ref] = [num_pages, cache.shape[1], size, cache.shape[3]]
+            _page(cache, table, size, num_pages)
+            count("paged_kv.caches")
+        record = {
+            "page_size": size, "num_pages": num_pages, "max_pages": max_pages, "batch": batch, "max_seq": max_seq,
+            "pools": pools, "page_table_input": table.index, "positions_input": _positions_input(caches),
+            "per_row": caches[0].rows is not None,
+        }
+        op.attributes[PAGED_ATTR] = StringAttr(json.dumps(record, sort_keys=True))
+
+
+class _Cache:
+    """A cache buffer, its one write, and the attention operands that read it (through views)."""
+
+    def __init__(self, weight: WeightOp, update: StateUpdateOp, positions: SSAValue, rows: Operation | None,
+                 value: SSAValue, reads: list[tuple[Operation, int]], views: list[Operation]):
+        self.weight, self.update, self.positions, self.rows, self.value = weight, update, positions, rows, value
+        self.reads, self.views = reads, views
+        self.ref = weight.ref.data
+        self.shape = list(weight.results[0].type.get_shape())
+        self.batch = dims(positions)[0] if rows is not None else self.shape[0]
+
+
+def _is_cache_candidate(weight: WeightOp) -> bool:
+    """A 4-D buffer outside kernels that an attention reads as k / v (maybe through views)."""
+    if isinstance(weight.parent_op(), KernelOp) or len(weight.results[0].type.get_shape()) != 4:
+        return False
+    frontier, seen = [weight.results[0]], set()
+    while frontier:
+        value = frontier.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        for use in value.uses:
+            if isinstance(use.operation, (DecodeAttentionOp, CacheAttentionOp)) and use.index in (1, 2):
+                return True
+            if isinstance(use.operation, KernelOp) and use.operation.family.data in ("decode_attention", "attention", "kv_write"):
+                return True
+            if isinstance(use.operation, StateUpdateOp) or aten_target(use.operation) == "aten.slice.Tensor":
+                frontier.extend(use.operation.results)
+    return False
+
+
+def _read_cache(weight: WeightOp) -> _Cache | str:
+    """The cache's write and reads, or why it cannot be paged."""
+    ref = weight.ref.data
+    uses = list(weight.results[0].uses)
+    if any(isinstance(u.operation, KernelOp) for u in uses):
+        return f"buffer '{ref}' is already inside a kernel region: run paged-kv before the fusion passes"
+    updates = [u.operation for u in uses if isinstance(u.operation, StateUpdateOp) and u.index == 0]
+    if len(uses) != 1 or len(updates) != 1:
+        return (f"buffer '{ref}' is not written exactly once by an in-place index_put before it is read "
+                f"(run inplace-state-writes first; a dynamic batch's sliced write is not paged yet)")
+    update = updates[0]
+    indices = literal_arg(update, 1)
+    if update.target.data != "aten.index_put_.default" or not isinstance(indices, list) or len(indices) != 3 \
+            or indices[1] is not None or literal_arg(update, 3, "accumulate", False):
+        return f"buffer '{ref}' is written by {update.target.data}, not index_put_ with indices [None | rows, None, positions]"
+    positions = update.inputs[indices[2]["$t"]] if isinstance(indices[2], dict) else None
+    rows = None
+    if indices[0] is not None:
+        rows = update.inputs[indices[0]["$t"]].owner
+        if aten_target(rows) not in _ARANGES or rows.inputs:
+            return f"buffer '{ref}' is written at rows that are not arange(batch)"
+    value = tensor_arg(update, 2)
+    shape = list(weight.results[0].type.get_shape())
+    if positions is None or value is None or len(dims(positions)) != 1:
+        return f"buffer '{ref}': its write's positions are not one index per token or per row"
+    if rows is not None and (dims(value) != [dims(positions)[0], shape[1], shape[3]] or not isinstance(dims(positions)[0], int)):
+        return f"buffer '{ref}': a per-row write of shape {dims(value)} is not one [Hkv, D] row per sequence"
+    if rows is None and dims(value)[-4:] != [shape[0], shape[1], dims(positions)[0], shape[3]] \
+            and not (shape[0] == 1 and dims(value) == [shape[1], dims(positions)[0], shape[3]]):
+        return f"buffer '{ref}': a write of shape {dims(value)} does not cover the cache's whole batch"
+    reads, views = [], []
+    frontier = [update.results[0]]
+    while frontier:
+        current = frontier.pop()
+        for use in current.uses:
+            user = use.operation
+            if isinstance(user, (DecodeAttentionOp, CacheAttentionOp)) and use.index in (1, 2):
+                if user.kv_scale is not None and user.kv_scale.data == "per-token":
+                    return f"buffer '{ref}': per-token fp8 scales are not supported with paged KV (use per-tensor or per-head)"
+                reads.append((user, use.index))
+            elif aten_target(user) == "aten.slice.Tensor" and literal_arg(user, 1) == 0 and literal_arg(user, 2) in (0, None):
+                views.append(user)
+                frontier.extend(user.results)
+            else:
+                return f"buffer '{ref}' is read by {getattr(user, 'name', user)} (only decode / cache attentions can read pages)"
+    if not reads:
+        return f"buffer '{ref}' is written but no attention reads it"
+    return _Cache(weight, update, positions, rows, value, reads, views)
+
+
+def _positions_input(caches: list[_Cache]) -> int | None:
+    from xdsl.ir import BlockArgument
+
+    value = caches[0].positions
+    return value.index if isinstance(value, BlockArgument) else None
+
+
+# -- building the IR -----------------------------------------------------------------------------
+
+
+def _typed(element, shape: list) -> TensorType:
+    """A tensor type from dims (ints, or symbol names for dynamic dims)."""
+    sizes = [d if isinstance(d, int) else DYNAMIC_INDEX for d in shape]
+    if all(isinstance(d, int) for d in shape):
+        return TensorType(element, sizes)
+    return TensorType(element, sizes, ArrayAttr([StringAttr("" if isinstance(d, int) else d) for d in shape]))
+
+
+def _aten(target: str, args: list, inputs: list, type_: TensorType, before: Operation, kwargs: dict | None = None) -> SSAValue:
+    op = AtenOp(target, {"args": args, "kwargs": kwargs or {}}, inputs, [type_])
+    Rewriter.insert_op(op, InsertPoint.before(before))
+    return op.results[0]
+
+
+def _add_input(fn: func.FuncOp, type_: TensorType):
+    block = fn.body.block
+    arg = block.insert_arg(type_, len(block.args))
+    inputs = [a.type for a in block.args]
+    fn.properties["function_type"] = FunctionType.from_lists(inputs, list(fn.function_type.outputs.data))
+    return arg
+
+
+def _page(cache: _Cache, table: SSAValue, size: int, num_pages: int) -> None:
+    element = cache.weight.results[0].type.element_type
+    pool = WeightOp(cache.ref, TensorType(element, [num_pages, cache.shape[1], size, cache.shape[3]]))
+    for name, attr in cache.weight.attributes.items():
+        pool.attributes[name] = attr
+    Rewriter.insert_op(pool, InsertPoint.after(cache.weight))
+    written = _paged_write(cache, pool.results[0], table, size)
+    for attention, index in cache.reads:
+        operands = list(attention.operands)
+        operands[index] = paged_view(written, table, size, before=attention)
+        attention.operands = operands
+    count("paged_kv.writes")
+    count("paged_kv.attention_reads", len(cache.reads))
+    for op in [*reversed(cache.views), cache.update]:
+        op.detach()
+        op.erase()
+    if cache.rows is not None and not cache.rows.results[0].uses:
+        cache.rows.detach()
+        cache.rows.erase()
+    cache.weight.detach()
+    cache.weight.erase()
+
+
+def _paged_write(cache: _Cache, pool: SSAValue, table: SSAValue, size: int) -> SSAValue:
+    """pool.index_put_([page_ids, None, slots], value) in place of the cache's write; returns
+    the pool after it."""
+    update, positions = cache.update, cache.positions
+    position_dims = dims(positions)
+    page_index = _aten("aten.floor_divide.Scalar", [{"$t": 0}, size], [positions], positions.type, update)
+    slots = _aten("aten.remainder.Scalar", [{"$t": 0}, size], [positions], positions.type, update)
+    value = cache.value
+    if cache.rows is not None:  # row b's page: page_table[b, positions[b] // P]
+        page_ids = _aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}, {"$t": 2}]],
+                         [table, cache.rows.results[0], page_index], _typed(i32, position_dims), update)
+    else:  # token t of every row b: page_table[b, positions[t] // P], the value as [B, T, Hkv, D]
+        batch = dims(table)[0]
+        page_ids = _aten("aten.index.Tensor", [{"$t": 0}, [None, {"$t": 1}]], [table, page_index],
+                         _typed(i32, [batch, *position_dims]), update)
+        if len(dims(value)) == 3:  # a batch-1 export writes [Hkv, T, D]
+            value = _aten("aten.unsqueeze.default", [{"$t": 0}, 0], [value],
+                          _typed(value.type.element_type, [1, *dims(value)]), update)
+        b, heads, tokens, head_dim = dims(value)
+        value = _aten("aten.permute.default", [{"$t": 0}, [0, 2, 1, 3]], [value],
+                      _typed(value.type.element_type, [b, tokens, heads, head_dim]), update)
+    call = {"args": [{"$t": 0}, [{"$t": 1}, None, {"$t": 2}], {"$t": 3}], "kwargs": {}}
+    paged = StateUpdateOp(cache.ref, "aten.index_put_.default", call, [pool, page_ids, slots, value], pool.type)
+    Rewriter.insert_op(paged, InsertPoint.before(update))
+    return paged.results[0]
+
+
+def paged_view(pool: SSAValue, table: SSAValue, size: int, before: Operation) -> SSAValue:
+    """The sequences' caches as pages in table order: pool[page_table] permuted and reshaped to
+    [B, Hkv, max_pages * P, D] (three ATen ops, inserted before `before`)."""
+    pages, heads, _, head_dim = dims(pool)
+    batch, max_pages = dims(table)
+    element = pool.type.element_type
+    gathered = _aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}]], [pool, table],
+                     _typed(element, [batch, max_pages, heads, size, head_dim]), before)
+    ordered = _aten("aten.permute.default", [{"$t": 0}, [0, 2, 1, 3, 4]], [gathered],
+                    _typed(element, [batch, heads, max_pages, size, head_dim]), before)
+    return _aten("aten.reshape.default", [{"$t": 0}, [batch, heads, max_pages * size, head_dim]], [ordered],
+                 _typed(element, [batch, heads, max_pages * size, head_dim]), before)
+
+
+# -- recognising what the pass built (for the fusion passes) -------------------------------------
+
+
+@dataclass
+class PagedView:
+    pool: SSAValue
+    table: SSAValue
+    page_size: int
+    ops: list  # gather, permute, reshape
+
+
+def read_paged_view(value: SSAValue) -> PagedView | None:
+    """The pool, page table and page size when `value` is a `paged_view`, else None."""
+    reshape = value.owner
+    if aten_target(reshape) != "aten.reshape.default":
+        return None
+    permute = reshape.inputs[0].owner
+    if aten_target(permute) != "aten.permute.default" or literal_arg(permute, 1) != [0, 2, 1, 3, 4]:
+        return None
+    gather = permute.inputs[0].owner
+    if aten_target(gather) != "aten.index.Tensor" or len(gather.inputs) != 2 or len(literal_arg(gather, 1) or []) != 1:
+        return None
+    pool, table = gather.inputs
+    if len(dims(pool)) != 4 or len(dims(table)) != 2 or not isinstance(dims(pool)[2], int):
+        return None
+    if any(len(list(v.uses)) != 1 for v in (gather.results[0], permute.results[0])):
+        return None
+    return PagedView(pool, table, dims(pool)[2], [gather, permute, reshape])
+
+
+@dataclass
+class PagedWrite:
+    table: SSAValue
+    positions: SSAValue
+    page_size: int
+    rows: Operation | None
+    index_ops: list  # floor_divide, remainder, index (and the permute of a shared write's value)
+    value: SSAValue  # what the cache write stores before the permute: [B, Hkv, D] per row, [B, Hkv, T, D] shared
+
+
+def read_paged_write(update: StateUpdateOp) -> PagedWrite | None:
+    """The page table, positions and page size of a write `_paged_write` built, else None."""
+    indices = literal_arg(update, 1)
+    if update.target.data != "aten.index_put_.default" or not isinstance(indices, list) or len(indices) != 3 \
+            or indices[1] is not None or not all(isinstance(i, dict) for i in (indices[0], indices[2])):
+        return None
+    page_ids, slots = update.inputs[indices[0]["$t"]].owner, update.inputs[indices[2]["$t"]].owner
+    if aten_target(page_ids) != "aten.index.Tensor" or aten_target(slots) != "aten.remainder.Scalar":
+        return None
+    positions, size = slots.inputs[0], literal_arg(slots, 1)
+    which = literal_arg(page_ids, 1)
+    page_index = page_ids.inputs[which[-1]["$t"]].owner if isinstance(which, list) and which and which[-1] else None
+    if aten_target(page_index) != "aten.floor_divide.Scalar" or page_index.inputs[0] is not positions \
+            or literal_arg(page_index, 1) != size:
+        return None
+    table = page_ids.inputs[0]
+    rows = None
+    if len(which) == 2 and which[0] is not None:
+        rows = page_ids.inputs[which[0]["$t"]].owner
+        if aten_target(rows) not in _ARANGES:
+            return None
+    elif not (len(which) == 2 and which[0] is None):
+        return None
+    ops = [page_index, slots, page_ids]
+    value = tensor_arg(update, 2)
+    if rows is None:  # the shared form's value is permute(x, [0, 2, 1, 3])
+        permute = value.owner
+        if aten_target(permute) != "aten.permute.default" or literal_arg(permute, 1) != [0, 2, 1, 3]:
+            return None
+        ops.append(permute)
+        value = permute.inputs[0]
+    if any(len(list(op.results[0].uses)) != 1 for op in ops):
+        return None
+    return PagedWrite(table, positions, size, rows, ops, value)

@@ -1,0 +1,202 @@
+"""Sequences of different lengths decoded together over a paged build: add, step, release.
+
+    built = coopt.load("out/llama-paged")      # a --paged-kv build whose step is ragged
+    decoder = PagedDecoder(built)
+    a = decoder.add([1, 5, 7])                   # prefill through the pages; a's first token waits
+    b = decoder.add(prompt_b)
+    decoder.step()                               # {a: token, b: token}: one new token each
+    decoder.release(a)                           # a's pages go back to the pool
+    decoder.pages_in_use()                       # memory held: the pages live sequences hold
+
+The build (`coopt build ... --paged-kv P`, docs/kv-cache.md) is a ragged decode step
+`model(tokens [B, 1], positions [B], page_table [B, max_pages]) -> [B, 1, V]` over page pools
+(its `paged` contract, PAGED in program.py), usually with a `prefill` entry point over the same
+pools (`tokens [B, T], positions [T], page_table`). The decoder owns the pool's bookkeeping
+(`coopt.runtime.pages.PageAllocator`, one page reserved as scratch for padding rows); the
+pools themselves are the build's state buffers, written in place by its kernels.
+
+- add(prompt): takes the prompt's pages (all or nothing: PoolExhausted changes nothing), then
+  prefills them through the prefill entry in chunks of the build's prefill chunk (else the
+  longest call it takes), each chunk attending to the pages the chunks before it wrote; a tail
+  shorter than the entry takes goes through the decode step. Without a prefill entry the prompt
+  is fed token by token through the step. Row 0 of each call is the sequence; the batch's other
+  rows are padding whose page tables name only the scratch page. The greedy next token of the
+  prompt is kept for the next step.
+- step(): one new token for every live sequence: a sequence added since the last step emits
+  the token its prefill chose; every other one takes one more position (all or nothing, before
+  any model call) and is decoded, B rows per call (the build's batch; the last call padded).
+  Greedy. Returns {seq_id: token} in the order the sequences were added.
+- release(seq_id): returns the pages; UnknownSequence for an unknown or released id.
+
+Imports torch only (and coopt.runtime): it runs from out/ without the compiler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from coopt.runtime.pages import PageAllocator, PoolExhausted, UnknownSequence  # noqa: F401 (re-exported)
+
+
+class PagedDecoder:
+    """Continuous batching over a paged build (greedy decoding)."""
+
+    def __init__(self, model, *, prefill_chunk: int | None = None, seed: int = 0):
+        contract = getattr(model, "paged", None)
+        if not isinstance(contract, dict) or not contract.get("per_row"):
+            raise TypeError(f"{type(model).__name__} is not a paged ragged decode step: PagedDecoder needs a coopt build "
+                            "with --paged-kv of a step forward(tokens [B, 1], positions [B]) (its `paged` contract)")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+        self.model, self.contract, self.prefill_chunk = model, contract, prefill_chunk
+        entry = getattr(model, "entry_points", {}).get("prefill")
+        entry_contract = getattr(entry, "paged", None)
+        same_pools = isinstance(entry_contract, dict) and all(
+            entry_contract[k] == contract[k] for k in ("page_size", "num_pages", "max_pages", "pools"))
+        self.prefill_entry = entry if same_pools and not entry_contract["per_row"] else None
+        self.prefill_contract = entry_contract if self.prefill_entry is not None else None
+        self.device = next(iter(model.buffers())).device
+        self.pages = PageAllocator(contract["num_pages"], contract["page_size"], self.device, seed=seed, reserved=1)
+        self.scratch = self.pages.reserved_pages[0]  # padding rows read and write only this page
+        self._last: dict[int, int] = {}  # the last token of each sequence (fed by its next decode)
+        self._pending: dict[int, int] = {}  # a prefilled sequence's first token, emitted by the next step
+
+    # -- sequences ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, prompt) -> int:
+        """Prefill a prompt (token ids, [T] or [1, T]) into new pages; returns the sequence id.
+
+        Checked before anything changes: 1 <= T < max_seq (a position left to decode into),
+        token ids in the vocabulary. PoolExhausted when the pool has too few free pages for T
+        tokens: nothing was allocated."""
+        tokens = self._prompt(prompt)
+        seq_id = self.pages.add_sequence(tokens.numel())
+        try:
+            logits = self._prefill(seq_id, tokens)
+        except BaseException:
+            self.pages.release(seq_id)  # a failed prefill holds no pages
+            raise
+        self._pending[seq_id] = int(logits.argmax())
+        return seq_id
+
+    @torch.no_grad()
+    def step(self) -> dict[int, int]:
+        """One new token for each live sequence: {seq_id: token}, oldest first."""
+        live = self.pages.live_sequences()
+        decode = [s for s in live if s not in self._pending]
+        full = [s for s in decode if self.pages.length(s) >= self.contract["max_seq"]]
+        if full:
+            raise ValueError(f"sequence {full[0]} holds {self.contract['max_seq']} positions, all the build's "
+                             f"caches address (max_seq): release it before the next step")
+        chosen: dict[int, int] = {}
+        if decode:
+            positions = self.pages.step(decode).tolist()  # all or nothing: PoolExhausted changes nothing
+            batch = self.contract["batch"]
+            for start in range(0, len(decode), batch):
+                group = decode[start:start + batch]
+                logits = self._call_step(group, [self._last[s] for s in group], positions[start:start + batch])
+                chosen.update(zip(group, logits.argmax(-1).tolist()))
+        emitted = {}
+        for seq_id in live:
+            token = self._pending.pop(seq_id) if seq_id in self._pending else chosen[seq_id]
+            self._last[seq_id] = emitted[seq_id] = token
+        return emitted
+
+    def release(self, seq_id: int) -> None:
+        """End a sequence: its pages return to the pool. UnknownSequence for an unknown or
+        released id."""
+        self.pages.release(seq_id)
+        self._pending.pop(seq_id, None)
+        self._last.pop(seq_id, None)
+
+    def live_sequences(self) -> list[int]:
+        return self.pages.live_sequences()
+
+    def length(self, seq_id: int) -> int:
+        """Positions sequence `seq_id` holds in the cache (its prompt and the tokens decoded)."""
+        return self.pages.length(seq_id)
+
+    # -- memory ------------------------------------------------------------------------------
+    def pages_in_use(self) -> int:
+        """Pages held by live sequences (the scratch page not counted)."""
+        return self.pages.pages_in_use()
+
+    def bytes_per_page(self) -> int:
+        """Bytes of one page over every pool of the build (K and V of every layer)."""
+        total = 0
+        for name in self.contract["pools"]:
+            pool = self.model.state_tensor(name)
+            total += pool[0].numel() * pool.element_size()
+        return total
+
+    def bytes_held(self) -> int:
+        """KV-cache bytes the live sequences hold: pages in use x bytes per page."""
+        return self.pages_in_use() * self.bytes_per_page()
+
+    # -- calls -------------------------------------------------------------------------------
+    def _prompt(self, prompt) -> torch.Tensor:
+        tokens = torch.as_tensor(prompt)
+        if tokens.dim() == 2 and tokens.shape[0] == 1:
+            tokens = tokens[0]
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(f"prompt: expected token ids [T] or [1, T], got {tokens.dtype} of shape {list(tokens.shape)}")
+        length, max_seq = tokens.numel(), self.contract["max_seq"]
+        if not 1 <= length < max_seq:
+            raise ValueError(f"prompt: {length} tokens, but a sequence takes 1 to {max_seq - 1} (the caches hold "
+                             f"{max_seq} positions and decoding needs one more)")
+        vocab = self.contract.get("token_range")
+        if vocab is not None:
+            low, high = vocab
+            smallest, largest = int(tokens.min()), int(tokens.max())
+            if smallest < low or largest >= high:
+                raise ValueError(f"prompt: holds {smallest if smallest < low else largest}, outside the vocabulary [{low}, {high})")
+        return tokens.to(getattr(torch, self.contract["dtype"])).to(self.device)
+
+    def _tables(self, seq_ids: Sequence[int], rows: int) -> torch.Tensor:
+        """[rows, max_pages] int32: the sequences' page tables, then padding rows of scratch."""
+        width = self.contract["max_pages"]
+        table = torch.full((rows, width), self.scratch, dtype=torch.int32, device=self.device)
+        if seq_ids:
+            table[:len(seq_ids)] = self.pages.page_table(seq_ids, width, fill=self.scratch)
+        return table
+
+    def _call_step(self, seq_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """The ragged step over these sequences (padded to the build's batch): their logits [n, V]."""
+        rows, count = self.contract["batch"], len(seq_ids)
+        token_dtype = getattr(torch, self.contract["dtype"])
+        token_rows = torch.zeros(rows, 1, dtype=token_dtype, device=self.device)
+        position_rows = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        token_rows[:count, 0] = torch.tensor(list(tokens), dtype=token_dtype)
+        position_rows[:count] = torch.tensor(list(positions), dtype=torch.int64)
+        logits = self.model(token_rows, position_rows, self._tables(seq_ids, rows))
+        return logits[:count, -1]
+
+    def _prefill(self, seq_id: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Write the prompt's keys and values into the sequence's pages; the last position's logits."""
+        length = tokens.numel()
+        entry = self.prefill_contract
+        if entry is not None:
+            shortest, longest = entry["length"]
+            chunk = min(self.prefill_chunk or entry.get("prefill_chunk") or longest, longest)
+        start, logits = 0, None
+        while start < length:
+            left = length - start
+            if entry is not None and shortest <= min(left, chunk):
+                size = min(left, chunk)
+                logits = self._call_prefill(seq_id, tokens[start:start + size], start)
+            else:  # token by token through the decode step
+                size = 1
+                logits = self._call_step([seq_id], [int(tokens[start])], [start])[0]
+            start += size
+        return logits
+
+    def _call_prefill(self, seq_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """One chunk through the prefill entry at positions [start, start + T), row 0 the sequence."""
+        rows = self.prefill_contract["batch"]
+        chunk = torch.zeros(rows, tokens.numel(), dtype=tokens.dtype, device=self.device)
+        chunk[0] = tokens
+        positions = torch.arange(start, start + tokens.numel(), device=self.device)
+        logits = self.prefill_entry(chunk, positions, self._tables([seq_id], rows))
+        return logits[0, -1]

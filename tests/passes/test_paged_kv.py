@@ -1,0 +1,180 @@
+"""paged-kv: the caches of a ragged decode step (and of a prompt over the cache) become page
+pools read and written through a page_table input; fusion takes the paged attention and the
+paged writes into decode_attention / kv_write regions in paged mode, whose references compute
+exactly what the static-cache step computed for the same contents."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from xdsl.dialects import func
+
+from coopt.codegen.torch_lines import Names, block_lines, reference_module_source
+from coopt.ir.summary import name_regions
+from coopt.errors import ConfigError
+from coopt.ir.dialect import StateUpdateOp, WeightOp
+from coopt.passes.paged_kv import PAGED_ATTR, PagedKv
+from coopt.passes.registry import parse_pipeline_text
+from coopt.runtime.kernel_loader import load_module_from_source
+from coopt.runtime.paged_layout import cache_to_pages, identity_page_table
+from pass_helpers import kernels, run_pipeline
+from test_ragged_decode import RaggedStep, inputs
+
+RAISE = "inplace-state-writes,raise-patterns"
+PAGED = RAISE + ",paged-kv{page-size=16}"
+FUSED = PAGED + ",fuse-attention,fuse-kv-write,fuse-rope"
+
+
+class PromptStep(torch.nn.Module):
+    """A prompt over the cache (shared positions [T], the whole batch written)."""
+
+    def __init__(self, b_max=2, max_seq=40):
+        super().__init__()
+        self.register_buffer("k_cache", torch.randn(b_max, 2, max_seq, 8))
+        self.register_buffer("v_cache", torch.randn(b_max, 2, max_seq, 8))
+        self.register_buffer("cache_positions", torch.arange(max_seq))
+
+    def forward(self, q, k, v, pos):
+        self.k_cache[:, :, pos] = k
+        self.v_cache[:, :, pos] = v
+        mask = self.cache_positions[None, :] <= pos[:, None]
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+
+
+def prompt_inputs(t=5, start=14):
+    torch.manual_seed(1)
+    return [torch.randn(2, 4, t, 8), torch.randn(2, 2, t, 8), torch.randn(2, 2, t, 8), torch.arange(start, start + t)]
+
+
+def forward_args(module):
+    fn = next(op for op in module.walk() if isinstance(op, func.FuncOp))
+    return [a.type for a in fn.body.block.args]
+
+
+def test_the_caches_become_pools_and_the_page_table_an_input():
+    module, counters = run_pipeline(RaggedStep(), inputs(), PAGED)
+    assert counters["paged_kv.caches"] == 2 and counters["paged_kv.writes"] == 2 and counters["paged_kv.attention_reads"] == 2
+    pools = {op.ref.data: op.results[0].type.get_shape() for op in module.walk() if isinstance(op, WeightOp)
+             and op.ref.data.endswith("cache")}
+    assert pools == {"k_cache": (6, 2, 16, 8), "v_cache": (6, 2, 16, 8)}  # B_max 3 x cdiv(32, 16) pages
+    table = forward_args(module)[-1]
+    assert table.get_shape() == (3, 2) and str(table.element_type) == "i32"
+    record = json.loads(module.attributes[PAGED_ATTR].data)
+    assert record == {"page_size": 16, "num_pages": 6, "max_pages": 2, "batch": 3, "max_seq": 32, "per_row": True,
+                      "pools": {"k_cache": [6, 2, 16, 8], "v_cache": [6, 2, 16, 8]}, "page_table_input": 6,
+                      "positions_input": 5}
+
+
+def test_fusion_reads_and_writes_through_the_page_table():
+    module, counters = run_pipeline(RaggedStep(), inputs(), FUSED)
+    assert counters["fuse.decode_attention.paged"] == 1 and counters["fuse.kv_write.paged"] == 1
+    regions = {k.family.data: k for k in kernels(module)}
+    attention, write = regions["decode_attention"], regions["kv_write"]
+    assert attention.family_attrs["page_size"] == 16 and attention.family_attrs["page_table_input"] == 4
+    assert [v.type.get_shape() for v in attention.inputs] == [(3, 4, 1, 8), (6, 2, 16, 8), (6, 2, 16, 8), (3,), (3, 2)]
+    assert write.family_attrs == {"rope": True, "quant": "none", "inplace": [0, 1], "positions": "per-row",
+                                  "index_input": 2, "index_bound": [7, 1], "page_size": 16, "page_table_input": 7,
+                                  "pool_input": 0}
+    # nothing gathers the pages outside the regions: the kernels read and write through the table
+    assert not [op for op in module.walk() if getattr(op, "target", None) is not None
+                and op.target.data == "aten.index.Tensor" and op.parent_op() not in (attention, write)
+                and op.results[0].type.get_shape()[1:2] == (2,)]
+
+
+def run_program(module, weights: dict, inputs: list, tmp_path):
+    """The module's forward as eager torch code, every region on its reference module."""
+    name_regions(module)
+    fn = next(op for op in module.walk() if isinstance(op, func.FuncOp))
+    runs = {k.sym_name.data: load_module_from_source(reference_module_source(k), tmp_path, k.sym_name.data).run
+            for k in kernels(module)}
+    names = Names()
+    params = [names.new(a) for a in fn.body.block.args]
+    lines, returned = block_lines(fn.body.block, names, weight_expr=lambda n: f"W[{n!r}]",
+                                  state_expr=lambda n: f"W[{n!r}]", kernel_expr=lambda r: f"K[{r!r}]")
+    source = f"import math\nimport operator\nimport torch\n\ndef run(W, K, {', '.join(params)}):\n"
+    source += "    _device = torch.device('cpu')\n" + "".join(f"    {line}\n" for line in lines)
+    source += f"    return {returned[0]}\n"
+    namespace = {}
+    exec(compile(source, "program", "exec"), namespace)
+    return namespace["run"](weights, runs, *inputs)
+
+
+@pytest.mark.parametrize("step,args,pipeline", [(RaggedStep, inputs, FUSED),
+                                                (PromptStep, prompt_inputs, PAGED + ",fuse-attention,fuse-kv-write")],
+                         ids=["ragged", "prompt"])
+def test_references_match_the_static_step_in_the_identity_layout(tmp_path, step, args, pipeline):
+    """The whole paged program (regions on their references) against the static-cache step: the
+    pools hold the caches' contents in the identity layout (what the build stores)."""
+    torch.manual_seed(0)
+    eager = step()
+    module, _ = run_pipeline(step(), args(), pipeline)
+    record = json.loads(module.attributes[PAGED_ATTR].data)
+    layout = (record["batch"], record["num_pages"], 16, record["max_pages"])
+    table = identity_page_table(record["batch"], record["max_pages"], record["num_pages"])
+    weights = {"cache_positions": eager.cache_positions,
+               **{name: cache_to_pages(getattr(eager, name), *layout) for name in ("k_cache", "v_cache")}}
+    got = run_program(module, weights, [*args(), table], tmp_path)
+    torch.testing.assert_close(got, eager(*args()), rtol=1e-5, atol=1e-5)
+    for name in ("k_cache", "v_cache"):  # the written pages hold what the static step wrote
+        torch.testing.assert_close(weights[name], cache_to_pages(getattr(eager, name), *layout))
+
+
+def test_a_prompt_over_pages_gathers_the_table_for_its_attention():
+    module, counters = run_pipeline(PromptStep(), prompt_inputs(), PAGED + ",fuse-attention,fuse-kv-write")
+    assert counters["paged_kv.caches"] == 2 and counters["fuse.kv_write.paged"] == 1
+    assert not counters["fuse.decode_attention.paged"]  # a prompt's attention reads the gathered pages
+    record = json.loads(module.attributes[PAGED_ATTR].data)
+    assert record["per_row"] is False and record["batch"] == 2 and record["max_pages"] == 3
+
+
+def test_knobs_and_refusals():
+    assert parse_pipeline_text("paged-kv{page-size=32 num-pages=7}") == [PagedKv(32, 7)]
+    for bad in ("page-size=8", "page-size=48", "num-pages=-1"):
+        with pytest.raises(ConfigError, match="paged-kv: knob"):
+            parse_pipeline_text(f"paged-kv{{{bad}}}")
+    with pytest.raises(ConfigError, match="run paged-kv before the fusion passes"):
+        run_pipeline(RaggedStep(), inputs(), RAISE + ",fuse-attention,fuse-kv-write,paged-kv")
+
+
+def test_num_pages_sizes_the_pools():
+    module, _ = run_pipeline(RaggedStep(), inputs(), RAISE + ",paged-kv{page-size=16 num-pages=4}")
+    assert json.loads(module.attributes[PAGED_ATTR].data)["num_pages"] == 4
+    assert {op.results[0].type.get_shape() for op in module.walk() if isinstance(op, WeightOp)
+            and op.ref.data.endswith("cache")} == {(4, 2, 16, 8)}
+    assert not [op for op in module.walk() if isinstance(op, StateUpdateOp) and op.inputs[0].type.get_shape()[0] == 3]
+
+
+def _fp8_paged(pipeline_tail: str):
+    """The ragged step through fp8-kv-cache (per-head, calibrated) and paged-kv."""
+    from xdsl.context import Context
+
+    from coopt.fp8_cache import calibrate_kv_absmax, set_calibration
+    from coopt.frontend.capture import capture
+    from coopt.frontend.importer import import_program
+    from coopt.passes.stats import collect_counters
+
+    model = RaggedStep().eval()
+    module = import_program(capture(model, tuple(inputs())), tuple(inputs())).module
+    set_calibration(module, calibrate_kv_absmax(model, [inputs()]))
+    with collect_counters() as counters:
+        for compiler_pass in parse_pipeline_text(RAISE + ",fp8-kv-cache,paged-kv{page-size=16}" + pipeline_tail):
+            compiler_pass.apply(Context(allow_unregistered=True), module)
+            module.verify()
+    return module, counters
+
+
+def test_fp8_pages_quantize_each_rows_write_and_fuse():
+    module, counters = _fp8_paged(",fuse-attention,fuse-kv-write")
+    assert counters["fp8_kv_cache.quantized_writes"] == 2 and counters["paged_kv.caches"] == 2
+    assert {str(op.results[0].type.element_type) for op in module.walk() if isinstance(op, WeightOp)
+            and op.ref.data in ("k_cache", "v_cache")} == {"f8E4M3FN"}
+    regions = {k.family.data: k for k in kernels(module)}
+    write, attention = regions["kv_write"], regions["decode_attention"]
+    assert write.family_attrs["quant"] == "per-head" and write.family_attrs["page_size"] == 16
+    assert attention.family_attrs["kv_scale"] == "per-head" and attention.family_attrs["page_size"] == 16
+    # the write quantizes the [B, Hkv, 1, D] rows before selecting each sequence's one row
+    body = [getattr(op, "target", None) and op.target.data or type(op).__name__ for op in write.body.block.ops]
+    assert body.count("QuantizeFp8Op") == 2 and body.count("aten.select.int") == 2

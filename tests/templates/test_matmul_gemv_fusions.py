@@ -1,0 +1,298 @@
+"""matmul_epilogue's GEMV-only forms (fuse-decode-gemv): an RMSNorm prologue and a GLU epilogue.
+
+Kernels run in Triton's interpreter without a GPU (on the GPU machine, for real); references are
+computed in float64 from the same inputs. bf16 tl.dot is upcast under the interpreter (the
+template's UPCAST_DOT), and its fp32 -> bf16 conversions truncate: bf16 is compared at bf16
+tolerance relative to the output's size.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from template_helpers import compile_for_hopper
+from template_helpers import run_candidate as _run_candidate
+
+from coopt.ir.region import RegionSummary, TensorSpec
+from coopt.targets import H200
+from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FAMILY = MatmulEpilogueFamily()
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EPS = 1e-5
+SWIGLU = [["t0", "silu", ["acc"]], ["t1", "mul", ["t0", "acc_hi"]]]
+
+run_candidate = partial(_run_candidate, FAMILY, H200)
+
+
+def gemv(bm, bn, bk, split=1, stages=3, warps=4):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
+            "num_warps": warps, "num_stages": stages, "GEMV": True}
+
+
+def fused_region(lead, n, k, dtype="float32", *, norm=True, norm_weight=True, glu=False, has_bias=False,
+                 b_layout="nk", extras=(), epilogue=None, outputs=None, dims=None) -> RegionSummary:
+    """[*lead, k] -> [*lead, n]; with glu the weight holds 2n rows (columns for "kn")."""
+    width = 2 * n if glu else n
+    inputs = [TensorSpec((*lead, k), dtype), TensorSpec((width, k) if b_layout == "nk" else (k, width), dtype)]
+    if has_bias:
+        inputs.append(TensorSpec((n,), dtype))
+    if norm and norm_weight:
+        inputs.append(TensorSpec((k,), dtype))
+    inputs += [TensorSpec(tuple(shape), dtype) for shape in extras]
+    if epilogue is None:
+        epilogue = SWIGLU if glu else []
+    attrs = {"b_layout": b_layout, "has_bias": has_bias, "epilogue": [list(i) for i in epilogue],
+             "outputs": list(outputs or ([epilogue[-1][0]] if epilogue else ["acc"]))}
+    if norm:
+        attrs["prologue"] = {"kind": "rms_norm", "eps": EPS, "has_weight": norm_weight}
+    if glu:
+        attrs["glu"] = True
+    return RegionSummary("fused", "matmul_epilogue", tuple(inputs), (TensorSpec((*lead, n), dtype),), attrs, dims=dims or {})
+
+
+def make_inputs(region: RegionSummary, magnitude: float = 1.0, concrete: dict | None = None, seed: int = 0):
+    """Normal values; the activation (input 0) times `magnitude`."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for i, spec in enumerate(region.inputs):
+        values = torch.randn(spec.concrete(concrete or {}), generator=gen) * (magnitude if i == 0 else 1.0)
+        tensors.append(values.to(DTYPES[spec.dtype]).to(DEVICE))
+    return tensors
+
+
+def reference(region: RegionSummary, inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the matmul result before the epilogue program, the extras), in float64: the norm, the
+    product (+ bias), and for GLU silu(low half) * high half."""
+    attrs = region.attrs
+    x, b = inputs[0].double(), inputs[1].double()
+    rest = list(inputs[2:])
+    bias = rest.pop(0).double() if attrs["has_bias"] else None
+    prologue = attrs.get("prologue")
+    if prologue:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + prologue["eps"])
+        if prologue["has_weight"]:
+            x = x * rest.pop(0).double()
+    product = x @ (b.T if attrs["b_layout"] == "nk" else b)
+    if bias is not None:
+        product = product + bias
+    if attrs.get("glu"):
+        n = product.shape[-1] // 2
+        product = torch.nn.functional.silu(product[..., :n]) * product[..., n:]
+    return product, [t.double() for t in rest]
+
+
+def check_close(actual: torch.Tensor, expected: torch.Tensor):
+    assert actual.shape == expected.shape and actual.device.type == DEVICE
+    expected = expected.to(actual.device)
+    scale = expected.abs().max().item() + 1e-30
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual.double(), expected, rtol=1e-4, atol=1e-5 * scale)
+    else:  # bf16 output: rounding (truncation in the interpreter) of the result and of x * g
+        torch.testing.assert_close(actual.double(), expected, rtol=1.6e-2, atol=1.6e-2 * scale)
+
+
+# K = 301 (odd): 9 full BLOCK_K=32 steps and a partial one, split 4 ways (the last split short);
+# BLOCK_K=128 leaves a masked tail without splits. N = 50 is not a multiple of BLOCK_N.
+POINTS = {
+    "fma": gemv(1, 32, 128, stages=4),
+    "fma_split": gemv(1, 16, 32, split=4),
+    "dot": gemv(16, 32, 128, stages=2),
+    "dot_split": gemv(16, 16, 32, split=4),
+}
+
+
+def _cases():
+    for m in (1, 3, 16):
+        for point in sorted(POINTS):
+            if POINTS[point]["BLOCK_M"] > 1 or m <= 4:  # BLOCK_M=1: at most 4 rows
+                yield m, point
+
+
+@pytest.mark.parametrize("m,point", list(_cases()))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_prologue_matches_torch(m, point, dtype, load_candidate):
+    region = fused_region((m,), 50, 301, dtype)
+    for magnitude in (1.0, 1e3):  # the norm divides the magnitude out again
+        inputs = make_inputs(region, magnitude)
+        (out,) = run_candidate(load_candidate, region, POINTS[point], inputs, stem=f"norm_{point}_{m}_{magnitude:g}")
+        check_close(out, reference(region, inputs)[0])
+
+
+@pytest.mark.parametrize("m,point", list(_cases()))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_swiglu_with_rms_norm_matches_torch(m, point, dtype, load_candidate):
+    region = fused_region((m,), 50, 301, dtype, glu=True)
+    inputs = make_inputs(region, 30.0, seed=1)
+    (out,) = run_candidate(load_candidate, region, POINTS[point], inputs, stem=f"glu_norm_{point}_{m}")
+    check_close(out, reference(region, inputs)[0])
+
+
+@pytest.mark.parametrize("point", sorted(POINTS))
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_swiglu_alone_in_both_weight_layouts(point, b_layout, load_candidate):
+    region = fused_region((3,), 50, 301, "bfloat16", norm=False, glu=True, b_layout=b_layout)
+    inputs = make_inputs(region, seed=2)
+    (out,) = run_candidate(load_candidate, region, POINTS[point], inputs, stem=f"glu_{point}_{b_layout}")
+    check_close(out, reference(region, inputs)[0])
+
+
+@pytest.mark.parametrize("point", ["fma_split", "dot"])
+def test_norm_with_bias_and_residual_epilogue(point, load_candidate):
+    # the scale applies to the product, before the bias and the epilogue program
+    region = fused_region((3,), 50, 301, has_bias=True, extras=[(3, 50)],
+                          epilogue=[["t", "gelu_tanh", ["acc"]], ["y", "add", ["t", "in0"]]])
+    inputs = make_inputs(region, 1e-3, seed=3)  # mean(x^2) ~ 1e-6: eps matters
+    (out,) = run_candidate(load_candidate, region, POINTS[point], inputs)
+    product, (residual,) = reference(region, inputs)
+    check_close(out, torch.nn.functional.gelu(product, approximate="tanh") + residual)
+
+
+@pytest.mark.parametrize("point", ["fma", "dot_split"])
+def test_glu_with_an_epilogue_after_the_product(point, load_candidate):
+    region = fused_region((3,), 50, 301, glu=True, extras=[(50,)],
+                          epilogue=[*SWIGLU, ["y", "mul", ["t1", "in0"]]], outputs=["y"])
+    inputs = make_inputs(region, seed=4)
+    (out,) = run_candidate(load_candidate, region, POINTS[point], inputs)
+    product, (scale,) = reference(region, inputs)
+    check_close(out, product * scale)
+
+
+@pytest.mark.parametrize("point", ["fma_split", "dot_split"])
+def test_norm_without_weight(point, load_candidate):
+    region = fused_region((3,), 50, 301, norm_weight=False)
+    inputs = make_inputs(region, seed=5)
+    (out,) = run_candidate(load_candidate, region, POINTS[point], inputs)
+    check_close(out, reference(region, inputs)[0])
+
+
+def test_split_workspace_holds_squares_and_both_halves(load_candidate):
+    # Symbolic rows: calls of one module with other M share (and grow) the cached workspace; the
+    # counters are back at zero after every launch.
+    region = fused_region(("S",), 50, 301, "bfloat16", glu=True, dims={"S": (1, 4)})
+    module = load_candidate(FAMILY.render(region, POINTS["fma_split"]), "norm_glu_twice")
+    for rows, seed in ((2, 0), (4, 1), (1, 2)):
+        inputs = make_inputs(region, 30.0, {"S": rows}, seed=seed)
+        (out,) = module.run(*inputs)
+        check_close(out, reference(region, inputs)[0])
+        partials, arrivals = module._WORKSPACES[inputs[0].device]
+        assert partials.numel() >= 4 * rows * (2 * 50) + 4 * rows and not arrivals.any()
+
+
+# -- legality and ranking -----------------------------------------------------------------
+
+def test_only_gemv_points_are_legal():
+    for region in (fused_region((1,), 4096, 4096, "bfloat16"),
+                   fused_region((1,), 4096, 4096, "bfloat16", norm=False, glu=True)):
+        points = FAMILY.legal_points(region, H200)
+        assert points and all(p["GEMV"] for p in points)
+        tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+        assert "GEMV kernel only" in FAMILY.check(region, tile, H200)
+        with pytest.raises(ValueError, match="GEMV kernel only"):
+            FAMILY.render(region, tile)
+    # prefill-sized rows: no GEMV, so nothing but the reference
+    assert FAMILY.legal_points(fused_region((4096,), 4096, 4096, "bfloat16"), H200) == []
+
+
+def test_glu_slabs_count_twice():
+    plain = fused_region((1,), 4096, 4096, "bfloat16", norm=False)
+    glu = fused_region((1,), 4096, 4096, "bfloat16", norm=False, glu=True)
+    assert FAMILY._mnk(glu) == FAMILY._mnk(plain)  # N is the output's width
+    wide = gemv(1, 32, 512)  # 128 weights a thread: one slab fits, two spill
+    assert FAMILY.check(plain, wide, H200) is None
+    assert "spills" in FAMILY.check(glu, wide, H200)
+    deep = gemv(1, 64, 512, stages=4, warps=8)
+    assert FAMILY._gemv_smem(glu, deep) > FAMILY._gemv_smem(plain, deep)
+    norm = fused_region((1,), 4096, 4096, "bfloat16")
+    assert FAMILY._gemv_smem(norm, deep) == FAMILY._gemv_smem(plain, deep) + 3 * 512 * 2  # a g slice a stage
+
+
+def test_fused_dot_tiles_that_spill_are_rejected():
+    # measured on sm_90: 32x64x256 with norm + GLU spills at 2 stages, 32x32x512 uses 240 registers
+    region = fused_region((32,), 4096, 4096, "bfloat16", glu=True)
+    assert "spill" in FAMILY.check(region, gemv(32, 64, 256, stages=2), H200)
+    assert "spill" in FAMILY.check(region, gemv(32, 32, 512, stages=2), H200)
+    assert FAMILY.check(region, gemv(32, 32, 256, stages=2), H200) is None
+    # the same tiles without the fused forms keep their old legality
+    plain = fused_region((32,), 4096, 4096, "bfloat16", norm=False)
+    assert FAMILY.check(plain, gemv(32, 64, 256, stages=2), H200) is None
+
+
+def test_matches_rejects_malformed_regions():
+    assert FAMILY.matches(fused_region((1,), 50, 64, glu=True))
+    with_bias = fused_region((1,), 50, 64, glu=True, has_bias=True)
+    assert not FAMILY.matches(with_bias)  # the merged gate|up has no bias
+    odd = fused_region((1,), 50, 64, glu=True)
+    odd = RegionSummary(**{**odd.__dict__, "inputs": (odd.inputs[0], TensorSpec((99, 64), "float32"), *odd.inputs[2:])})
+    assert not FAMILY.matches(odd)  # b must hold exactly two output widths
+    unknown = fused_region((1,), 50, 64)
+    unknown = RegionSummary(**{**unknown.__dict__, "attrs": {**unknown.attrs, "prologue": {"kind": "layer_norm"}}})
+    assert not FAMILY.matches(unknown)
+
+
+def test_heuristic_ranks_gemv_tiles_for_fused_decode_regions():
+    from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
+
+    def ranked(region):
+        legal = tuple(FAMILY.legal_points(region, H200))
+        request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
+        return HeuristicAdvisor().advise(request).ranked
+
+    qkv = ranked(fused_region((1,), 6144, 4096, "bfloat16"))[0]
+    assert (qkv["BLOCK_M"], qkv["SPLIT_K"]) == (1, 1) and qkv["BLOCK_N"] in (16, 32) and qkv["BLOCK_K"] in (256, 512)
+    gate_up = ranked(fused_region((1,), 14336, 4096, "bfloat16", glu=True))
+    first = gate_up[0]
+    # 14336 output columns, two slabs a program: BLOCK_N 16-32 fill the SMs without splitting K
+    assert (first["BLOCK_M"], first["SPLIT_K"], first["num_warps"]) == (1, 1, 4)
+    assert first["BLOCK_N"] in (16, 32) and first["BLOCK_K"] in (256, 512)
+    rows32 = ranked(fused_region((32,), 14336, 4096, "bfloat16", glu=True))[0]
+    assert rows32["BLOCK_M"] == 32 and rows32["GEMV"]
+
+
+def test_golden_rendering_norm_glu(golden):
+    # a decode step's gate|up: RMSNorm prologue, SwiGLU, split K (squares and both halves meet)
+    region = fused_region(("B", 1), 512, 256, "bfloat16", glu=True, dims={"B": (1, 4)})
+    fma_split, dot = gemv(1, 16, 64, split=2), gemv(16, 32, 256, stages=4)
+    assert FAMILY.check(region, fma_split, H200) is None and FAMILY.check(region, dot, H200) is None
+    golden("matmul_epilogue_gemv_norm_glu_split.py", FAMILY.render(region, fma_split))
+    golden("matmul_epilogue_gemv_norm_glu_dot.py", FAMILY.render(region, dot))
+
+
+# -- Hopper compilation (no GPU needed) -------------------------------------------------------
+
+# The heuristic's first picks for a Llama-3-8B decode step's q|k|v (norm) and gate|up (norm + GLU),
+# split-K forms (squares beside the partials) and 32 rows on tl.dot.
+HOPPER_CASES = {
+    "qkv_norm": (fused_region((1,), 512, 4096, "bfloat16"), [gemv(1, 32, 256, stages=4), gemv(1, 16, 512, split=4)]),
+    "gate_up": (fused_region((1,), 512, 4096, "bfloat16", glu=True),
+                [gemv(1, 16, 256, stages=2), gemv(1, 16, 512, stages=3), gemv(1, 32, 256, split=2, stages=3)]),
+    "gate_up_rows32": (fused_region((32,), 512, 4096, "bfloat16", glu=True),
+                       [gemv(32, 32, 256, stages=2), gemv(32, 64, 128, stages=3), gemv(16, 32, 512, split=2, stages=3)]),
+    "glu_only_fp32": (fused_region((1,), 512, 4096, "float32", norm=False, glu=True), [gemv(1, 16, 128, split=4)]),
+    "norm_rows16_fp32": (fused_region((16,), 512, 4096, "float32"), [gemv(16, 32, 64, stages=3)]),
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_fused_gemv_points_compile_for_hopper(tmp_path):
+    jobs, expected = [], {}
+    for name, (region, points) in HOPPER_CASES.items():
+        for i, params in enumerate(points):
+            assert FAMILY.check(region, params, H200) is None, (name, params, FAMILY.check(region, params, H200))
+            jobs.append((f"{name}_{i}", FAMILY.render(region, params), make_inputs(region)))
+            expected[f"{name}_{i}"] = (region, params)
+    compiled = compile_for_hopper(jobs, tmp_path, machine_code=True)
+    for label, (region, params) in expected.items():
+        assert set(compiled[label]) == {"_gemv_kernel"}, label  # one launch, split or not
+        kernel = compiled[label]["_gemv_kernel"]
+        assert kernel["launches"] == 1 and kernel["pipelined"], f"{label}: weight loads not pipelined"
+        # as conftest's compile_for_sm90 asserts for every template: launched with PDL, waiting first
+        assert kernel["pdl"], f"{label}: launched without programmatic dependent launch"
+        assert kernel["shared"] <= FAMILY._gemv_smem(region, params), f"{label}: check() underestimates shared memory"
+        if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
+            assert kernel["spill_instructions"] == 0, f"{label}: spills ({kernel['registers']} registers)"
