@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from xdsl.dialects.builtin import TensorType, i32
+from xdsl.ir import SSAValue
 from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
 from xdsl.rewriter import InsertPoint, Rewriter
 
@@ -57,6 +58,22 @@ def _positions_mask(mask):
 
 
 class RaiseDecodeSDPA(RewritePattern):
+    """One instance per rewrite of a module: it remembers the lengths it built, so every layer's
+    attention over the same positions reads one lengths tensor (two ATen kernels a step, not
+    two a layer)."""
+
+    def __init__(self):
+        self._lengths: dict[tuple, SSAValue] = {}
+
+    def _shared_lengths(self, key: tuple, op: AtenOp) -> SSAValue | None:
+        """The lengths built for `key` by an earlier attention of op's block, if it precedes op."""
+        lengths = self._lengths.get(key)
+        owner = getattr(lengths, "owner", None)
+        if owner is None or owner.parent_block() is not op.parent_block():
+            return None
+        block = op.parent_block()
+        return lengths if block.get_operation_index(owner) < block.get_operation_index(op) else None
+
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
         if op.target.data != "aten.scaled_dot_product_attention.default":
@@ -85,21 +102,32 @@ class RaiseDecodeSDPA(RewritePattern):
             return
         if not prompt and per_row is None and static_shape(input_pos) != [1]:
             return
+        attention = CacheAttentionOp if prompt else DecodeAttentionOp
+        key = (input_pos, prompt, per_row is not None, qs[0])
+        lengths = self._shared_lengths(key, op)
+        if lengths is None:
+            lengths = self._build_lengths(input_pos, prompt, per_row is not None, qs[0], op)
+            self._lengths[key] = lengths
+        else:
+            count("raise.attention.shared_lengths")
+        rewriter.replace_matched_op(attention(q, k, v, lengths, float(scale), op.results[0].type))
+        count("raise.attention." + ("prompt_over_cache" if prompt else "decode"))
+        if per_row is not None:
+            count("raise.attention.decode.per_row")
+
+    @staticmethod
+    def _build_lengths(input_pos: SSAValue, prompt: bool, per_row: bool, batch, op: AtenOp) -> SSAValue:
         # lengths = input_pos + 1 as int32: per query position, or (decode) per sequence
         plus_one = AtenOp("aten.add.Tensor", {"args": [{"$t": 0}, 1], "kwargs": {}}, [input_pos], [input_pos.type])
         as_int = AtenOp("aten._to_copy.default", {"args": [{"$t": 0}], "kwargs": {"dtype": {"$dtype": "int32"}}},
                         [plus_one.results[0]], [TensorType(i32, input_pos.type.get_shape(), input_pos.type.encoding)])
         new_ops = [plus_one, as_int]
-        if not prompt and per_row is None:  # one shared position: the same length for every sequence
-            new_ops.append(AtenOp("aten.expand.default", {"args": [{"$t": 0}, [qs[0]]], "kwargs": {}},
-                                  [as_int.results[0]], [TensorType(i32, [qs[0]])]))
+        if not prompt and not per_row:  # one shared position: the same length for every sequence
+            new_ops.append(AtenOp("aten.expand.default", {"args": [{"$t": 0}, [batch]], "kwargs": {}},
+                                  [as_int.results[0]], [TensorType(i32, [batch])]))
         for new in new_ops:
             Rewriter.insert_op(new, InsertPoint.before(op))
-        attention = CacheAttentionOp if prompt else DecodeAttentionOp
-        rewriter.replace_matched_op(attention(q, k, v, new_ops[-1].results[0], float(scale), op.results[0].type))
-        count("raise.attention." + ("prompt_over_cache" if prompt else "decode"))
-        if per_row is not None:
-            count("raise.attention.decode.per_row")
+        return new_ops[-1].results[0]
 
 
 def lengths_source(lengths):

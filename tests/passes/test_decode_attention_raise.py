@@ -108,3 +108,21 @@ def test_the_query_rope_joins_the_decode_attention_region(tmp_path):
     for pos in (3, 4, 31):
         step = inputs(pos)
         torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
+
+
+class TwoLayerDecodeStep(torch.nn.Module):
+    """Two layers' caches and decode attentions over the same input_pos."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = DecodeStep(), DecodeStep()
+
+    def forward(self, q, k, v, input_pos):
+        return self.second(self.first(q, k, v, input_pos), k, v, input_pos)
+
+
+def test_layers_share_one_lengths_tensor():
+    module, counters = run_pipeline(TwoLayerDecodeStep(), inputs(5))
+    attentions = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert len(attentions) == 2 and counters["raise.attention.shared_lengths"] == 1
+    assert attentions[0].inputs[3] is attentions[1].inputs[3]  # one add + cast a step, not one a layer

@@ -129,31 +129,23 @@ def _decode_split_kernel(
     meeting = batch * NUM_KV_HEADS + kv_head
     arrived = tl.atomic_add(arrivals_ptr + meeting, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLIT_KV - 1:
-        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for other in range(SPLIT_KV):
-            seen = offs_h < tl.where(other * chunk < length, GROUP, 0)
-            row = (batch * NUM_HEADS + head) * SPLIT_KV + other
+        # Head by head, all splits at once: one [SPLIT_KV, BLOCK_D] load per head (the loads of
+        # the GROUP heads are independent, so they overlap) rather than a serial walk over splits.
+        offs_s = tl.arange(0, SPLIT_KV)
+        seen = offs_s * chunk < length  # splits that saw keys (the others wrote nothing)
+        for g in tl.static_range(GROUP):
+            row = (batch * NUM_HEADS + kv_head * GROUP + g) * SPLIT_KV + offs_s
             # .cg reads at L2, where the other SMs' partials are, never a stale L1 line.
             part_m = tl.load(part_m_ptr + row, mask=seen, other=-1.0e30, cache_modifier=".cg")
-            part_l = tl.load(part_l_ptr + row, mask=seen, other=0.0, cache_modifier=".cg")
+            weight = tl.where(seen, tl.exp2(part_m - tl.max(part_m, 0)), 0.0)
+            l_g = tl.sum(tl.load(part_l_ptr + row, mask=seen, other=0.0, cache_modifier=".cg") * weight, 0)
             part_acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=seen[:, None],
                                other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_i, part_m)
-            alpha = tl.exp2(m_i - m_new)
-            weight = tl.exp2(part_m - m_new)
-            l_i = l_i * alpha + part_l * weight
-            acc = acc * alpha[:, None] + part_acc * weight[:, None]
-            m_i = m_new
+            # A length of 0 (outside the schema) leaves l_g == 0: zeros, not NaN.
+            out_g = tl.sum(part_acc * weight[:, None], 0) / tl.where(l_g == 0.0, 1.0, l_g)
+            o_row = o_ptr + batch * stride_ob + (kv_head * GROUP + g) * stride_oh
+            tl.store(o_row + offs_d * stride_od, out_g.to(tl.bfloat16))
         tl.store(arrivals_ptr + meeting, 0)
-        # A length of 0 (outside the schema) leaves l_i == 0: zeros, not NaN.
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_i[:, None]
-        o_rows = o_ptr + batch * stride_ob + head * stride_oh
-        tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(tl.bfloat16),
-                 mask=head_ok[:, None])
-
 
 
 _WORKSPACES: dict = {}
