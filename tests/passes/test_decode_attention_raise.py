@@ -49,16 +49,21 @@ def test_a_mask_over_something_else_is_left_alone():
     assert counters["raise.attention.decode"] == 0
 
 
-def test_built_decode_steps_match_eager(tmp_path):
+def build_and_compare(step_class, out):
+    """Build `step_class()` (top-1 advice: the kernels), give it eager's caches, compare steps."""
     torch.manual_seed(0)
-    eager = DecodeStep()
-    coopt.Pipeline(top_k=1).build(DecodeStep(), inputs(3), tmp_path / "out")
-    built = coopt.load(tmp_path / "out")
+    eager = step_class()
+    coopt.Pipeline(top_k=1).build(step_class(), inputs(3), out)
+    built = coopt.load(out)
     built.w_k_cache.copy_(eager.k_cache)
     built.w_v_cache.copy_(eager.v_cache)
     for pos in (3, 4, 31):
         step = inputs(pos)
         torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
+
+
+def test_built_decode_steps_match_eager(tmp_path):
+    build_and_compare(DecodeStep, tmp_path / "out")
 
 
 def rotate_half(x):
@@ -95,19 +100,11 @@ def test_the_query_rope_joins_the_decode_attention_region(tmp_path):
     _, counters = run_pipeline(RopedDecodeStep(), inputs(5), DEFAULT_PIPELINE.replace("fuse-attention", "fuse-attention{rope=false}"))
     assert not counters["fuse.decode_attention.rope"] and counters["fuse.rope"] == 1
     # the built step (the kernel rotating q in the interpreter) matches eager
-    torch.manual_seed(0)
-    eager = RopedDecodeStep()
-    coopt.Pipeline(top_k=1).build(RopedDecodeStep(), inputs(3), tmp_path / "out")
+    build_and_compare(RopedDecodeStep, tmp_path / "out")
     (attention,) = [r for r in json.loads((tmp_path / "out" / "selection.json").read_text())["regions"].values()
                     if r["family"] == "decode_attention"]
     chosen = next(c for c in attention["candidates"] if c["label"] == attention["selected"])
     assert chosen["verified"] and chosen["family"] == "decode_attention"  # the kernel, not the reference
-    built = coopt.load(tmp_path / "out")
-    built.w_k_cache.copy_(eager.k_cache)
-    built.w_v_cache.copy_(eager.v_cache)
-    for pos in (3, 4, 31):
-        step = inputs(pos)
-        torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
 
 
 class TwoLayerDecodeStep(torch.nn.Module):
