@@ -6,6 +6,11 @@
 #   bash bench/gpu_session.sh decode     # bench/decode.py: batch 1 at 2048 and 32768, agreement
 #   bash bench/gpu_session.sh batched    # bench/decode.py: batch 32 at 2048, and prefill of 2048
 #   bash bench/gpu_session.sh core       # decode b1 and b32 at 2048 + the GPU tests of the decode templates
+#   bash bench/gpu_session.sh long       # bench/long_prefill.py: a 131072-token prompt (8 layers), whole and
+#                                        # in chunks of 4096, eager and coopt: time, peak memory (~7-9 min)
+#   bash bench/gpu_session.sh long-quick # the same at 16384 tokens (~4-6 min)
+#   bash bench/gpu_session.sh capacity   # bench/capacity.py --throughput: PagedDecoder.step() at capacity,
+#                                        # paged bf16 / static / paged fp8, 8 layers, 4 GiB of KV (~6-8 min)
 #   bash bench/gpu_session.sh pair       # two GPUs (nvidia-h200-x2), in parallel: GPU 0 examples then
 #                                        # GPU tests, GPU 1 decode (3 cases, bf16 and fp8 KV)
 #                                        # (session 3: every step overran its limit, the two jobs
@@ -51,6 +56,18 @@ case "${1:-}" in
             tests/templates/test_kv_write_paged.py tests/templates/test_kv_write_per_row.py tests/templates/test_rope.py \
             tests/e2e/test_cuda_graph.py tests/llama/test_llama_generate.py
         ;;
+    long)  # issue 4: two builds (unchunked, chunk 4096), each loaded then its weights.pt deleted; JSON after every variant
+        step 580 long python bench/long_prefill.py --out "$OUT/long_prefill.json" --build-dir /tmp/coopt-long
+        cp /tmp/coopt-long/prefill/report.md "$OUT/report_long_prefill.md" 2>/dev/null
+        cp /tmp/coopt-long/prefill-chunk4096/report.md "$OUT/report_long_prefill_chunk4096.md" 2>/dev/null
+        ;;
+    long-quick)
+        step 420 long python bench/long_prefill.py --quick --out "$OUT/long_prefill_quick.json" --build-dir /tmp/coopt-long-quick
+        ;;
+    capacity)  # issue 4: three decode builds (paged bf16, static, paged fp8) in one 4 GiB KV budget; JSON after each
+        step 580 capacity python bench/capacity.py --throughput --out "$OUT/capacity.json" --build-dir /tmp/coopt-capacity
+        for v in paged static paged-fp8; do cp "/tmp/coopt-capacity/$v/report.md" "$OUT/report_capacity_$v.md" 2>/dev/null; done
+        ;;
     pair)
         # at most 8 files come back from a device call: the reports travel as one archive
         (
@@ -71,7 +88,7 @@ case "${1:-}" in
             | tar czf "$out_dir/reports.tar.gz" -T -)
         ;;
     *)
-        echo "usage: bash bench/gpu_session.sh examples|decode|batched|core|pair" >&2
+        echo "usage: bash bench/gpu_session.sh examples|decode|batched|core|long|long-quick|capacity|pair" >&2
         exit 2
         ;;
 esac
