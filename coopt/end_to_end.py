@@ -16,7 +16,9 @@ the built program as it will run, and both fall back region by region where they
 
 A build with a lossy pass (fp8-kv-cache) cannot match the original at the normal tolerance:
 `measure_lossy_end_to_end` holds its kernels to the build's own reference program (the same
-transform on ATen ops) as above, then measures the transform's cost against the original.
+transform on ATen ops, at the build's dtype) as above, both judged against the unquantized
+model in float64 (the kernels may be as much less accurate than the reference program as any
+kernel than eager), then measures the transform's cost against the original.
 """
 
 from __future__ import annotations
@@ -34,13 +36,18 @@ SLOWER_MARGIN = 0.02
 
 
 def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: int, measured: bool,
-                     stateful: bool, cuda_graphs: bool, warnings: list[str], write_selection, adapt=None) -> dict:
+                     stateful: bool, cuda_graphs: bool, warnings: list[str], write_selection, adapt=None,
+                     lossy_original=None) -> dict:
     """The build.json "end_to_end" record: the verdict, and on a GPU the interleaved timing.
     `write_selection()` rewrites selection.json after a fallback changed `regions`. `adapt`
     wraps each loaded build into something called like `model` (a paged-kv program takes a page
-    table the original does not: compile.paged_as_static)."""
+    table the original does not: compile.paged_as_static). `lossy_original`: `model` is a lossy
+    build's reference program and this the unquantized model; both programs are judged against
+    its float64 copy and the errors reported from `model` (verify/end_to_end.py)."""
     from coopt.runtime.loader import load as load_build
     from coopt.verify import verify_end_to_end
+    from coopt.verify.bisect import snapshot_buffers
+    from coopt.verify.end_to_end import float64_copy
 
     def load(out, device):
         built = load_build(out, device=device)
@@ -48,15 +55,24 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
 
     if stateful:
         model = copy.deepcopy(model)  # the check runs the model: never mutate the caller's buffers
+    high = float64_copy(lossy_original) if lossy_original is not None else None
+    errors_from = "original" if high is not None else "float64"
+    # Each full check runs a freshly loaded build, whose state is what weights.pt holds: the model
+    # (and the float64 reference) start from the same state, not from what the trials of an
+    # earlier check wrote (a prompt reads cache rows it does not write: trials at other positions
+    # would make even the reference program disagree with itself).
+    initial_state = snapshot_buffers(*(m for m in (model, high) if m is not None)) if stateful else (lambda: None)
     device = device_of(example_inputs)
     built = load(out, device=device)
 
     def full_check(built):
-        return verify_end_to_end(model, built, example_inputs, trials=trials, seed=seed)
+        initial_state()
+        return verify_end_to_end(model, built, example_inputs, trials=trials, seed=seed, float64_model=high,
+                                 errors_from=errors_from)
 
     verdict = full_check(built)
     if not verdict.ok:
-        at_fault = _bisect(model, built, example_inputs, regions, out, seed)
+        at_fault = _bisect(model, built, example_inputs, regions, out, seed, high)
         _fall_back(regions, at_fault, "end-to-end mismatch: this region's kernel breaks the whole model's "
                    "agreement with the original (found by bisection); fell back to the reference")
         warnings.append(f"end-to-end check failed with kernels ({verdict.failure}); bisection blamed "
@@ -101,7 +117,7 @@ def measure_lossy_end_to_end(model, example_inputs, regions, out, *, lossy_passe
         kernels_check = check_end_to_end(adapt(reference_program(out, regions, device)), example_inputs, regions, out,
                                          trials=trials, seed=seed, measured=False, stateful=True,
                                          cuda_graphs=cuda_graphs, warnings=warnings, write_selection=write_selection,
-                                         adapt=adapt)
+                                         adapt=adapt, lossy_original=model)
 
     def measure() -> dict:
         return measure_end_to_end(copy.deepcopy(model), adapt(load(out, device=device)), example_inputs, trials=trials, seed=seed)
@@ -177,16 +193,17 @@ def device_of(example_inputs) -> torch.device:
     return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
-def _bisect(model, built, example_inputs, regions, out, seed: int) -> list[str]:
+def _bisect(model, built, example_inputs, regions, out, seed: int, high=None) -> list[str]:
     """Regions whose kernels break the agreement; each probe is one trial of the end-to-end
-    check, from the same model state."""
+    check, from the same model state. `high`: the full check's float64 reference when it has
+    its own (a lossy build's unquantized model), in the same state as `model`."""
     from coopt.verify import verify_end_to_end
     from coopt.verify.bisect import ReferencesDisagree, regions_at_fault, snapshot_buffers
     from coopt.verify.end_to_end import float64_copy
 
     # Probes are judged like the full check (the float64 reference sets the tolerance: the bf16
     # floor alone rejects even the reference program of a deep model), on one float64 copy.
-    high = float64_copy(model)
+    high = high if high is not None else float64_copy(model)
     restore = snapshot_buffers(*(m for m in (model, built, high) if m is not None))
 
     def agrees() -> bool:

@@ -10,6 +10,7 @@ from xdsl.dialects.builtin import ModuleOp
 from coopt.codegen.input_bounds import derive_input_bounds
 from coopt.codegen.torch_lines import Names, block_lines
 from coopt.ir.summary import symbol_table, tensor_spec
+from coopt.passes.fp8_kv_cache import scale_buffers
 from coopt.templates.base import render_template
 
 
@@ -78,6 +79,7 @@ def program_source(module: ModuleOp, *, model_name: str, target: str, params: li
         size_bounds_repr=_rows([(b.input, b.dim, b.high, b.reason) for b in bounds.size]),
         decoder_repr=repr(bounds.decoder),
         paged_repr=repr(bounds.paged),
+        keep_dtype_repr=repr(scale_buffers(module)),
         out_spec=out_spec,
         params=params,
         unpack=unpack,

@@ -64,6 +64,15 @@ def scale_ref(cache_ref: str) -> str:
     return cache_ref + ".scale"
 
 
+def scale_buffers(module: ModuleOp) -> list[str]:
+    """State names of the per-token scale buffers the pass made in `module` (fp32 state the
+    program writes with fp32 scales: the built model keeps them fp32 through a dtype cast, as it
+    keeps the fp8 caches fp8); [] without per-token scales."""
+    attr = module.attributes.get(FP8_ATTR)
+    record = json.loads(attr.data) if attr is not None else {}
+    return sorted(record["caches"].values()) if record.get("granularity") == "per-token" else []
+
+
 @dataclass(frozen=True)
 class Fp8KvCache(CooptPass):
     name = "fp8-kv-cache"
