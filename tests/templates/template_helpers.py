@@ -203,3 +203,25 @@ def _compile_worker(jobs_file: str, results_file: str, *flags: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(_compile_worker(*sys.argv[1:]))
+
+
+def assert_gemv_points_compile(family, cases: dict, make_inputs, tmp_path, target) -> None:
+    """Compile every (region, points) of `cases` (name -> (region, [params])) for sm_90 and assert
+    what a GEMV point must be there: one launch (split-K meets in it), pipelined weight loads, PDL,
+    shared memory within the family's estimate, no spills (where cuobjdump runs)."""
+    jobs, expected = [], {}
+    for name, (region, points) in cases.items():
+        for i, params in enumerate(points):
+            assert family.check(region, params, target) is None, (name, params, family.check(region, params, target))
+            jobs.append((f"{name}_{i}", family.render(region, params), make_inputs(region)))
+            expected[f"{name}_{i}"] = (region, params)
+    compiled = compile_for_hopper(jobs, tmp_path, machine_code=True)
+    for label, (region, params) in expected.items():
+        assert set(compiled[label]) == {"_gemv_kernel"}, label  # one launch, split or not
+        kernel = compiled[label]["_gemv_kernel"]
+        assert kernel["launches"] == 1 and kernel["pipelined"], f"{label}: weight loads not pipelined ({params})"
+        # as conftest's compile_for_sm90 asserts for every template: launched with PDL, waiting first
+        assert kernel["pdl"], f"{label}: launched without programmatic dependent launch"
+        assert kernel["shared"] <= family._gemv_smem(region, params), f"{label}: check() underestimates shared memory"
+        if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
+            assert kernel["spill_instructions"] == 0, f"{label}: spills ({kernel['registers']} registers)"

@@ -10,7 +10,7 @@ from functools import partial
 
 import pytest
 import torch
-from template_helpers import compile_for_hopper, covering_points
+from template_helpers import assert_gemv_points_compile, compile_for_hopper, covering_points
 from template_helpers import run_candidate as _run_candidate
 
 from coopt.ir.region import RegionSummary, TensorSpec
@@ -558,18 +558,5 @@ def test_gemv_points_compile_for_hopper(tmp_path):
         "rows32": make_region((32,), 512, 4096, "bfloat16"),
         "fp32": make_region((1,), 512, 4096, "float32", has_bias=True),
     }
-    jobs, expected = [], {}
-    for name, region in regions.items():
-        for i, params in enumerate(GEMV_HOPPER_POINTS[name]):
-            assert FAMILY.check(region, params, H200) is None, (name, params, FAMILY.check(region, params, H200))
-            jobs.append((f"{name}_{i}", FAMILY.render(region, params), make_inputs(region)))
-            expected[f"{name}_{i}"] = (region, params)
-    compiled = compile_for_hopper(jobs, tmp_path, machine_code=True)
-    for label, (region, params) in expected.items():
-        assert set(compiled[label]) == {"_gemv_kernel"}, label  # one launch, split or not
-        kernel = compiled[label]["_gemv_kernel"]
-        assert kernel["launches"] == 1 and kernel["pipelined"], f"weight loads not pipelined: {params}"
-        assert kernel["pdl"], f"launched without programmatic dependent launch: {params}"
-        assert kernel["shared"] <= FAMILY._gemv_smem(region, params), f"check() underestimates shared memory: {params}"
-        if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
-            assert kernel["spill_instructions"] == 0, f"spills for {params}"
+    cases = {name: (region, GEMV_HOPPER_POINTS[name]) for name, region in regions.items()}
+    assert_gemv_points_compile(FAMILY, cases, make_inputs, tmp_path, H200)

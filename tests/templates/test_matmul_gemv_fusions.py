@@ -12,7 +12,7 @@ from functools import partial
 
 import pytest
 import torch
-from template_helpers import compile_for_hopper
+from template_helpers import assert_gemv_points_compile
 from template_helpers import run_candidate as _run_candidate
 
 from coopt.ir.region import RegionSummary, TensorSpec
@@ -280,19 +280,4 @@ HOPPER_CASES = {
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
 def test_fused_gemv_points_compile_for_hopper(tmp_path):
-    jobs, expected = [], {}
-    for name, (region, points) in HOPPER_CASES.items():
-        for i, params in enumerate(points):
-            assert FAMILY.check(region, params, H200) is None, (name, params, FAMILY.check(region, params, H200))
-            jobs.append((f"{name}_{i}", FAMILY.render(region, params), make_inputs(region)))
-            expected[f"{name}_{i}"] = (region, params)
-    compiled = compile_for_hopper(jobs, tmp_path, machine_code=True)
-    for label, (region, params) in expected.items():
-        assert set(compiled[label]) == {"_gemv_kernel"}, label  # one launch, split or not
-        kernel = compiled[label]["_gemv_kernel"]
-        assert kernel["launches"] == 1 and kernel["pipelined"], f"{label}: weight loads not pipelined"
-        # as conftest's compile_for_sm90 asserts for every template: launched with PDL, waiting first
-        assert kernel["pdl"], f"{label}: launched without programmatic dependent launch"
-        assert kernel["shared"] <= FAMILY._gemv_smem(region, params), f"{label}: check() underestimates shared memory"
-        if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
-            assert kernel["spill_instructions"] == 0, f"{label}: spills ({kernel['registers']} registers)"
+    assert_gemv_points_compile(FAMILY, HOPPER_CASES, make_inputs, tmp_path, H200)
