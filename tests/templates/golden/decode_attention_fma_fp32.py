@@ -110,7 +110,6 @@ def _decode_split_kernel(
              mask=head_ok[:, None])
 
 
-
 def run(q, k_cache, v_cache, lengths):
     batch, num_heads, _, head_dim = q.shape
     max_length = k_cache.shape[2]
