@@ -6,6 +6,7 @@
 #   bash bench/gpu_session.sh decode     # bench/decode.py: batch 1 at 2048 and 32768, agreement
 #   bash bench/gpu_session.sh batched    # bench/decode.py: batch 32 at 2048, and prefill of 2048
 #   bash bench/gpu_session.sh core       # decode b1 and b32 at 2048 + the GPU tests of the decode templates
+#   bash bench/gpu_session.sh core-pdl   # decode b1 and b32 at 2048, each step profiled with PDL off and on
 #   bash bench/gpu_session.sh long       # bench/long_prefill.py: a 131072-token prompt (8 layers), whole and
 #                                        # in chunks of 4096, eager and coopt: time, peak memory (~7-9 min)
 #   bash bench/gpu_session.sh long-quick # the same at 16384 tokens (~4-6 min)
@@ -55,6 +56,18 @@ case "${1:-}" in
             tests/templates/test_decode_attention.py tests/templates/test_decode_attention_rope.py \
             tests/templates/test_kv_write_paged.py tests/templates/test_kv_write_per_row.py tests/templates/test_rope.py \
             tests/e2e/test_cuda_graph.py tests/llama/test_llama_generate.py
+        ;;
+    core-pdl)  # one call: decode b1 and b32 at 2048, then each build's replayed step profiled without and with PDL
+        step 360 decode python bench/decode.py --cases 1:2048:4096,32:2048:4096 --modes eager,reduce-overhead,coopt \
+            --prefill 0 --agreement-steps 16 --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
+        cp /tmp/coopt-decode/b1-pos2048/report.md "$OUT/report_decode_b1_2048.md" 2>/dev/null
+        cp /tmp/coopt-decode/b32-pos2048/report.md "$OUT/report_decode_b32_2048.md" 2>/dev/null
+        for pdl in 0 1; do
+            COOPT_PDL=$pdl step 60 "profile_b1_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b1-pos2048 \
+                --out "$OUT/profile_b1_pdl$pdl.json"
+            COOPT_PDL=$pdl step 60 "profile_b32_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b32-pos2048 \
+                --batch 32 --out "$OUT/profile_b32_pdl$pdl.json"
+        done
         ;;
     long)  # issue 4: two builds (unchunked, chunk 4096), each loaded then its weights.pt deleted; JSON after every variant
         step 580 long python bench/long_prefill.py --out "$OUT/long_prefill.json" --build-dir /tmp/coopt-long

@@ -117,9 +117,27 @@ def bench_example(name: str, args) -> dict:
         row["coopt_out"] = str(out)
     with torch.no_grad():
         row["ms"] = time_interleaved(variants, rounds=args.rounds)
+        row["host_ms"] = {mode: host_ms(fn) for mode, fn in variants.items()}
     for mode, ms in row["ms"].items():
-        print(f"  {name:14s} {mode:13s} {ms:9.4f} ms (median of {args.rounds} interleaved rounds)", flush=True)
+        print(f"  {name:14s} {mode:13s} {ms:9.4f} ms (median of {args.rounds} interleaved rounds), "
+              f"host {row['host_ms'][mode]:.4f} ms a call", flush=True)
     return row
+
+
+def host_ms(fn, calls: int = 50) -> float:
+    """CPU milliseconds per call to enqueue `fn`'s work (the GPU idle beforehand, no sync between
+    calls): where it exceeds the GPU time, the variant is bound by its Python and launch cost."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    sync()
+    return elapsed / calls * 1000
 
 
 def table(rows: list[dict]) -> str:

@@ -27,6 +27,7 @@ STAGES = ("num_stages", "STAGES")
 GROUP_M = ("GROUP_M", "GROUP_SIZE_M")
 SPLIT_K = ("SPLIT_K",)
 GEMV = ("GEMV",)
+NORM_FIRST = ("NORM_FIRST",)
 
 # "Enough tiles" means at least this share of the SMs has a tile: a short last wave costs
 # less than tiles so small that each one does too little work to hide memory latency.
@@ -148,6 +149,7 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
     # One activation row: multiply-and-sum (BLOCK_M = 1); more: tl.dot on the fewest rows >= M.
     bm_t = 1 if m == 1 and 1 in bm_vals else (_smallest_at_least([v for v in bm_vals if v >= 16], m) or 16)
     tiles_cost, _ = _matmul_tiles(request, m, n, k, sms, with_gemv=True)
+    norm_modes = True in (knob(request.space, NORM_FIRST) or [])
 
     def cost(point: dict) -> float:
         if not knob(point, GEMV):
@@ -169,6 +171,14 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
         resident = max(1, min(GEMV_MAX_PROGRAMS_PER_SM * 4 // warps, smem // program_smem))
         c += _gemv_streaming_cost(programs, resident, max(1, stages - 1) * slab, sms)
         c += 0.5 * math.log2(split) + _log_gap(warps, 4) + 0.25 * _stages_gap(stages, 3, 4)
+        if norm_modes:
+            # The RMSNorm in the GEMV loop (NORM_FIRST=False) or in a kernel before it. One row:
+            # in the loop (H200: q|k|v + norm 14.6 µs against 23.9 for eager norm + cuBLAS), the
+            # separate norm ranked close behind so that measurement can compare. tl.dot tiles:
+            # the in-loop norm re-lays out the activation tile every K step (2x slower than
+            # eager norm + cuBLAS at 32 rows), so it comes last.
+            first = bool(knob(point, NORM_FIRST))
+            c += (0.001 if first else 0.0) if bm == 1 else (0.0 if first else 3.0)
         return c
 
     kernel = "multiply-and-sum" if bm_t == 1 else f"tl.dot on {bm_t} rows"
@@ -375,7 +385,11 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     # Whether one program per SM streams at full bandwidth is not settled (b1, length 32768,
     # 128 programs of 2048 keys: 3.4 TB/s on the H200): with long splits, rank twice the splits
     # (two programs per SM) second, ahead of tile variants, so that measurement decides.
-    second_split = 2 * split_t if keys_per_split >= 1024 and 2 * split_t in split_vals else None
+    # Short lengths are latency-bound (b1, length 2048: 16 splits of 128 keys took 11.4 µs for
+    # 8.4 MB on the H200): where the splits leave SMs a program or less each, twice the splits
+    # (shorter chains of tile loads) is ranked second too.
+    second_split = 2 * split_t if 2 * split_t in split_vals and (
+        keys_per_split >= 1024 or (programs * split_t <= sms and keys_per_split >= 2 * min(bn_vals or [16]))) else None
 
     def cost(point: dict) -> float:
         split = knob(point, ("SPLIT_KV",))

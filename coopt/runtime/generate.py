@@ -22,6 +22,9 @@ call the module. Imports torch only.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from coopt.runtime.cuda_graph import GraphedStep
@@ -104,6 +107,16 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generato
     return torch.multinomial(probs.to(where), 1, generator=generator).to(logits.device)
 
 
+def check_sampling(temperature, top_k) -> None:
+    """ValueError naming the argument unless `temperature` is a finite number >= 0 (0: greedy)
+    and `top_k` None or an int >= 1 (bools are neither). generate() and PagedDecoder check with it."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+
+
 def _check_request(contract: dict, tokens, max_new_tokens, temperature, top_k) -> tuple[int, int]:
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise ValueError(f"tokens: expected a [batch, prompt length] tensor, got {_describe(tokens)}")
@@ -111,10 +124,7 @@ def _check_request(contract: dict, tokens, max_new_tokens, temperature, top_k) -
         raise TypeError(f"tokens: expected dtype torch.{contract['dtype']}, got {tokens.dtype}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    check_sampling(temperature, top_k)
     batch, prompt_length = tokens.shape
     max_seq, (_, max_batch), (min_length, _) = contract["max_seq"], contract["batch"], contract["length"]
     if prompt_length < 1:

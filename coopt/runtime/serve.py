@@ -1,9 +1,9 @@
 """Sequences of different lengths decoded together over a paged build: add, step, release.
 
     built = coopt.load("out/llama-paged")      # a --paged-kv build whose step is ragged
-    decoder = PagedDecoder(built)
+    decoder = PagedDecoder(built)                # greedy; cuda_graph=True replays the step on the GPU
     a = decoder.add([1, 5, 7])                   # prefill through the pages; a's first token waits
-    b = decoder.add(prompt_b)
+    b = decoder.add(prompt_b, temperature=0.8, top_k=50)   # this sequence samples
     decoder.step()                               # {a: token, b: token}: one new token each
     decoder.release(a)                           # a's pages go back to the pool
     decoder.pages_in_use()                       # memory held: the pages live sequences hold
@@ -15,42 +15,72 @@ pools (`tokens [B, T], positions [T], page_table`). The decoder owns the pool's 
 (`coopt.runtime.pages.PageAllocator`, one page reserved as scratch for padding rows); the
 pools themselves are the build's state buffers, written in place by its kernels.
 
-- add(prompt): takes the prompt's pages (all or nothing: PoolExhausted changes nothing), then
-  prefills them through the prefill entry in chunks of the build's prefill chunk (else the
-  longest call it takes), each chunk attending to the pages the chunks before it wrote; a tail
-  shorter than the entry takes goes through the decode step. Without a prefill entry the prompt
-  is fed token by token through the step. Row 0 of each call is the sequence; the batch's other
-  rows are padding whose page tables name only the scratch page. The greedy next token of the
-  prompt is kept for the next step.
+- add(prompt, temperature=None, top_k=None): takes the prompt's pages (all or nothing:
+  PoolExhausted changes nothing), then prefills them through the prefill entry in chunks of the
+  build's prefill chunk (else the longest call it takes), each chunk attending to the pages the
+  chunks before it wrote; a tail shorter than the entry takes goes through the decode step.
+  Without a prefill entry the prompt is fed token by token through the step. Row 0 of each call
+  is the sequence; the batch's other rows are padding whose page tables name only the scratch
+  page. The prompt's next token is chosen now and kept for the next step.
 - step(): one new token for every live sequence: a sequence added since the last step emits
   the token its prefill chose; every other one takes one more position (all or nothing, before
   any model call) and is decoded, B rows per call (the build's batch; the last call padded).
-  Greedy. Returns {seq_id: token} in the order the sequences were added.
+  Returns {seq_id: token} in the order the sequences were added.
 - release(seq_id): returns the pages; UnknownSequence for an unknown or released id.
+
+Tokens are chosen by `coopt.runtime.generate.sample`: greedy (argmax) at temperature 0, the
+default; else sampled from softmax(logits / temperature), within the top_k most likely when
+top_k is given. The decoder's `temperature` / `top_k` apply to every sequence unless add()
+overrides them (None: the decoder's). Samples draw from one torch.Generator on the model's
+device, seeded once with `seed` (which also orders the allocator's pages): the same seed, prompts
+and sequence of calls give the same tokens. Greedy sequences draw nothing from it.
+
+`cuda_graph=True` (a model on a CUDA device; else ValueError) captures the decode step once,
+at construction, as a `coopt.runtime.cuda_graph.GraphedStep` over a batch of padding rows (its
+warm-up calls write only the scratch page); every decode call then copies tokens, positions and
+page table into the graph's static inputs and replays it. Shapes never change ([B, 1], [B],
+[B, max_pages]: the build's batch, padded), so one graph serves every step; prefill-entry calls
+stay plain calls and write the same pools the graph reads. Replays skip the build's value
+checks: the decoder has checked positions (max_seq) and prompt ids, and the table is its own.
 
 Imports torch only (and coopt.runtime): it runs from out/ without the compiler.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
 
+from coopt.runtime.cuda_graph import GraphedStep
+from coopt.runtime.generate import check_sampling, sample
 from coopt.runtime.pages import PageAllocator, PoolExhausted, UnknownSequence  # noqa: F401 (re-exported)
 
 
 class PagedDecoder:
-    """Continuous batching over a paged build (greedy decoding)."""
+    """Continuous batching over a paged build: greedy by default, or sampled (per decoder or per
+    sequence), with the decode step optionally replayed as a CUDA graph.
 
-    def __init__(self, model, *, prefill_chunk: int | None = None, seed: int = 0):
+    >>> decoder = PagedDecoder(built, temperature=0.7, top_k=40, seed=1)  # doctest: +SKIP
+    >>> a = decoder.add([1, 5, 7], temperature=0)                          # this one greedy
+    """
+
+    def __init__(self, model, *, prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+                 seed: int = 0, cuda_graph: bool = False):
         contract = getattr(model, "paged", None)
         if not isinstance(contract, dict) or not contract.get("per_row"):
             raise TypeError(f"{type(model).__name__} is not a paged ragged decode step: PagedDecoder needs a coopt build "
                             "with --paged-kv of a step forward(tokens [B, 1], positions [B]) (its `paged` contract)")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+        check_sampling(temperature, top_k)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
         self.model, self.contract, self.prefill_chunk = model, contract, prefill_chunk
+        self.temperature, self.top_k = float(temperature), top_k
         entry = getattr(model, "entry_points", {}).get("prefill")
         entry_contract = getattr(entry, "paged", None)
         same_pools = isinstance(entry_contract, dict) and all(
@@ -60,25 +90,33 @@ class PagedDecoder:
         self.device = next(iter(model.buffers())).device
         self.pages = PageAllocator(contract["num_pages"], contract["page_size"], self.device, seed=seed, reserved=1)
         self.scratch = self.pages.reserved_pages[0]  # padding rows read and write only this page
+        self.generator = torch.Generator(device=self.device).manual_seed(int(seed))  # every sample draws from it
         self._last: dict[int, int] = {}  # the last token of each sequence (fed by its next decode)
         self._pending: dict[int, int] = {}  # a prefilled sequence's first token, emitted by the next step
+        self._sampling: dict[int, tuple[float, int | None]] = {}  # (temperature, top_k) per sequence added
+        self.graph = self._capture() if cuda_graph else None
 
     # -- sequences ----------------------------------------------------------------------------
     @torch.no_grad()
-    def add(self, prompt) -> int:
+    def add(self, prompt, *, temperature: float | None = None, top_k: int | None = None) -> int:
         """Prefill a prompt (token ids, [T] or [1, T]) into new pages; returns the sequence id.
+        `temperature` / `top_k` choose this sequence's tokens (None: the decoder's).
 
         Checked before anything changes: 1 <= T < max_seq (a position left to decode into),
-        token ids in the vocabulary. PoolExhausted when the pool has too few free pages for T
-        tokens: nothing was allocated."""
+        token ids in the vocabulary, the sampling arguments. PoolExhausted when the pool has too
+        few free pages for T tokens: nothing was allocated."""
         tokens = self._prompt(prompt)
+        sampling = (self.temperature if temperature is None else temperature, self.top_k if top_k is None else top_k)
+        check_sampling(*sampling)
         seq_id = self.pages.add_sequence(tokens.numel())
+        self._sampling[seq_id] = (float(sampling[0]), sampling[1])
         try:
             logits = self._prefill(seq_id, tokens)
         except BaseException:
             self.pages.release(seq_id)  # a failed prefill holds no pages
+            del self._sampling[seq_id]
             raise
-        self._pending[seq_id] = int(logits.argmax())
+        self._pending[seq_id] = self._choose([seq_id], logits[None])[0]
         return seq_id
 
     @torch.no_grad()
@@ -97,7 +135,7 @@ class PagedDecoder:
             for start in range(0, len(decode), batch):
                 group = decode[start:start + batch]
                 logits = self._call_step(group, [self._last[s] for s in group], positions[start:start + batch])
-                chosen.update(zip(group, logits.argmax(-1).tolist()))
+                chosen.update(zip(group, self._choose(group, logits)))
         emitted = {}
         for seq_id in live:
             token = self._pending.pop(seq_id) if seq_id in self._pending else chosen[seq_id]
@@ -110,6 +148,7 @@ class PagedDecoder:
         self.pages.release(seq_id)
         self._pending.pop(seq_id, None)
         self._last.pop(seq_id, None)
+        self._sampling.pop(seq_id, None)
 
     def live_sequences(self) -> list[int]:
         return self.pages.live_sequences()
@@ -170,8 +209,9 @@ class PagedDecoder:
         position_rows = torch.zeros(rows, dtype=torch.int64, device=self.device)
         token_rows[:count, 0] = torch.tensor(list(tokens), dtype=token_dtype)
         position_rows[:count] = torch.tensor(list(positions), dtype=torch.int64)
-        logits = self.model(token_rows, position_rows, self._tables(seq_ids, rows))
-        return logits[:count, -1]
+        step = self.graph if self.graph is not None else self.model
+        logits = step(token_rows, position_rows, self._tables(seq_ids, rows))[:count, -1]
+        return logits.clone() if self.graph is not None else logits  # a replay overwrites the graph's output
 
     def _prefill(self, seq_id: int, tokens: torch.Tensor) -> torch.Tensor:
         """Write the prompt's keys and values into the sequence's pages; the last position's logits."""
@@ -200,3 +240,29 @@ class PagedDecoder:
         positions = torch.arange(start, start + tokens.numel(), device=self.device)
         logits = self.prefill_entry(chunk, positions, self._tables([seq_id], rows))
         return logits[0, -1]
+
+    def _choose(self, seq_ids: Sequence[int], logits: torch.Tensor) -> list[int]:
+        """The next token of each sequence from its row of `logits` [n, V]: one sample() call per
+        (temperature, top_k) among them, in row order (so the generator's draws are reproducible)."""
+        default = (self.temperature, self.top_k)
+        rows_of: dict[tuple[float, int | None], list[int]] = {}
+        for row, seq_id in enumerate(seq_ids):
+            rows_of.setdefault(self._sampling.get(seq_id, default), []).append(row)
+        tokens = [0] * len(seq_ids)
+        for (temperature, top_k), rows in rows_of.items():
+            picked = sample(logits[rows], temperature, top_k, self.generator)[:, 0].tolist()
+            for row, token in zip(rows, picked):
+                tokens[row] = token
+        return tokens
+
+    def _capture(self) -> GraphedStep:
+        """The decode step as a CUDA graph, captured over a batch of padding rows: its warm-up
+        calls write position 0 of the scratch page, nothing a sequence reads."""
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"cuda_graph=True: CUDA graphs need a CUDA device, but the model is on {self.device} "
+                             "(move it with .cuda(), or pass cuda_graph=False)")
+        rows = self.contract["batch"]
+        tokens = torch.zeros(rows, 1, dtype=getattr(torch, self.contract["dtype"]), device=self.device)
+        positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        # check=False: the decoder checks positions and prompt ids itself; a replay then needs no host sync
+        return GraphedStep(self.model, (tokens, positions, self._tables([], rows)), check=False)

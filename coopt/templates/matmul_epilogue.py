@@ -62,6 +62,10 @@ GEMV points are legal for them, so such a region exists only where M is decode-s
                                once (the reference rounds the normed row once too). SPLIT_K
                                stores each split's row sums beside its partials and the last
                                split adds them up in order, like the partials.
+                               NORM_FIRST=True runs the norm in a kernel of its own before
+                               the plain GEMV (one program per row writes the normed rows in
+                               a's dtype): on tl.dot tiles the in-loop prologue measured 2x
+                               slower than eager norm + cuBLAS at 32 rows on the H200.
     GLU epilogue               b = [gate | up] halves of 2N rows: each program streams the same
                                BLOCK_N rows of both (two slabs a K step, counted twice in the
                                register and shared-memory checks) into acc and acc_hi, which the
@@ -115,7 +119,7 @@ _MAX_ACC_REGS_PER_THREAD = {"bf16/fp16": 128, "fp32": 64}
 _MAX_FP32_ACC_AND_OPERAND_REGS = 144
 
 # The variants' knobs; a point without them (older advice, caches) is the plain kernel.
-VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1, "GEMV": False}
+VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1, "GEMV": False, "NORM_FIRST": False}
 # GEMV is offered where the region is planned for at most this many rows: beyond it the weight
 # is no longer the only traffic that matters and the tensor-core tiles win.
 GEMV_MAX_M = 64
@@ -141,6 +145,11 @@ def _norm_prologue(region: RegionSummary) -> dict | None:
     """attrs["prologue"] when it is an RMSNorm of a's rows (the only prologue there is), else None."""
     prologue = region.attrs.get("prologue")
     return prologue if isinstance(prologue, dict) and prologue.get("kind") == "rms_norm" else None
+
+
+def _inline_norm(region: RegionSummary, params: dict) -> dict | None:
+    """The norm prologue the GEMV kernel applies itself (None with NORM_FIRST: a kernel before it does)."""
+    return None if params.get("NORM_FIRST") else _norm_prologue(region)
 
 
 def _n_extra(region: RegionSummary) -> int:
@@ -243,10 +252,15 @@ class MatmulEpilogueFamily(TemplateFamily):
         if self._shape_facts(region)[1]:  # decode-sized: the GEMV kernel and its tiles too
             space.update(BLOCK_M=[1, *space["BLOCK_M"]], BLOCK_N=[16, *space["BLOCK_N"]],
                          BLOCK_K=[*space["BLOCK_K"], 256, 512], GEMV=[False, True])
+            if _norm_prologue(region) is not None:  # the RMSNorm inside the GEMV or a kernel before it
+                space["NORM_FIRST"] = [False, True]
         return space
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        if {**VARIANT_DEFAULTS, **params}["GEMV"]:
+        knobs = {**VARIANT_DEFAULTS, **params}
+        if knobs["NORM_FIRST"] and not (knobs["GEMV"] and _norm_prologue(region) is not None):
+            return "NORM_FIRST runs a region's RMSNorm prologue ahead of the GEMV kernel (GEMV=True and a norm prologue)"
+        if knobs["GEMV"]:
             return self._check_gemv(region, params, target)
         return self._check_tiles(region, params, target)
 
@@ -346,11 +360,12 @@ class MatmulEpilogueFamily(TemplateFamily):
         if bm == 1 and halves * bn * bk // threads > _MAX_GEMV_FMA_ELEMENTS_PER_THREAD:
             return f"{slabs} weight slab over {warps} warps spills registers (multiply-and-sum)"
         operand_regs = (halves * bm * bn + bm * bk + halves * bk * bn) // threads
-        fp32_cap = _MAX_GEMV_FUSED_FP32_REGS if _gemv_only(region) else _MAX_FP32_ACC_AND_OPERAND_REGS
+        fused = bool(region.attrs.get("glu")) or _inline_norm(region, params) is not None  # in this kernel
+        fp32_cap = _MAX_GEMV_FUSED_FP32_REGS if fused else _MAX_FP32_ACC_AND_OPERAND_REGS
         if bm > 1 and self._ieee_dot(region) and operand_regs > fp32_cap:
             return f"{bm}x{bn}x{bk} fp32 accumulator and operands over {warps} warps spill registers"
-        if bm > 1 and not self._ieee_dot(region) and _gemv_only(region):
-            norm = _norm_prologue(region) is not None
+        if bm > 1 and not self._ieee_dot(region) and fused:
+            norm = _inline_norm(region, params) is not None
             fused_regs = (halves * bm * bn + bm * bk * (1 if norm else 0.5) + halves * bk * bn * 0.5) / threads
             if fused_regs > _MAX_GEMV_FUSED_DOT_REGS:
                 return f"{bm}x{bn}x{bk} tiles of {_gemv_only(region)} over {warps} warps spill registers"
@@ -368,7 +383,7 @@ class MatmulEpilogueFamily(TemplateFamily):
         a_elem, b_elem = DTYPE_BYTES[region.inputs[0].dtype], DTYPE_BYTES[region.inputs[1].dtype]
         bm, bn, bk = params["BLOCK_M"], params["BLOCK_N"], params["BLOCK_K"]
         halves = 2 if region.attrs.get("glu") else 1
-        norm = _norm_prologue(region)
+        norm = _inline_norm(region, params)
         g_elem = DTYPE_BYTES[region.inputs[2 + int(bool(region.attrs.get("has_bias")))].dtype] \
             if norm and norm.get("has_weight") else 0
         step = bm * bk * a_elem + halves * bn * bk * b_elem + bk * g_elem

@@ -217,7 +217,11 @@ def assert_gemv_points_compile(family, cases: dict, make_inputs, tmp_path, targe
             expected[f"{name}_{i}"] = (region, params)
     compiled = compile_for_hopper(jobs, tmp_path, machine_code=True)
     for label, (region, params) in expected.items():
-        assert set(compiled[label]) == {"_gemv_kernel"}, label  # one launch, split or not
+        # one launch, split or not (NORM_FIRST: the row kernel before it)
+        assert set(compiled[label]) == {"_gemv_kernel"} | ({"_rms_rows_kernel"} if params.get("NORM_FIRST") else set()), label
+        if params.get("NORM_FIRST"):
+            rows = compiled[label]["_rms_rows_kernel"]
+            assert rows["launches"] == 1 and rows["pdl"], label
         kernel = compiled[label]["_gemv_kernel"]
         assert kernel["launches"] == 1 and kernel["pipelined"], f"{label}: weight loads not pipelined ({params})"
         # as conftest's compile_for_sm90 asserts for every template: launched with PDL, waiting first

@@ -275,9 +275,11 @@ def test_heuristic_fills_the_sms(batch, length, split):
     best, second = HeuristicAdvisor().advise(request).ranked[:2]
     assert best["SPLIT_KV"] == split, best
     assert best["USE_DOT"] and best["BLOCK_N"] == 64
-    # long splits: twice the splits (two programs per SM) is measured next, not a tile variant
-    long_splits = length // split >= 1024
-    assert (second["SPLIT_KV"] == 2 * split) == long_splits, second
+    # twice the splits is measured next, not a tile variant, for long splits (two programs per
+    # SM) and for short ones that leave each SM a program or less (latency-bound)
+    programs = batch * 8 * split
+    doubled = length // split >= 1024 or (programs <= H200.num_sms and length // split >= 2 * 16)
+    assert (second["SPLIT_KV"] == 2 * split) == doubled, second
 
 
 # -- Hopper compilation (no GPU needed) ---------------------------------------------------

@@ -171,6 +171,51 @@ def test_norm_without_weight(point, load_candidate):
     check_close(out, reference(region, inputs)[0])
 
 
+# NORM_FIRST: the RMSNorm in a kernel of its own (one program per row), then the plain GEMV
+FIRST_POINTS = {
+    "dot_first": {**gemv(16, 32, 128, stages=2), "NORM_FIRST": True},
+    "fma_first_split": {**gemv(1, 16, 32, split=4), "NORM_FIRST": True},
+}
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("point", sorted(FIRST_POINTS))
+@pytest.mark.parametrize("glu", [False, True])
+def test_norm_first_matches_torch(m, point, glu, load_candidate):
+    if FIRST_POINTS[point]["BLOCK_M"] == 1 and m > 4:
+        pytest.skip("BLOCK_M=1: at most 4 rows")
+    region = fused_region((m,), 50, 301, "bfloat16", glu=glu)
+    assert FAMILY.check(region, FIRST_POINTS[point], H200) is None
+    inputs = make_inputs(region, 1e3, seed=6)
+    (out,) = run_candidate(load_candidate, region, FIRST_POINTS[point], inputs, stem=f"first_{point}_{m}_{glu}")
+    check_close(out, reference(region, inputs)[0])
+
+
+def test_norm_first_fp32_long_rows_without_weight(load_candidate):
+    # K = 4500: the row kernel walks two blocks of 4096 (masked tail), in fp32 (no rounding)
+    region = fused_region((3,), 20, 4500, "float32", norm_weight=False)
+    point = FIRST_POINTS["dot_first"]
+    assert FAMILY.check(region, point, H200) is None
+    inputs = make_inputs(region, 1e-3, seed=7)  # mean(x^2) ~ 1e-6: eps matters
+    (out,) = run_candidate(load_candidate, region, point, inputs)
+    check_close(out, reference(region, inputs)[0])
+
+
+def test_norm_first_is_only_for_gemv_norm_regions():
+    first = {**gemv(16, 32, 128), "NORM_FIRST": True}
+    plain = fused_region((16,), 4096, 4096, "bfloat16", norm=False, glu=True)
+    assert "NORM_FIRST" not in FAMILY.param_space(plain, H200)
+    assert "norm prologue" in FAMILY.check(plain, first, H200)
+    norm = fused_region((16,), 4096, 4096, "bfloat16")
+    assert FAMILY.param_space(norm, H200)["NORM_FIRST"] == [False, True]
+    assert FAMILY.check(norm, first, H200) is None
+    # its GEMV kernel is the plain one: no norm weight slice in the pipeline's shared memory
+    deep = {**gemv(16, 32, 256, stages=4)}
+    assert FAMILY._gemv_smem(norm, {**deep, "NORM_FIRST": True}) == FAMILY._gemv_smem(
+        fused_region((16,), 4096, 4096, "bfloat16", norm=False), deep)
+    assert FAMILY._gemv_smem(norm, deep) > FAMILY._gemv_smem(norm, {**deep, "NORM_FIRST": True})
+
+
 def test_split_workspace_holds_squares_and_both_halves(load_candidate):
     # Symbolic rows: calls of one module with other M share (and grow) the cached workspace; the
     # counters are back at zero after every launch.
@@ -252,6 +297,15 @@ def test_heuristic_ranks_gemv_tiles_for_fused_decode_regions():
     assert first["BLOCK_N"] in (16, 32) and first["BLOCK_K"] in (256, 512)
     rows32 = ranked(fused_region((32,), 14336, 4096, "bfloat16", glu=True))[0]
     assert rows32["BLOCK_M"] == 32 and rows32["GEMV"]
+    # the norm: in the loop for one row (the separate kernel measured next), ahead of the GEMV
+    # for tl.dot tiles, whose in-loop form comes after every separate one
+    assert not qkv["NORM_FIRST"] and not first["NORM_FIRST"]
+    one_row = ranked(fused_region((1,), 6144, 4096, "bfloat16"))
+    assert one_row[1] == {**one_row[0], "NORM_FIRST": True}
+    rows32 = ranked(fused_region((32,), 6144, 4096, "bfloat16"))
+    assert rows32[0]["NORM_FIRST"] and rows32[0]["BLOCK_M"] == 32
+    inline = [i for i, point in enumerate(rows32) if not point["NORM_FIRST"]]
+    assert inline and min(inline) > 3
 
 
 def test_golden_rendering_norm_glu(golden):
@@ -261,6 +315,9 @@ def test_golden_rendering_norm_glu(golden):
     assert FAMILY.check(region, fma_split, H200) is None and FAMILY.check(region, dot, H200) is None
     golden("matmul_epilogue_gemv_norm_glu_split.py", FAMILY.render(region, fma_split))
     golden("matmul_epilogue_gemv_norm_glu_dot.py", FAMILY.render(region, dot))
+    dot_first = {**dot, "NORM_FIRST": True}
+    assert FAMILY.check(region, dot_first, H200) is None
+    golden("matmul_epilogue_gemv_norm_first_glu_dot.py", FAMILY.render(region, dot_first))
 
 
 # -- Hopper compilation (no GPU needed) -------------------------------------------------------
@@ -275,6 +332,8 @@ HOPPER_CASES = {
                        [gemv(32, 32, 256, stages=2), gemv(32, 64, 128, stages=3), gemv(16, 32, 512, split=2, stages=3)]),
     "glu_only_fp32": (fused_region((1,), 512, 4096, "float32", norm=False, glu=True), [gemv(1, 16, 128, split=4)]),
     "norm_rows16_fp32": (fused_region((16,), 512, 4096, "float32"), [gemv(16, 32, 64, stages=3)]),
+    "norm_first_rows32": (fused_region((32,), 512, 4096, "bfloat16", glu=True),
+                          [{**gemv(32, 64, 256, stages=3), "NORM_FIRST": True}]),
 }
 
 

@@ -96,7 +96,6 @@ def _attention_kernel(
 ):
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)

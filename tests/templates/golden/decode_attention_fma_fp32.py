@@ -59,7 +59,6 @@ def _decode_split_kernel(
     (with SPLIT_KV > 1 the last split of the (sequence, kv head) to finish merges them all)."""
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     batch = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
@@ -102,6 +101,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
         m_i = m_new
+    if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
+        tl.extra.cuda.gdc_launch_dependents()
     # A length of 0 (outside the schema) leaves l_i == 0: zeros, not NaN.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]

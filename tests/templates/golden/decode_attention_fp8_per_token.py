@@ -65,7 +65,6 @@ def _decode_split_kernel(
     (with SPLIT_KV > 1 the last split of the (sequence, kv head) to finish merges them all)."""
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     batch = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
@@ -126,6 +125,8 @@ def _decode_split_kernel(
         else:
             acc = tl.dot(p_v.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
+    if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
+        tl.extra.cuda.gdc_launch_dependents()
     # Unnormalised partials, rows [batch, head, split]; only splits that saw keys write.
     part = (batch * NUM_HEADS + head) * SPLIT_KV + split
     # (not head_ok & (start < end): the interpreter makes that an int32 mask, which it rejects)

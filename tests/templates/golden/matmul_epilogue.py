@@ -59,7 +59,6 @@ def _matmul_kernel(
 ):
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     # Grouped tile order: GROUP_M consecutive programs walk down a column of B tiles, so the
     # B tile is still in L2 when the next row of A tiles needs it.
@@ -101,6 +100,8 @@ def _matmul_kernel(
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
+        tl.extra.cuda.gdc_launch_dependents()
 
     # fp32 partial sums; _split_k_reduce_kernel adds them up and runs the epilogue.
     partial_ptrs = partial_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]

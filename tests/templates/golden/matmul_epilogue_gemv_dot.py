@@ -62,7 +62,6 @@ def _gemv_kernel(
 ):
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     # Program order: row tiles, then K splits, then column tiles. The programs that read one
     # weight slab run side by side (it crosses DRAM once) and a tile's splits finish together.
@@ -101,6 +100,8 @@ def _gemv_kernel(
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
+        tl.extra.cuda.gdc_launch_dependents()
     _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, in0_ptr, out0_ptr, stride_in0_m, stride_in0_n, stride_cm)
 
 

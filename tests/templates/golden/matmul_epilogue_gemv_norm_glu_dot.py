@@ -60,7 +60,6 @@ def _gemv_kernel(
 ):
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     # Program order: row tiles, then K splits, then column tiles. The programs that read one
     # weight slab run side by side (it crosses DRAM once) and a tile's splits finish together.
@@ -116,6 +115,8 @@ def _gemv_kernel(
         b_ptrs += BLOCK_K * stride_bk
         b_hi_ptrs += BLOCK_K * stride_bk
         g_ptrs += BLOCK_K * stride_norm_w
+    if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
+        tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.rsqrt(row_squares / K + 1e-05)  # 1 / rms of each row: one factor of its outputs
     acc = acc * rstd[:, None]
     acc_hi = acc_hi * rstd[:, None]

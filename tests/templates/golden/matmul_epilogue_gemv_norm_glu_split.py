@@ -61,7 +61,6 @@ def _gemv_kernel(
 ):
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     # Program order: row tiles, then K splits, then column tiles. The programs that read one
     # weight slab run side by side (it crosses DRAM once) and a tile's splits finish together.
@@ -118,6 +117,8 @@ def _gemv_kernel(
     acc = acc[None, :]  # the [1, BLOCK_N] tile the epilogue takes
     acc_hi = acc_hi[None, :]
     row_squares = tl.sum(squares, axis=1)  # [BLOCK_M] = [1]: this split's sum of x^2
+    if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
+        tl.extra.cuda.gdc_launch_dependents()
 
     # The splits of a tile meet here, in this launch: each stores its fp32 partial and counts
     # itself in; the last to arrive sums the partials in split order (the same result whichever

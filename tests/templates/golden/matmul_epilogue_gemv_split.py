@@ -63,7 +63,6 @@ def _gemv_kernel(
 ):
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     # Program order: row tiles, then K splits, then column tiles. The programs that read one
     # weight slab run side by side (it crosses DRAM once) and a tile's splits finish together.
@@ -101,6 +100,8 @@ def _gemv_kernel(
         x_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_bk
     acc = acc[None, :]  # the [1, BLOCK_N] tile the epilogue takes
+    if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
+        tl.extra.cuda.gdc_launch_dependents()
 
     # The splits of a tile meet here, in this launch: each stores its fp32 partial and counts
     # itself in; the last to arrive sums the partials in split order (the same result whichever

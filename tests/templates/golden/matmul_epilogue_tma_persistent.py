@@ -100,7 +100,6 @@ def _tiles_kernel(
 ):
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     # Program p computes tiles p, p + num_programs, ...: one trip on the plain grid (a program per
     # tile), several on the persistent grid (a program per SM). FLATTEN fuses the tile and K loops
