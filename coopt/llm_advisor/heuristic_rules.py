@@ -388,6 +388,7 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     # Short lengths are latency-bound (b1, length 2048: 16 splits of 128 keys took 11.4 µs for
     # 8.4 MB on the H200): where the splits leave SMs a program or less each, twice the splits
     # (shorter chains of tile loads) is ranked second too.
+    tile_fp16 = True in (knob(request.space, ("TILE_FP16",)) or [])
     second_split = 2 * split_t if 2 * split_t in split_vals and (
         keys_per_split >= 1024 or (programs * split_t <= sms and keys_per_split >= 2 * min(bn_vals or [16]))) else None
 
@@ -398,6 +399,11 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
         use_dot = knob(point, ("USE_DOT",))
         if use_dot is not None and bool(use_dot) != dot_t:
             c += 1.0
+        # fp8 tiles widened to fp16 (one conversion per pair) rather than bf16 (several): the
+        # bf16-widened kernel measured conversion-bound (1.47 TB/s). Not measured yet itself:
+        # the bf16 form is ranked right behind so that measurement compares the two.
+        if tile_fp16 and not knob(point, ("TILE_FP16",)):
+            c += 0.03
         c += _log_gap(knob(point, WARPS), warps_t)
         stages = knob(point, STAGES)
         c += 0.5 * _stages_gap(stages, *stages_range)

@@ -120,6 +120,8 @@ from coopt.targets import Target
 from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE, kv_cache_problem, kv_scale
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
+# knobs some regions' spaces add, and their value where a point leaves them out
+OPTIONAL_KNOBS = {"TILE_FP16": False}
 _MAX_HEAD_DIM = 256
 # Register budgets per thread, from ptxas -v for sm_90 (triton 3.9) over BLOCK_N x D x group x
 # warps: multiply-and-sum materialises the [group, BLOCK_N, D] products in fp32, and up to 32 per
@@ -172,6 +174,19 @@ def rope_at(region: RegionSummary) -> int | None:
     if not region.attrs.get("rope"):
         return None
     return 4 if page_size(region) is None else 5
+
+
+def _fp16_tiles_problem(region: RegionSummary) -> str | None:
+    """Why TILE_FP16 does not apply to `region` (None: it does). It widens e4m3 K/V tiles to
+    fp16, which sm_89+ converts two values an instruction (e4m3 -> bf16 takes several: the H200
+    ran the bf16-widened fp8 kernel at 1.47 TB/s, the bf16 cache at 3.19), and runs both dots in
+    fp16: q scaled into fp16's range by a power of two folded into the softmax scale, P in [0, 1].
+    Per-token V scales weigh P itself (small scales would leave fp16's range): not with those."""
+    if kv_scale(region) not in ("per-tensor", "per-head"):
+        return "TILE_FP16 is for fp8 caches with per-tensor or per-head scales"
+    if region.inputs[0].dtype != "bfloat16":
+        return "TILE_FP16 is for a bf16 query (fp16 tiles are q's dtype already; fp32 keeps fp32)"
+    return None
 
 
 def scales_at(region: RegionSummary) -> int:
@@ -256,13 +271,16 @@ class DecodeAttentionFamily(TemplateFamily):
 
     # -- the space -----------------------------------------------------------------------
     def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
-        return {
+        space = {
             "BLOCK_N": [16, 32, 64, 128],
             "SPLIT_KV": [1, 2, 4, 8, 16, 32, 64],
             "USE_DOT": [False, True],
             "num_warps": [2, 4, 8],
             "num_stages": [1, 2, 3, 4],
         }
+        if _fp16_tiles_problem(region) is None:  # an fp8 cache read by a bf16 query
+            space["TILE_FP16"] = [False, True]
+        return space
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
         problem = kv_cache_problem(region, scales_at(region)) or paged_problem(region)
@@ -270,10 +288,14 @@ class DecodeAttentionFamily(TemplateFamily):
             return problem
         space = self.param_space(region, target)
         for knob, values in space.items():
-            if params.get(knob) not in values:
+            if params.get(knob, OPTIONAL_KNOBS.get(knob)) not in values:
                 return f"{knob}={params.get(knob)} is not in the space"
         bn, split_kv, use_dot = params["BLOCK_N"], params["SPLIT_KV"], params["USE_DOT"]
         warps, stages = params["num_warps"], params["num_stages"]
+        if params.get("TILE_FP16") and _fp16_tiles_problem(region):
+            return _fp16_tiles_problem(region)
+        if params.get("TILE_FP16") and not use_dot:
+            return "TILE_FP16 widens fp8 tiles for tl.dot (USE_DOT=True)"
         block_d, block_h = self._block_d(region), self.block_h(region, use_dot)
         elem = DTYPE_BYTES[region.inputs[1].dtype]  # K/V: 1 for an fp8 cache
         q_elem = DTYPE_BYTES[region.inputs[0].dtype]
@@ -320,7 +342,7 @@ class DecodeAttentionFamily(TemplateFamily):
         return render_template(
             "triton/decode_attention.py.j2",
             region_name=region.name,
-            params=params,
+            params={**OPTIONAL_KNOBS, **params},
             scale=repr(float(scale if scale is not None else 1.0 / math.sqrt(head_dim))),
             num_heads=region.attrs["num_heads"],
             num_kv_heads=region.attrs["num_kv_heads"],
@@ -334,7 +356,8 @@ class DecodeAttentionFamily(TemplateFamily):
             rope=bool(region.attrs.get("rope")),
             # fp8 tiles are converted to what the scores are computed in: q's dtype for tl.dot
             # (e4m3 is exact in bf16 / fp16), fp32 for multiply and sum
-            tile_tl_dtype=_TL_DTYPE[region.inputs[0].dtype] if params["USE_DOT"] else "tl.float32",
+            tile_tl_dtype=("tl.float16" if params.get("TILE_FP16") else _TL_DTYPE[region.inputs[0].dtype])
+            if params["USE_DOT"] else "tl.float32",
             out_tl_dtype=_TL_DTYPE[region.outputs[0].dtype],
             out_torch_dtype=_TORCH_DTYPE[region.outputs[0].dtype],
         )

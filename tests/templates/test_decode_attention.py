@@ -304,6 +304,12 @@ def test_covering_points_compile_for_hopper(tmp_path):
         label = f"paged_{granularity or 'bf16'}"
         jobs.append((label, FAMILY.render(region, params), inputs))
         expected[label] = params
+    # fp8 tiles widened to fp16 (TILE_FP16), the heuristic's first pick at b1 / 32768
+    region = fp8_region(2, 32, 8, 256, 128, "per-head")
+    params = {"BLOCK_N": 128, "SPLIT_KV": 2, "USE_DOT": True, "num_warps": 4, "num_stages": 3, "TILE_FP16": True}
+    assert FAMILY.check(region, params, H200) is None
+    jobs.append(("fp8_fp16_tiles", FAMILY.render(region, params), make_fp8_inputs(region, [256, 100])))
+    expected["fp8_fp16_tiles"] = params
     compiled = compile_for_hopper(jobs, tmp_path)
     for label, params in expected.items():
         kernels = compiled[label]
@@ -438,6 +444,47 @@ def test_fp8_all_zero_heads_and_saturated_caches(granularity, load_candidate):
         check_close(out, fp8_reference(region, *inputs))
 
 
+# TILE_FP16: e4m3 tiles widened to fp16, q rescaled into fp16's range by a power of two
+FP8_FP16_DOT = {**FP8_DOT, "TILE_FP16": True}
+
+
+@pytest.mark.parametrize("case", FP8_LENGTHS)
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
+def test_fp8_fp16_tiles_lengths(case, granularity, load_candidate):
+    region = fp8_region(3, 8, 2, 80, 64, granularity)
+    inputs = make_fp8_inputs(region, FP8_LENGTHS[case])
+    (out,) = run_candidate(load_candidate, region, FP8_FP16_DOT, inputs)
+    assert out.dtype == torch.bfloat16
+    check_close(out, fp8_reference(region, *inputs))
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 3e4, 1e9])
+def test_fp8_fp16_tiles_queries_outside_fp16(magnitude, load_candidate):
+    # |q| up to ~4e9 (fp16 overflows at 65504) or ~4e-6 (fp16 subnormal): the power-of-two
+    # shift keeps q's bits; the scores' scale comes back through the softmax scale
+    region = fp8_region(2, 8, 2, 64, 64, "per-head")
+    q, *rest = make_fp8_inputs(region, [64, 37], seed=4)
+    region = RegionSummary(**{**region.__dict__, "attrs": {**region.attrs, "scale": 0.125 / magnitude}})
+    inputs = [(q.float() * magnitude).to(q.dtype), *rest]
+    (out,) = run_candidate(load_candidate, region, {**FP8_FP16_DOT, "SPLIT_KV": 2}, inputs, stem=f"fp16q{magnitude:g}")
+    assert torch.isfinite(out.float()).all()
+    check_close(out, fp8_reference(region, *inputs))
+
+
+def test_fp8_fp16_tiles_only_where_they_apply():
+    first = {**FP8_FP16_DOT}
+    per_head = fp8_region(1, 8, 2, 64, 64, "per-head")
+    assert FAMILY.param_space(per_head, H200)["TILE_FP16"] == [False, True]
+    assert FAMILY.check(per_head, first, H200) is None
+    assert "USE_DOT" in FAMILY.check(per_head, {**first, "USE_DOT": False}, H200)
+    for region in (fp8_region(1, 8, 2, 64, 64, "per-token"), fp8_region(1, 8, 2, 64, 64, "per-head", "float16"),
+                   make_region(1, 8, 2, 64, 64, "bfloat16")):
+        assert "TILE_FP16" not in FAMILY.param_space(region, H200)
+        assert "TILE_FP16 is for" in FAMILY.check(region, first, H200)
+    # a point from before the knob (selection.json, advice.json) still checks and renders
+    assert FAMILY.check(per_head, FP8_DOT, H200) is None and "def run(" in FAMILY.render(per_head, FP8_DOT)
+
+
 def test_fp8_reads_only_the_valid_prefix(load_candidate):
     # NaN (e4m3fn 0x7f) in the caches and in the per-token scales past each length
     region = fp8_region(2, 4, 2, 128, 32, "per-token")
@@ -535,9 +582,11 @@ def test_fp8_heuristic_takes_twice_the_keys_per_tile():
     region = fp8_region(1, 32, 8, 32768, 128, "per-head", example_length=32768)
     request = AdviceRequest(region, "decode_attention", FAMILY.param_space(region, H200),
                             tuple(FAMILY.legal_points(region, H200)), H200.facts())
-    best = HeuristicAdvisor().advise(request).ranked[0]
+    best, second = HeuristicAdvisor().advise(request).ranked[:2]
     assert best["BLOCK_N"] == 128 and best["USE_DOT"] and best["SPLIT_KV"] == 16, best
     assert FAMILY.check(region, best, H200) is None
+    # fp16-widened tiles first, the bf16-widened form of the same point measured next
+    assert best["TILE_FP16"] and second == {**best, "TILE_FP16": False}
 
 
 def test_fp8_golden_rendering(golden):
