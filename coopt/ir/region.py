@@ -62,7 +62,8 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     or per-head). Position p of sequence b is k_pages[page_table[b, p // P], :, p % P]; slots of
     page_table past cdiv(lengths[b], P) are never read. paged-kv's regions also carry
     "page_table_input": 4 and "pool_input": 1 (verification draws valid page ids and lengths
-    up to max_pages * P).
+    up to max_pages * P). attention with lengths (a prompt over the cache) takes the same paged
+    form: q [B, H, T, D], pools, lengths [T], page_table, [k_scale, v_scale].
 
 kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quantization)
     attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",

@@ -292,9 +292,15 @@ def attention(request: AdviceRequest) -> tuple[CostFn, str]:
     batch, heads, sq, d = (1,) * (4 - len(q)) + q if len(q) < 4 else q[-4:]
     kv_heads = kv[-3] if len(kv) >= 3 else heads
     sk = kv[-2] if len(kv) >= 2 else sq
+    page_size = request.region.attrs.get("page_size")
+    if page_size:  # paged KV: k is a pool of pages; the keys are what the page table addresses
+        table = _shape(request, 4)
+        sk = (table[-1] if table else 1) * page_size
     group = max(1, heads // max(1, kv_heads))
     sms = int(request.target.get("num_sms") or 132)
     bm_vals, bn_vals = _numbers(knob(request.space, BLOCK_M)), _numbers(knob(request.space, BLOCK_N))
+    if page_size:
+        bn_vals = [v for v in bn_vals if page_size % v == 0] or bn_vals
 
     def query_tile(rows: int, head_programs: int):
         # For few query rows (decode) one tile covering them: more is wasted work. For many,
@@ -304,7 +310,7 @@ def attention(request: AdviceRequest) -> tuple[CostFn, str]:
         return 128 if head_programs * math.ceil(rows / 128) >= FILL_SHARE * sms else 64
 
     # Key tile 64: the S = QK^T tile stays in registers next to the output accumulator.
-    bn_t = 64 if sk >= 64 else _smallest_at_least(bn_vals, sk)
+    bn_t = _largest_at_most(bn_vals, 64) if sk >= 64 else _smallest_at_least(bn_vals, sk)
     # Head dim > 64 doubles the accumulator and Q tile: 8 warps share the registers.
     warps_t = 4 if d <= 64 else 8
     # K/V loads are the latency the stages hide; a stage of 1-byte fp8 K/V (a prompt over an fp8

@@ -1,6 +1,7 @@
 """fuse-attention: each coopt.attention → an attention region (flash-attention candidates); each
 decode / prompt-over-cache attention → a decode_attention / attention region (with lengths), a
-decode attention taking in the rope of its query when only it reads that (knob `rope`)."""
+decode attention taking in the rope of its query when only it reads that (knob `rope`); either
+reads a paged cache (paged-kv) through its page table, gathering nothing."""
 
 from __future__ import annotations
 
@@ -53,13 +54,13 @@ class FuseAttention(CooptPass):
             }
             inputs = [attn.q, attn.k, attn.v, attn.lengths]
             ops = [attn]
-            paged = _paged_views(attn) if decode else None
+            paged = _paged_views(attn)
             if paged is not None:  # paged-kv: the kernel reads through the page table, nothing is gathered
                 k_view, v_view = paged
                 inputs = [attn.q, k_view.pool, v_view.pool, attn.lengths, k_view.table]
                 ops = [*k_view.ops, *v_view.ops, attn]
                 attrs.update({"page_size": k_view.page_size, "page_table_input": 4, "pool_input": 1})
-                count("fuse.decode_attention.paged")
+                count("fuse.decode_attention.paged" if decode else "fuse.attention.paged")
             rope = _query_rope(attn) if decode and self.rope else None
             if rope is not None:  # q's rotary embedding in the kernel's q load: one launch less a layer
                 inputs = [rope.x, *inputs[1:], rope.cos, rope.sin]
@@ -76,8 +77,8 @@ class FuseAttention(CooptPass):
 
 
 def _paged_views(attn):
-    """(k view, v view) when a decode attention reads both caches as paged views of one page
-    table (paged-kv), else None."""
+    """(k view, v view) when a decode or prompt attention reads both caches as paged views of one
+    page table (paged-kv), else None."""
     from coopt.passes.paged_kv import read_paged_view
 
     k_view, v_view = read_paged_view(attn.k), read_paged_view(attn.v)

@@ -19,8 +19,8 @@ decode / cache attentions (as k or v, through `[:B]` slices of dim 0). Rewritten
   [B, max_pages, Hkv, P, D] permuted and reshaped to [B, Hkv, max_pages * P, D] (`paged_view`):
   the attention and its lengths are unchanged. fuse-attention takes a decode attention over two
   such views into a decode_attention region in paged mode (inputs q, k_pages, v_pages, lengths,
-  page_table: the kernel reads through the table, nothing is gathered); a prompt's cache
-  attention reads the gathered view (a transient copy of the table's pages per layer).
+  page_table: the kernel reads through the table, nothing is gathered), and a prompt's cache
+  attention into an attention region in paged mode with the same inputs (likewise).
   fuse-kv-write takes the paged writes into a kv_write region in paged mode.
 
 The pass touches no data: it records {"page_size", "num_pages", "max_pages", "batch",
@@ -52,8 +52,8 @@ from coopt.ir.dialect import AtenOp, CacheAttentionOp, DecodeAttentionOp, Kernel
 from coopt.passes.base import CooptPass, aten_target, literal_arg, tensor_arg
 from coopt.passes.shapes import dims
 from coopt.passes.stats import count
+from coopt.runtime.pages import PAGE_SIZES
 
-PAGE_SIZES = (16, 32, 64, 128, 256)
 PAGED_ATTR = "coopt.paged_kv"
 PAGE_TABLE = "page_table"  # the name of the new input in the program
 _ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")

@@ -14,6 +14,11 @@ per-tensor / per-head K scale is folded into the softmax scale and the V scale m
 program's output once; per-token scales multiply the score columns (K) and the probabilities
 before P @ V (V), loaded with each tile. fp32 queries over an fp8 cache have no legal point.
 
+Paged (paged-kv; attrs "page_size": P, "page_table_input": 4, "pool_input": 1): k / v are pools
+[N, Hkv, P, D] and input 4 a page_table [B, max_pages] int32 (fp8 scales follow it); key j of
+sequence b is row j % P of page page_table[b, j // P], one lookup per K/V block (BLOCK_N divides
+P), and the keys a sequence has are max_pages * P.
+
 Online softmax with fp32 statistics and accumulator; each program owns BLOCK_M query rows and
 streams K/V in BLOCK_N blocks: first the blocks every row may see (no masking), then the
 partly visible ones (masked). A head dim that is not a power of two is padded with masks.
@@ -54,6 +59,7 @@ from __future__ import annotations
 import math
 
 from coopt.ir.region import DTYPE_BYTES, RegionSummary, TensorSpec
+from coopt.runtime.pages import PAGE_SIZES
 from coopt.targets import Target
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
@@ -116,6 +122,36 @@ def kv_cache_problem(region: RegionSummary, scales_at: int) -> str | None:
     return None
 
 
+# Paged KV (paged-kv, docs/kv-cache.md): pools of pages of P positions read through a page table.
+
+
+def page_size(region: RegionSummary) -> int | None:
+    """Positions per page of a paged KV cache (attrs "page_size"), None for a cache per sequence."""
+    return region.attrs.get("page_size")
+
+
+def paged_problem(region: RegionSummary) -> str | None:
+    """Why a paged region (attrs "page_size") breaks the paged schema, or None (also when not paged):
+    q, k_pages / v_pages [N, Hkv, P, D], lengths, page_table [B, max_pages] int32 (input 4), then
+    k_scale, v_scale of an fp8 cache (per-tensor or per-head). decode_attention and attention
+    (a prompt over the cache) share it."""
+    size = page_size(region)
+    if size is None:
+        return None
+    if size not in PAGE_SIZES:
+        return f"page_size={size} is none of {PAGE_SIZES}"
+    if len(region.inputs) < 5:
+        return f"paged KV needs a page_table input 4 (got {len(region.inputs)} inputs)"
+    q, k, v, _, table = region.inputs[:5]
+    if k.shape[2] != size or v.shape[2] != size:
+        return f"k / v pages hold {k.shape[2]} / {v.shape[2]} positions, page_size is {size}"
+    if len(table.shape) != 2 or table.dtype != "int32" or table.shape[0] != q.shape[0]:
+        return f"page_table {list(table.shape)} {table.dtype} is not [B, max_pages] int32"
+    if kv_scale(region) == "per-token":
+        return "per-token scales with paged KV are not supported yet (per-tensor or per-head)"
+    return None
+
+
 class AttentionFamily(TemplateFamily):
     name = "attention"
 
@@ -133,12 +169,24 @@ class AttentionFamily(TemplateFamily):
         """A prompt over a KV cache: input 3 holds one key count per query position."""
         return region.attrs.get("lengths_input") == 3 and list(region.attrs.get("lengths_bound") or ()) == [1, 2]
 
+    @classmethod
+    def _paged(cls, region: RegionSummary) -> bool:
+        """A prompt over a paged KV cache (paged-kv): k / v are page pools, input 4 the page table."""
+        return cls._query_lengths(region) and page_size(region) is not None
+
+    @classmethod
+    def _scales_at(cls, region: RegionSummary) -> int:
+        """Index of k_scale (fp8): after q, k, v, [lengths], [page_table]."""
+        return 3 + cls._query_lengths(region) + cls._paged(region)
+
     def matches(self, region: RegionSummary) -> bool:
         lengths = self._query_lengths(region)
-        # only a prompt over a KV cache (lengths) reads an fp8 cache, with its two scales
+        # only a prompt over a KV cache (lengths) reads an fp8 cache, with its two scales, or pages
         fp8 = lengths and kv_scale(region) is not None
-        if region.family != self.name or len(region.inputs) != 3 + lengths + 2 * fp8 or len(region.outputs) != 1:
+        if region.family != self.name or len(region.inputs) != self._scales_at(region) + 2 * fp8 or len(region.outputs) != 1:
             return False
+        if self._paged(region) and paged_problem(region) is not None and not paged_problem(region).startswith("per-token"):
+            return False  # (per-token scales with pages: a legal schema that `check` rejects)
         q, k, v = region.inputs[:3]
         if lengths and (region.attrs.get("causal") or region.inputs[3].shape != (q.shape[2],)
                         or region.inputs[3].dtype not in ("int32", "int64")):
@@ -154,7 +202,7 @@ class AttentionFamily(TemplateFamily):
             and isinstance(heads, int) and isinstance(kv_heads, int)
             and kv_heads >= 1 and heads % kv_heads == 0
             and all(s.dtype in _TL_DTYPE for s in (q, region.outputs[0]))
-            and kv_cache_problem(region, 3 + lengths) is None
+            and kv_cache_problem(region, self._scales_at(region)) is None
         )
 
     # -- the space -----------------------------------------------------------------------
@@ -169,7 +217,7 @@ class AttentionFamily(TemplateFamily):
         }
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        problem = kv_cache_problem(region, 3 + self._query_lengths(region))
+        problem = kv_cache_problem(region, self._scales_at(region)) or (paged_problem(region) if self._paged(region) else None)
         if problem is not None:
             return problem
         bm, bn, warps, stages = params["BLOCK_M"], params["BLOCK_N"], params["num_warps"], params["num_stages"]
@@ -193,7 +241,13 @@ class AttentionFamily(TemplateFamily):
             return f"8 warps on {bm} query rows leave most threads idle"
         # A tile may cover the largest problem, never more (floor 16: tl.dot's minimum).
         _, sq_hi = dim_range(region, [region.inputs[0].shape[2]])
-        _, sk_hi = dim_range(region, [region.inputs[1].shape[2]])
+        if self._paged(region):
+            if page_size(region) % bn:
+                return f"BLOCK_N={bn} does not divide page_size={page_size(region)}: a K/V block must lie in one page"
+            _, pages_hi = dim_range(region, [region.inputs[4].shape[1]])
+            sk_hi = None if pages_hi is None else pages_hi * page_size(region)
+        else:
+            _, sk_hi = dim_range(region, [region.inputs[1].shape[2]])
         rows_hi = None if sq_hi is None else sq_hi * (self._group(region) if params["PACK_GQA"] else 1)
         for knob, size, hi in (("BLOCK_M", bm, rows_hi), ("BLOCK_N", bn, sk_hi)):
             if hi is not None and size > max(16, next_pow2(hi)):
@@ -240,6 +294,8 @@ class AttentionFamily(TemplateFamily):
             block_d=max(16, next_pow2(head_dim)),
             ieee_dot=dtype == "float32",
             kv_scale=kv_scale(region) if self._query_lengths(region) else None,
+            paged=self._paged(region),
+            page_size=page_size(region),
             tile_tl_dtype=_TL_DTYPE[dtype],  # fp8 K/V tiles are widened to q's dtype for tl.dot
             out_tl_dtype=_TL_DTYPE[region.outputs[0].dtype],
             out_torch_dtype=_TORCH_DTYPE[region.outputs[0].dtype],

@@ -117,7 +117,7 @@ import math
 
 from coopt.ir.region import DTYPE_BYTES, RegionSummary
 from coopt.targets import Target
-from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE, kv_cache_problem, kv_scale
+from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE, kv_cache_problem, kv_scale, page_size, paged_problem
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 # knobs some regions' spaces add, and their value where a point leaves them out
@@ -140,33 +140,6 @@ _MAX_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "fp32": 64}
 _MAX_FP8_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "bf16/fp16 8 warps": 64, "fp32": 24}
 # Every thread should load at least one 16-byte vector of each K tile; fewer leaves warps idle.
 _MIN_TILE_BYTES_PER_THREAD = 16
-
-
-PAGE_SIZES = (16, 32, 64, 128, 256)
-
-
-def page_size(region: RegionSummary) -> int | None:
-    """Positions per page of a paged KV cache (attrs "page_size"), None for a cache per sequence."""
-    return region.attrs.get("page_size")
-
-
-def paged_problem(region: RegionSummary) -> str | None:
-    """Why a paged region (attrs "page_size") breaks the paged schema, or None (also when not paged)."""
-    size = page_size(region)
-    if size is None:
-        return None
-    if size not in PAGE_SIZES:
-        return f"page_size={size} is none of {PAGE_SIZES}"
-    if len(region.inputs) < 5:
-        return f"paged KV needs a page_table input 4 (got {len(region.inputs)} inputs)"
-    q, k, v, _, table = region.inputs[:5]
-    if k.shape[2] != size or v.shape[2] != size:
-        return f"k / v pages hold {k.shape[2]} / {v.shape[2]} positions, page_size is {size}"
-    if len(table.shape) != 2 or table.dtype != "int32" or table.shape[0] != q.shape[0]:
-        return f"page_table {list(table.shape)} {table.dtype} is not [B, max_pages] int32"
-    if kv_scale(region) == "per-token":
-        return "per-token scales with paged KV are not supported yet (per-tensor or per-head)"
-    return None
 
 
 def rope_at(region: RegionSummary) -> int | None:

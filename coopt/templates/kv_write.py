@@ -50,6 +50,7 @@ Example (a Llama-3-8B decode step, bf16 cache of 4096 positions, rope on K):
 from __future__ import annotations
 
 from coopt.ir.region import RegionSummary
+from coopt.runtime.pages import PAGE_SIZES
 from coopt.targets import Target
 from coopt.templates.base import TemplateFamily, dim_range, lane_fill_problem, next_pow2, render_template
 
@@ -61,7 +62,6 @@ QUANT_MODES = ("none", "per-tensor", "per-head", "per-token")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 FP8 = "float8_e4m3fn"
 MAX_HEAD_DIM = 512
-PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 class KvWriteFamily(TemplateFamily):

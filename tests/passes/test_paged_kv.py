@@ -122,12 +122,20 @@ def test_references_match_the_static_step_in_the_identity_layout(tmp_path, step,
         torch.testing.assert_close(weights[name], cache_to_pages(getattr(eager, name), *layout))
 
 
-def test_a_prompt_over_pages_gathers_the_table_for_its_attention():
+def test_a_prompt_over_pages_reads_through_the_table():
     module, counters = run_pipeline(PromptStep(), prompt_inputs(), PAGED + ",fuse-attention,fuse-kv-write")
     assert counters["paged_kv.caches"] == 2 and counters["fuse.kv_write.paged"] == 1
-    assert not counters["fuse.decode_attention.paged"]  # a prompt's attention reads the gathered pages
+    assert counters["fuse.attention.paged"] == 1 and not counters["fuse.decode_attention.paged"]
     record = json.loads(module.attributes[PAGED_ATTR].data)
     assert record["per_row"] is False and record["batch"] == 2 and record["max_pages"] == 3
+    # the prompt's attention region takes the pools and the table: nothing gathers the pages
+    regions = {k.family.data: k for k in kernels(module)}
+    attention = regions["attention"]
+    assert attention.family_attrs["page_size"] == 16 and attention.family_attrs["page_table_input"] == 4
+    assert [v.type.get_shape() for v in attention.inputs][1:] == [(6, 2, 16, 8), (6, 2, 16, 8), (5,), (2, 3)]
+    assert not [op for op in module.walk() if getattr(op, "target", None) is not None
+                and op.target.data == "aten.index.Tensor" and op.parent_op() not in regions.values()
+                and op.results[0].type.get_shape()[1:2] == (3,)]
 
 
 def test_knobs_and_refusals():
