@@ -21,14 +21,18 @@ cache length (the top of `--decode-lengths`):
   for `paged-fp8`), served by `coopt.runtime.serve.PagedDecoder`: sequences with the drawn lengths
   are placed in its pool until it is exhausted (capacity), the newest released until every
   remaining one can take the measured steps, then `PagedDecoder.step()` is timed: one token for
-  every live sequence, `--step-batch` rows per call (the last call padded), plain calls (no CUDA
-  graph, as the runtime runs). Sequences are placed without their prefill (the pages a prompt of
-  that length takes, holding whatever the pool held): a step's cost does not depend on the values,
-  and a real prefill through the runtime pads each prompt to the build's batch.
+  every live sequence, `--step-batch` rows per call (the last call padded), each call a replay of
+  the step captured as a CUDA graph (`PagedDecoder(cuda_graph=True)`, as bench/decode.py times
+  decode) unless `--no-cuda-graph` (plain calls). Sequences are placed without their prefill (the
+  pages a prompt of that length takes, holding whatever the pool held): a step's cost does not
+  depend on the values, and a real prefill through the runtime pads each prompt to the build's batch.
 - `static`: the plain decode step (one shared position) at the batch whose caches fill the budget at
   the maximum length, at the mean length of the sequences it holds (its attention reads as many
-  keys as theirs: generous to static), plain calls with the greedy tokens to the host like the
-  runtime, and on the GPU also replayed as a CUDA graph.
+  keys as theirs: generous to static), greedy tokens to the host like the runtime: timed as plain
+  calls and, on the GPU, replayed as a CUDA graph (`GraphedStep`); its row's step_ms / tokens_per_s
+  are the replay with `--cuda-graph`, the plain calls without, and the other mode is kept beside.
+`--cuda-graph` is the default on the GPU, `--no-cuda-graph` on the CPU (where graphs do not exist:
+asking for them there is an error); the JSON records it in the settings and in every row.
 Each build's weights.pt is deleted once loaded unless `--keep-weights` (a paged pool is the whole budget).
 """
 
@@ -81,7 +85,13 @@ def parse_args(argv=None):
                         help="build without kernel regions (seconds on a CPU; smoke tests, not reported numbers)")
     decode.add_argument("--build-dir", type=Path, default=None, help="builds in DIR/<variant> (default: a temp dir)")
     decode.add_argument("--keep-weights", action="store_true", help="keep each build's weights.pt")
+    decode.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="time decode steps replayed as CUDA graphs (default: on the GPU, yes)")
     args = parser.parse_args(argv)
+    if args.cuda_graph is None:  # decode is timed replayed elsewhere (bench/decode.py): the same here
+        args.cuda_graph = torch.cuda.is_available()
+    elif args.cuda_graph and args.throughput and not torch.cuda.is_available():
+        parser.error("--cuda-graph: CUDA graphs need a CUDA device (none here)")
     low, high = (int(v) for v in args.decode_lengths.split(":"))
     args.decode_min, args.decode_max = low, high
     args.variants = [v for v in args.variants.split(",") if v]
@@ -159,9 +169,10 @@ def capacity_table(args, rows: dict) -> str:
 # ── throughput: PagedDecoder.step() at capacity, and the static batch ─────────────────────────────
 
 
-def placed_decoder(built):
+def placed_decoder(built, cuda_graph: bool = False):
     """A PagedDecoder that can place a sequence without its prefill (`place(length)`): the pages
-    a prompt of that length takes, its first token 0, emitted by the next step like a prefilled one."""
+    a prompt of that length takes, its first token 0, emitted by the next step like a prefilled one.
+    `cuda_graph` is PagedDecoder's: the decode step captured now, replayed by every step."""
     from coopt.runtime.serve import PagedDecoder
 
     class PlacedDecoder(PagedDecoder):
@@ -170,7 +181,7 @@ def placed_decoder(built):
             self._pending[seq_id] = 0  # what add() records after the prefill: the token the next step emits
             return seq_id
 
-    return PlacedDecoder(built)
+    return PlacedDecoder(built, cuda_graph=cuda_graph)
 
 
 def fill(decoder, lengths: list[int], steps: int) -> dict:
@@ -196,13 +207,14 @@ def fill(decoder, lengths: list[int], steps: int) -> dict:
 
 
 def measure_paged(built, lengths: list[int], args) -> dict:
-    decoder = placed_decoder(built)
+    decoder = placed_decoder(built, cuda_graph=args.cuda_graph)
     row = fill(decoder, lengths, steps=2 + args.steps)
+    row["cuda_graph"] = decoder.graph is not None
     row["bytes_per_page"] = decoder.bytes_per_page()
     row["bytes_held"] = decoder.bytes_held()
     decoder.step()  # the placed sequences' pending tokens: no model call
     seconds = []
-    for i in range(1 + args.steps):  # the first step is untimed: kernels compile
+    for i in range(1 + args.steps):  # the first step is untimed: kernels compile (or a graph's first replay)
         _synchronize()
         start = time.perf_counter()
         emitted = decoder.step()
@@ -220,7 +232,8 @@ def measure_paged(built, lengths: list[int], args) -> dict:
 
 def measure_static(built, batch: int, position: int, args, device) -> dict:
     """The shared-position step at `position` for `batch` rows: plain calls (greedy tokens to the
-    host, as PagedDecoder does), and on the GPU replayed as a CUDA graph."""
+    host, as PagedDecoder does), and on the GPU replayed as a CUDA graph. step_ms / tokens_per_s
+    are the replay's with --cuda-graph, else the plain calls'; both are kept (plain_*, graph_*)."""
     tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     positions = torch.tensor([position], device=device)
 
@@ -235,15 +248,19 @@ def measure_static(built, batch: int, position: int, args, device) -> dict:
                 seconds.append(time.perf_counter() - start)
         return seconds
 
-    seconds = timed(built)
-    step_s = statistics.median(seconds)
-    row = {"sequences": batch, "position": position, "step_batch": batch, "calls_per_step": 1, "step_seconds": seconds,
-           "step_ms": step_s * 1e3, "ms_per_call": step_s * 1e3, "tokens_per_s": batch / step_s}
+    plain = timed(built)
+    row = {"sequences": batch, "position": position, "step_batch": batch, "calls_per_step": 1,
+           "plain_step_ms": statistics.median(plain) * 1e3, "plain_tokens_per_s": batch / statistics.median(plain)}
+    graphed = None
     if device.type == "cuda":
         from coopt.runtime.cuda_graph import GraphedStep
 
         graphed = timed(GraphedStep(built, (tokens, positions), check=False))
         row.update(graph_step_ms=statistics.median(graphed) * 1e3, graph_tokens_per_s=batch / statistics.median(graphed))
+    seconds = graphed if args.cuda_graph and graphed is not None else plain
+    step_s = statistics.median(seconds)
+    row.update(cuda_graph=seconds is graphed, step_seconds=seconds, step_ms=step_s * 1e3, ms_per_call=step_s * 1e3,
+               tokens_per_s=batch / step_s)
     return row
 
 
@@ -288,7 +305,7 @@ def decode_settings(args, model) -> dict:
     longest = args.decode_max - args.steps - 4  # every sequence can take the measured steps within the cache
     return {"preset": args.preset, "layers": margs.n_layers, "dtype": args.dtype, "budget_bytes": budget,
             "cache": args.decode_max, "lengths": [args.decode_min, longest], "page_size": args.page_size,
-            "step_batch": args.step_batch, "steps": args.steps, "top_k": args.top_k,
+            "step_batch": args.step_batch, "steps": args.steps, "top_k": args.top_k, "cuda_graph": args.cuda_graph,
             "pipeline": "reference program" if args.reference_program else "default", "kv_bytes_per_token": token_bytes,
             "pool_pages": {name: budget // (token_bytes[name] * args.page_size) for name in ("paged", "paged-fp8")},
             "static_batch": budget // (args.decode_max * token_bytes["static"])}
@@ -329,7 +346,8 @@ def run_throughput(args, result: dict) -> dict:
     loaded, model, llama = load_decode_model(args, device)
     settings = decode_settings(args, model)
     log(f"decode throughput: {args.preset}, {settings['layers']} layers, {args.dtype}, loaded in "
-        f"{time.monotonic() - start:.0f}s; pools of {settings['pool_pages']} pages, static batch {settings['static_batch']}")
+        f"{time.monotonic() - start:.0f}s; pools of {settings['pool_pages']} pages, "
+        f"static batch {settings['static_batch']}, {'CUDA graphs' if args.cuda_graph else 'plain calls'}")
     throughput = result["throughput"] = {"settings": settings, "rows": {}}
     lengths = draw_lengths(100_000, *settings["lengths"], args.seed)
     build_root = args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-capacity-"))
@@ -346,7 +364,8 @@ def run_throughput(args, result: dict) -> dict:
             else:
                 row = measure_paged(built, lengths, args)
             row.update(status="ok", build_s=build_s, kv_bytes_per_token=settings["kv_bytes_per_token"][name])
-            log(f"  {name}: {row['sequences']} sequences, {row['step_ms']:.2f} ms per step ({row['calls_per_step']} calls), "
+            log(f"  {name}: {row['sequences']} sequences, {row['step_ms']:.2f} ms per step ({row['calls_per_step']} "
+                f"{'replays' if row['cuda_graph'] else 'calls'}), "
                 f"{row['tokens_per_s']:,.0f} tokens/s")
         except Exception as error:  # noqa: BLE001 - a failed variant is a result; the others still run
             row = {"status": f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
@@ -365,20 +384,23 @@ def run_throughput(args, result: dict) -> dict:
 
 def throughput_table(result: dict) -> str:
     s = result["settings"]
+    other = "plain" if s["cuda_graph"] else "graph"  # the static step's other timing, when it has one
     lines = [f"Decode at capacity: {s['preset']} ({s['layers']} layers, {s['dtype']}), KV budget "
              f"{s['budget_bytes'] / 2**20:g} MiB, lengths log-uniform in {s['lengths']}, cache {s['cache']}, "
-             f"pages of {s['page_size']}; median of {s['steps']} steps",
-             "| variant | sequences (capacity) | rows per call | calls per step | ms per step | ms per call | tokens/s | "
-             "graph-replayed tokens/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"pages of {s['page_size']}; median of {s['steps']} steps, "
+             f"{'replayed as CUDA graphs' if s['cuda_graph'] else 'plain calls'}",
+             "| variant | sequences (capacity) | rows per call | calls per step | calls | ms per step | ms per call | "
+             f"tokens/s | {'plain-call' if other == 'plain' else 'graph-replayed'} tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in result["rows"].items():
         if row.get("status") != "ok":
-            lines.append(f"| {name} | {row.get('status')} | | | | | | |")
+            lines.append(f"| {name} | {row.get('status')} | | | | | | | |")
             continue
         capacity = f"{row['sequences']} ({row.get('capacity_sequences', row['sequences'])})"
-        graphed = f"{row['graph_tokens_per_s']:,.0f}" if "graph_tokens_per_s" in row else "—"
-        lines.append(f"| {name} | {capacity} | {row['step_batch']} | {row['calls_per_step']} | {row['step_ms']:.2f} | "
-                     f"{row['ms_per_call']:.2f} | {row['tokens_per_s']:,.0f} | {graphed} |")
+        calls = "graph replay" if row["cuda_graph"] else "plain"
+        alternative = f"{row[f'{other}_tokens_per_s']:,.0f}" if f"{other}_tokens_per_s" in row else "—"
+        lines.append(f"| {name} | {capacity} | {row['step_batch']} | {row['calls_per_step']} | {calls} | "
+                     f"{row['step_ms']:.2f} | {row['ms_per_call']:.2f} | {row['tokens_per_s']:,.0f} | {alternative} |")
     return "\n".join(lines)
 
 

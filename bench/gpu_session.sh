@@ -7,10 +7,13 @@
 #   bash bench/gpu_session.sh batched    # bench/decode.py: batch 32 at 2048, and prefill of 2048
 #   bash bench/gpu_session.sh core       # decode b1 and b32 at 2048 + the GPU tests of the decode templates
 #   bash bench/gpu_session.sh core-pdl   # decode b1 and b32 at 2048, each step profiled with PDL off and on
+#   bash bench/gpu_session.sh fp8-b1     # bf16 vs fp8 KV decode, b1 at 32768 and 131072 (~8 min)
+#   bash bench/gpu_session.sh fp8-b32    # bf16 vs fp8 KV decode, b32 at 2048 and 8192 (~8 min)
+#   bash bench/gpu_session.sh accuracy   # bench/accuracy.py --config small --steps 2000 on the GPU
 #   bash bench/gpu_session.sh long       # bench/long_prefill.py: a 131072-token prompt (8 layers), whole and
 #                                        # in chunks of 4096, eager and coopt: time, peak memory (~7-9 min)
 #   bash bench/gpu_session.sh long-quick # the same at 16384 tokens (~4-6 min)
-#   bash bench/gpu_session.sh capacity   # bench/capacity.py --throughput: PagedDecoder.step() at capacity,
+#   bash bench/gpu_session.sh capacity   # bench/capacity.py --throughput: PagedDecoder.step() (graph-replayed) at capacity,
 #                                        # paged bf16 / static / paged fp8, 8 layers, 4 GiB of KV (~6-8 min)
 #   bash bench/gpu_session.sh pair       # two GPUs (nvidia-h200-x2), in parallel: GPU 0 examples then
 #                                        # GPU tests, GPU 1 decode (3 cases, bf16 and fp8 KV)
@@ -62,12 +65,26 @@ case "${1:-}" in
             --prefill 0 --agreement-steps 16 --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
         cp /tmp/coopt-decode/b1-pos2048/report.md "$OUT/report_decode_b1_2048.md" 2>/dev/null
         cp /tmp/coopt-decode/b32-pos2048/report.md "$OUT/report_decode_b32_2048.md" 2>/dev/null
+        # (session 5: a b32 profile took more than 40 s, a b1 profile ~25 s)
         for pdl in 0 1; do
-            COOPT_PDL=$pdl step 60 "profile_b1_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b1-pos2048 \
+            COOPT_PDL=$pdl step 50 "profile_b1_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b1-pos2048 \
                 --out "$OUT/profile_b1_pdl$pdl.json"
-            COOPT_PDL=$pdl step 60 "profile_b32_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b32-pos2048 \
+            COOPT_PDL=$pdl step 80 "profile_b32_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b32-pos2048 \
                 --batch 32 --out "$OUT/profile_b32_pdl$pdl.json"
         done
+        ;;
+    fp8-b1)  # issue 4: bf16 vs fp8 KV at batch 1, positions 32768 and 131072 (fp8 tiles widened to fp16 first)
+        step 560 decode python bench/decode.py --cases 1:32768:32832,1:131072:131136 --modes reduce-overhead,coopt,coopt-fp8 \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b1.json" --build-dir /tmp/coopt-fp8
+        cp /tmp/coopt-fp8/b1-pos32768-fp8/report.md "$OUT/report_fp8_b1_32768.md" 2>/dev/null
+        ;;
+    fp8-b32)  # issue 4: bf16 vs fp8 KV at batch 32, positions 2048 and 8192
+        step 560 decode python bench/decode.py --cases 32:2048:4096,32:8192:8256 --modes reduce-overhead,coopt,coopt-fp8 \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
+        cp /tmp/coopt-fp8/b32-pos8192-fp8/report.md "$OUT/report_fp8_b32_8192.md" 2>/dev/null
+        ;;
+    accuracy)  # issue 4: train the small model on the GPU, then every lossy configuration against bf16
+        step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --out "$OUT/accuracy.json"
         ;;
     long)  # issue 4: two builds (unchunked, chunk 4096), each loaded then its weights.pt deleted; JSON after every variant
         step 580 long python bench/long_prefill.py --out "$OUT/long_prefill.json" --build-dir /tmp/coopt-long

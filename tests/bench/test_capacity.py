@@ -42,6 +42,15 @@ def test_the_default_run_still_prints_the_session_3_table(capsys):
     assert "| paged fp8 (per-head scales) | 151 | 1,033,488 | 99.9% | 9.4x |" in printed
 
 
+def test_cuda_graphs_are_the_default_on_the_gpu_only(capsys):
+    assert capacity.parse_args([]).cuda_graph is torch.cuda.is_available()
+    assert capacity.parse_args(["--no-cuda-graph"]).cuda_graph is False
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            capacity.parse_args(["--throughput", "--cuda-graph"])
+        assert "CUDA graphs need a CUDA device" in capsys.readouterr().err
+
+
 class FakeStep(torch.nn.Module):
     """A paged ragged step without a compiler: logits of token 1, one pool to hold pages."""
 
@@ -108,6 +117,10 @@ def test_throughput_at_capacity_within_one_budget(tiny_throughput):
         assert row["bytes_held"] <= budget and row["sequences"] <= row["capacity_sequences"]
         assert row["calls_per_step"] == math.ceil(row["sequences"] / 4) and row["tokens_per_s"] > 0
     assert rows["paged-fp8"]["capacity_sequences"] > rows["paged"]["capacity_sequences"] > rows["static"]["sequences"]
+    # on the CPU nothing is replayed, and the JSON says so; the static row has only its plain calls
+    assert settings["cuda_graph"] is False and all(r["cuda_graph"] is False for r in rows.values())
+    static = rows["static"]
+    assert static["tokens_per_s"] == static["plain_tokens_per_s"] and "graph_tokens_per_s" not in static
     saved = json.loads(out.read_text())
     assert saved["throughput"]["rows"].keys() == rows.keys() and "commit" in saved["environment"]
     assert saved["capacity"]["paged bf16"]["sequences"] == result["capacity"]["paged bf16"]["sequences"]

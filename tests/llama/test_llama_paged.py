@@ -3,7 +3,8 @@
 through a page table, and `PagedDecoder` serves sequences of different lengths from it: three
 prompts added at different times, stepped together, one released midway, each generating
 exactly what eager greedy decoding of that prompt alone generates, and the pool back to no
-pages in use once all are released.
+pages in use once all are released. On the GPU, a decoder replaying its step as a CUDA graph
+(`cuda_graph=True`, refused on the CPU) decodes what one making plain calls decodes.
 
 One build per module (two entries, about a minute here).
 """
@@ -163,6 +164,42 @@ def test_an_exhausted_pool_changes_nothing_and_released_ids_are_unknown(built_di
         decoder.add(prompt(64, 7))
     decoder.release(small)
     assert decoder.pages_in_use() == 0
+
+
+def test_cuda_graph_is_refused_off_the_gpu(built_dir):
+    out, _ = built_dir
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, but the model is on cpu"):
+        PagedDecoder(coopt.load(out, device="cpu"), cuda_graph=True)
+
+
+@pytest.mark.gpu
+def test_graph_replay_decodes_what_plain_calls_decode(built_dir):
+    """Two loads of one build (each its own pools), one decoder replaying its step as a CUDA
+    graph: the same tokens at every step, and the same pages written, over sequences added and
+    released between steps (b's 5-token tail after its 16-token chunk goes through the step)."""
+    out, _ = built_dir
+    plain_model, graphed_model = coopt.load(out, device="cuda"), coopt.load(out, device="cuda")
+    plain, graphed = PagedDecoder(plain_model), PagedDecoder(graphed_model, cuda_graph=True)
+    assert plain.graph is None and graphed.graph.enabled
+
+    def both(call):  # the same call on each decoder: the same result
+        from_plain, from_graphed = call(plain), call(graphed)
+        assert from_plain == from_graphed
+        return from_plain
+
+    a, b = both(lambda d: d.add(prompt(5, 1))), both(lambda d: d.add(prompt(21, 2)))
+    for _ in range(3):
+        both(PagedDecoder.step)
+    both(lambda d: d.release(a))
+    both(lambda d: d.add(prompt(11, 3)))
+    for _ in range(2):
+        both(PagedDecoder.step)
+    assert len(plain.live_sequences()) == 2 and plain.length(b) == 21 + 4
+    # every page but the padding rows' scratch page, which capture's warm-up writes too
+    keep = torch.arange(plain.contract["num_pages"], device="cuda") != plain.scratch
+    for name in plain_model.paged["pools"]:
+        torch.testing.assert_close(graphed_model.state_tensor(name)[keep], plain_model.state_tensor(name)[keep],
+                                   rtol=0, atol=0)
 
 
 def test_fp8_pages(tmp_path):

@@ -155,6 +155,8 @@ def _compile_launches(path: str, inputs, machine_code: bool) -> dict:
             "warp_specialized": "ttg.warp_specialize" in ttgir,
             # launched with launch_pdl and waiting for the previous kernel before any access
             "pdl": bool(pdl_launch) and "griddepcontrol.wait" in ptx,
+            # L2 prefetches issued before that wait (the GEMV's weights, which no kernel writes)
+            "prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"),
             "shared": compiled.metadata.shared,
             **(_machine_code_facts(compiled.asm["cubin"]) if machine_code else {}),
         }
@@ -226,6 +228,7 @@ def assert_gemv_points_compile(family, cases: dict, make_inputs, tmp_path, targe
         assert kernel["launches"] == 1 and kernel["pipelined"], f"{label}: weight loads not pipelined ({params})"
         # as conftest's compile_for_sm90 asserts for every template: launched with PDL, waiting first
         assert kernel["pdl"], f"{label}: launched without programmatic dependent launch"
+        assert kernel["prefetch_before_wait"], f"{label}: no weight prefetch ahead of the PDL wait"
         assert kernel["shared"] <= family._gemv_smem(region, params), f"{label}: check() underestimates shared memory"
         if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
             assert kernel["spill_instructions"] == 0, f"{label}: spills ({kernel['registers']} registers)"

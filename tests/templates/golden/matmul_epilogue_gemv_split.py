@@ -54,6 +54,13 @@ def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, in0_ptr, out0_ptr, stride_in0
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    # one L2 prefetch per pointer (sm_90 PTX); its dummy result keeps the asm in the program
+    return tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_kernel(
     a_ptr, b_ptr, bias_ptr, in0_ptr, out0_ptr, partial_ptr, arrivals_ptr,
     M, N, K,
@@ -61,9 +68,6 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # nothing is read or written before the previous kernel's writes are visible
-        tl.extra.cuda.gdc_wait()
-
     # Program order: row tiles, then K splits, then column tiles. The programs that read one
     # weight slab run side by side (it crosses DRAM once) and a tile's splits finish together.
     pid = tl.program_id(0)
@@ -81,6 +85,13 @@ def _gemv_kernel(
     k_steps = tl.cdiv(k_tiles, SPLIT_K)
     k_first = pid_k * k_steps
     k_last = tl.minimum(k_first + k_steps, k_tiles)
+    if PDL:
+        for step in tl.static_range(NUM_STAGES - 1 if NUM_STAGES > 1 else 1):
+            k_run = tl.minimum((k_first + step) * BLOCK_K + tl.arange(0, 2) * 32, K - 1)
+            _prefetch_l2(b_ptr + (cols)[:, None] * stride_bn + k_run[None, :].to(tl.int64) * stride_bk)
+    if PDL:  # nothing is read or written before the previous kernel's writes are visible
+        tl.extra.cuda.gdc_wait()
+
     # One activation row: multiply-and-sum on CUDA cores over a [BLOCK_N, BLOCK_K] slab read in
     # the weight's own layout (for "nk" each slab row is BLOCK_K contiguous elements).
     x_ptrs = a_ptr + pid_m.to(tl.int64) * stride_am + (k_first * BLOCK_K + offs_k) * stride_ak
