@@ -114,9 +114,6 @@ def run_prefill(args) -> dict:
     modes = args.modes.split(",")
     if "eager" in modes:
         record("eager", lambda: model(*inputs), 0.0)
-    if "max-autotune-no-cudagraphs" in modes:
-        compiled, setup_s = compile_model(model, "max-autotune-no-cudagraphs", inputs, calls=1)
-        record("compile max-autotune-no-cudagraphs", lambda: compiled(*inputs), setup_s)
     if "coopt" in modes:
         out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-prefill-"))) / f"prefill-{length}"
         start = time.monotonic()
@@ -124,6 +121,9 @@ def run_prefill(args) -> dict:
                                                progress=build_progress())
         built = coopt.load(out)
         record("coopt", lambda: built(*inputs), time.monotonic() - start)
+    if "max-autotune-no-cudagraphs" in modes:  # last: its autotuning is the slowest setup
+        compiled, setup_s = compile_model(model, "max-autotune-no-cudagraphs", inputs, calls=1)
+        record("compile max-autotune-no-cudagraphs", lambda: compiled(*inputs), setup_s)
     return row
 
 
@@ -157,7 +157,9 @@ def _also_used_elsewhere(model, embedding, param) -> bool:
     return any(p is param for m in model.modules() if m is not embedding for p in m.parameters(recurse=False))
 
 
-def run_case(case: str, args) -> dict:
+def run_case(case: str, args, save=lambda row: None) -> dict:
+    """One case's row; `save(row)` after every variant (a call cut by its time limit keeps them).
+    max-autotune-no-cudagraphs runs last: its autotuning is the slowest setup."""
     import torch
 
     import coopt
@@ -175,14 +177,18 @@ def run_case(case: str, args) -> dict:
         measure(row, mode, fn, expected, setup_s, warmup=50, rep=300)
         print(f"  {mode:28s} {row['ms'][mode]:8.3f} ms  ({row['floor_ms'] / row['ms'][mode]:.0%} of floor)"
               f"  max abs err {row['max_abs_err'][mode]:.3g}  setup {setup_s:.0f}s", flush=True)
+        save(row)
+
+    def compiled_variant(mode):
+        compiled, setup_s = compile_model(model, mode, inputs, calls=3)
+        record(f"compile {mode}", lambda: compiled(*inputs), setup_s)
+        torch._dynamo.reset()
 
     modes = args.modes.split(",")
     if "eager" in modes:
         record("eager", lambda: model(*inputs), 0.0)
-    for mode in ("max-autotune-no-cudagraphs", "reduce-overhead"):
-        if mode in modes:
-            compiled, setup_s = compile_model(model, mode, inputs, calls=3)
-            record(f"compile {mode}", lambda: compiled(*inputs), setup_s)
+    if "reduce-overhead" in modes:
+        compiled_variant("reduce-overhead")
     for mode, kv_cache in (("coopt", "none"), ("coopt-fp8", "fp8")):
         if mode not in modes:
             continue
@@ -213,6 +219,9 @@ def run_case(case: str, args) -> dict:
                   f"top-1 agreement {agreement['top1_agreement']:.1%}", flush=True)
         del step, built
         torch.cuda.empty_cache()
+        save(row)
+    if "max-autotune-no-cudagraphs" in modes:
+        compiled_variant("max-autotune-no-cudagraphs")
     return row
 
 
@@ -227,10 +236,16 @@ def main():
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     print(json.dumps(env), flush=True)
     rows = []
+
+    def save(row):
+        if args.out:
+            args.out.write_text(json.dumps({"environment": env, "rows": [*rows, row]}, indent=2))
+
     for case in args.cases.split(","):
-        rows.append(run_case(case, args))
+        rows.append(run_case(case, args, save))
         if args.out:
             args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
+
     modes = sorted({m for r in rows for m in r["ms"]})
     print("\n| case | floor ms | " + " | ".join(f"{m} ms" for m in modes) + " | coopt / floor |")
     print("|" + " --- |" * (len(modes) + 3))

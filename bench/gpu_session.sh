@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh fp8-b1     # bf16 vs fp8 KV decode, b1 at 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh fp8-b32    # bf16 vs fp8 KV decode, b32 at 2048 and 8192 (~8 min)
 #   bash bench/gpu_session.sh accuracy   # bench/accuracy.py --config small --steps 2000 on the GPU
+#   bash bench/gpu_session.sh layers32   # 32 layers, b1 / 2048, all modes incl. max-autotune-no-cudagraphs
 #   bash bench/gpu_session.sh long       # bench/long_prefill.py: a 131072-token prompt (8 layers), whole and
 #                                        # in chunks of 4096, eager and coopt: time, peak memory (~7-9 min)
 #   bash bench/gpu_session.sh long-quick # the same at 16384 tokens (~4-6 min)
@@ -82,6 +83,11 @@ case "${1:-}" in
         step 560 decode python bench/decode.py --cases 32:2048:4096,32:8192:8256 --modes reduce-overhead,coopt,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         cp /tmp/coopt-fp8/b32-pos8192-fp8/report.md "$OUT/report_fp8_b32_8192.md" 2>/dev/null
+        ;;
+    layers32)  # issue 3: the full 32 layers at b1 / 2048 against every mode (max-autotune-no-cudagraphs last)
+        step 560 decode python bench/decode.py --layers 32 --cases 1:2048:4096 \
+            --modes eager,reduce-overhead,coopt,max-autotune-no-cudagraphs --prefill 0 --agreement-steps 8 \
+            --out "$OUT/decode_32layers.json" --build-dir /tmp/coopt-32
         ;;
     accuracy)  # issue 4: train the small model on the GPU, then every lossy configuration against bf16
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --out "$OUT/accuracy.json"
