@@ -705,7 +705,8 @@ def test_paged_heads(heads, kv_heads, use_dot, load_candidate):
     check_close(out, reference(region, inputs[0], k, v, inputs[3]))
 
 
-@pytest.mark.parametrize("params", [PAGED_FMA, PAGED_DOT], ids=["fma", "dot-four-splits"])
+@pytest.mark.parametrize("params", [PAGED_FMA, PAGED_DOT, {**PAGED_DOT, "TILE_FP16": True}],
+                         ids=["fma", "dot-four-splits", "dot-fp16-tiles"])
 @pytest.mark.parametrize("granularity", ["per-head", "per-tensor"])
 def test_paged_fp8(granularity, params, load_candidate):
     region = paged_region(3, 8, 2, 12, 16, 4, 64, "bfloat16", granularity)
