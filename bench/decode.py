@@ -35,7 +35,7 @@ def parse_args():
     parser.add_argument("--cases", default="1:2048:4096,1:32768:32832,32:2048:4096")
     parser.add_argument("--modes", default="eager,max-autotune-no-cudagraphs,reduce-overhead,coopt,coopt-fp8",
                         help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor")
-    parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
     parser.add_argument("--agreement-steps", type=int, default=64,
