@@ -28,6 +28,7 @@ GROUP_M = ("GROUP_M", "GROUP_SIZE_M")
 SPLIT_K = ("SPLIT_K",)
 GEMV = ("GEMV",)
 NORM_FIRST = ("NORM_FIRST",)
+SWAP_AB = ("SWAP_AB",)
 
 # "Enough tiles" means at least this share of the SMs has a tile: a short last wave costs
 # less than tiles so small that each one does too little work to hide memory latency.
@@ -167,10 +168,16 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
         # bytes again (negligible for one row, twice the weight for 32 rows of 16-wide tiles).
         c += math.log2(1 + m / (halves * bn))  # (a GLU program reads them once for both slabs)
         programs = math.ceil(m / bm) * math.ceil(n / bn) * split
-        program_smem = max(1, stages - 1) * (bm * bk * a_elem + slab) + 2048
+        buffers = stages if knob(point, SWAP_AB) else max(1, stages - 1)  # SWAP_AB: wgmma's operand buffers
+        program_smem = buffers * (bm * bk * a_elem + slab) + 2048
         resident = max(1, min(GEMV_MAX_PROGRAMS_PER_SM * 4 // warps, smem // program_smem))
         c += _gemv_streaming_cost(programs, resident, max(1, stages - 1) * slab, sms)
         c += 0.5 * math.log2(split) + _log_gap(warps, 4) + 0.25 * _stages_gap(stages, 3, 4)
+        if knob(point, SWAP_AB):
+            # Weight rows on the tensor cores' 64-row side (a wgmma on sm_90, not an mma on
+            # activation rows padded to 16) and a wide slab that re-reads the rows less. Not
+            # measured yet: a small bonus, so that the best such point is measured among the first.
+            c -= 0.1
         if norm_modes:
             # The RMSNorm in the GEMV loop (NORM_FIRST=False) or in a kernel before it. One row:
             # in the loop (H200: q|k|v + norm 14.6 µs against 23.9 for eager norm + cuBLAS), the

@@ -66,6 +66,10 @@ GEMV points are legal for them, so such a region exists only where M is decode-s
                                the plain GEMV (one program per row writes the normed rows in
                                a's dtype): on tl.dot tiles the in-loop prologue measured 2x
                                slower than eager norm + cuBLAS at 32 rows on the H200.
+    SWAP_AB (tl.dot tiles)     the dot computes acc^T = B_slab @ A_rows^T: BLOCK_N (>= 64)
+                               weight rows on the tensor cores' 64-row side, BLOCK_M activation
+                               rows on the narrow side (on sm_90 a wgmma instead of mma on
+                               rows padded to 16), transposed back before the epilogue.
     GLU epilogue               b = [gate | up] halves of 2N rows: each program streams the same
                                BLOCK_N rows of both (two slabs a K step, counted twice in the
                                register and shared-memory checks) into acc and acc_hi, which the
@@ -119,7 +123,8 @@ _MAX_ACC_REGS_PER_THREAD = {"bf16/fp16": 128, "fp32": 64}
 _MAX_FP32_ACC_AND_OPERAND_REGS = 144
 
 # The variants' knobs; a point without them (older advice, caches) is the plain kernel.
-VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1, "GEMV": False, "NORM_FIRST": False}
+VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1, "GEMV": False, "NORM_FIRST": False,
+                    "SWAP_AB": False}
 # GEMV is offered where the region is planned for at most this many rows: beyond it the weight
 # is no longer the only traffic that matters and the tensor-core tiles win.
 GEMV_MAX_M = 64
@@ -254,12 +259,15 @@ class MatmulEpilogueFamily(TemplateFamily):
                          BLOCK_K=[*space["BLOCK_K"], 256, 512], GEMV=[False, True])
             if _norm_prologue(region) is not None:  # the RMSNorm inside the GEMV or a kernel before it
                 space["NORM_FIRST"] = [False, True]
+            space["SWAP_AB"] = [False, True]  # tl.dot tiles: activation rows or weight rows on the 64-row side
         return space
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
         knobs = {**VARIANT_DEFAULTS, **params}
         if knobs["NORM_FIRST"] and not (knobs["GEMV"] and _norm_prologue(region) is not None):
             return "NORM_FIRST runs a region's RMSNorm prologue ahead of the GEMV kernel (GEMV=True and a norm prologue)"
+        if knobs["SWAP_AB"] and not (knobs["GEMV"] and params["BLOCK_M"] >= 16 and params["BLOCK_N"] >= 64):
+            return "SWAP_AB puts a GEMV's weight slab on the tensor cores' 64-row side (GEMV=True, BLOCK_M >= 16, BLOCK_N >= 64)"
         if knobs["GEMV"]:
             return self._check_gemv(region, params, target)
         return self._check_tiles(region, params, target)
@@ -388,7 +396,9 @@ class MatmulEpilogueFamily(TemplateFamily):
             if norm and norm.get("has_weight") else 0
         step = bm * bk * a_elem + halves * bn * bk * b_elem + bk * g_elem
         rescaled = bm * bk * 4 if norm and bm > 1 and MatmulEpilogueFamily._ieee_dot(region) else 0
-        return (params["num_stages"] - 1) * step + rescaled + _TILE_LOOP_SMEM_SLACK
+        # SWAP_AB's wgmma reads both operands from shared memory: num_stages buffers (sm_90, triton 3.9)
+        buffers = params["num_stages"] - (0 if params.get("SWAP_AB") else 1)
+        return buffers * step + rescaled + _TILE_LOOP_SMEM_SLACK
 
     def _check_tma(self, region: RegionSummary) -> str | None:
         """Tensor descriptors need 16-bit operands here and 16-byte aligned rows. Symbolic sizes

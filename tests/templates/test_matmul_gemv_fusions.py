@@ -201,6 +201,34 @@ def test_norm_first_fp32_long_rows_without_weight(load_candidate):
     check_close(out, reference(region, inputs)[0])
 
 
+# SWAP_AB: the weight slab on the dot's left (64-row) side, the activation rows on its right
+SWAP = {**gemv(16, 64, 128, stages=2), "SWAP_AB": True}
+
+
+@pytest.mark.parametrize("m", [3, 16, 20])
+@pytest.mark.parametrize("form", ["plain", "norm", "norm_first", "glu_norm", "glu_split"])
+def test_swap_ab_matches_torch(m, form, load_candidate):
+    # N = 150: a ragged last 64-row slab; K = 301: a masked K tail; 20 rows: two row tiles of 16
+    norm, glu = form != "plain", form.startswith("glu")
+    region = fused_region((m,), 150, 301, "bfloat16", norm=norm, glu=glu)
+    point = {**SWAP, "NORM_FIRST": form == "norm_first", **({"SPLIT_K": 2, "BLOCK_K": 64} if form == "glu_split" else {})}
+    assert FAMILY.check(region, point, H200) is None, FAMILY.check(region, point, H200)
+    inputs = make_inputs(region, 30.0, seed=8)
+    (out,) = run_candidate(load_candidate, region, point, inputs, stem=f"swap_{form}_{m}")
+    check_close(out, reference(region, inputs)[0])
+
+
+def test_swap_ab_fp32_and_legality(load_candidate):
+    region = fused_region((5,), 100, 200, "float32", norm=False)
+    inputs = make_inputs(region, seed=9)
+    (out,) = run_candidate(load_candidate, region, SWAP, inputs)
+    check_close(out, reference(region, inputs)[0])
+    # a weight slab of 64+ rows on the left, activation tiles of 16+ rows on the right
+    assert "SWAP_AB" in FAMILY.check(region, {**SWAP, "BLOCK_N": 32}, H200)
+    assert "SWAP_AB" in FAMILY.check(fused_region((1,), 100, 200, "float32", norm=False),
+                                     {**gemv(1, 64, 128), "SWAP_AB": True}, H200)
+
+
 def test_norm_first_is_only_for_gemv_norm_regions():
     first = {**gemv(16, 32, 128), "NORM_FIRST": True}
     plain = fused_region((16,), 4096, 4096, "bfloat16", norm=False, glu=True)
@@ -318,6 +346,9 @@ def test_golden_rendering_norm_glu(golden):
     dot_first = {**dot, "NORM_FIRST": True}
     assert FAMILY.check(region, dot_first, H200) is None
     golden("matmul_epilogue_gemv_norm_first_glu_dot.py", FAMILY.render(region, dot_first))
+    swap = {**gemv(16, 64, 128, stages=2), "NORM_FIRST": True, "SWAP_AB": True}
+    assert FAMILY.check(region, swap, H200) is None
+    golden("matmul_epilogue_gemv_swap_glu_dot.py", FAMILY.render(region, swap))
 
 
 # -- Hopper compilation (no GPU needed) -------------------------------------------------------
@@ -334,6 +365,9 @@ HOPPER_CASES = {
     "norm_rows16_fp32": (fused_region((16,), 512, 4096, "float32"), [gemv(16, 32, 64, stages=3)]),
     "norm_first_rows32": (fused_region((32,), 512, 4096, "bfloat16", glu=True),
                           [{**gemv(32, 64, 256, stages=3), "NORM_FIRST": True}]),
+    "swap_rows32": (fused_region((32,), 512, 4096, "bfloat16", glu=True),
+                    [{**gemv(32, 64, 256, stages=2), "NORM_FIRST": True, "SWAP_AB": True},
+                     {**gemv(16, 128, 128, stages=3), "NORM_FIRST": True, "SWAP_AB": True}]),
 }
 
 
