@@ -65,6 +65,8 @@ Knobs (explicit lists, pruned by `check`):
     SPLIT_KV     programs per (sequence, kv head); 1 = no merge
     USE_DOT      scores and P @ V by tl.dot (group padded to 16 rows: tensor cores) or by
                  multiply and sum on CUDA cores (no padding: best for small groups and fp32)
+    TILE_FP16    (fp8 cache with per-tensor / per-head scales, bf16 q) widen the e4m3 tiles to
+                 fp16 and run both dots in fp16, q shifted by a power of two (_fp16_tiles_problem)
     num_warps, num_stages  launch options (stages pipeline the K/V loads)
 
 Example (one decode step of a 32-head model with 8 kv heads, cache of 4096 positions):
