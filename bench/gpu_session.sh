@@ -11,6 +11,7 @@
 #   bash bench/gpu_session.sh fp8-b32    # bf16 vs fp8 KV decode, b32 at 2048 and 8192 (~8 min)
 #   bash bench/gpu_session.sh accuracy   # bench/accuracy.py --config small --steps 2000 on the GPU
 #   bash bench/gpu_session.sh layers32   # 32 layers, b1 / 2048, all modes incl. max-autotune-no-cudagraphs
+#   bash bench/gpu_session.sh gpu-tests  # GPU runs of the paged prompt attention, GEMV forms, decode attention, PagedDecoder graphs
 #   bash bench/gpu_session.sh long       # bench/long_prefill.py: a 131072-token prompt (8 layers), whole and
 #                                        # in chunks of 4096, eager and coopt: time, peak memory (~7-9 min)
 #   bash bench/gpu_session.sh long-quick # the same at 16384 tokens (~4-6 min)
@@ -34,18 +35,25 @@ step() {  # step SECONDS NAME COMMAND...: run, log to $OUT/NAME.log, print the l
     echo "== $name: exit $?"
     grep -v "^    \|AUTOTUNE\|triton_\|^  mm\|^  bmm\|Warning\|return cls" "$OUT/$name.log" | tail -15
 }
+reports() {  # reports NAME DIR...: every build's report.md and build.json under DIRs as one $OUT/NAME.tar.gz
+    # (at most 8 files come back from a device call: session 5 lost two reports to that limit)
+    local name=$1
+    shift
+    (cd /tmp && find "$@" -maxdepth 2 \( -name report.md -o -name build.json \) 2>/dev/null \
+        | tar czf "$OUT/$name.tar.gz" -T -)
+}
 case "${1:-}" in
     examples)
         # session 4: minigpt's max-autotune alone took 128 s; 330 s cut the Llama layer's build
         step 540 run python bench/run.py --out "$OUT/run.json" --build-dir /tmp/coopt-bench
-        for e in mlp minigpt_block llama_layer; do cp "/tmp/coopt-bench/$e/report.md" "$OUT/report_$e.md" 2>/dev/null; done
+        reports reports_examples coopt-bench
         step 90 gemm python bench/gemm.py --quick --shapes skinny,decode
         step 150 pytest python -m pytest -q -x -p no:cacheprovider tests/templates tests/e2e/test_cuda_graph.py tests/llama/test_llama_generate.py
         ;;
     decode)
         step 560 decode python bench/decode.py --cases 1:2048:4096,1:32768:32832 --prefill 0 \
             --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
-        cp /tmp/coopt-decode/b1-pos2048/report.md "$OUT/report_decode_b1_2048.md" 2>/dev/null
+        reports reports_decode coopt-decode
         ;;
     batched)
         step 560 batched python bench/decode.py --cases 32:2048:4096 --prefill 2048 \
@@ -54,8 +62,7 @@ case "${1:-}" in
     core)  # one call: decode b1 and b32 at 2048 (issue 3's core cases) + the GPU template tests
         step 400 decode python bench/decode.py --cases 1:2048:4096,32:2048:4096 --modes eager,reduce-overhead,coopt \
             --prefill 0 --agreement-steps 16 --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
-        cp /tmp/coopt-decode/b1-pos2048/report.md "$OUT/report_decode_b1_2048.md" 2>/dev/null
-        cp /tmp/coopt-decode/b32-pos2048/report.md "$OUT/report_decode_b32_2048.md" 2>/dev/null
+        reports reports_decode coopt-decode
         step 150 pytest python -m pytest -q -p no:cacheprovider tests/templates/test_matmul_gemv_fusions.py \
             tests/templates/test_decode_attention.py tests/templates/test_decode_attention_rope.py \
             tests/templates/test_kv_write_paged.py tests/templates/test_kv_write_per_row.py tests/templates/test_rope.py \
@@ -64,8 +71,7 @@ case "${1:-}" in
     core-pdl)  # one call: decode b1 and b32 at 2048, then each build's replayed step profiled without and with PDL
         step 360 decode python bench/decode.py --cases 1:2048:4096,32:2048:4096 --modes eager,reduce-overhead,coopt \
             --prefill 0 --agreement-steps 16 --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
-        cp /tmp/coopt-decode/b1-pos2048/report.md "$OUT/report_decode_b1_2048.md" 2>/dev/null
-        cp /tmp/coopt-decode/b32-pos2048/report.md "$OUT/report_decode_b32_2048.md" 2>/dev/null
+        reports reports_decode coopt-decode
         # (session 5: a b32 profile took more than 40 s, a b1 profile ~25 s)
         for pdl in 0 1; do
             COOPT_PDL=$pdl step 50 "profile_b1_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b1-pos2048 \
@@ -77,32 +83,37 @@ case "${1:-}" in
     fp8-b1)  # issue 4: bf16 vs fp8 KV at batch 1, positions 32768 and 131072 (fp8 tiles widened to fp16 first)
         step 560 decode python bench/decode.py --cases 1:32768:32832,1:131072:131136 --modes reduce-overhead,coopt,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b1.json" --build-dir /tmp/coopt-fp8
-        cp /tmp/coopt-fp8/b1-pos32768-fp8/report.md "$OUT/report_fp8_b1_32768.md" 2>/dev/null
+        reports reports_fp8_b1 coopt-fp8
         ;;
     fp8-b32)  # issue 4: bf16 vs fp8 KV at batch 32, positions 2048 and 8192
         step 560 decode python bench/decode.py --cases 32:2048:4096,32:8192:8256 --modes reduce-overhead,coopt,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
-        cp /tmp/coopt-fp8/b32-pos8192-fp8/report.md "$OUT/report_fp8_b32_8192.md" 2>/dev/null
+        reports reports_fp8_b32 coopt-fp8
         ;;
     layers32)  # issue 3: the full 32 layers at b1 / 2048 against every mode (max-autotune-no-cudagraphs last)
         step 560 decode python bench/decode.py --layers 32 --cases 1:2048:4096 \
             --modes eager,reduce-overhead,coopt,max-autotune-no-cudagraphs --prefill 0 --agreement-steps 8 \
             --out "$OUT/decode_32layers.json" --build-dir /tmp/coopt-32
+        reports reports_32layers coopt-32
+        ;;
+    gpu-tests)  # the GPU runs of this session's kernels and runtime paths (session 5: not run on a GPU yet)
+        step 420 pytest python -m pytest -q -p no:cacheprovider tests/templates/test_attention_paged.py \
+            tests/templates/test_matmul_gemv_fusions.py tests/templates/test_decode_attention.py \
+            tests/runtime/test_serve_graph.py tests/llama/test_llama_paged.py tests/e2e/test_cuda_graph.py
         ;;
     accuracy)  # issue 4: train the small model on the GPU, then every lossy configuration against bf16
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --out "$OUT/accuracy.json"
         ;;
     long)  # issue 4: two builds (unchunked, chunk 4096), each loaded then its weights.pt deleted; JSON after every variant
         step 580 long python bench/long_prefill.py --out "$OUT/long_prefill.json" --build-dir /tmp/coopt-long
-        cp /tmp/coopt-long/prefill/report.md "$OUT/report_long_prefill.md" 2>/dev/null
-        cp /tmp/coopt-long/prefill-chunk4096/report.md "$OUT/report_long_prefill_chunk4096.md" 2>/dev/null
+        reports reports_long coopt-long
         ;;
     long-quick)
         step 420 long python bench/long_prefill.py --quick --out "$OUT/long_prefill_quick.json" --build-dir /tmp/coopt-long-quick
         ;;
     capacity)  # issue 4: three decode builds (paged bf16, static, paged fp8) in one 4 GiB KV budget; JSON after each
         step 580 capacity python bench/capacity.py --throughput --out "$OUT/capacity.json" --build-dir /tmp/coopt-capacity
-        for v in paged static paged-fp8; do cp "/tmp/coopt-capacity/$v/report.md" "$OUT/report_capacity_$v.md" 2>/dev/null; done
+        reports reports_capacity coopt-capacity
         ;;
     pair)
         # at most 8 files come back from a device call: the reports travel as one archive
