@@ -74,10 +74,11 @@ case "${1:-}" in
         reports reports_decode coopt-decode
         # (session 5: a b32 profile took more than 40 s, a b1 profile ~25 s)
         for pdl in 0 1; do
-            COOPT_PDL=$pdl step 50 "profile_b1_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b1-pos2048 \
-                --out "$OUT/profile_b1_pdl$pdl.json"
-            COOPT_PDL=$pdl step 80 "profile_b32_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b32-pos2048 \
-                --batch 32 --out "$OUT/profile_b32_pdl$pdl.json"
+            regions=$([ "$pdl" = 0 ] && echo --regions)  # per-region time and bandwidth, once
+            COOPT_PDL=$pdl step 60 "profile_b1_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b1-pos2048 \
+                $regions --out "$OUT/profile_b1_pdl$pdl.json"
+            COOPT_PDL=$pdl step 90 "profile_b32_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b32-pos2048 \
+                --batch 32 $regions --out "$OUT/profile_b32_pdl$pdl.json"
         done
         ;;
     fp8-b1)  # issue 4: bf16 vs fp8 KV at batch 1, positions 32768 and 131072 (fp8 tiles widened to fp16 first)

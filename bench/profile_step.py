@@ -1,7 +1,7 @@
 """Where a built decode step's time goes on the GPU: each kernel's time inside the replayed CUDA
 graph (the real step, not a region timed alone) and the time between kernels.
 
-    python bench/profile_step.py BUILD_DIR [--layers 8 --batch 1 --pos 2048 --cache 4096]
+    python bench/profile_step.py BUILD_DIR [--layers 8 --batch 1 --pos 2048 --cache 4096] [--regions]
     COOPT_PDL=1 python bench/profile_step.py BUILD_DIR ...   # the same with programmatic dependent launch
 
 BUILD_DIR is a coopt build of examples/llama/model.py (bench/decode.py --build-dir keeps one per
@@ -32,6 +32,9 @@ def main():
     parser.add_argument("--cache", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--regions", action="store_true",
+                        help="also time each region of the step (called without the graph, under the profiler) "
+                             "and its achieved bandwidth")
     args = parser.parse_args()
 
     import torch
@@ -68,10 +71,20 @@ def main():
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     for name, (count, us) in rows:
         print(f"  {us:9.1f} us  x{count // args.steps:<3d} {name[:90]}")
+    result = {"pdl": pdl, "replay_us": ms * 1000, "span_us": span, "busy_us": busy,
+              "kernels": {n: {"per_step": c // args.steps, "us": us} for n, (c, us) in rows}}
+    if args.regions:
+        from region_times import region_bytes, region_table, time_regions
+
+        times = time_regions(built, inputs, steps=args.steps)
+        table = region_table(times, region_bytes(args.build_dir / "report.md"), valid_share=(args.pos + 1) / args.cache)
+        print("\nregions (called one by one without the graph, CUDA time under the profiler):")
+        for row in table:
+            bandwidth = f"{row['tb_per_s']:.2f} TB/s" if row["tb_per_s"] is not None else "—"
+            print(f"  {row['region']:28s} {row['us']:8.1f} us  {row['mb']:9.2f} MB  {bandwidth}")
+        result["regions"] = table
     if args.out:
-        args.out.write_text(json.dumps({"pdl": pdl, "replay_us": ms * 1000, "span_us": span, "busy_us": busy,
-                                        "kernels": {n: {"per_step": c // args.steps, "us": us} for n, (c, us) in rows}},
-                                       indent=2))
+        args.out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
