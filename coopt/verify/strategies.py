@@ -25,7 +25,8 @@ Paged regions (paged-kv: attrs "page_size": P, "page_table_input": i, "pool_inpu
 valid page table: page ids in [0, inputs[j].shape[0]), a permutation of the pool laid out column
 by column, so rows never share a page while the pool has a page for each slot (`valid_page_table`);
 their lengths and index bounds count positions through the table (max_pages * P), not the
-pool's page dim.
+pool's page dim. A paged write (an in-place region with an index input) then gets a page of its
+own for every table entry it writes through (`distinct_written_pages`), however small the pool.
 
 fp8 (an fp8 KV cache, docs/kv-cache.md): a quantizer fills the format's range, so fp8 inputs
 are N(0, 1) * max / 4 whatever the magnitude (every exponent of e4m3, subnormals included),
@@ -251,7 +252,43 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
         else:
             tensor = torch.randint(0, 8, shape, generator=generator, dtype=dtype, device=device)
         tensors.append(tensor)
+    table_at, positions_at = region.attrs.get("page_table_input"), region.attrs.get("index_input")
+    if table_at is not None and positions_at is not None and region.attrs.get("inplace"):
+        tensors[table_at] = distinct_written_pages(
+            tensors[table_at], tensors[positions_at], region.attrs["page_size"],
+            region.inputs[region.attrs.get("pool_input", 0)].concrete(dims)[0], example.seed,
+            per_row=region.attrs.get("positions") == "per-row")
     return tensors
+
+
+def distinct_written_pages(table: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int,
+                           seed: int, per_row: bool) -> torch.Tensor:
+    """`table` with a page of its own for every entry a paged write uses: row b's entry for
+    positions[b] // P (`per_row`: positions [B]) or every row's entries for the pages of all
+    positions ([T], shared by the rows). A pool smaller than B x max_pages makes
+    valid_page_table repeat pages across columns, and two rows writing one slot of one page would
+    leave the in-place result to the order of the writes. Unchanged when the pool has fewer pages
+    than the entries written.
+
+        >>> table = torch.tensor([[0, 1], [1, 0]])  # rows share both pages
+        >>> distinct_written_pages(table, torch.tensor([20, 3]), 16, 2, 0, per_row=True).tolist()
+        [[0, 0], [1, 0]]
+
+    (row 0 writes through entry [0, 1], page 0; row 1 through [1, 0], page 1)
+    """
+    batch = table.shape[0]
+    columns = (positions.long() // page_size).tolist()
+    if per_row:
+        entries = sorted(set(enumerate(columns)))
+    else:
+        entries = sorted({(b, c) for b in range(batch) for c in columns})
+    if len(entries) > num_pages:
+        return table
+    table = table.clone()
+    pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    for page, (b, c) in zip(pages.tolist(), entries):
+        table[b, c] = page
+    return table
 
 
 def scale_inputs(region: RegionSummary) -> tuple[int, ...]:

@@ -176,3 +176,26 @@ def test_fp8_inputs_are_deterministic_and_other_inputs_unchanged():
                          for s in region.inputs[1:3]), region.inputs[3]), region.outputs,
                          {k: v for k, v in region.attrs.items() if k != "kv_scale"}, region.dims)
     assert torch.equal(make_inputs(bf16, example)[0], first[0])
+
+
+@pytest.mark.parametrize("per_row,pages,tokens", [(True, 6, 1), (False, 10, 2)], ids=["ragged-step", "prompt"])
+def test_paged_writes_get_pages_of_their_own_in_a_small_pool(per_row, pages, tokens):
+    """A pool smaller than 4 rows x 4 table slots: valid_page_table repeats pages across columns
+    (row 2's slot j and row 0's slot j + 1 of a 6-page pool); the entries a paged kv_write
+    writes through still name distinct pages."""
+    pool = TensorSpec((pages, 2, 16, 8), "float32")
+    row = TensorSpec((4, 2, tokens, 8), "float32")
+    inputs = [pool, pool, TensorSpec((4 if per_row else tokens,), "int64"), row, row, TensorSpec((4, 4), "int32")]
+    attrs = {"rope": False, "quant": "none", "inplace": [0, 1], "page_size": 16, "page_table_input": 5,
+             "pool_input": 0, "index_input": 2, "index_bound": [5, 1]}
+    if per_row:
+        attrs["positions"] = "per-row"
+    region = RegionSummary("kv", "kv_write", tuple(inputs), (pool, pool), attrs)
+    for seed in range(12):
+        tensors = strategies.make_inputs(region, Example((), seed, 1.0))
+        positions, table = tensors[2], tensors[5]
+        assert table.min() >= 0 and table.max() < pages and positions.min() >= 0 and positions.max() < 64
+        columns = (positions // 16).tolist()
+        written = [int(table[b, c]) for b, c in (enumerate(columns) if per_row else
+                                                 {(b, c) for b in range(4) for c in columns})]
+        assert len(written) == len(set(written)), (seed, table.tolist(), positions.tolist())
