@@ -16,7 +16,8 @@ Where the scales come from (`scale-source`):
 - dynamic (granularity per-token): a state buffer `<buffer ref>.scale` [B_max, Hkv, S_max] fp32
   beside each cache, written at the same positions as the cache with each written row's scale:
   s = clamp_min(amax(abs(x), -1) as fp32, SCALE_FLOOR) · (headroom / FP8_MAX), a few ATen ops
-  before the write that a fused kv_write region may absorb.
+  before the write that a fused kv_write region may absorb. A ragged step's per-row write
+  (indices [arange(B), None, positions]) stores each row's [B, Hkv] scales the same way.
 
 The pass touches no data: it records in the module attribute `coopt.fp8_kv_cache` (JSON
 {"granularity", "headroom", "caches": {cache ref: scale ref}, "scales": {scale ref: [values]}
@@ -139,10 +140,16 @@ class Fp8KvCache(CooptPass):
         for member in cache.ops:  # block order: writes, state updates and slices of the cache
             x = None
             if _is_write(member) and _per_row(member):
-                if per_token:
-                    raise ConfigError("fp8-kv-cache{granularity=per-token}: per-row (ragged decode) cache writes are not "
-                                      "supported yet; use per-tensor or per-head scales")
-                _quantize_per_row(member, scale, self.granularity)
+                if per_token:  # each row's scales, from the row it writes, into the scale buffer alike
+                    x = _row_as_rank4(member)
+                    scales = _row_scales(x, self.headroom, member)  # [B, Hkv, 1]
+                    b, heads, _ = scales.type.get_shape()
+                    rows = _aten("aten.select.int", [{"$t": 0}, 2, 0], [scales], _tensor(f32, [b, heads], None),
+                                 before=member)
+                    self._mirror(member, None, mirror, rows=rows)
+                    _quantize_per_row(member, scales, self.granularity, x)
+                else:
+                    _quantize_per_row(member, scale, self.granularity)
                 continue
             if _is_write(member):
                 x = _rank4(member.operands[_write_value_index(member)], member)
@@ -159,12 +166,14 @@ class Fp8KvCache(CooptPass):
             mirror[new] = mirror.pop(value, scale)
         return mirror if per_token else {v: scale for v in mirror}
 
-    def _mirror(self, member: Operation, x: SSAValue | None, mirror: dict) -> None:
+    def _mirror(self, member: Operation, x: SSAValue | None, mirror: dict, rows: SSAValue | None = None) -> None:
         """Per-token: the same op on the scale buffer (the shape without D, fp32), inserted before
-        `member`; a write stores its rows' scales, computed from the rows it writes (`x`)."""
+        `member`; a write stores its rows' scales, computed from the rows it writes (`x`), or
+        `rows` when the caller computed them (a per-row write stores [B, Hkv])."""
         operands = [mirror.get(v, v) for v in member.operands]
         if x is not None:
             rows = _row_scales(x, self.headroom, member)
+        if rows is not None:
             mirror[member.operands[_write_value_index(member)]] = rows
             operands[_write_value_index(member)] = rows
         result = member.results[0]
@@ -271,18 +280,26 @@ def _per_row(op) -> bool:
     return aten_target(rows) in ("aten.arange.default", "aten.arange.start", "aten.arange.start_step") and not rows.inputs
 
 
-def _quantize_per_row(write: Operation, scale: SSAValue, granularity: str) -> None:
+def _row_as_rank4(write: Operation) -> SSAValue:
+    """The [B, Hkv, 1, D] value whose select(., 2, 0) a per-row write stores ([B, Hkv, D] from
+    elsewhere: unsqueezed to it)."""
+    value = write.operands[_write_value_index(write)]
+    select = value.owner
+    if aten_target(select) == "aten.select.int" and literal_arg(select, 1) == 2 and literal_arg(select, 2) == 0:
+        return select.inputs[0]
+    b, heads, head_dim = value.type.get_shape()
+    return _aten("aten.unsqueeze.default", [{"$t": 0}, 2], [value], TensorType(value.type.element_type, [b, heads, 1, head_dim]),
+                 before=write)
+
+
+def _quantize_per_row(write: Operation, scale: SSAValue, granularity: str, x: SSAValue | None = None) -> None:
     """A per-row write stores [B, Hkv, D] rows, select(x, 2, 0) of x [B, Hkv, 1, D]: quantize x
-    (rank 4, heads on dim 1 as quantize_fp8 wants) and store select(quantize(x), 2, 0)."""
+    (rank 4, heads on dim 1 as quantize_fp8 wants; per-token: `scale` [B, Hkv, 1]) and store
+    select(quantize(x), 2, 0)."""
     index = _write_value_index(write)
     value = write.operands[index]
     select = value.owner
-    if aten_target(select) == "aten.select.int" and literal_arg(select, 1) == 2 and literal_arg(select, 2) == 0:
-        x = select.inputs[0]
-    else:  # [B, Hkv, D] from elsewhere: as [B, Hkv, 1, D]
-        b, heads, head_dim = value.type.get_shape()
-        x = _aten("aten.unsqueeze.default", [{"$t": 0}, 2], [value], TensorType(value.type.element_type, [b, heads, 1, head_dim]),
-                  before=write)
+    x = x if x is not None else _row_as_rank4(write)
     quantized = QuantizeFp8Op(x, scale, granularity, _fp8(x.type))
     Rewriter.insert_op(quantized, InsertPoint.before(write))
     rows = _aten("aten.select.int", [{"$t": 0}, 2, 0], [quantized.result], _fp8(value.type), before=write)

@@ -131,3 +131,52 @@ def test_the_lossy_check_still_finds_a_wrong_kernel_upstream_of_the_quantization
                               write_selection=lambda: write_selection(out, result.regions, False))
     assert record["ok"] and linear.selected == REFERENCE and attention.selected != REFERENCE, warnings
     assert record["max_rel_err"] < 0.1  # the kernel left is fp8-close to the reference program
+
+
+class RaggedOverCache(torch.nn.Module):
+    """A ragged decode step (tokens [B, 1], one position per row) over a static cache: row b's
+    key and value go to position positions[b] of its own cache row, its query sees its prefix."""
+
+    def __init__(self, batch: int = 3):
+        super().__init__()
+        width = (HEADS + 2 * KV_HEADS) * DIM
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.register_buffer("k_cache", torch.randn(batch, KV_HEADS, MAX_SEQ, DIM))
+        self.register_buffer("v_cache", torch.randn(batch, KV_HEADS, MAX_SEQ, DIM))
+        self.register_buffer("cache_positions", torch.arange(MAX_SEQ))
+
+    def forward(self, tokens, positions):
+        batch = tokens.shape[0]
+        heads = self.embed(tokens).view(batch, 1, HEADS + 2 * KV_HEADS, DIM).transpose(1, 2)
+        q, k, v = heads.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+        rows = torch.arange(batch)
+        self.k_cache[rows, :, positions] = k[:, :, 0]
+        self.v_cache[rows, :, positions] = v[:, :, 0]
+        mask = (self.cache_positions[None, :] <= positions[:, None]).view(batch, 1, 1, -1)
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+
+
+def test_per_token_scales_in_a_ragged_step(tmp_path):
+    """Per-row (ragged) cache writes with per-token scales: each row's scales go to its own row of
+    the scale buffers, and the build (decode attention on its kernel) agrees with the original."""
+    torch.manual_seed(0)
+    model = RaggedOverCache().to(torch.bfloat16)
+    inputs = (torch.randint(0, VOCAB, (3, 1), generator=torch.Generator().manual_seed(1)), torch.tensor([5, 0, 15]))
+    pipeline = f"inplace-state-writes,raise-patterns,{PER_TOKEN},fuse-attention,fuse-kv-write"
+    result = coopt.Pipeline(pipeline, top_k=1).build(model, inputs, tmp_path / "out")
+    assert result.counters["fp8_kv_cache.quantized_writes"] == 2
+    (attention,) = [r for r in result.regions if r.summary.family == "decode_attention"]
+    assert attention.summary.attrs["kv_scale"] == "per-token" and attention.selected != REFERENCE
+    built = coopt.load(tmp_path / "out")
+    with torch.no_grad():
+        built(*inputs)
+    # each row written now holds its key in fp8 at its own scale: its largest element at e4m3's
+    # largest value, and back in bf16 within fp8's rounding of the model's key
+    heads = model.embed(inputs[0]).view(3, 1, HEADS + 2 * KV_HEADS, DIM).transpose(1, 2).float()
+    keys = heads[:, HEADS:HEADS + KV_HEADS, 0]
+    k_scale = built.state_tensor("k_cache.scale")
+    for b, position in enumerate(inputs[1].tolist()):
+        stored = built.state_tensor("k_cache")[b, :, position].float()
+        assert torch.all(stored.abs().amax(-1) == 448.0), (b, stored.abs().amax(-1))
+        dequantized = stored * k_scale[b, :, position, None]
+        torch.testing.assert_close(dequantized, keys[b], rtol=1 / 16, atol=1e-3)
