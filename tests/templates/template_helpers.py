@@ -232,3 +232,22 @@ def assert_gemv_points_compile(family, cases: dict, make_inputs, tmp_path, targe
         assert kernel["shared"] <= family._gemv_smem(region, params), f"{label}: check() underestimates shared memory"
         if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
             assert kernel["spill_instructions"] == 0, f"{label}: spills ({kernel['registers']} registers)"
+
+
+def lay_out_in_pages(caches, counts, num_pages: int, page_size: int, generator):
+    """The sequences' caches [B, Hkv, max_pages * P, D] as pages of one shuffled pool each:
+    sequence b's first counts[b] pages are drawn in turn with the others' (round-robin, so the
+    sequences interleave) from a permutation of the pool; free pages hold NaN, so a kernel that
+    reads a page the table does not name poisons its output. Returns (pools, page_table int32)."""
+    batch, kv_heads, length, head_dim = caches[0].shape
+    pools = [torch.full((num_pages, kv_heads, page_size, head_dim), float("nan")).to(c.dtype) for c in caches]
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    table = torch.zeros(batch, length // page_size, dtype=torch.int32)
+    for i in range(max(counts)):
+        for b in range(batch):
+            if i < counts[b]:
+                page = order.pop()
+                table[b, i] = page
+                for cache, pages in zip(caches, pools):
+                    pages[page] = cache[b, :, i * page_size:(i + 1) * page_size]
+    return pools, table

@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from template_helpers import compile_for_hopper
+from template_helpers import compile_for_hopper, lay_out_in_pages
 from template_helpers import run_candidate as _run_candidate
 
 from coopt.ir.region import RegionSummary, TensorSpec
@@ -67,15 +67,7 @@ def make_paged_inputs(region: RegionSummary, lengths, seed: int = 0):
             cache.view(torch.uint8)[:, :, seen:] = 0x7F
         else:
             cache[:, :, seen:] = float("nan")
-    pool = [torch.full((num_pages, kv_heads, size, head_dim), float("nan")).to(caches[0].dtype) for _ in "kv"]
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    table = torch.zeros(batch, max_pages, dtype=torch.int32)
-    for i in range(-(-seen // size)):  # the sequences' pages interleave in the pool
-        for b in range(batch):
-            page = order.pop()
-            table[b, i] = page
-            for cache, pages in zip(caches, pool):
-                pages[page] = cache[b, :, i * size:(i + 1) * size]
+    pool, table = lay_out_in_pages(caches, [-(-seen // size)] * batch, num_pages, size, gen)
     inputs = [q, *(p.to(DEVICE) for p in pool), torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
               table.to(DEVICE)]
     if fp8:

@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from template_helpers import compile_for_hopper, covering_points
+from template_helpers import compile_for_hopper, covering_points, lay_out_in_pages
 from template_helpers import run_candidate as _run_candidate
 
 from coopt.ir.region import RegionSummary, TensorSpec
@@ -655,17 +655,7 @@ def make_paged_inputs(region: RegionSummary, lengths, seed: int = 0):
                 cache.view(torch.uint8)[b, :, length:] = 0x7F  # e4m3fn NaN
             else:
                 cache[b, :, length:] = float("nan")
-    pool = [torch.full((num_pages, kv_heads, size, head_dim), float("nan")).to(dtype) for _ in "kv"]
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    table = torch.zeros(batch, max_pages, dtype=torch.int32)
-    counts = [-(-n // size) for n in lengths]
-    for i in range(max(counts)):  # round-robin: the sequences' pages interleave in the pool
-        for b in range(batch):
-            if i < counts[b]:
-                page = order.pop()
-                table[b, i] = page
-                for cache, pages in zip(caches, pool):
-                    pages[page] = cache[b, :, i * size:(i + 1) * size]
+    pool, table = lay_out_in_pages(caches, [-(-n // size) for n in lengths], num_pages, size, gen)
     inputs = [q, *(p.to(DEVICE) for p in pool), torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
               table.to(DEVICE)]
     if fp8:
