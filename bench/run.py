@@ -32,7 +32,8 @@ def parse_args():
     parser.add_argument("--examples", default="mlp,minigpt_block,llama_layer")
     parser.add_argument("--size", default="bench", choices=["bench", "small"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--modes", default="eager,compile,max-autotune,coopt")
+    parser.add_argument("--modes", default="eager,compile,max-autotune,reduce-overhead,coopt,coopt-graph",
+                        help="reduce-overhead / coopt-graph: each replayed as a CUDA graph (no host cost a call)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7,
                         help="timing rounds; each times every variant once, in turn (clock drift hits all alike)")
@@ -96,7 +97,8 @@ def bench_example(name: str, args) -> dict:
 
     if "eager" in modes:
         prepare("eager", lambda: model(*inputs), 0.0)
-    for mode, options in (("compile", {}), ("max-autotune", {"mode": "max-autotune"})):
+    for mode, options in (("compile", {}), ("max-autotune", {"mode": "max-autotune"}),
+                          ("reduce-overhead", {"mode": "reduce-overhead"})):
         if mode in modes:
             torch._dynamo.reset()
             compiled = torch.compile(model, **options)
@@ -111,6 +113,11 @@ def bench_example(name: str, args) -> dict:
         result = coopt.Pipeline(top_k=args.top_k).build(model, inputs, out, force=True, progress=build_progress())
         built = coopt.load(out)
         prepare("coopt", lambda: built(*inputs), time.monotonic() - start)
+        if "coopt-graph" in modes:  # the same build replayed as one CUDA graph (inputs copied in)
+            from coopt.runtime.cuda_graph import GraphedStep
+
+            graphed = GraphedStep(built, inputs, check=False)
+            prepare("coopt-graph", lambda: graphed(*inputs), 0.0)
         row["coopt_regions"] = {r.summary.name: {"selected": r.selected, "reason": r.reason,
                                                    "latency": {c.label: c.latency_ms for c in r.candidates}}
                                 for r in result.regions}
@@ -141,15 +148,22 @@ def host_ms(fn, calls: int = 50) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    modes = ["eager", "compile", "max-autotune", "coopt"]
-    head = "| example | " + " | ".join(f"{m} ms" for m in modes) + " | coopt vs eager | vs compile | vs max-autotune | coopt build s |"
-    lines = [head, "|" + " --- |" * (len(modes) + 5)]
+    """Plain calls (coopt against eager, compile, max-autotune) and, where run, graph replays
+    (coopt-graph against reduce-overhead)."""
+    modes = ["eager", "compile", "max-autotune", "coopt", "reduce-overhead", "coopt-graph"]
+    head = ("| example | " + " | ".join(f"{m} ms" for m in modes)
+            + " | coopt vs eager | vs compile | vs max-autotune | coopt-graph vs reduce-overhead | coopt build s |")
+    lines = [head, "|" + " --- |" * (len(modes) + 6)]
     for row in rows:
         ms = row["ms"]
         cells = [f"{ms[m]:.4f}" if m in ms else "—" for m in modes]
-        ratio = lambda m: f"{ms[m] / ms['coopt']:.2f}x" if m in ms and "coopt" in ms else "—"
+
+        def ratio(base, ours="coopt"):
+            return f"{ms[base] / ms[ours]:.2f}x" if base in ms and ours in ms else "—"
+
         build = f"{row['setup_s'].get('coopt', 0):.0f}"
-        lines.append(f"| {row['example']} | " + " | ".join(cells) + f" | {ratio('eager')} | {ratio('compile')} | {ratio('max-autotune')} | {build} |")
+        lines.append(f"| {row['example']} | " + " | ".join(cells) + f" | {ratio('eager')} | {ratio('compile')} | "
+                     f"{ratio('max-autotune')} | {ratio('reduce-overhead', 'coopt-graph')} | {build} |")
     return "\n".join(lines)
 
 
