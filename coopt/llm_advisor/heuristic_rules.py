@@ -299,14 +299,13 @@ def attention(request: AdviceRequest) -> tuple[CostFn, str]:
     batch, heads, sq, d = (1,) * (4 - len(q)) + q if len(q) < 4 else q[-4:]
     kv_heads = kv[-3] if len(kv) >= 3 else heads
     sk = kv[-2] if len(kv) >= 2 else sq
+    group = max(1, heads // max(1, kv_heads))
+    sms = int(request.target.get("num_sms") or 132)
+    bm_vals, bn_vals = _numbers(knob(request.space, BLOCK_M)), _numbers(knob(request.space, BLOCK_N))
     page_size = request.region.attrs.get("page_size")
     if page_size:  # paged KV: k is a pool of pages; the keys are what the page table addresses
         table = _shape(request, 4)
         sk = (table[-1] if table else 1) * page_size
-    group = max(1, heads // max(1, kv_heads))
-    sms = int(request.target.get("num_sms") or 132)
-    bm_vals, bn_vals = _numbers(knob(request.space, BLOCK_M)), _numbers(knob(request.space, BLOCK_N))
-    if page_size:
         bn_vals = [v for v in bn_vals if page_size % v == 0] or bn_vals
 
     def query_tile(rows: int, head_programs: int):

@@ -146,7 +146,7 @@ class Fp8KvCache(CooptPass):
                     b, heads, _ = scales.type.get_shape()
                     rows = _aten("aten.select.int", [{"$t": 0}, 2, 0], [scales], _tensor(f32, [b, heads], None),
                                  before=member)
-                    self._mirror(member, None, mirror, rows=rows)
+                    self._mirror(member, rows, mirror)
                     _quantize_per_row(member, scales, self.granularity, x)
                 else:
                     _quantize_per_row(member, scale, self.granularity)
@@ -154,7 +154,7 @@ class Fp8KvCache(CooptPass):
             if _is_write(member):
                 x = _rank4(member.operands[_write_value_index(member)], member)
             if per_token:
-                self._mirror(member, x, mirror)
+                self._mirror(member, None if x is None else _row_scales(x, self.headroom, member), mirror)
             if x is not None:
                 row_scale = mirror[member.operands[_write_value_index(member)]] if per_token else scale
                 quantized = QuantizeFp8Op(x, row_scale, self.granularity, _fp8(x.type))
@@ -166,13 +166,11 @@ class Fp8KvCache(CooptPass):
             mirror[new] = mirror.pop(value, scale)
         return mirror if per_token else {v: scale for v in mirror}
 
-    def _mirror(self, member: Operation, x: SSAValue | None, mirror: dict, rows: SSAValue | None = None) -> None:
+    def _mirror(self, member: Operation, rows: SSAValue | None, mirror: dict) -> None:
         """Per-token: the same op on the scale buffer (the shape without D, fp32), inserted before
-        `member`; a write stores its rows' scales, computed from the rows it writes (`x`), or
-        `rows` when the caller computed them (a per-row write stores [B, Hkv])."""
+        `member`; a write stores `rows`, the scales of the rows it writes ([B, Hkv, T], or [B, Hkv]
+        for a per-row write)."""
         operands = [mirror.get(v, v) for v in member.operands]
-        if x is not None:
-            rows = _row_scales(x, self.headroom, member)
         if rows is not None:
             mirror[member.operands[_write_value_index(member)]] = rows
             operands[_write_value_index(member)] = rows

@@ -123,6 +123,7 @@ def kv_cache_problem(region: RegionSummary, scales_at: int) -> str | None:
 
 
 # Paged KV (paged-kv, docs/kv-cache.md): pools of pages of P positions read through a page table.
+PER_TOKEN_PAGES = "per-token scales with paged KV are not supported yet (per-tensor or per-head)"
 
 
 def page_size(region: RegionSummary) -> int | None:
@@ -148,8 +149,15 @@ def paged_problem(region: RegionSummary) -> str | None:
     if len(table.shape) != 2 or table.dtype != "int32" or table.shape[0] != q.shape[0]:
         return f"page_table {list(table.shape)} {table.dtype} is not [B, max_pages] int32"
     if kv_scale(region) == "per-token":
-        return "per-token scales with paged KV are not supported yet (per-tensor or per-head)"
+        return PER_TOKEN_PAGES
     return None
+
+
+def paged_schema_ok(region: RegionSummary) -> bool:
+    """Whether a paged region has the paged schema: per-token scales with pages are one that
+    `check` rejects (not supported yet), so that the report names why."""
+    problem = paged_problem(region)
+    return problem is None or problem == PER_TOKEN_PAGES
 
 
 class AttentionFamily(TemplateFamily):
@@ -185,8 +193,8 @@ class AttentionFamily(TemplateFamily):
         fp8 = lengths and kv_scale(region) is not None
         if region.family != self.name or len(region.inputs) != self._scales_at(region) + 2 * fp8 or len(region.outputs) != 1:
             return False
-        if self._paged(region) and paged_problem(region) is not None and not paged_problem(region).startswith("per-token"):
-            return False  # (per-token scales with pages: a legal schema that `check` rejects)
+        if self._paged(region) and not paged_schema_ok(region):
+            return False
         q, k, v = region.inputs[:3]
         if lengths and (region.attrs.get("causal") or region.inputs[3].shape != (q.shape[2],)
                         or region.inputs[3].dtype not in ("int32", "int64")):

@@ -119,7 +119,7 @@ import math
 
 from coopt.ir.region import DTYPE_BYTES, RegionSummary
 from coopt.targets import Target
-from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE, kv_cache_problem, kv_scale, page_size, paged_problem
+from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE, kv_cache_problem, kv_scale, page_size, paged_problem, paged_schema_ok
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 # knobs some regions' spaces add, and their value where a point leaves them out
@@ -217,7 +217,7 @@ class DecodeAttentionFamily(TemplateFamily):
             # k, v in q's dtype, or an fp8 cache with its scales (inputs 4, 5; 5, 6 when paged)
             and kv_cache_problem(region, first_scale) is None
             and (rope_at(region) is None or self._rope_ok(region))
-            and (page_size(region) is None or self._page_schema_ok(region))
+            and (page_size(region) is None or paged_schema_ok(region))
             and q.shape[1] == heads and k.shape[1] == kv_heads
             and lengths.dtype in ("int32", "int64")
             # verification draws valid lengths only when the region names them (verify/strategies.py)
@@ -237,12 +237,6 @@ class DecodeAttentionFamily(TemplateFamily):
             if any(d != 1 and d != full for d, full in zip(dims_[::-1], list(q.shape)[::-1])):
                 return False
         return q.shape[3] % 2 == 0
-
-    @staticmethod
-    def _page_schema_ok(region: RegionSummary) -> bool:
-        # per-token scales are a legal schema that `check` rejects (not supported yet)
-        problem = paged_problem(region)
-        return problem is None or problem.startswith("per-token")
 
     # -- the space -----------------------------------------------------------------------
     def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
@@ -267,10 +261,10 @@ class DecodeAttentionFamily(TemplateFamily):
                 return f"{knob}={params.get(knob)} is not in the space"
         bn, split_kv, use_dot = params["BLOCK_N"], params["SPLIT_KV"], params["USE_DOT"]
         warps, stages = params["num_warps"], params["num_stages"]
-        if params.get("TILE_FP16") and _fp16_tiles_problem(region):
-            return _fp16_tiles_problem(region)
-        if params.get("TILE_FP16") and not use_dot:
-            return "TILE_FP16 widens fp8 tiles for tl.dot (USE_DOT=True)"
+        if params.get("TILE_FP16"):
+            problem = _fp16_tiles_problem(region) or (None if use_dot else "TILE_FP16 widens fp8 tiles for tl.dot (USE_DOT=True)")
+            if problem:
+                return problem
         block_d, block_h = self._block_d(region), self.block_h(region, use_dot)
         elem = DTYPE_BYTES[region.inputs[1].dtype]  # K/V: 1 for an fp8 cache
         q_elem = DTYPE_BYTES[region.inputs[0].dtype]

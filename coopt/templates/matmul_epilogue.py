@@ -52,6 +52,10 @@ Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows 
                                in brackets): 1x4096x4096 3.1 (2.7), 1x4096x14336 4.0 (3.7),
                                1x14336x4096 4.0 (3.9), 1x128256x4096 4.5 (4.4), 32x4096x4096
                                2.7 (2.5).
+    SWAP_AB (tl.dot tiles)     the dot computes acc^T = B_slab @ A_rows^T: BLOCK_N (>= 64)
+                               weight rows on the tensor cores' 64-row side, BLOCK_M activation
+                               rows on the narrow side (on sm_90 a wgmma instead of mma on
+                               rows padded to 16), transposed back before the epilogue.
 
 Fused forms of the GEMV kernel (attrs "prologue" / "glu", regions of fuse-decode-gemv): only
 GEMV points are legal for them, so such a region exists only where M is decode-sized.
@@ -66,10 +70,6 @@ GEMV points are legal for them, so such a region exists only where M is decode-s
                                the plain GEMV (one program per row writes the normed rows in
                                a's dtype): on tl.dot tiles the in-loop prologue measured 2x
                                slower than eager norm + cuBLAS at 32 rows on the H200.
-    SWAP_AB (tl.dot tiles)     the dot computes acc^T = B_slab @ A_rows^T: BLOCK_N (>= 64)
-                               weight rows on the tensor cores' 64-row side, BLOCK_M activation
-                               rows on the narrow side (on sm_90 a wgmma instead of mma on
-                               rows padded to 16), transposed back before the epilogue.
     GLU epilogue               b = [gate | up] halves of 2N rows: each program streams the same
                                BLOCK_N rows of both (two slabs a K step, counted twice in the
                                register and shared-memory checks) into acc and acc_hi, which the

@@ -155,6 +155,8 @@ def _compile_launches(path: str, inputs, machine_code: bool) -> dict:
             "warp_specialized": "ttg.warp_specialize" in ttgir,
             # launched with launch_pdl and waiting for the previous kernel before any access
             "pdl": bool(pdl_launch) and "griddepcontrol.wait" in ptx,
+            # f16 -> bf16 conversions (fp8 tiles widened to bf16 go e4m3 -> f16 -> bf16)
+            "f16_to_bf16": ptx.count("cvt.bf16.f16"),
             # L2 prefetches issued before that wait (the GEMV's weights, which no kernel writes)
             "prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"),
             "shared": compiled.metadata.shared,

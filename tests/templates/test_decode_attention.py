@@ -319,6 +319,10 @@ def test_covering_points_compile_for_hopper(tmp_path):
         # streaming K/V is the whole cost: with stages, the loads must be asynchronous copies
         assert split["pipelined"] == (params["num_stages"] > 1), f"K/V pipelining for {label} {params}"
         assert split["shared"] <= H200.smem_per_block_bytes
+    # fp8 tiles: widened to bf16 they take an f16 -> bf16 conversion per value after the pair
+    # conversion from e4m3; widened to fp16 (TILE_FP16) only the pair conversion
+    assert compiled["paged_per-head"]["_decode_split_kernel"]["f16_to_bf16"] > 0
+    assert compiled["fp8_fp16_tiles"]["_decode_split_kernel"]["f16_to_bf16"] == 0
 
 
 
