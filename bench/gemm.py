@@ -36,6 +36,7 @@ import itertools
 import json
 import math
 import os
+import random
 import sys
 import tempfile
 import time
@@ -55,6 +56,11 @@ SHAPES = {
     "skinny": [(1, 4096, 4096, "plain"), (1, 14336, 4096, "plain"), (1, 4096, 14336, "plain"),
                (32, 4096, 4096, "plain"), (1, 128256, 4096, "plain")],
     # fuse-decode-gemv's regions; N is the output width (the swiglu weight has 2N rows)
+    # one decode layer's four GEMV regions (q|k|v + norm, o + residual, gate|up + norm + SwiGLU,
+    # down + residual) at batch 1 and 32: what `bench/gemm.py --shapes layer --variants gemv
+    # --sample 40` samples to see whether the advisor's first points are the space's best
+    "layer": [(m, n, k, epilogue) for m in (1, 32) for n, k, epilogue in
+              ((6144, 4096, "norm"), (4096, 4096, "residual"), (14336, 4096, "norm_swiglu"), (4096, 14336, "residual"))],
     "fused": [(1, 6144, 4096, "norm"), (1, 14336, 4096, "norm_swiglu"), (32, 6144, 4096, "norm"),
               (32, 14336, 4096, "norm_swiglu"), (1, 128256, 4096, "norm")],
 }
@@ -134,11 +140,13 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the curated subset (~24 points)")
     parser.add_argument("--shapes", default="up,down,decode", help="comma list of: " + ",".join(SHAPES))
-    parser.add_argument("--variants", default="all", choices=["all", "plain", "persistent", "tma"],
+    parser.add_argument("--variants", default="all", choices=["all", "plain", "persistent", "tma", "gemv"],
                         help="full mode: keep only points of this kernel variant")
     parser.add_argument("--limit", type=int, default=None, help="full mode: at most this many points per shape")
     parser.add_argument("--advised", type=int, default=3,
-                        help="quick mode: also the heuristic advisor's first N points per shape")
+                        help="quick and --sample modes: also the heuristic advisor's first N points per shape")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="full mode: a seeded random sample of this many legal points per shape (plus --advised)")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="parallel compile processes")
     parser.add_argument("--json", type=Path, default=None, help="write every measurement here")
     parser.add_argument("--list", action="store_true", help="print the points per shape and exit (no GPU needed)")
@@ -236,8 +244,13 @@ def select_points(region, args) -> list[dict]:
         "plain": lambda p: not (p["PERSISTENT"] or p["USE_TMA"]),
         "persistent": lambda p: p["PERSISTENT"] and not p["USE_TMA"],
         "tma": lambda p: p["USE_TMA"],
+        "gemv": lambda p: p.get("GEMV"),
     }[args.variants]
     points = [p for p in points if keep(p)]
+    if args.sample:  # the advisor's first points, then a fixed random draw from the rest
+        advised = [p for p in advised_points(region, args.advised) if keep(p)]
+        rest = [p for p in points if p not in advised]
+        return advised + random.Random(0).sample(rest, min(args.sample, len(rest)))
     return points[: args.limit] if args.limit else points
 
 
@@ -271,6 +284,7 @@ def label(params: dict) -> str:
         flags.append(f"subtile{params['EPILOGUE_SUBTILE']}")
     if params.get("GEMV"):
         flags.append("gemv" + ("-fma" if params["BLOCK_M"] == 1 else "-dot"))
+        flags += [name.lower() for name in ("NORM_FIRST", "SWAP_AB") if params.get(name)]
     return text + (" " + "+".join(flags) if flags else "")
 
 

@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh core-pdl   # decode b1 and b32 at 2048, each step profiled with PDL off and on
 #   bash bench/gpu_session.sh fp8-b1     # bf16 vs fp8 KV decode, b1 at 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh fp8-b32    # bf16 vs fp8 KV decode, b32 at 2048 and 8192 (~8 min)
+#   bash bench/gpu_session.sh sweep      # decode attention + GEMV: advised points vs a sample of the space, L2 prefetch (~9 min)
 #   bash bench/gpu_session.sh accuracy   # bench/accuracy.py --config small --steps 2000 on the GPU
 #   bash bench/gpu_session.sh layers32   # 32 layers, b1 / 2048, all modes incl. max-autotune-no-cudagraphs
 #   bash bench/gpu_session.sh gpu-tests  # GPU runs of the paged prompt attention, GEMV forms, decode attention, PagedDecoder graphs
@@ -77,6 +78,7 @@ case "${1:-}" in
             regions=$([ "$pdl" = 0 ] && echo --regions)  # per-region time and bandwidth, once
             COOPT_PDL=$pdl step 60 "profile_b1_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b1-pos2048 \
                 $regions --out "$OUT/profile_b1_pdl$pdl.json"
+            [ "$pdl" = 1 ] && break  # (b32 with PDL: the call's 600 s do not hold it)
             COOPT_PDL=$pdl step 90 "profile_b32_pdl$pdl" python bench/profile_step.py /tmp/coopt-decode/b32-pos2048 \
                 --batch 32 $regions --out "$OUT/profile_b32_pdl$pdl.json"
         done
@@ -101,6 +103,11 @@ case "${1:-}" in
         step 420 pytest python -m pytest -q -p no:cacheprovider tests/templates/test_attention_paged.py \
             tests/templates/test_matmul_gemv_fusions.py tests/templates/test_decode_attention.py \
             tests/runtime/test_serve_graph.py tests/llama/test_llama_paged.py tests/e2e/test_cuda_graph.py
+        ;;
+    sweep)  # the advisor's first points against samples of the spaces: decode attention (4 cases) + L2
+            # prefetch experiment, then one layer's four GEMV regions at 1 and 32 rows
+        step 290 attention python bench/attention_sweep.py --sample 32 --json "$OUT/attention_sweep.json"
+        step 290 gemv python bench/gemm.py --shapes layer --variants gemv --sample 28 --advised 8 --json "$OUT/gemv_sweep.json"
         ;;
     accuracy)  # issue 4: train the small model on the GPU, then every lossy configuration against bf16
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --out "$OUT/accuracy.json"

@@ -383,9 +383,13 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     split_t = min(min(filling) if filling else max(split_vals), most)
     # K and V tiles of ~16 KiB each: long contiguous reads, two or three stages in flight in
     # shared memory; never longer than a split's share of the keys. With 1-byte fp8 rows that is
-    # twice the keys per tile (BLOCK_N 128 at D 128) for the same bytes in flight.
+    # twice the keys per tile (BLOCK_N 128 at D 128) for the same bytes in flight. Where each SM
+    # gets one program or less, that program alone keeps its SM's loads in flight: 32 KiB tiles
+    # (H200, bf16, bench/attention_sweep.py: b1 at 32768 BLOCK_N 128 39.0 µs vs 64 40.2; at
+    # 2048 10.0-10.7 vs 10.9), while at 256 programs (b32) 16 KiB stays best (62.8 vs 65.1 µs).
     keys_per_split = max(1, length // split_t)
-    bn_t = _largest_at_most(bn_vals, max(16, min(16384 // (d * elem), keys_per_split)))
+    tile_bytes = 32768 if programs * split_t <= sms else 16384
+    bn_t = _largest_at_most(bn_vals, max(16, min(tile_bytes // (d * elem), keys_per_split)))
     # Tensor cores pad the head group to 16 rows: free for a 16-bit query with group >= 4
     # (multiply-and-sum would need group x D FMAs per key). fp32 tl.dot runs on CUDA cores
     # padded to 16 rows, and for small groups the padding costs more than it saves.

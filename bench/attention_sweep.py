@@ -1,0 +1,331 @@
+"""Decode attention on the GPU: the advisor's first points against a sample of the whole space,
+and whether prefetching the next GEMV's weights into L2 while the attention runs pays.
+
+    python bench/attention_sweep.py                       # the four cases below, 8 advised + 32 sampled points
+    python bench/attention_sweep.py --cases b1-2048 --sample 0 --advised 4
+    python bench/attention_sweep.py --prefetch-only       # only the L2 prefetch experiment
+    python bench/attention_sweep.py --list                # the points, no GPU needed
+
+Cases (Llama-3-8B attention: 32 query heads over 8 kv heads, D 128, bf16 query; `length` valid
+keys of a `cache`-position static cache): b1-2048, b32-2048, b1-32768, and b1-32768-fp8 (the cache
+in float8_e4m3fn with per-head scales, where TILE_FP16 applies). Each point is rendered by the
+family, checked against an fp32 softmax over the valid keys, and timed replayed in a CUDA graph
+(triton.testing.do_bench_cudagraph) over copies of the caches that together exceed the L2, as a
+decode step runs: its bandwidth is the valid K/V bytes (`kv_bytes_read`) over the time.
+
+Prefetch (`--prefetch`, on by default): at batch 1 and length 2048 the attention is
+latency-bound (13 µs for 8.4 MB in session 5's profile) while the o-projection GEMV after it
+streams 33.5 MB of weights at ~3 TB/s. The experiment replays 8 layers of (attention, o GEMV +
+residual) in one CUDA graph, the o GEMV on its own weights per layer, three ways: one after the
+other; with a second stream that prefetches the layer's o weights into L2 (prefetch.global.L2)
+while its attention runs; and the prefetch alone. The GEMV point and the attention point are the
+advisor's first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from gemm import COPY_BYTES_PER_S, L2_BYTES  # noqa: E402  (one set of H200 facts for the benches)
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+# name -> (batch, valid length, cache positions, fp8 cache)
+CASES = {
+    "b1-2048": (1, 2048, 4096, False),
+    "b32-2048": (32, 2048, 4096, False),
+    "b1-32768": (1, 32768, 32832, False),
+    "b1-32768-fp8": (1, 32768, 32832, True),
+}
+
+
+def make_region(batch: int, length: int, cache: int, fp8: bool):
+    from coopt.ir.region import RegionSummary, TensorSpec
+
+    q = TensorSpec((batch, HEADS, 1, HEAD_DIM), "bfloat16")
+    kv = TensorSpec((batch, KV_HEADS, cache, HEAD_DIM), "float8_e4m3fn" if fp8 else "bfloat16")
+    inputs = [q, kv, kv, TensorSpec((batch,), "int32")]
+    attrs = {"scale": HEAD_DIM ** -0.5, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "lengths_input": 3,
+             "lengths_bound": [1, 2], "example_length": length}
+    if fp8:
+        inputs += [TensorSpec((KV_HEADS,), "float32")] * 2
+        attrs["kv_scale"] = "per-head"
+    name = f"decode_attention_b{batch}_{length}" + ("_fp8" if fp8 else "")
+    return RegionSummary(name, "decode_attention", inputs=tuple(inputs), outputs=(q,), attrs=attrs)
+
+
+def make_inputs(region, length: int, seed: int = 0):
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    batch = region.inputs[0].shape[0]
+    q = torch.randn((batch, 1, HEADS, HEAD_DIM), generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    cache_shape = region.inputs[1].shape
+    k, v = (torch.randn(cache_shape, generator=gen, device="cuda") for _ in "kv")
+    inputs = [q, k, v, torch.full((batch,), length, dtype=torch.int32, device="cuda")]
+    if region.attrs.get("kv_scale"):
+        scales = [t.abs().amax(dim=(0, 2, 3)) / 448 for t in (k, v)]
+        inputs[1], inputs[2] = ((t / s[None, :, None, None]).to(torch.float8_e4m3fn) for t, s in zip((k, v), scales))
+        inputs += scales
+    else:
+        inputs[1], inputs[2] = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    return inputs
+
+
+def reference(region, q, k, v, lengths, k_scale=None, v_scale=None):
+    """fp32 softmax over each sequence's valid keys, kv heads repeated for the group."""
+    import torch
+
+    group = HEADS // KV_HEADS
+    k, v = k.float(), v.float()
+    if k_scale is not None:
+        k, v = k * k_scale[None, :, None, None], v * v_scale[None, :, None, None]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b, length in enumerate(lengths.tolist()):
+        keys, values = (t[b, :, :length].repeat_interleave(group, dim=0) for t in (k, v))
+        scores = q[b].float() @ keys.transpose(-1, -2) * region.attrs["scale"]
+        out[b] = torch.softmax(scores, dim=-1) @ values
+    return out
+
+
+def advised(region, family, count: int) -> list[dict]:
+    from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
+    from coopt.targets import H200
+
+    legal = family.legal_points(region, H200)
+    request = AdviceRequest(region, family.name, family.param_space(region, H200), tuple(legal), H200.facts())
+    return list(HeuristicAdvisor().advise(request).ranked[:count])
+
+
+def select_points(region, family, args) -> list[dict]:
+    from coopt.targets import H200
+
+    first = advised(region, family, args.advised)
+    rest = [p for p in family.legal_points(region, H200) if p not in first]
+    return first + random.Random(0).sample(rest, min(args.sample, len(rest)))
+
+
+def label(params: dict) -> str:
+    text = (f"n{params['BLOCK_N']} split{params['SPLIT_KV']} {'dot' if params['USE_DOT'] else 'fma'} "
+            f"w{params['num_warps']} s{params['num_stages']}")
+    return text + (" fp16-tiles" if params.get("TILE_FP16") else "")
+
+
+def _warm(job) -> str | None:
+    """Worker process: compile one point by running it once (fills the shared Triton cache)."""
+    path, case = job
+    try:
+        import torch
+
+        from coopt.runtime.kernel_loader import load_module_from_file
+
+        batch, length, cache, fp8 = CASES[case]
+        load_module_from_file(path).run(*make_inputs(make_region(batch, length, cache, fp8), length))
+        torch.cuda.synchronize()
+        return None
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error)[:200]}"
+
+
+def graph_ms(call, input_sets) -> float:
+    """Median of one call replayed in a CUDA graph, each captured call on the next input set."""
+    import itertools
+
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    torch.cuda.synchronize()
+    rotation = itertools.cycle(input_sets)
+    return do_bench_cudagraph(lambda: call(*next(rotation)), rep=30, return_mode="median")
+
+
+def copies_past_l2(inputs, length: int) -> list:
+    """The inputs and copies of them whose valid K/V bytes together are 3x the L2."""
+    import math
+
+    batch = inputs[0].shape[0]
+    valid = 2 * batch * KV_HEADS * length * HEAD_DIM * inputs[1].element_size()
+    count = max(1, math.ceil(3 * L2_BYTES / valid))
+    return [list(inputs)] + [[t.clone() for t in inputs] for _ in range(count - 1)]
+
+
+def sweep(args, work_dir: Path, rows: list) -> None:
+    from coopt.runtime.kernel_loader import load_module_from_file
+    from coopt.templates.decode_attention import DecodeAttentionFamily, kv_bytes_read
+
+    family = DecodeAttentionFamily()
+    plan = []
+    for case in args.cases:
+        region = make_region(*CASES[case])
+        for i, params in enumerate(select_points(region, family, args)):
+            path = work_dir / f"{case}__{i}.py"
+            path.write_text(family.render(region, params))
+            plan.append((case, i, params, str(path)))
+    started = time.time()
+    print(f"compiling {len(plan)} kernels in {args.jobs} processes ...", flush=True)
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        warm_errors = list(pool.map(_warm, [(path, case) for case, _, _, path in plan]))
+    print(f"compiled in {time.time() - started:.0f} s", flush=True)
+    for case in args.cases:
+        batch, length, cache, fp8 = CASES[case]
+        region = make_region(batch, length, cache, fp8)
+        inputs = make_inputs(region, length)
+        expected = reference(region, *inputs)
+        input_sets = copies_past_l2(inputs, length)
+        traffic = kv_bytes_read(region, [length] * batch)
+        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / COPY_BYTES_PER_S * 1e6:.1f} us "
+              f"at {COPY_BYTES_PER_S / 1e12:.1f} TB/s; graphs rotate {len(input_sets)} input copies", flush=True)
+        results = []
+        for (c, rank, params, path), warm_error in zip(plan, warm_errors):
+            if c != case:
+                continue
+            try:
+                run = load_module_from_file(path).run
+                err = (run(*inputs)[0].float() - expected).abs().max().item()
+                if not err < 3e-2:
+                    print(f"  {label(params):40s} WRONG: max abs err {err:.2e}", flush=True)
+                    continue
+                ms = graph_ms(run, input_sets)
+            except Exception as error:
+                print(f"  {label(params):40s} FAILED: {warm_error or f'{type(error).__name__}: {str(error)[:200]}'}",
+                      flush=True)
+                continue
+            results.append((ms, rank, params, err))
+        for ms, rank, params, err in sorted(results, key=lambda r: r[0]):
+            tag = f"advised #{rank + 1}" if rank < args.advised else "sampled"
+            print(f"  {label(params):40s} {ms * 1e3:7.1f} us {traffic / ms / 1e9:6.2f} TB/s  {tag:11s} err {err:.1e}",
+                  flush=True)
+            rows.append({"case": case, "params": params, "advised_rank": rank + 1 if rank < args.advised else None,
+                         "us": ms * 1e3, "tb_per_s": traffic / ms / 1e9, "err": err})
+
+
+@triton.jit
+def _prefetch_l2_kernel(ptr, numel, BLOCK: tl.constexpr, STRIDE: tl.constexpr):
+    # one prefetch.global.L2 per STRIDE elements (a 64-byte run of bf16 at 32)
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)) * STRIDE
+    ptrs = ptr + tl.minimum(offs, numel - 1)
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_experiment(work_dir: Path, rows: list, layers: int = 8) -> None:
+    """8 layers of (attention, o GEMV + residual) in one graph, with and without an L2 prefetch
+    of each layer's o weights on a second stream during its attention."""
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    from coopt.runtime.kernel_loader import load_module_from_file
+    from coopt.templates.decode_attention import DecodeAttentionFamily
+    from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
+    from gemm import advised_points
+    from gemm import make_inputs as gemm_inputs
+    from gemm import make_region as gemm_region
+
+    def prefetch(weight):
+        numel, per = weight.numel(), 1024 * 32
+        _prefetch_l2_kernel[(triton.cdiv(numel, per),)](weight, numel, BLOCK=1024, STRIDE=32, num_warps=4)
+
+    attention_family, gemv_family = DecodeAttentionFamily(), MatmulEpilogueFamily()
+    batch, length, cache, _ = CASES["b1-2048"]
+    attn_region = make_region(batch, length, cache, False)
+    attn_params = advised(attn_region, attention_family, 1)[0]
+    o_region = gemm_region(1, 4096, 4096, "residual")
+    o_params = advised_points(o_region, 1)[0]
+    (work_dir / "attn.py").write_text(attention_family.render(attn_region, attn_params))
+    (work_dir / "o.py").write_text(gemv_family.render(o_region, o_params))
+    attention = load_module_from_file(str(work_dir / "attn.py")).run
+    o_gemv = load_module_from_file(str(work_dir / "o.py")).run
+    attn_inputs = [make_inputs(attn_region, length, seed=i) for i in range(layers)]
+    o_inputs = [gemm_inputs(o_region, seed=i) for i in range(layers)]
+    side = torch.cuda.Stream()
+
+    def step(mode: str):
+        for a, o in zip(attn_inputs, o_inputs):
+            if mode in ("prefetch", "prefetch only"):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    prefetch(o[1])
+            if mode != "prefetch only":
+                out = attention(*a)[0]
+                torch.cuda.current_stream().wait_stream(side)
+                o[0].copy_(out.view(1, -1))  # the attention's output is the o projection's input
+                o_gemv(*o)
+            else:
+                torch.cuda.current_stream().wait_stream(side)
+
+    for mode in ("prefetch only", "sequential", "prefetch"):
+        step(mode)  # compiled and warm before capture
+    torch.cuda.synchronize()
+    print(f"\nL2 prefetch of the o weights during the attention ({layers} layers, b1 length 2048; "
+          f"attention {label(attn_params)}, o GEMV advised first):", flush=True)
+    for mode in ("sequential", "prefetch", "prefetch only", "sequential"):
+        ms = do_bench_cudagraph(lambda: step(mode), rep=100, return_mode="median")
+        print(f"  {mode:14s} {ms * 1e3:8.1f} us a step ({ms * 1e3 / layers:.1f} us a layer)", flush=True)
+        rows.append({"experiment": "l2-prefetch", "mode": mode, "layers": layers, "us": ms * 1e3})
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help="comma list of: " + ",".join(CASES))
+    parser.add_argument("--advised", type=int, default=8, help="the heuristic advisor's first N points per case")
+    parser.add_argument("--sample", type=int, default=32, help="a seeded random sample of this many other legal points")
+    parser.add_argument("--prefetch-only", action="store_true", help="only the L2 prefetch experiment")
+    parser.add_argument("--no-prefetch", action="store_true", help="skip the L2 prefetch experiment")
+    parser.add_argument("--jobs", type=int, default=16, help="parallel compile processes")
+    parser.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    parser.add_argument("--list", action="store_true", help="print the points per case and exit (no GPU needed)")
+    args = parser.parse_args()
+    args.cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.list:
+        from coopt.templates.decode_attention import DecodeAttentionFamily
+
+        for case in args.cases:
+            points = select_points(make_region(*CASES[case]), DecodeAttentionFamily(), args)
+            print(f"{case}: {len(points)} points")
+            for params in points:
+                print("   ", label(params))
+        return 0
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("bench/attention_sweep.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}),
+          flush=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="coopt_attention_"))
+    rows: list = []
+    try:
+        if not args.prefetch_only:
+            sweep(args, work_dir, rows)
+        if not args.no_prefetch:
+            prefetch_experiment(work_dir, rows)
+    finally:
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
