@@ -173,19 +173,25 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
         resident = max(1, min(GEMV_MAX_PROGRAMS_PER_SM * 4 // warps, smem // program_smem))
         c += _gemv_streaming_cost(programs, resident, max(1, stages - 1) * slab, sms)
         c += 0.5 * math.log2(split) + _log_gap(warps, 4) + 0.25 * _stages_gap(stages, 3, 4)
-        if knob(point, SWAP_AB):
+        swap = bool(knob(point, SWAP_AB))
+        if swap:
             # Weight rows on the tensor cores' 64-row side (a wgmma on sm_90, not an mma on
-            # activation rows padded to 16) and a wide slab that re-reads the rows less. Not
-            # measured yet: a small bonus, so that the best such point is measured among the first.
-            c -= 0.1
+            # activation rows padded to 16) and a wide slab that re-reads the rows less. H200,
+            # 32 rows (bench/gemm.py --shapes layer --variants gemv): the best point of every
+            # Llama layer GEMV swaps (q|k|v 18.7 µs vs 20.4, o 12.6 vs 13.1, gate|up 57.7 vs
+            # 60.6, down 32.5 vs 33.4).
+            c -= 0.5
         if norm_modes:
             # The RMSNorm in the GEMV loop (NORM_FIRST=False) or in a kernel before it. One row:
             # in the loop (H200: q|k|v + norm 14.6 µs against 23.9 for eager norm + cuBLAS), the
             # separate norm ranked close behind so that measurement can compare. tl.dot tiles:
             # the in-loop norm re-lays out the activation tile every K step (2x slower than
             # eager norm + cuBLAS at 32 rows), so it comes last.
+            # Swapped, the activation tile is the dot's right operand and the in-loop norm
+            # measured even (gate|up at 32 rows: 57.7 µs in the loop, 59.9 first): ranked right
+            # behind the separate norm.
             first = bool(knob(point, NORM_FIRST))
-            c += (0.001 if first else 0.0) if bm == 1 else (0.0 if first else 3.0)
+            c += (0.001 if first else 0.0) if bm == 1 else (0.0 if first else 0.05 if swap else 3.0)
         return c
 
     kernel = "multiply-and-sum" if bm_t == 1 else f"tl.dot on {bm_t} rows"

@@ -326,13 +326,17 @@ def test_heuristic_ranks_gemv_tiles_for_fused_decode_regions():
     rows32 = ranked(fused_region((32,), 14336, 4096, "bfloat16", glu=True))[0]
     assert rows32["BLOCK_M"] == 32 and rows32["GEMV"]
     # the norm: in the loop for one row (the separate kernel measured next), ahead of the GEMV
-    # for tl.dot tiles, whose in-loop form comes after every separate one
+    # for tl.dot tiles; there the in-loop form comes right behind on swapped tiles (measured
+    # even), after every separate one otherwise
     assert not qkv["NORM_FIRST"] and not first["NORM_FIRST"]
     one_row = ranked(fused_region((1,), 6144, 4096, "bfloat16"))
     assert one_row[1] == {**one_row[0], "NORM_FIRST": True}
     rows32 = ranked(fused_region((32,), 6144, 4096, "bfloat16"))
     assert rows32[0]["NORM_FIRST"] and rows32[0]["BLOCK_M"] == 32
-    inline = [i for i, point in enumerate(rows32) if not point["NORM_FIRST"]]
+    # 32 rows: the weight on the wgmma's 64-row side first (measured fastest on every layer GEMV)
+    assert rows32[0]["SWAP_AB"]
+    assert rows32[1] == {**rows32[0], "NORM_FIRST": False}
+    inline = [i for i, point in enumerate(rows32) if not point["NORM_FIRST"] and not point["SWAP_AB"]]
     assert inline and min(inline) > 3
 
 
