@@ -410,9 +410,17 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     # Short lengths are latency-bound (b1, length 2048: 16 splits of 128 keys took 11.4 µs for
     # 8.4 MB on the H200): where the splits leave SMs a program or less each, twice the splits
     # (shorter chains of tile loads) is ranked second too.
+    # Where a split is a single tile, though, half the splits (two tiles a program, the second's
+    # loads in flight during the first's math) measured ahead (b1 at 2048, BLOCK_N 128: split 8
+    # 10.0 µs, split 16 10.7, bench/attention_sweep.py): that is measured second there.
     tile_fp16 = True in (knob(request.space, ("TILE_FP16",)) or [])
-    second_split = 2 * split_t if 2 * split_t in split_vals and (
-        keys_per_split >= 1024 or (programs * split_t <= sms and keys_per_split >= 2 * min(bn_vals or [16]))) else None
+    if keys_per_split <= bn_t and keys_per_split < 1024 and split_t // 2 in split_vals and split_t > 1:
+        second_split = split_t // 2
+    elif 2 * split_t in split_vals and (
+            keys_per_split >= 1024 or (programs * split_t <= sms and keys_per_split >= 2 * min(bn_vals or [16]))):
+        second_split = 2 * split_t
+    else:
+        second_split = None
 
     def cost(point: dict) -> float:
         split = knob(point, ("SPLIT_KV",))

@@ -277,10 +277,13 @@ def test_heuristic_fills_the_sms(batch, length, split):
     # 32 KiB K/V tiles where each SM has a program or less, 16 KiB where they share SMs
     assert best["USE_DOT"] and best["BLOCK_N"] == (128 if batch * 8 * split <= H200.num_sms else 64)
     # twice the splits is measured next, not a tile variant, for long splits (two programs per
-    # SM) and for short ones that leave each SM a program or less (latency-bound)
+    # SM) and for short ones that leave each SM a program or less (latency-bound); half the
+    # splits where a split is one tile (two tiles a program pipeline)
     programs = batch * 8 * split
-    doubled = length // split >= 1024 or (programs <= H200.num_sms and length // split >= 2 * 16)
+    one_tile = length // split <= best["BLOCK_N"] and split > 1
+    doubled = not one_tile and (length // split >= 1024 or (programs <= H200.num_sms and length // split >= 2 * 16))
     assert (second["SPLIT_KV"] == 2 * split) == doubled, second
+    assert (second["SPLIT_KV"] == split // 2) == one_tile, second
 
 
 # -- Hopper compilation (no GPU needed) ---------------------------------------------------
