@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from gemm import COPY_BYTES_PER_S, L2_BYTES  # noqa: E402  (one set of H200 facts for the benches)
+from gemm import COPY_BYTES_PER_S, L2_BYTES, announce_gpu, print_points  # noqa: E402  (the benches' shared H200 facts)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # name -> (batch, valid length, cache positions, fp8 cache)
@@ -300,20 +300,11 @@ def main() -> int:
     if args.list:
         from coopt.templates.decode_attention import DecodeAttentionFamily
 
-        for case in args.cases:
-            points = select_points(make_region(*CASES[case]), DecodeAttentionFamily(), args)
-            print(f"{case}: {len(points)} points")
-            for params in points:
-                print("   ", label(params))
+        family = DecodeAttentionFamily()
+        print_points({case: select_points(make_region(*CASES[case]), family, args) for case in args.cases}, label)
         return 0
-    import torch
-    import triton
-
-    if not torch.cuda.is_available():
-        print("bench/attention_sweep.py needs a CUDA GPU", file=sys.stderr)
+    if not announce_gpu("bench/attention_sweep.py"):
         return 2
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}),
-          flush=True)
     work_dir = Path(tempfile.mkdtemp(prefix="coopt_attention_"))
     rows: list = []
     try:

@@ -363,27 +363,40 @@ def reporter(rows: list, shape, traffic: int):
 
 
 # -- the run -----------------------------------------------------------------------------------------
+def print_points(groups: dict, label) -> None:
+    """--list: each group's points (no GPU needed)."""
+    for name, points in groups.items():
+        print(f"{name}: {len(points)} points")
+        for params in points:
+            print("   ", label(params))
+
+
+def announce_gpu(script: str, **extra) -> bool:
+    """Print the GPU and versions as one JSON line; False (after saying why) without CUDA."""
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        return False
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                      **extra}), flush=True)
+    return True
+
+
 def main() -> int:
     args = parse_args()
     shapes = list(dict.fromkeys(shape for name in args.shapes.split(",") for shape in SHAPES[name]))
     if args.list:
-        for shape in shapes:
-            points = select_points(make_region(*shape), args)
-            print(f"{shape}: {len(points)} points")
-            for params in points:
-                print("   ", label(params))
+        print_points({shape: select_points(make_region(*shape), args) for shape in shapes}, label)
         return 0
+    if not announce_gpu("bench/gemm.py", mode="quick" if args.quick else "full"):
+        return 2
     import torch
-    import triton
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
 
-    if not torch.cuda.is_available():
-        print("bench/gemm.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                      "mode": "quick" if args.quick else "full"}), flush=True)
     family = MatmulEpilogueFamily()
     work_dir = Path(tempfile.mkdtemp(prefix="coopt_gemm_"))
 

@@ -1,0 +1,57 @@
+"""bench/attention_sweep.py without a GPU: its regions are decode_attention regions the family
+accepts, the points it times are legal and start with the advisor's, and its reference agrees
+with SDPA (the sweep's correctness check must itself be right)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+from attention_sweep import CASES, make_region, reference, select_points
+
+from coopt.targets import H200
+from coopt.templates.decode_attention import DecodeAttentionFamily
+
+FAMILY = DecodeAttentionFamily()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_points_are_legal_advised_first_and_distinct(case):
+    region = make_region(*CASES[case])
+    assert FAMILY.matches(region)
+    args = argparse.Namespace(advised=3, sample=5)
+    points = select_points(region, FAMILY, args)
+    assert len(points) == 8 and len({tuple(sorted(p.items())) for p in points}) == 8
+    assert all(FAMILY.check(region, p, H200) is None for p in points)
+    again = select_points(region, FAMILY, argparse.Namespace(advised=3, sample=0))
+    assert points[:3] == again  # the advisor's first, then the seeded sample
+    if CASES[case][3]:  # the fp8 case offers the fp16-widened tiles
+        assert any(p.get("TILE_FP16") for p in select_points(region, FAMILY, argparse.Namespace(advised=8, sample=0)))
+
+
+def test_reference_is_attention_over_the_valid_keys():
+    region = make_region(2, 16, 32, False)
+    torch.manual_seed(0)
+    q = torch.randn(2, 32, 1, 128)
+    k, v = torch.randn(2, 8, 32, 128), torch.randn(2, 8, 32, 128)
+    lengths = torch.tensor([16, 16])
+    expected = F.scaled_dot_product_attention(q, k[:, :, :16].repeat_interleave(4, 1), v[:, :, :16].repeat_interleave(4, 1))
+    torch.testing.assert_close(reference(region, q, k, v, lengths), expected, rtol=1e-4, atol=1e-4)
+    # fp8 scales multiply the cache back
+    scale = torch.full((8,), 0.5)
+    torch.testing.assert_close(reference(region, q, 2 * k, 2 * v, lengths, scale, scale), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gemm_sample_is_the_advisors_gemv_points_then_a_seeded_draw():
+    from gemm import SHAPES, advised_points, make_region, select_points
+
+    from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
+
+    region = make_region(*SHAPES["layer"][4])  # q|k|v + norm at 32 rows
+    args = argparse.Namespace(quick=False, variants="gemv", sample=6, advised=3, limit=None)
+    points = select_points(region, args)
+    assert points[:3] == advised_points(region, 3) and len(points) == 9
+    assert all(p["GEMV"] and MatmulEpilogueFamily().check(region, p, H200) is None for p in points)
+    assert select_points(region, args) == points  # the same draw every run
