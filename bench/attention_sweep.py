@@ -7,8 +7,9 @@ and whether prefetching the next GEMV's weights into L2 while the attention runs
     python bench/attention_sweep.py --list                # the points, no GPU needed
 
 Cases (Llama-3-8B attention: 32 query heads over 8 kv heads, D 128, bf16 query; `length` valid
-keys of a `cache`-position static cache): b1-2048, b32-2048, b1-32768, and b1-32768-fp8 (the cache
-in float8_e4m3fn with per-head scales, where TILE_FP16 applies). Each point is rendered by the
+keys of a `cache`-position static cache): b1-2048, b1-2048-rope (the query's rotary embedding in
+the kernel, as a Llama decode step builds it), b32-2048, b1-32768, and b1-32768-fp8 (the cache in
+float8_e4m3fn with per-head scales, where TILE_FP16 applies). Each point is rendered by the
 family, checked against an fp32 softmax over the valid keys, and timed replayed in a CUDA graph
 (triton.testing.do_bench_cudagraph) over copies of the caches that together exceed the L2, as a
 decode step runs: its bandwidth is the valid K/V bytes (`kv_bytes_read`) over the time.
@@ -43,16 +44,18 @@ import triton.language as tl  # noqa: E402
 from gemm import COPY_BYTES_PER_S, L2_BYTES, announce_gpu, print_points  # noqa: E402  (the benches' shared H200 facts)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-# name -> (batch, valid length, cache positions, fp8 cache)
+# name -> (batch, valid length, cache positions, fp8 cache[, the query's rope in the kernel])
 CASES = {
     "b1-2048": (1, 2048, 4096, False),
+    "b1-2048-rope": (1, 2048, 4096, False, True),  # as a Llama decode step builds it (fuse-attention)
     "b32-2048": (32, 2048, 4096, False),
     "b1-32768": (1, 32768, 32832, False),
     "b1-32768-fp8": (1, 32768, 32832, True),
 }
+ROPE_TABLE = (1, HEAD_DIM)  # cos / sin at the step's position, broadcast over batch and heads
 
 
-def make_region(batch: int, length: int, cache: int, fp8: bool):
+def make_region(batch: int, length: int, cache: int, fp8: bool, rope: bool = False):
     from coopt.ir.region import RegionSummary, TensorSpec
 
     q = TensorSpec((batch, HEADS, 1, HEAD_DIM), "bfloat16")
@@ -60,10 +63,13 @@ def make_region(batch: int, length: int, cache: int, fp8: bool):
     inputs = [q, kv, kv, TensorSpec((batch,), "int32")]
     attrs = {"scale": HEAD_DIM ** -0.5, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "lengths_input": 3,
              "lengths_bound": [1, 2], "example_length": length}
+    if rope:  # cos, sin follow the lengths (before any scales)
+        inputs += [TensorSpec(ROPE_TABLE, "bfloat16")] * 2
+        attrs["rope"] = True
     if fp8:
         inputs += [TensorSpec((KV_HEADS,), "float32")] * 2
         attrs["kv_scale"] = "per-head"
-    name = f"decode_attention_b{batch}_{length}" + ("_fp8" if fp8 else "")
+    name = f"decode_attention_b{batch}_{length}" + ("_fp8" if fp8 else "") + ("_rope" if rope else "")
     return RegionSummary(name, "decode_attention", inputs=tuple(inputs), outputs=(q,), attrs=attrs)
 
 
@@ -76,6 +82,9 @@ def make_inputs(region, length: int, seed: int = 0):
     cache_shape = region.inputs[1].shape
     k, v = (torch.randn(cache_shape, generator=gen, device="cuda") for _ in "kv")
     inputs = [q, k, v, torch.full((batch,), length, dtype=torch.int32, device="cuda")]
+    if region.attrs.get("rope"):
+        angles = torch.rand(ROPE_TABLE, generator=gen, device="cuda") * 6.283
+        inputs += [angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)]
     if region.attrs.get("kv_scale"):
         scales = [t.abs().amax(dim=(0, 2, 3)) / 448 for t in (k, v)]
         inputs[1], inputs[2] = ((t / s[None, :, None, None]).to(torch.float8_e4m3fn) for t, s in zip((k, v), scales))
@@ -85,10 +94,17 @@ def make_inputs(region, length: int, seed: int = 0):
     return inputs
 
 
-def reference(region, q, k, v, lengths, k_scale=None, v_scale=None):
-    """fp32 softmax over each sequence's valid keys, kv heads repeated for the group."""
+def reference(region, q, k, v, lengths, *rest):
+    """fp32 softmax over each sequence's valid keys, kv heads repeated for the group (the query
+    rotated first when the region has its rope; k, v times their per-head scales when fp8)."""
     import torch
 
+    if region.attrs.get("rope"):
+        cos, sin, *rest = rest
+        half = q.shape[-1] // 2
+        rotated = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
+        q = (q.float() * cos.float() + rotated.float() * sin.float()).to(q.dtype)
+    k_scale, v_scale = rest if rest else (None, None)
     group = HEADS // KV_HEADS
     k, v = k.float(), v.float()
     if k_scale is not None:
@@ -132,8 +148,7 @@ def _warm(job) -> str | None:
 
         from coopt.runtime.kernel_loader import load_module_from_file
 
-        batch, length, cache, fp8 = CASES[case]
-        load_module_from_file(path).run(*make_inputs(make_region(batch, length, cache, fp8), length))
+        load_module_from_file(path).run(*make_inputs(make_region(*CASES[case]), CASES[case][1]))
         torch.cuda.synchronize()
         return None
     except Exception as error:
@@ -180,8 +195,8 @@ def sweep(args, work_dir: Path, rows: list) -> None:
         warm_errors = list(pool.map(_warm, [(path, case) for case, _, _, path in plan]))
     print(f"compiled in {time.time() - started:.0f} s", flush=True)
     for case in args.cases:
-        batch, length, cache, fp8 = CASES[case]
-        region = make_region(batch, length, cache, fp8)
+        batch, length = CASES[case][:2]
+        region = make_region(*CASES[case])
         inputs = make_inputs(region, length)
         expected = reference(region, *inputs)
         input_sets = copies_past_l2(inputs, length)

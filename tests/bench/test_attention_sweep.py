@@ -42,6 +42,12 @@ def test_reference_is_attention_over_the_valid_keys():
     # fp8 scales multiply the cache back
     scale = torch.full((8,), 0.5)
     torch.testing.assert_close(reference(region, q, 2 * k, 2 * v, lengths, scale, scale), expected, rtol=1e-4, atol=1e-4)
+    # the rope case rotates q first (rotate-half): by a quarter turn, cos 0 and sin 1, q's halves swap
+    roped = make_region(2, 16, 32, False, True)
+    cos, sin = torch.zeros(1, 128), torch.ones(1, 128)
+    turned = torch.cat([-q[..., 64:], q[..., :64]], dim=-1)
+    expected = F.scaled_dot_product_attention(turned, k[:, :, :16].repeat_interleave(4, 1), v[:, :, :16].repeat_interleave(4, 1))
+    torch.testing.assert_close(reference(roped, q, k, v, lengths, cos, sin), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_gemm_sample_is_the_advisors_gemv_points_then_a_seeded_draw():
