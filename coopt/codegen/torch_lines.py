@@ -102,6 +102,12 @@ def aten_call(op: AtenOp | FallbackOp | StateUpdateOp, names: Names) -> list[str
             f"{names.new(op.results[0])} = {buffer}",
         ]
     expr = f"{callable_expr(op.target.data)}({', '.join(parts)})"
+    written = op.inputs[call["args"][0]["$t"]] if isinstance(op, StateUpdateOp) else None
+    if written is not None and getattr(written.owner, "target", None) is not None \
+            and written.owner.target.data == "aten.slice.Tensor":
+        # a dynamic batch's rows written in place through a slice view: the result is the buffer
+        sliced = written.owner
+        return [expr, f"{names.new(op.results[0])} = {names[sliced.inputs[sliced.call['args'][0]['$t']]]}"]
     results = [names.new(r) for r in op.results]
     if not results:
         return [expr]

@@ -5,6 +5,14 @@ buffer-mutation output; run as is, every decode step would build a whole new cac
 back. When the functional update's input is the buffer itself and nothing reads the old value
 after the update, this pass turns the pair into one `coopt.state_update` (an in-place ATen op),
 so the step writes only the new token's keys and values.
+
+A dynamic batch (B of B_max rows) exports its cache write as
+`slice_scatter(buf, index_put(slice(buf, 0, 0, B), idx, src), 0, 0, B)`: done as written, that
+copies the B rows of the cache twice a step (into the functional index_put, then back). When the
+slice, the index_put and the slice_scatter cover the same range and each is read only by the next,
+the pass writes through the slice view instead: `index_put_(slice(buf, 0, 0, B), idx, src)`, a
+state_update whose result is still the whole buffer (codegen: the in-place op on the view, then
+the buffer), so only the new rows move.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.rewriter import Rewriter
 
 from coopt.ir.dialect import StateUpdateOp, StateWriteOp, WeightOp
-from coopt.passes.base import CooptPass, aten_target, tensor_arg
+from coopt.passes.base import CooptPass, aten_target, literal_arg, tensor_arg
+from coopt.passes.fusion_common import only_user
 from coopt.passes.stats import count
 
 # functional update -> in-place form (operands and arguments unchanged)
@@ -30,6 +39,35 @@ IN_PLACE = {
 def _reads_old_value_later(buffer, update) -> bool:
     order = {op: i for i, op in enumerate(update.parent_block().ops)}
     return any(use.operation is not update and order.get(use.operation, -1) > order[update] for use in buffer.uses)
+
+
+def _slice_range(op, first: int) -> tuple:
+    """(dim, start, end, step) of a slice (`first` = 1) or slice_scatter (2): literals, or the
+    operand (SSA value) where one is passed; defaults as in ATen (start 0, step 1)."""
+    def arg(k: int, default):
+        value = literal_arg(op, first + k)
+        if isinstance(value, dict) and "$t" in value:
+            return op.inputs[value["$t"]]
+        return default if value is None else value
+    return arg(0, 0), arg(1, 0), arg(2, None), arg(3, 1)
+
+
+def _sliced_index_put(update, buffer):
+    """The functional index_put that a slice_scatter `update` of `buffer` writes back, when it
+    updates the same slice of `buffer` it reads and each op is read only by the next; else None."""
+    if aten_target(update) != "aten.slice_scatter.default":
+        return None
+    source = tensor_arg(update, 1)
+    put = source.owner if source is not None else None
+    if aten_target(put) != "aten.index_put.default" or literal_arg(put, 3, "accumulate", False):
+        return None
+    view = tensor_arg(put, 0)
+    sliced = view.owner if view is not None else None
+    if aten_target(sliced) != "aten.slice.Tensor" or tensor_arg(sliced, 0) is not buffer:
+        return None
+    if only_user(source) is not update or only_user(view) is not put or _slice_range(sliced, 1) != _slice_range(update, 2):
+        return None
+    return put
 
 
 @dataclass(frozen=True)
@@ -48,8 +86,18 @@ class InplaceStateWrites(CooptPass):
                 continue
             if _reads_old_value_later(buffer, update):
                 continue  # someone still needs the old contents after the write
-            in_place = StateUpdateOp(write.ref.data, IN_PLACE[target], update.call, list(update.inputs), update.results[0].type)
-            Rewriter.replace_op(update, in_place)
+            put = _sliced_index_put(update, buffer)
+            if put is not None:  # a dynamic batch's rows: index_put_ through the slice view
+                in_place = StateUpdateOp(write.ref.data, "aten.index_put_.default", put.call, list(put.inputs),
+                                         update.results[0].type)
+                Rewriter.replace_op(update, in_place)
+                put.detach()
+                put.erase()
+                count("inplace.index_put_slice")
+            else:
+                in_place = StateUpdateOp(write.ref.data, IN_PLACE[target], update.call, list(update.inputs),
+                                         update.results[0].type)
+                Rewriter.replace_op(update, in_place)
+                count(f"inplace.{target.split('.')[1]}")
             write.detach()
             write.erase()
-            count(f"inplace.{target.split('.')[1]}")

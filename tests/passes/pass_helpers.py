@@ -11,9 +11,9 @@ from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text
 from coopt.passes.stats import collect_counters
 
 
-def run_pipeline(model, inputs, pipeline: str = DEFAULT_PIPELINE):
+def run_pipeline(model, inputs, pipeline: str = DEFAULT_PIPELINE, dynamic_shapes=None):
     """(module, counters) after `pipeline`; the module is verified after every pass."""
-    result = import_program(capture(model.eval(), tuple(inputs)), tuple(inputs))
+    result = import_program(capture(model.eval(), tuple(inputs), dynamic_shapes), tuple(inputs))
     ctx = Context(allow_unregistered=True)
     with collect_counters() as counters:
         for compiler_pass in parse_pipeline_text(pipeline):

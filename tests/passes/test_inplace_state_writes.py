@@ -56,3 +56,45 @@ def test_built_model_matches_the_original_over_several_steps(tmp_path):
         torch.testing.assert_close(built(x, pos), original(x, pos))
     torch.testing.assert_close(built.w_k, original.k)
     torch.testing.assert_close(built.w_s, original.s)
+
+
+
+class BatchRows(torch.nn.Module):
+    """A cache of 4 sequences written for the first B of them (B dynamic): export gives
+    slice_scatter(k, index_put(k[:B], [None, None, pos], x), 0, 0, B)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(4, 2, 8, 4))
+
+    def forward(self, x, pos):
+        self.k[: x.shape[0], :, pos] = x
+        return self.k[: x.shape[0]].sum(-1)
+
+
+BATCH_ROWS_SHAPES = ({0: torch.export.Dim("batch", min=1, max=4)}, None)
+
+
+def test_a_dynamic_batch_writes_its_rows_through_the_slice_view():
+    inputs = [torch.randn(2, 2, 1, 4), torch.tensor([3])]
+    module, counters = run_pipeline(BatchRows(), inputs, "inplace-state-writes", dynamic_shapes=BATCH_ROWS_SHAPES)
+    ops = list(module.walk())
+    updates = [o for o in ops if isinstance(o, StateUpdateOp)]
+    # one in-place index_put_ on k[:B] (no functional copy of the rows, no copy back)
+    assert [o.target.data for o in updates] == ["aten.index_put_.default"] and counters["inplace.index_put_slice"] == 1
+    assert updates[0].inputs[0].owner.target.data == "aten.slice.Tensor"
+    assert not [o for o in ops if getattr(o, "target", None) is not None and o.target.data in (
+        "aten.index_put.default", "aten.slice_scatter.default")]
+
+
+def test_a_dynamic_batch_build_keeps_the_buffer_semantics(tmp_path):
+    original, out = BatchRows(), tmp_path / "out"
+    coopt.Pipeline(top_k=1).build(BatchRows(), (torch.randn(2, 2, 1, 4), torch.tensor([3])), out,
+                                  dynamic_shapes=BATCH_ROWS_SHAPES)
+    program = (out / "program.py").read_text()
+    assert "index_put_" in program and ".copy_(" not in program
+    built = coopt.load(out)
+    for rows, pos in ((2, 0), (4, 5), (1, 7), (3, 5)):  # rows past B keep what they held
+        x = torch.randn(rows, 2, 1, 4)
+        torch.testing.assert_close(built(x, torch.tensor([pos])), original(x, torch.tensor([pos])))
+        torch.testing.assert_close(built.w_k, original.k)
