@@ -171,7 +171,9 @@ def write_report(out: Path) -> None:
     lines += [f"- {k.removeprefix('fuse.')}: {v}" for k, v in fused.items()] or ["- nothing"]
     lines += ["", "Patterns recognised: " + (", ".join(f"{k.removeprefix('raise.')} ×{v}" for k, v in raised.items()) or "none"), ""]
     if counters.get("paged_kv.caches"):  # paged-kv: the caches became page pools
-        lines += [f"Paged KV: paged {counters['paged_kv.caches']} caches into page pools; "
+        scales = counters.get("paged_kv.scale_buffers", 0)  # per-token fp8 scales, paged with their caches
+        lines += [f"Paged KV: paged {counters['paged_kv.caches']} caches into page pools"
+                  + (f" (and their {scales} per-token scale buffers into scale pools)" if scales else "") + "; "
                   f"{counters.get('paged_kv.writes', 0)} writes and {counters.get('paged_kv.attention_reads', 0)} attention "
                   f"reads go through the page table (`page_table` input)", ""]
     lines += ["## What fell back to PyTorch", ""]

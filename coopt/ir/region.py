@@ -58,9 +58,10 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
 
     Paged KV (coopt/runtime/paged.py): attrs add "page_size": P (a power of two, 16..256);
     inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D], lengths [B] int32,
-    page_table [B, max_pages] int32 (then k_scale, v_scale as above when "kv_scale": per-tensor
-    or per-head). Position p of sequence b is k_pages[page_table[b, p // P], :, p % P]; slots of
-    page_table past cdiv(lengths[b], P) are never read. paged-kv's regions also carry
+    page_table [B, max_pages] int32 (then k_scale, v_scale as above when "kv_scale"; per-token:
+    scale pools [N_pages, Hkv, P] paged alike). Position p of sequence b is
+    k_pages[page_table[b, p // P], :, p % P] (per token, its scale the same index of k_scale);
+    slots of page_table past cdiv(lengths[b], P) are never read. paged-kv's regions also carry
     "page_table_input": 4 and "pool_input": 1 (verification draws valid page ids and lengths
     up to max_pages * P). attention with lengths (a prompt over the cache) takes the same paged
     form: q [B, H, T, D], pools, lengths [T], page_table, [k_scale, v_scale].
@@ -69,9 +70,10 @@ kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quanti
     attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",
              "inplace": [input indices written in place]}
     inputs: k_cache, v_cache [B_max, Hkv, S_max, D], positions [T] int, k, v [B, Hkv, T, D],
-    [cos, sin when rope], [k_scale, v_scale when quantized]; outputs: the inplace inputs after
-    cache[:B, :, positions] = quant(rope(k)) (and v). Per row (attrs "positions": "per-row",
-    "index_input": 2, "index_bound": [0, 2]; a ragged decode step): positions [B], k, v
+    [cos, sin when rope], [k_scale, v_scale when quantized: per-token scale buffers
+    [B_max, Hkv, S_max] (paged: [N, Hkv, P]) written in place too, attrs "headroom"]; outputs:
+    the inplace inputs after cache[:B, :, positions] = quant(rope(k)) (and v). Per row (attrs
+    "positions": "per-row", "index_input": 2, "index_bound": [0, 2]; a ragged decode step): positions [B], k, v
     [B, Hkv, 1, D], cache[b, :, positions[b]] = quant(rope(k[b, :, 0])). Paged (attrs
     "page_size": P, "page_table_input": last, "pool_input": 0): k_cache / v_cache are pools
     [N, Hkv, P, D] and a last input page_table [B, max_pages] int32 says where position p of

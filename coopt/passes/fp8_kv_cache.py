@@ -16,8 +16,10 @@ Where the scales come from (`scale-source`):
 - dynamic (granularity per-token): a state buffer `<buffer ref>.scale` [B_max, Hkv, S_max] fp32
   beside each cache, written at the same positions as the cache with each written row's scale:
   s = clamp_min(amax(abs(x), -1) as fp32, SCALE_FLOOR) · (headroom / FP8_MAX), a few ATen ops
-  before the write that a fused kv_write region may absorb. A ragged step's per-row write
-  (indices [arange(B), None, positions]) stores each row's [B, Hkv] scales the same way.
+  before the write (`row_scales`) that fuse-kv-write absorbs into its kv_write region
+  (`read_row_scales` recognises them). A ragged step's per-row write (indices [arange(B), None,
+  positions]) stores each row's [B, Hkv] scales the same way; paged-kv pages the scale buffers
+  like their caches.
 
 The pass touches no data: it records in the module attribute `coopt.fp8_kv_cache` (JSON
 {"granularity", "headroom", "caches": {cache ref: scale ref}, "scales": {scale ref: [values]}
@@ -142,7 +144,7 @@ class Fp8KvCache(CooptPass):
             if _is_write(member) and _per_row(member):
                 if per_token:  # each row's scales, from the row it writes, into the scale buffer alike
                     x = _row_as_rank4(member)
-                    scales = _row_scales(x, self.headroom, member)  # [B, Hkv, 1]
+                    scales = row_scales(x, self.headroom, member)  # [B, Hkv, 1]
                     b, heads, _ = scales.type.get_shape()
                     rows = _aten("aten.select.int", [{"$t": 0}, 2, 0], [scales], _tensor(f32, [b, heads], None),
                                  before=member)
@@ -154,7 +156,7 @@ class Fp8KvCache(CooptPass):
             if _is_write(member):
                 x = _rank4(member.operands[_write_value_index(member)], member)
             if per_token:
-                self._mirror(member, None if x is None else _row_scales(x, self.headroom, member), mirror)
+                self._mirror(member, None if x is None else row_scales(x, self.headroom, member), mirror)
             if x is not None:
                 row_scale = mirror[member.operands[_write_value_index(member)]] if per_token else scale
                 quantized = QuantizeFp8Op(x, row_scale, self.granularity, _fp8(x.type))
@@ -364,9 +366,9 @@ def _rank4(value: SSAValue, before: Operation) -> SSAValue:
     return value
 
 
-def _row_scales(x: SSAValue, headroom: float, before: Operation) -> SSAValue:
+def row_scales(x: SSAValue, headroom: float, before: Operation) -> SSAValue:
     """s = clamp_min(amax(|x|, -1) in fp32, SCALE_FLOOR) * headroom / FP8_MAX, [B, Hkv, T] (the
-    cast to fp32 only for 16-bit x)."""
+    cast to fp32 only for 16-bit x); `read_row_scales` recognises it."""
     rows = _scale_type(x.type)
     same_dtype = _tensor(x.type.element_type, rows.get_shape(), _names(rows))
     magnitude = _aten("aten.abs.default", [{"$t": 0}], [x], x.type, before=before)
@@ -375,6 +377,46 @@ def _row_scales(x: SSAValue, headroom: float, before: Operation) -> SSAValue:
         _aten("aten._to_copy.default", [{"$t": 0}], [absmax], rows, {"dtype": {"$dtype": "float32"}}, before=before)
     floored = _aten("aten.clamp_min.default", [{"$t": 0}, SCALE_FLOOR], [as_fp32], rows, before=before)
     return _aten("aten.mul.Tensor", [{"$t": 0}, float(headroom) / FP8_MAX], [floored], rows, before=before)
+
+
+@dataclass
+class RowScales:
+    """A per-token scale computation `row_scales` built: its rows, headroom and ops."""
+
+    x: SSAValue  # the rows [B, Hkv, T, D] whose scales these are
+    headroom: float
+    ops: list  # abs, amax, [_to_copy], clamp_min, mul (in order; the mul's result is the scales)
+
+
+def read_row_scales(scales: SSAValue) -> RowScales | None:
+    """The computation when `scales` is what `row_scales` builds (every op but the last read by
+    its successor alone), else None. fuse-kv-write absorbs it into a kv_write region."""
+    mul = scales.owner
+    factor = literal_arg(mul, 1) if aten_target(mul) == "aten.mul.Tensor" else None
+    if not isinstance(factor, float) or float(factor * FP8_MAX) / FP8_MAX != factor:
+        return None
+    ops = [mul]
+    floored = mul.inputs[0].owner
+    if aten_target(floored) != "aten.clamp_min.default" or literal_arg(floored, 1) != SCALE_FLOOR:
+        return None
+    ops.insert(0, floored)
+    absmax = floored.inputs[0].owner
+    if aten_target(absmax) == "aten._to_copy.default" and literal_arg(absmax, 1, "dtype") == {"$dtype": "float32"} \
+            and len(absmax.call["kwargs"]) == 1:
+        ops.insert(0, absmax)
+        absmax = absmax.inputs[0].owner
+    elif floored.inputs[0].type.element_type != f32:
+        return None
+    if aten_target(absmax) != "aten.amax.default" or literal_arg(absmax, 1) != [-1] \
+            or literal_arg(absmax, 2, "keepdim", False) is not False:
+        return None
+    magnitude = absmax.inputs[0].owner
+    if aten_target(magnitude) != "aten.abs.default":
+        return None
+    ops[:0] = [magnitude, absmax]
+    if any(len(list(op.results[0].uses)) != 1 for op in ops[:-1]):
+        return None
+    return RowScales(magnitude.inputs[0], factor * FP8_MAX, ops)
 
 
 def _give_scales(attention, k_scale: SSAValue, v_scale: SSAValue, granularity: str) -> None:

@@ -14,6 +14,7 @@ from coopt.ir.dialect import AttentionOp, CacheAttentionOp, DecodeAttentionOp, K
 from coopt.ir.outline import outline
 from coopt.passes.base import CooptPass, static_shape
 from coopt.passes.fusion_common import only_user
+from coopt.passes.paged_kv import read_paged_attention
 from coopt.passes.stats import count
 
 
@@ -53,13 +54,14 @@ class FuseAttention(CooptPass):
                 "lengths_bound": [1, 2],
             }
             inputs = [attn.q, attn.k, attn.v, attn.lengths]
+            scales = [attn.k_scale, attn.v_scale] if attn.kv_scale is not None else []
             ops = [attn]
-            paged = _paged_views(attn)
+            paged = read_paged_attention(attn)
             if paged is not None:  # paged-kv: the kernel reads through the page table, nothing is gathered
-                k_view, v_view = paged
-                inputs = [attn.q, k_view.pool, v_view.pool, attn.lengths, k_view.table]
-                ops = [*k_view.ops, *v_view.ops, attn]
-                attrs.update({"page_size": k_view.page_size, "page_table_input": 4, "pool_input": 1})
+                inputs = [attn.q, *paged.pools, attn.lengths, paged.table]
+                scales = paged.scales or scales  # per-token scales are paged like their caches
+                ops = [*paged.ops, attn]
+                attrs.update({"page_size": paged.page_size, "page_table_input": 4, "pool_input": 1})
                 count("fuse.decode_attention.paged" if decode else "fuse.attention.paged")
             rope = _query_rope(attn) if decode and self.rope else None
             if rope is not None:  # q's rotary embedding in the kernel's q load: one launch less a layer
@@ -69,22 +71,11 @@ class FuseAttention(CooptPass):
                 count("fuse.decode_attention.rope")
             if attn.kv_scale is not None:  # an fp8 cache (fp8-kv-cache): k_scale, v_scale follow lengths
                 attrs["kv_scale"] = attn.kv_scale.data
-                inputs += [attn.k_scale, attn.v_scale]
+                inputs += scales
                 count("fuse.attention.fp8_cache")
             family = "decode_attention" if decode else "attention"
             outline(ops, family, attrs, inputs=inputs, outputs=[attn.result])
             count("fuse.decode_attention" if decode else "fuse.attention.prompt_over_cache")
-
-
-def _paged_views(attn):
-    """(k view, v view) when a decode or prompt attention reads both caches as paged views of one
-    page table (paged-kv), else None."""
-    from coopt.passes.paged_kv import read_paged_view
-
-    k_view, v_view = read_paged_view(attn.k), read_paged_view(attn.v)
-    if k_view is None or v_view is None or k_view.table is not v_view.table or k_view.page_size != v_view.page_size:
-        return None
-    return k_view, v_view
 
 
 def _query_rope(attn):

@@ -10,27 +10,35 @@ Matched, on the raised IR (after raise-patterns and fp8-kv-cache, before fusion)
 buffer written once by `coopt.state_update` index_put_ with indices [None, None, positions] (one
 position per token, shared by the batch: a prefill or a plain decode step; the whole batch) or
 [arange(B), None, positions] (one position per row: a ragged decode step), and read only by
-decode / cache attentions (as k or v, through `[:B]` slices of dim 0). Rewritten:
-- the buffer: a pool weight of the same state name and dtype (fp8 stays fp8), [N, Hkv, P, D];
+decode / cache attentions (as k or v, through `[:B]` slices of dim 0); and, with per-token fp8
+scales (fp8-kv-cache{granularity=per-token}), every 3-D scale buffer [B_max, Hkv, S_max] written
+and read the same way (as k_scale or v_scale): a cache and its scales are paged alike, position p
+of sequence b in row p % P of the same page. Rewritten:
+- the buffer: a pool weight of the same state name and dtype (fp8 stays fp8), [N, Hkv, P, D]
+  (a scale buffer: [N, Hkv, P] fp32);
 - the write: `pool.index_put_([page_ids, None, slots], value)` with page_ids =
   page_table[rows, positions // P] (per row; value [B, Hkv, D]) or page_table[:, positions // P]
-  (shared: [B, T], value permuted to [B, T, Hkv, D]) and slots = positions % P;
+  (shared: [B, T], value permuted to [B, T, Hkv, D]) and slots = positions % P (scales: the
+  same without D);
 - each attention read: the sequences' pages gathered in table order, pool[page_table]
-  [B, max_pages, Hkv, P, D] permuted and reshaped to [B, Hkv, max_pages * P, D] (`paged_view`):
-  the attention and its lengths are unchanged. fuse-attention takes a decode attention over two
-  such views into a decode_attention region in paged mode (inputs q, k_pages, v_pages, lengths,
-  page_table: the kernel reads through the table, nothing is gathered), and a prompt's cache
+  [B, max_pages, Hkv, P, D] permuted and reshaped to [B, Hkv, max_pages * P, D] (`paged_view`;
+  scales [B, Hkv, max_pages * P]): the attention and its lengths are unchanged. fuse-attention
+  takes a decode attention over such views (`read_paged_attention`) into a decode_attention
+  region in paged mode (inputs q, k_pages, v_pages, lengths, page_table[, k_scale, v_scale
+  pools]: the kernel reads through the table, nothing is gathered), and a prompt's cache
   attention into an attention region in paged mode with the same inputs (likewise).
-  fuse-kv-write takes the paged writes into a kv_write region in paged mode.
+  fuse-kv-write takes the paged writes (a cache's and its scales') into a kv_write region in
+  paged mode.
 
 The pass touches no data: it records {"page_size", "num_pages", "max_pages", "batch",
-"max_seq", "pools": {ref: [N, Hkv, P, D]}, "page_table_input", "positions_input", "per_row"} in
+"max_seq", "pools": {ref: [N, Hkv, P, D] or, scales, [N, Hkv, P]}, "page_table_input",
+"positions_input", "per_row"} in
 the module attribute `coopt.paged_kv`; the emitter lays each cache's contents out as pages
 (`coopt.runtime.paged_layout.cache_to_pages`, sequence b in pages b*J .. b*J+J-1) and the program's
 PAGED contract tells the runtime (`coopt.runtime.serve.PagedDecoder`) how to call it. Not
 lossy. Refused with a one-line configuration error (exit 5): a model without a KV cache, a
 cache written or read otherwise (a dynamic batch's sliced write, a functional update), fusion
-already run, per-token fp8 scales.
+already run, per-token scales that cannot be paged with their cache.
 
     coopt build examples/llama/model.py -o out/paged --paged-kv 16
     coopt opt step.mlir -p 'paged-kv{page-size=16 num-pages=64}'
@@ -57,6 +65,9 @@ from coopt.runtime.pages import PAGE_SIZES
 PAGED_ATTR = "coopt.paged_kv"
 PAGE_TABLE = "page_table"  # the name of the new input in the program
 _ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
+# permutations, truncated to the rank of what they move (a cache, or its per-token scales without D):
+_TOKENS_FIRST = [0, 2, 1, 3]  # a shared write's value [B, Hkv, T, D] -> [B, T, Hkv, D], as the page ids index it
+_PAGES_IN_ORDER = [0, 2, 1, 3, 4]  # gathered pages [B, max_pages, Hkv, P, D] -> [B, Hkv, max_pages, P, D]
 
 
 def paged_record(module: ModuleOp) -> dict | None:
@@ -95,15 +106,18 @@ class PagedKv(CooptPass):
         if len(batches) != 1:
             raise ConfigError(f"paged-kv: the caches are written for different batches {sorted(batches)}")
         batch = batches.pop()
+        unpaged = _unpaged_scales(caches)
+        if unpaged:
+            raise ConfigError(f"paged-kv: {unpaged}")
         size = self.page_size
         max_pages = -(-max_seq // size)
         num_pages = self.num_pages or max(c.shape[0] for c in caches) * max_pages
         table = _add_input(fn, TensorType(i32, [batch, max_pages]))
         pools = {}
         for cache in caches:
-            pools[cache.ref] = [num_pages, cache.shape[1], size, cache.shape[3]]
+            pools[cache.ref] = _pool_shape(cache, num_pages, size)
             _page(cache, table, size, num_pages)
-            count("paged_kv.caches")
+            count("paged_kv.caches" if len(cache.shape) == 4 else "paged_kv.scale_buffers")
         record = {
             "page_size": size, "num_pages": num_pages, "max_pages": max_pages, "batch": batch, "max_seq": max_seq,
             "pools": pools, "page_table_input": table.index, "positions_input": _positions_input(caches),
@@ -113,7 +127,8 @@ class PagedKv(CooptPass):
 
 
 class _Cache:
-    """A cache buffer, its one write, and the attention operands that read it (through views)."""
+    """A cache buffer (or the per-token scale buffer of one), its one write, and the attention
+    operands that read it (through views)."""
 
     def __init__(self, weight: WeightOp, update: StateUpdateOp, positions: SSAValue, rows: Operation | None,
                  value: SSAValue, reads: list[tuple[Operation, int]], views: list[Operation]):
@@ -124,9 +139,26 @@ class _Cache:
         self.batch = dims(positions)[0] if rows is not None else self.shape[0]
 
 
+def _attention_reads(user: Operation, index: int, rank: int) -> bool:
+    """Whether operand `index` of `user` is an attention reading a buffer of `rank` that pages
+    can hold: k / v (4-D caches) or, with per-token fp8 scales, k_scale / v_scale (3-D scale
+    buffers [B_max, Hkv, S_max], one scale per cached row)."""
+    if not isinstance(user, (DecodeAttentionOp, CacheAttentionOp)):
+        return False
+    if rank == 4:
+        return index in (1, 2)
+    return rank == 3 and index in (4, 5) and _per_token(user)
+
+
+def _per_token(attention) -> bool:
+    return attention.kv_scale is not None and attention.kv_scale.data == "per-token"
+
+
 def _is_cache_candidate(weight: WeightOp) -> bool:
-    """A 4-D buffer outside kernels that an attention reads as k / v (maybe through views)."""
-    if isinstance(weight.parent_op(), KernelOp) or len(weight.results[0].type.get_shape()) != 4:
+    """A 4-D (3-D: scales) buffer outside kernels that an attention reads as k / v (k_scale /
+    v_scale) (maybe through views)."""
+    rank = len(weight.results[0].type.get_shape())
+    if isinstance(weight.parent_op(), KernelOp) or rank not in (3, 4):
         return False
     frontier, seen = [weight.results[0]], set()
     while frontier:
@@ -135,7 +167,7 @@ def _is_cache_candidate(weight: WeightOp) -> bool:
             continue
         seen.add(value)
         for use in value.uses:
-            if isinstance(use.operation, (DecodeAttentionOp, CacheAttentionOp)) and use.index in (1, 2):
+            if _attention_reads(use.operation, use.index, rank):
                 return True
             if isinstance(use.operation, KernelOp) and use.operation.family.data in ("decode_attention", "attention", "kv_write"):
                 return True
@@ -167,12 +199,14 @@ def _read_cache(weight: WeightOp) -> _Cache | str:
             return f"buffer '{ref}' is written at rows that are not arange(batch)"
     value = tensor_arg(update, 2)
     shape = list(weight.results[0].type.get_shape())
+    rank, row = len(shape), [shape[1], *shape[3:]]  # one position of one sequence: [Hkv, D] ([Hkv]: scales)
     if positions is None or value is None or len(dims(positions)) != 1:
         return f"buffer '{ref}': its write's positions are not one index per token or per row"
-    if rows is not None and (dims(value) != [dims(positions)[0], shape[1], shape[3]] or not isinstance(dims(positions)[0], int)):
-        return f"buffer '{ref}': a per-row write of shape {dims(value)} is not one [Hkv, D] row per sequence"
-    if rows is None and dims(value)[-4:] != [shape[0], shape[1], dims(positions)[0], shape[3]] \
-            and not (shape[0] == 1 and dims(value) == [shape[1], dims(positions)[0], shape[3]]):
+    tokens = dims(positions)[0]
+    if rows is not None and (dims(value) != [tokens, *row] or not isinstance(tokens, int)):
+        return f"buffer '{ref}': a per-row write of shape {dims(value)} is not one {row} row per sequence"
+    if rows is None and dims(value)[-rank:] != [shape[0], shape[1], tokens, *shape[3:]] \
+            and not (shape[0] == 1 and dims(value) == [shape[1], tokens, *shape[3:]]):
         return f"buffer '{ref}': a write of shape {dims(value)} does not cover the cache's whole batch"
     reads, views = [], []
     frontier = [update.results[0]]
@@ -180,9 +214,7 @@ def _read_cache(weight: WeightOp) -> _Cache | str:
         current = frontier.pop()
         for use in current.uses:
             user = use.operation
-            if isinstance(user, (DecodeAttentionOp, CacheAttentionOp)) and use.index in (1, 2):
-                if user.kv_scale is not None and user.kv_scale.data == "per-token":
-                    return f"buffer '{ref}': per-token fp8 scales are not supported with paged KV (use per-tensor or per-head)"
+            if _attention_reads(user, use.index, rank):
                 reads.append((user, use.index))
             elif aten_target(user) == "aten.slice.Tensor" and literal_arg(user, 1) == 0 and literal_arg(user, 2) in (0, None):
                 views.append(user)
@@ -192,6 +224,23 @@ def _read_cache(weight: WeightOp) -> _Cache | str:
     if not reads:
         return f"buffer '{ref}' is written but no attention reads it"
     return _Cache(weight, update, positions, rows, value, reads, views)
+
+
+def _unpaged_scales(caches: list[_Cache]) -> str | None:
+    """Why an attention over per-token fp8 caches would read paged caches with scales that are not
+    paged alike (k at operand 1 goes with k_scale at 4, v at 2 with v_scale at 5), or None."""
+    reads = {read for cache in caches for read in cache.reads}
+    for cache in caches:
+        for attention, index in cache.reads:
+            if index in (1, 2) and _per_token(attention) and (attention, index + 3) not in reads:
+                return (f"buffer '{cache.ref}' has per-token fp8 scales that cannot be paged with it (a scale buffer "
+                        f"[B_max, Hkv, S_max] written once at the cache's positions and read only by its attentions)")
+    return None
+
+
+def _pool_shape(cache: _Cache, num_pages: int, size: int) -> list[int]:
+    """[N, Hkv, P, D] for a cache, [N, Hkv, P] for its per-token scales."""
+    return [num_pages, cache.shape[1], size, *cache.shape[3:]]
 
 
 def _positions_input(caches: list[_Cache]) -> int | None:
@@ -228,7 +277,7 @@ def _add_input(fn: func.FuncOp, type_: TensorType):
 
 def _page(cache: _Cache, table: SSAValue, size: int, num_pages: int) -> None:
     element = cache.weight.results[0].type.element_type
-    pool = WeightOp(cache.ref, TensorType(element, [num_pages, cache.shape[1], size, cache.shape[3]]))
+    pool = WeightOp(cache.ref, TensorType(element, _pool_shape(cache, num_pages, size)))
     for name, attr in cache.weight.attributes.items():
         pool.attributes[name] = attr
     Rewriter.insert_op(pool, InsertPoint.after(cache.weight))
@@ -264,12 +313,12 @@ def _paged_write(cache: _Cache, pool: SSAValue, table: SSAValue, size: int) -> S
         batch = dims(table)[0]
         page_ids = _aten("aten.index.Tensor", [{"$t": 0}, [None, {"$t": 1}]], [table, page_index],
                          _typed(i32, [batch, *position_dims]), update)
-        if len(dims(value)) == 3:  # a batch-1 export writes [Hkv, T, D]
+        if len(dims(value)) == len(cache.shape) - 1:  # a batch-1 export writes [Hkv, T, D]
             value = _aten("aten.unsqueeze.default", [{"$t": 0}, 0], [value],
                           _typed(value.type.element_type, [1, *dims(value)]), update)
-        b, heads, tokens, head_dim = dims(value)
-        value = _aten("aten.permute.default", [{"$t": 0}, [0, 2, 1, 3]], [value],
-                      _typed(value.type.element_type, [b, tokens, heads, head_dim]), update)
+        order = _TOKENS_FIRST[:len(dims(value))]  # (scales: [B, Hkv, T] -> [B, T, Hkv])
+        value = _aten("aten.permute.default", [{"$t": 0}, order], [value],
+                      _typed(value.type.element_type, [dims(value)[i] for i in order]), update)
     call = {"args": [{"$t": 0}, [{"$t": 1}, None, {"$t": 2}], {"$t": 3}], "kwargs": {}}
     paged = StateUpdateOp(cache.ref, "aten.index_put_.default", call, [pool, page_ids, slots, value], pool.type)
     Rewriter.insert_op(paged, InsertPoint.before(update))
@@ -278,16 +327,18 @@ def _paged_write(cache: _Cache, pool: SSAValue, table: SSAValue, size: int) -> S
 
 def paged_view(pool: SSAValue, table: SSAValue, size: int, before: Operation) -> SSAValue:
     """The sequences' caches as pages in table order: pool[page_table] permuted and reshaped to
-    [B, Hkv, max_pages * P, D] (three ATen ops, inserted before `before`)."""
-    pages, heads, _, head_dim = dims(pool)
+    [B, Hkv, max_pages * P, D] (three ATen ops, inserted before `before`); per-token scale pools
+    [N, Hkv, P] the same without D."""
+    _, heads, _, *head_dim = dims(pool)
     batch, max_pages = dims(table)
     element = pool.type.element_type
-    gathered = _aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}]], [pool, table],
-                     _typed(element, [batch, max_pages, heads, size, head_dim]), before)
-    ordered = _aten("aten.permute.default", [{"$t": 0}, [0, 2, 1, 3, 4]], [gathered],
-                    _typed(element, [batch, heads, max_pages, size, head_dim]), before)
-    return _aten("aten.reshape.default", [{"$t": 0}, [batch, heads, max_pages * size, head_dim]], [ordered],
-                 _typed(element, [batch, heads, max_pages * size, head_dim]), before)
+    gathered_shape = [batch, max_pages, heads, size, *head_dim]
+    order = _PAGES_IN_ORDER[:len(gathered_shape)]
+    gathered = _aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}]], [pool, table], _typed(element, gathered_shape), before)
+    ordered = _aten("aten.permute.default", [{"$t": 0}, order], [gathered],
+                    _typed(element, [gathered_shape[i] for i in order]), before)
+    return _aten("aten.reshape.default", [{"$t": 0}, [batch, heads, max_pages * size, *head_dim]], [ordered],
+                 _typed(element, [batch, heads, max_pages * size, *head_dim]), before)
 
 
 # -- recognising what the pass built (for the fusion passes) -------------------------------------
@@ -307,17 +358,45 @@ def read_paged_view(value: SSAValue) -> PagedView | None:
     if aten_target(reshape) != "aten.reshape.default":
         return None
     permute = reshape.inputs[0].owner
-    if aten_target(permute) != "aten.permute.default" or literal_arg(permute, 1) != [0, 2, 1, 3, 4]:
+    if aten_target(permute) != "aten.permute.default":
         return None
     gather = permute.inputs[0].owner
     if aten_target(gather) != "aten.index.Tensor" or len(gather.inputs) != 2 or len(literal_arg(gather, 1) or []) != 1:
         return None
     pool, table = gather.inputs
-    if len(dims(pool)) != 4 or len(dims(table)) != 2 or not isinstance(dims(pool)[2], int):
+    if len(dims(pool)) not in (3, 4) or len(dims(table)) != 2 or not isinstance(dims(pool)[2], int):
+        return None
+    if literal_arg(permute, 1) != _PAGES_IN_ORDER[:len(dims(pool)) + 1]:
         return None
     if any(len(list(v.uses)) != 1 for v in (gather.results[0], permute.results[0])):
         return None
     return PagedView(pool, table, dims(pool)[2], [gather, permute, reshape])
+
+
+@dataclass
+class PagedReads:
+    """The pools an attention reads through one page table: k / v and, with per-token fp8
+    scales, k_scale / v_scale (else `scales` is empty); `ops` are the views' ops."""
+
+    table: SSAValue
+    page_size: int
+    pools: list  # k pool, v pool
+    scales: list  # k_scale pool, v_scale pool (per-token), or []
+    ops: list
+
+
+def read_paged_attention(attention) -> PagedReads | None:
+    """What a decode or prompt attention reads through one page table when all its paged reads
+    are `paged_view`s of it (k, v and per-token scales alike), else None."""
+    operands = [attention.k, attention.v]
+    if _per_token(attention):
+        operands += [attention.k_scale, attention.v_scale]
+    views = [read_paged_view(v) for v in operands]
+    if any(v is None for v in views) or any(v.table is not views[0].table or v.page_size != views[0].page_size
+                                            for v in views):
+        return None
+    return PagedReads(views[0].table, views[0].page_size, [v.pool for v in views[:2]], [v.pool for v in views[2:]],
+                      [op for v in views for op in v.ops])
 
 
 @dataclass
@@ -328,6 +407,7 @@ class PagedWrite:
     rows: Operation | None
     index_ops: list  # floor_divide, remainder, index (and the permute of a shared write's value)
     value: SSAValue  # what the cache write stores before the permute: [B, Hkv, D] per row, [B, Hkv, T, D] shared
+    # (a per-token scale write: the same without D)
 
 
 def read_paged_write(update: StateUpdateOp) -> PagedWrite | None:
@@ -355,9 +435,10 @@ def read_paged_write(update: StateUpdateOp) -> PagedWrite | None:
         return None
     ops = [page_index, slots, page_ids]
     value = tensor_arg(update, 2)
-    if rows is None:  # the shared form's value is permute(x, [0, 2, 1, 3])
+    if rows is None:  # the shared form's value is permute(x, [0, 2, 1, 3]) ([0, 2, 1]: scales)
         permute = value.owner
-        if aten_target(permute) != "aten.permute.default" or literal_arg(permute, 1) != [0, 2, 1, 3]:
+        if aten_target(permute) != "aten.permute.default" \
+                or literal_arg(permute, 1) != _TOKENS_FIRST[:len(dims(permute.inputs[0]))]:
             return None
         ops.append(permute)
         value = permute.inputs[0]

@@ -1,6 +1,7 @@
 """A paged build seen as the static-cache model it was built from (torch only).
 
-paged-kv (coopt/passes/paged_kv.py) turns each KV cache [B_max, Hkv, S, D] into a pool of pages;
+paged-kv (coopt/passes/paged_kv.py) turns each KV cache [B_max, Hkv, S, D] (and each per-token
+fp8 scale buffer [B_max, Hkv, S]) into a pool of pages;
 the emitter stores each cache's contents in the identity layout (sequence b in pages b * J ..
 b * J + J - 1), and the build's end-to-end check calls the paged program through `StaticView`
 with that layout's page table, so that it can be compared with the original model.
@@ -29,11 +30,12 @@ def cache_to_pages(cache: torch.Tensor, batch: int, num_pages: int, page_size: i
     """A static cache [B_max, Hkv, S, D] laid out as a pool [num_pages, Hkv, P, D] in the identity
     layout: positions [j * P, (j + 1) * P) of sequence b < batch in page b * J + j (J =
     `identity_pages`); pages no sequence owns (and the tail of a last, partial page) hold zeros.
-    This is what a paged build stores for a cache's contents at build time."""
-    b_max, heads, length, head_dim = cache.shape
-    pool = torch.zeros(num_pages, heads, page_size, head_dim, dtype=cache.dtype, device=cache.device)
+    This is what a paged build stores for a cache's contents at build time; per-token fp8 scale
+    buffers [B_max, Hkv, S] go the same way into pools [num_pages, Hkv, P]."""
+    b_max, heads, length, *head_dim = cache.shape
+    pool = torch.zeros(num_pages, heads, page_size, *head_dim, dtype=cache.dtype, device=cache.device)
     per = identity_pages(batch, max_pages, num_pages)
-    padded = torch.zeros(b_max, heads, max_pages * page_size, head_dim, dtype=cache.dtype, device=cache.device)
+    padded = torch.zeros(b_max, heads, max_pages * page_size, *head_dim, dtype=cache.dtype, device=cache.device)
     padded[:, :, :length] = cache
     for b in range(min(batch, b_max)):
         for j in range(per):

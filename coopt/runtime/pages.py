@@ -2,8 +2,9 @@
 
 Runtime code: torch only. A pool of `num_pages` pages of `page_size` positions; a sequence holds
 a list of page ids (its page table) and a length, taking pages as it grows and returning them
-when released. `PagedKVCache` (coopt/runtime/paged.py) adds the K/V page tensors of L layers;
-`coopt.runtime.serve.PagedDecoder` uses the allocator over the pools of a paged build.
+when released. `PagedKVCache` (coopt/runtime/paged.py) adds the K/V page tensors of L layers
+(and per-token fp8 scale pages); `coopt.runtime.serve.PagedDecoder` uses the allocator over the
+pools of a paged build. A page id names the same page of every pool (K, V, their scales).
 
 Failures are explicit and leave the pool untouched:
 - `PoolExhausted` (a RuntimeError): not enough free pages for a request. Nothing changed; the

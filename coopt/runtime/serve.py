@@ -13,7 +13,9 @@ The build (`coopt build ... --paged-kv P`, docs/kv-cache.md) is a ragged decode 
 (its `paged` contract, PAGED in program.py), usually with a `prefill` entry point over the same
 pools (`tokens [B, T], positions [T], page_table`). The decoder owns the pool's bookkeeping
 (`coopt.runtime.pages.PageAllocator`, one page reserved as scratch for padding rows); the
-pools themselves are the build's state buffers, written in place by its kernels.
+pools themselves are the build's state buffers, written in place by its kernels (the K and V
+pools, and with per-token fp8 scales the scale pools beside them: one page id names a page of
+each, so the decoder's page table serves them all).
 
 - add(prompt, temperature=None, top_k=None): takes the prompt's pages (all or nothing:
   PoolExhausted changes nothing), then prefills them through the prefill entry in chunks of the
@@ -163,7 +165,8 @@ class PagedDecoder:
         return self.pages.pages_in_use()
 
     def bytes_per_page(self) -> int:
-        """Bytes of one page over every pool of the build (K and V of every layer)."""
+        """Bytes of one page over every pool of the build: K and V of every layer, and with
+        per-token fp8 scales their scale pools [N, Hkv, P] (4 bytes a row)."""
         total = 0
         for name in self.contract["pools"]:
             pool = self.model.state_tensor(name)

@@ -15,9 +15,10 @@ program's output once; per-token scales multiply the score columns (K) and the p
 before P @ V (V), loaded with each tile. fp32 queries over an fp8 cache have no legal point.
 
 Paged (paged-kv; attrs "page_size": P, "page_table_input": 4, "pool_input": 1): k / v are pools
-[N, Hkv, P, D] and input 4 a page_table [B, max_pages] int32 (fp8 scales follow it); key j of
-sequence b is row j % P of page page_table[b, j // P], one lookup per K/V block (BLOCK_N divides
-P), and the keys a sequence has are max_pages * P.
+[N, Hkv, P, D] and input 4 a page_table [B, max_pages] int32 (fp8 scales follow it; per-token
+scales are pools [N, Hkv, P] paged alike); key j of sequence b is row j % P of page
+page_table[b, j // P] (its scale: row j % P of that page of the scale pools), one lookup per K/V
+block (BLOCK_N divides P), and the keys a sequence has are max_pages * P.
 
 Online softmax with fp32 statistics and accumulator; each program owns BLOCK_M query rows and
 streams K/V in BLOCK_N blocks: first the blocks every row may see (no masking), then the
@@ -91,7 +92,8 @@ def kv_scale(region: RegionSummary) -> str | None:
 
 
 def _scale_shape(granularity: str, cache: TensorSpec) -> tuple:
-    """[1] per tensor, [Hkv] per head, [B, Hkv, S] (one per cached row) per token."""
+    """[1] per tensor, [Hkv] per head, [B, Hkv, S] (one per cached row) per token: a paged cache
+    [N, Hkv, P, D] has per-token scale pools [N, Hkv, P]."""
     return {"per-tensor": (1,), "per-head": (cache.shape[1],), "per-token": tuple(cache.shape[:3])}[granularity]
 
 
@@ -123,9 +125,6 @@ def kv_cache_problem(region: RegionSummary, scales_at: int) -> str | None:
 
 
 # Paged KV (paged-kv, docs/kv-cache.md): pools of pages of P positions read through a page table.
-PER_TOKEN_PAGES = "per-token scales with paged KV are not supported yet (per-tensor or per-head)"
-
-
 def page_size(region: RegionSummary) -> int | None:
     """Positions per page of a paged KV cache (attrs "page_size"), None for a cache per sequence."""
     return region.attrs.get("page_size")
@@ -134,8 +133,8 @@ def page_size(region: RegionSummary) -> int | None:
 def paged_problem(region: RegionSummary) -> str | None:
     """Why a paged region (attrs "page_size") breaks the paged schema, or None (also when not paged):
     q, k_pages / v_pages [N, Hkv, P, D], lengths, page_table [B, max_pages] int32 (input 4), then
-    k_scale, v_scale of an fp8 cache (per-tensor or per-head). decode_attention and attention
-    (a prompt over the cache) share it."""
+    k_scale, v_scale of an fp8 cache (per-tensor, per-head, or per-token pools [N, Hkv, P] that
+    `kv_cache_problem` checks). decode_attention and attention (a prompt over the cache) share it."""
     size = page_size(region)
     if size is None:
         return None
@@ -148,16 +147,12 @@ def paged_problem(region: RegionSummary) -> str | None:
         return f"k / v pages hold {k.shape[2]} / {v.shape[2]} positions, page_size is {size}"
     if len(table.shape) != 2 or table.dtype != "int32" or table.shape[0] != q.shape[0]:
         return f"page_table {list(table.shape)} {table.dtype} is not [B, max_pages] int32"
-    if kv_scale(region) == "per-token":
-        return PER_TOKEN_PAGES
     return None
 
 
 def paged_schema_ok(region: RegionSummary) -> bool:
-    """Whether a paged region has the paged schema: per-token scales with pages are one that
-    `check` rejects (not supported yet), so that the report names why."""
-    problem = paged_problem(region)
-    return problem is None or problem == PER_TOKEN_PAGES
+    """Whether a paged region has the paged schema (True for a region that is not paged)."""
+    return paged_problem(region) is None
 
 
 class AttentionFamily(TemplateFamily):

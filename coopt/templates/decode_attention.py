@@ -21,12 +21,12 @@ v_scale[b, h, n] before P @ V.
 Paged KV (issue 4; the runtime is coopt/runtime/paged.py): attrs add "page_size": P (a power of
 two, 16..256); inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D] (pages shared by all
 sequences), lengths [B] int32, page_table [B, max_pages] int32, then k_scale, v_scale when attrs
-has "kv_scale" (per-tensor [1] or per-head [Hkv]; per-token scales are not supported with pages
-yet and `check` rejects them). Position p of sequence b is row p % P of page page_table[b, p // P];
-slots of page_table past cdiv(lengths[b], P) are never read, lengths are clamped to
-max_pages * P and page ids into [0, N_pages). The kernel is the same loop with one page table
-lookup per BLOCK_N tile, hence the rule (in `check`) that BLOCK_N divides P; kv_bytes_read is
-unchanged (the page table adds B * max_pages * 4 bytes at most).
+has "kv_scale" (per-tensor [1], per-head [Hkv], or per-token scale pools [N_pages, Hkv, P] paged
+like the caches: a row's scale at the same page and row). Position p of sequence b is row p % P
+of page page_table[b, p // P]; slots of page_table past cdiv(lengths[b], P) are never read,
+lengths are clamped to max_pages * P and page ids into [0, N_pages). The kernel is the same
+loop with one page table lookup per BLOCK_N tile, hence the rule (in `check`) that BLOCK_N
+divides P; kv_bytes_read is unchanged (the page table adds B * max_pages * 4 bytes at most).
 
 RoPE of the query (attrs "rope": True, from fuse-attention): input 0 is the query before its
 rotary embedding and two inputs cos, sin (broadcastable to q, in q's dtype) follow the lengths /

@@ -16,8 +16,9 @@ Region schema (coopt.ir.region, docs/kv-cache.md):
     Paged (paged-kv; attrs "page_size": P, "page_table_input": last, "pool_input": 0): k_cache,
     v_cache are page pools [N_pages, Hkv, P, D] and a last input page_table [B, max_pages] int32;
     position p of sequence b is row p % P of page page_table[b, p // P] (per row or per token as
-    above; quant none / per-tensor / per-head). Positions outside [0, max_pages * P) are not
-    written; page ids are clamped into the pool.
+    above; any quant: per-token scale buffers are pools [N_pages, Hkv, P] paged alike, a row's
+    scale stored at its page and row). Positions outside [0, max_pages * P) are not written;
+    page ids are clamped into the pool.
 
 Without the fusion a Llama layer's step launches a rope kernel for K and two index_put_ copies
 (and with an fp8 cache two quantize kernels): four or five launches of a few µs each for a few
@@ -29,7 +30,8 @@ checks refuse them before any kernel runs; this only keeps timing with arbitrary
 
 fp8 (float8_e4m3fn): q = clamp(x / s, -448, 448) rounded to nearest even; s is k_scale[0]
 (per-tensor), k_scale[h] (per-head), or per-token s = max(absmax(row), 1e-12) · (headroom / 448) (fp8-kv-cache's formula),
-computed here and stored at k_scale[b, h, positions[t]] next to the row.
+computed here and stored at k_scale[b, h, positions[t]] next to the row (paged: at the row's page
+and slot of the scale pool).
 
 Knobs (explicit lists, pruned by `check`): BLOCK_R rows per program, num_warps.
 
@@ -91,6 +93,9 @@ class KvWriteFamily(TemplateFamily):
         cache_dtype = FP8 if quant != "none" else k.dtype
         if paged and not self._paged_ok(region):
             return False
+        # per-token: one scale per cache row, [B_max, Hkv, S_max] (paged: [N_pages, Hkv, P])
+        if quant == "per-token" and any(s.shape != k_cache.shape[:3] for s in region.inputs[5 + 2 * rope:7 + 2 * rope]):
+            return False
         return (
             isinstance(head_dim, int) and 1 <= head_dim <= MAX_HEAD_DIM
             and (head_dim % 2 == 0 or not rope)
@@ -107,11 +112,11 @@ class KvWriteFamily(TemplateFamily):
 
     @staticmethod
     def _paged_ok(region: RegionSummary) -> bool:
-        """The paged schema: pools [N, Hkv, P, D], page table [B, max_pages] int32 last, no per-token scales."""
+        """The paged schema: pools [N, Hkv, P, D], page table [B, max_pages] int32 last."""
         attrs, table = region.attrs, region.inputs[-1]
         size = attrs.get("page_size")
         return (
-            size in PAGE_SIZES and attrs.get("quant") != "per-token"
+            size in PAGE_SIZES
             and attrs.get("page_table_input") == len(region.inputs) - 1 and attrs.get("pool_input") == 0
             and region.inputs[0].shape[2] == region.inputs[1].shape[2] == size
             and len(table.shape) == 2 and table.dtype == "int32" and table.shape[0] == region.inputs[3].shape[0]

@@ -1,12 +1,36 @@
 """Hugging Face-format checkpoint directories for the Llama tests, written with safetensors and
-a name table of their own (independent of the model file's)."""
+a name table of their own (independent of the model file's); `llama_env`, the model file's
+settings for a module-scoped build."""
 
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 MODEL_PATH = Path(__file__).resolve().parents[2] / "examples" / "llama" / "model.py"
+
+
+@contextmanager
+def llama_env(dtype: str | None = None, **settings):
+    """The model file's environment for a build outside the function-scoped `clean_env`: the
+    caller's COOPT_LLAMA_* and COOPT_EXAMPLE_DTYPE removed, then COOPT_LLAMA_<NAME>=value for
+    each setting (and COOPT_EXAMPLE_DTYPE=dtype).
+
+        with llama_env(RAGGED=1, BATCH=2):
+            coopt.build(MODEL_PATH, out, paged_kv=16)
+    """
+    with pytest.MonkeyPatch.context() as env:
+        for name in [n for n in os.environ if n.startswith("COOPT_LLAMA_") or n == "COOPT_EXAMPLE_DTYPE"]:
+            env.delenv(name)
+        for name, value in settings.items():
+            env.setenv(f"COOPT_LLAMA_{name}", str(value))
+        if dtype is not None:
+            env.setenv("COOPT_EXAMPLE_DTYPE", dtype)
+        yield
 
 
 # our state-dict name -> Hugging Face's, written out independently of the model file's table

@@ -12,7 +12,6 @@ One build per module (two entries, about a minute here).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import coopt
 from coopt.frontend.model_file import load_model_file
 from coopt.runtime.paged_layout import identity_page_table
 from coopt.runtime.serve import PagedDecoder, PoolExhausted, UnknownSequence
-from llama_helpers import MODEL_PATH
+from llama_helpers import MODEL_PATH, llama_env
 
 BATCH, MAX_SEQ, POS, PAGE, CHUNK = 2, 64, 40, 16, 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,11 +29,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(scope="module")
 def built_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("paged") / "out"
-    with pytest.MonkeyPatch.context() as env:
-        for name in [n for n in os.environ if n.startswith("COOPT_LLAMA_") or n == "COOPT_EXAMPLE_DTYPE"]:
-            env.delenv(name)
-        for name, value in {"RAGGED": 1, "BATCH": BATCH, "MAX_SEQ": MAX_SEQ, "POS": POS, "PREFILL": 16}.items():
-            env.setenv(f"COOPT_LLAMA_{name}", str(value))
+    with llama_env(RAGGED=1, BATCH=BATCH, MAX_SEQ=MAX_SEQ, POS=POS, PREFILL=16):
         result = coopt.build(MODEL_PATH, out, top_k=1, paged_kv=PAGE, prefill_chunk=CHUNK)
         loaded = load_model_file(MODEL_PATH)
     assert result.e2e["ok"] and result.entries["prefill"].e2e["ok"]
@@ -206,11 +201,7 @@ def test_fp8_pages(tmp_path):
     """--paged-kv with --kv-cache fp8 (per-head): fp8 pools, the paged kernels quantize and read
     fp8, checked against the build's own reference program and measured against the original."""
     out = tmp_path / "fp8"
-    with pytest.MonkeyPatch.context() as env:
-        for name in [n for n in os.environ if n.startswith("COOPT_LLAMA_") or n == "COOPT_EXAMPLE_DTYPE"]:
-            env.delenv(name)
-        for name, value in {"RAGGED": 1, "BATCH": BATCH, "MAX_SEQ": MAX_SEQ, "POS": POS, "PREFILL": 0}.items():
-            env.setenv(f"COOPT_LLAMA_{name}", str(value))
+    with llama_env(RAGGED=1, BATCH=BATCH, MAX_SEQ=MAX_SEQ, POS=POS, PREFILL=0):
         result = coopt.build(MODEL_PATH, out, top_k=1, paged_kv=PAGE, kv_cache="fp8")
     assert result.e2e["lossy"] and result.e2e["kernels_vs_reference_program"]["ok"]
     assert result.accuracy["max_rel_err"] < 0.2  # measured, not judged: fp8 rounding of the history

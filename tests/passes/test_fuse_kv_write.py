@@ -147,11 +147,75 @@ def test_quantized_writes_are_absorbed(granularity):
     assert not [op for op in module.walk() if isinstance(op, QuantizeFp8Op) and op.parent_op() is not region]
 
 
-def test_per_token_quantization_is_not_fused_yet():
+def test_per_token_scales_that_are_not_computed_from_the_rows_are_left_alone():
     module, _ = run_pipeline(Step(), inputs(), UP_TO_RAISE)
-    _quantize_writes(module, "per-token")
+    _quantize_writes(module, "per-token")  # scales from a weight, written nowhere
     counters = _fuse(module)
     assert not kv_writes(module) and counters["fuse.kv_write.skipped.per_token"] == 2
+
+
+# -- per-token fp8 (fp8-kv-cache{granularity=per-token}): the scales' computation and write absorbed
+
+PER_TOKEN = UP_TO_RAISE + ",fp8-kv-cache{granularity=per-token,scale-source=dynamic,headroom=1.5}"
+
+
+def per_token_steps():
+    """(name, model, inputs): a prompt over a batch-1 cache (the export writes [Hkv, T, D] views),
+    a batch-2 prompt, a ragged step (per-row writes with K's rope)."""
+    from test_paged_kv import PromptStep, prompt_inputs
+    from test_ragged_decode import RaggedStep, inputs as ragged_inputs
+
+    torch.manual_seed(1)
+    batch1 = [torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.arange(4, 7)]
+    return [("batch1-prompt", PromptStep(b_max=1), batch1), ("prompt", PromptStep(), prompt_inputs()),
+            ("ragged", RaggedStep(), ragged_inputs())]
+
+
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["batch1-prompt", "prompt", "ragged"])
+def test_per_token_scales_are_computed_and_written_in_the_region(case):
+    name, model, args = per_token_steps()[case]
+    module, counters = run_pipeline(model, args, PER_TOKEN + ",fuse-attention,fuse-kv-write,fuse-rope")
+    (region,) = kv_writes(module)
+    rope = name == "ragged"
+    assert region.family_attrs["quant"] == "per-token" and region.family_attrs["headroom"] == 1.5
+    assert region.family_attrs["inplace"] == [0, 1, 5 + 2 * rope, 6 + 2 * rope] and region.family_attrs["rope"] == rope
+    assert counters["fuse.kv_write.per_token"] == 1 and not [k for k in counters if "skipped" in k]
+    assert [v.owner.ref.data for v in region.inputs[5 + 2 * rope:7 + 2 * rope]] == ["k_cache.scale", "v_cache.scale"]
+    # the region's outputs replace the scale buffers' writes too: the attention reads them
+    (attention,) = [k for k in kernels(module) if k.family.data != "kv_write"]
+    read = [*attention.inputs[1:3], *attention.inputs[4:6]]  # caches and scales (ragged: through [:B] slices)
+    assert all(v.owner is region or v.owner.inputs[0].owner is region for v in read)
+    body = [getattr(op, "target", None) and op.target.data or type(op).__name__ for op in region.body.block.ops]
+    assert body.count("aten.amax.default") == 2 and body.count("QuantizeFp8Op") == 2
+    assert body.count("aten.index_put_.default") == 4
+    # nothing of the per-token chain is left outside
+    assert not [op for op in module.walk() if getattr(op, "target", None) is not None and op.parent_op() is not region
+                and op.target.data in ("aten.abs.default", "aten.amax.default", "aten.clamp_min.default")]
+    assert not [op for op in module.walk() if isinstance(op, (QuantizeFp8Op, StateUpdateOp)) and op.parent_op() is not region]
+
+
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["batch1-prompt", "prompt", "ragged"])
+def test_per_token_reference_writes_what_the_unfused_program_writes(case, tmp_path):
+    """The region's reference module (its eager fallback) against the unfused ops: the same fp8
+    rows and scales in the caches and scale buffers, nothing else written."""
+    from test_paged_kv import run_program
+
+    name, model, args = per_token_steps()[case]
+    state = {n: b.clone() for n, b in model.named_buffers()}
+    fp8 = {"k_cache": torch.zeros(state["k_cache"].shape).to(torch.float8_e4m3fn),
+           "v_cache": torch.zeros(state["v_cache"].shape).to(torch.float8_e4m3fn),
+           "k_cache.scale": torch.rand(state["k_cache"].shape[:3]), "v_cache.scale": torch.rand(state["k_cache"].shape[:3])}
+    results = []
+    for pipeline in (PER_TOKEN + ",fuse-attention", PER_TOKEN + ",fuse-attention,fuse-kv-write,fuse-rope"):
+        module, _ = run_pipeline(type(model)(), args, pipeline)
+        weights = {"cache_positions": state["cache_positions"], **{n: t.clone() for n, t in fp8.items()}}
+        out = run_program(module, weights, args, tmp_path / str(len(results)))
+        results.append((out, weights))
+    (unfused, before), (fused, after) = results
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
+    for name in fp8:
+        assert torch.equal(after[name].float(), before[name].float()), name
+    assert (before["k_cache.scale"] != fp8["k_cache.scale"]).sum() > 0  # the step did write scales
 
 
 def test_quantize_knob_off_leaves_quantized_writes():

@@ -186,3 +186,69 @@ def test_fp8_pages_quantize_each_rows_write_and_fuse():
     # the write quantizes the [B, Hkv, 1, D] rows before selecting each sequence's one row
     body = [getattr(op, "target", None) and op.target.data or type(op).__name__ for op in write.body.block.ops]
     assert body.count("QuantizeFp8Op") == 2 and body.count("aten.select.int") == 2
+
+
+# -- per-token fp8 scales (fp8-kv-cache{granularity=per-token}) paged with their caches ----------
+
+PER_TOKEN = RAISE + ",fp8-kv-cache{granularity=per-token,scale-source=dynamic}"
+FUSION = ",fuse-attention,fuse-kv-write,fuse-rope"
+
+
+def test_per_token_scale_buffers_become_pools_paged_like_their_caches():
+    module, counters = run_pipeline(RaggedStep(), inputs(), PER_TOKEN + ",paged-kv{page-size=16}" + FUSION)
+    assert counters["paged_kv.caches"] == counters["paged_kv.scale_buffers"] == 2
+    assert counters["paged_kv.writes"] == counters["paged_kv.attention_reads"] == 4  # the scales' too
+    record = json.loads(module.attributes[PAGED_ATTR].data)
+    assert record["pools"] == {"k_cache": [6, 2, 16, 8], "v_cache": [6, 2, 16, 8], "k_cache.scale": [6, 2, 16],
+                               "v_cache.scale": [6, 2, 16]}
+    regions = {k.family.data: k for k in kernels(module)}
+    attention, write = regions["decode_attention"], regions["kv_write"]
+    assert counters["fuse.decode_attention.paged"] == 1 and counters["fuse.kv_write.paged"] == 1
+    assert counters["fuse.kv_write.per_token"] == 1
+    # the kernels take the scale pools and read / write them through the one page table
+    assert [v.type.get_shape() for v in attention.inputs[4:]] == [(3, 2), (6, 2, 16), (6, 2, 16)]
+    assert [v.owner.ref.data for v in write.inputs[7:9]] == ["k_cache.scale", "v_cache.scale"]
+    assert write.family_attrs["inplace"] == [0, 1, 7, 8] and write.family_attrs["page_table_input"] == 9
+    assert not [op for op in module.walk() if getattr(op, "target", None) is not None
+                and op.target.data == "aten.index.Tensor" and op.parent_op() not in (attention, write)]
+
+
+@pytest.mark.parametrize("step,args", [(RaggedStep, inputs), (PromptStep, prompt_inputs)], ids=["ragged", "prompt"])
+def test_per_token_references_match_the_static_step_in_the_identity_layout(tmp_path, step, args):
+    """The paged per-token program (regions on their references) against the static per-token
+    program over the same fp8 contents: the same output, and pools holding, in the identity
+    layout, what the static caches and scale buffers hold after the step."""
+    from coopt.fp8_cache import fp8_weights
+
+    torch.manual_seed(0)
+    eager = step()
+    state = dict(eager.named_buffers())
+    static, _ = run_pipeline(step(), args(), PER_TOKEN + FUSION)
+    paged, _ = run_pipeline(step(), args(), PER_TOKEN + ",paged-kv{page-size=16}" + FUSION)
+    fp8 = fp8_weights({"granularity": "per-token", "headroom": 1.0,
+                       "caches": {"k_cache": "k_cache.scale", "v_cache": "v_cache.scale"}}, state)
+    record = json.loads(paged.attributes[PAGED_ATTR].data)
+    layout = (record["batch"], record["num_pages"], 16, record["max_pages"])
+    table = identity_page_table(record["batch"], record["max_pages"], record["num_pages"])
+    static_weights = {"cache_positions": eager.cache_positions, **{n: t.clone() for n, t in fp8.items()}}
+    paged_weights = {"cache_positions": eager.cache_positions, **{n: cache_to_pages(t, *layout) for n, t in fp8.items()}}
+    want = run_program(static, static_weights, args(), tmp_path / "static")
+    got = run_program(paged, paged_weights, [*args(), table], tmp_path / "paged")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name in fp8:
+        assert torch.equal(paged_weights[name].float(), cache_to_pages(static_weights[name], *layout).float()), name
+
+
+def test_per_token_scales_that_cannot_be_paged_are_refused():
+    from xdsl.context import Context
+
+    from coopt.errors import ConfigError
+    from coopt.ir.dialect import AtenOp
+    from xdsl.rewriter import InsertPoint, Rewriter
+
+    module, _ = run_pipeline(RaggedStep(), inputs(), PER_TOKEN)
+    scale = next(op for op in module.walk() if isinstance(op, WeightOp) and op.ref.data == "v_cache.scale")
+    reader = AtenOp("aten.clone.default", {"args": [{"$t": 0}], "kwargs": {}}, [scale.results[0]], [scale.results[0].type])
+    Rewriter.insert_op(reader, InsertPoint.after(scale))  # something else reads V's scales
+    with pytest.raises(ConfigError, match="v_cache.scale"):
+        parse_pipeline_text("paged-kv{page-size=16}")[0].apply(Context(allow_unregistered=True), module)

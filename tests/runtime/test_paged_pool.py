@@ -206,6 +206,34 @@ def test_fp8_pages_quantize_with_per_head_scales():
     assert cache.bytes_per_page() == 2 * 2 * 2 * 16 * 4  # 1-byte elements
 
 
+def test_fp8_pages_with_per_token_scales():
+    """Each row's own scale max(absmax(row), 1e-12) * headroom / 448, kept in scale pages
+    [N, Hkv, P] at the row's page and slot (what the paged kernels read after the table)."""
+    cache = make_cache(num_pages=8, dtype=torch.float8_e4m3fn, granularity="per-token", headroom=1.25)
+    k_scales, v_scales = cache.scales(0)
+    assert k_scales.shape == (8, 2, 16) and k_scales.dtype == torch.float32 and v_scales is not k_scales
+    a, b = cache.add_sequence(20), cache.add_sequence(3)
+    k, v = torch.randn(1, 2, 20, 4), torch.randn(1, 2, 20, 4) * 1000
+    k[0, 1, 7] = 0.0  # an all-zero row: the floor's scale, zeros stored
+    cache.write(0, [a], torch.arange(20)[None], k, v)
+    stored_k, _ = cache.gather(0, a)
+    scale = k[0].abs().amax(-1).clamp_min(1e-12) * (1.25 / 448)  # [Hkv, 20]
+    expected = (k[0] / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(stored_k.view(torch.uint8), expected.view(torch.uint8))
+    page, slot = cache.page_table([a])[0, 7 // 16].item(), 7
+    assert k_scales[page, 1, slot] == torch.tensor(1e-12) * (1.25 / 448) and not stored_k[1, 7].float().any()
+    deq_k, deq_v = cache.gather(0, a, dequantize=True)
+    torch.testing.assert_close(deq_k, k[0], rtol=0.07, atol=1e-6)
+    torch.testing.assert_close(deq_v, v[0], rtol=0.07, atol=1e-3)  # large rows: their own scales
+    assert cache.gather(0, b)[0].shape == (2, 3, 4) and not cache.scales(1)[0].any()  # layer 1 untouched
+    # K and V of 2 layers: [Hkv, P, D] 1-byte rows and [Hkv, P] fp32 scales per page
+    assert cache.bytes_per_page() == 2 * 2 * (2 * 16 * 4 + 2 * 16 * 4)
+    with pytest.raises(ValueError, match="per-token"):
+        make_cache(dtype=torch.float8_e4m3fn, granularity="per-token", k_scale=torch.ones(2), v_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="per-token"):
+        make_cache(granularity="per-token")  # fp32 pages have no scales
+
+
 def test_construction_errors():
     with pytest.raises(ValueError, match="page_size"):
         make_cache(page_size=24)

@@ -240,9 +240,10 @@ def lay_out_in_pages(caches, counts, num_pages: int, page_size: int, generator):
     """The sequences' caches [B, Hkv, max_pages * P, D] as pages of one shuffled pool each:
     sequence b's first counts[b] pages are drawn in turn with the others' (round-robin, so the
     sequences interleave) from a permutation of the pool; free pages hold NaN, so a kernel that
-    reads a page the table does not name poisons its output. Returns (pools, page_table int32)."""
-    batch, kv_heads, length, head_dim = caches[0].shape
-    pools = [torch.full((num_pages, kv_heads, page_size, head_dim), float("nan")).to(c.dtype) for c in caches]
+    reads a page the table does not name poisons its output. Returns (pools, page_table int32).
+    Per-token scales [B, Hkv, max_pages * P] among `caches` become pools [N, Hkv, P] paged alike."""
+    batch, kv_heads, length = caches[0].shape[:3]
+    pools = [torch.full((num_pages, kv_heads, page_size, *c.shape[3:]), float("nan")).to(c.dtype) for c in caches]
     order = torch.randperm(num_pages, generator=generator).tolist()
     table = torch.zeros(batch, length // page_size, dtype=torch.int32)
     for i in range(max(counts)):

@@ -714,13 +714,16 @@ def test_paged_fp8(granularity, params, load_candidate):
     check_close(out, fp8_reference(region, inputs[0], k, v, inputs[3], *inputs[5:]))
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-per-head"])
-def test_paged_kernel_reads_the_runtime_pool(fp8, load_candidate):
+@pytest.mark.parametrize("granularity", [None, "per-head", "per-token"], ids=["bf16", "fp8-per-head", "fp8-per-token"])
+def test_paged_kernel_reads_the_runtime_pool(granularity, load_candidate):
     # coopt.runtime.paged: sequences added, grown in turns and one released, then a decode step
+    # (per-token: each row's scale in the pool's scale pages, read through the same table)
     from coopt.runtime.paged import PagedKVCache
 
     gen = torch.Generator().manual_seed(4)
-    scales = {"k_scale": torch.tensor([0.01, 0.02]), "v_scale": torch.tensor([0.03, 0.01])} if fp8 else {}
+    fp8 = granularity is not None
+    scales = {"k_scale": torch.tensor([0.01, 0.02]), "v_scale": torch.tensor([0.03, 0.01])} \
+        if granularity == "per-head" else {"granularity": "per-token"} if fp8 else {}
     cache = PagedKVCache(num_layers=1, num_pages=16, num_kv_heads=2, page_size=16, head_dim=32,
                          dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=DEVICE, **scales)
     seqs = [cache.add_sequence(n) for n in (5, 17, 40)]
@@ -733,7 +736,7 @@ def test_paged_kernel_reads_the_runtime_pool(fp8, load_candidate):
         positions = cache.step(seqs)
         cache.write(0, seqs, positions, *(torch.randn(3, 2, 1, 32, generator=gen) for _ in "kv"))
     lengths, table = cache.lengths(seqs), cache.page_table(seqs)
-    region = paged_region(3, 4, 2, 16, 16, table.shape[1], 32, "bfloat16", "per-head" if fp8 else None)
+    region = paged_region(3, 4, 2, 16, 16, table.shape[1], 32, "bfloat16", granularity)
     q = torch.randn(3, 4, 1, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
     inputs = [q, *cache.pages(0), lengths, table, *(cache.scales(0) if fp8 else ())]
     (out,) = run_candidate(load_candidate, region, PAGED_DOT, inputs)
@@ -757,10 +760,9 @@ def test_paged_matches_and_check():
     assert FAMILY.check(short, {**params, "SPLIT_KV": 2}, H200) is None
     fp8 = paged_region(1, 32, 8, 64, 32, 16, 128, "bfloat16", "per-head")
     assert FAMILY.matches(fp8) and FAMILY.check(fp8, {**params, "BLOCK_N": 32}, H200) is None
-    # per-token scales through pages: a legal schema, not supported yet
+    # per-token scales through pages: scale pools [N, Hkv, P] (tests/templates/test_paged_per_token.py)
     per_token = paged_region(1, 32, 8, 64, 32, 16, 128, "bfloat16", "per-token")
-    assert FAMILY.matches(per_token)
-    assert "per-token scales with paged KV" in FAMILY.check(per_token, {**params, "BLOCK_N": 32}, H200)
+    assert FAMILY.matches(per_token) and FAMILY.check(per_token, {**params, "BLOCK_N": 32}, H200) is None
     pages = ok.inputs[1]
     illegal = {
         "page size 24": paged_region(1, 32, 8, 64, 24, 8, 128, "bfloat16"),
