@@ -38,8 +38,13 @@ place ("inplace" [0, 1, i, i + 1], outputs the caches and the scale buffers afte
 attrs "quant": "per-token", "headroom"; the kernel computes each row's scale itself. Counted
 `fuse.kv_write.per_token`.
 
-Left unfused, each with a counter `fuse.kv_write.skipped.<why>`: a write into a slice of the
-cache (`slice(cache, 0, 0, B)`: a dynamic batch), a value that is not the whole indexed shape
+A dynamic batch's write of its B rows (`index_put_` through `slice(cache, 0, 0, B)`, as
+inplace-state-writes leaves it) takes the whole cache as the region's input and slices it inside,
+B from the written value's batch (`sym_size(value, 0)`: the outer B is a size from outside the
+region): the kernel writes rows [0, B). Counted `fuse.kv_write.batch_view`.
+
+Left unfused, each with a counter `fuse.kv_write.skipped.<why>`: a write into another slice of the
+cache, or a batch slice with per-token scales (`sliced_cache`), a value that is not the whole indexed shape
 (index_put_ would broadcast it over the batch), per-token fp8 whose scales are not that
 computation written once beside the cache (`per_token`), and a write with no partner. Writes of
 scale buffers are taken with their cache's write, never on their own.
@@ -50,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xdsl.context import Context
-from xdsl.dialects.builtin import ModuleOp, TensorType
+from xdsl.dialects.builtin import IndexType, ModuleOp, TensorType
 from xdsl.ir import Operation, SSAValue
 from xdsl.rewriter import InsertPoint, Rewriter
 
@@ -100,8 +105,8 @@ class FuseKvWrite(CooptPass):
     def _fuse(k: Write, v: Write) -> None:
         # the group as it stands (views and quantize included): nothing outside it may read it
         # between its first op and the write the region replaces
-        group = [op for w in (k, v) for op in (w.rope, *w.views, w.quantize, *_scale_ops(w), *_index_ops(w), w.update)
-                 if op is not None]
+        group = [op for w in (k, v) for op in (w.rope, *w.views, w.quantize, *_scale_ops(w), *_index_ops(w),
+                                               w.batch_view, w.update) if op is not None]
         if not can_outline(group):
             count("fuse.kv_write.skipped.order")
             return
@@ -144,6 +149,8 @@ class FuseKvWrite(CooptPass):
             count("fuse.kv_write.per_row")
         if k.paged is not None:
             count("fuse.kv_write.paged")
+        if k.batch_view is not None:
+            count("fuse.kv_write.batch_view")
 
 
 def _index_ops(write: Write) -> list[Operation]:
@@ -215,6 +222,14 @@ def _normalize(write: Write) -> list[Operation]:
         write.quantize = new
         value = new.results[0]
         ops.append(new)
+    if write.batch_view is not None:  # the first B rows of the whole buffer, B from the value
+        view = _rows_view(write.cache, value, write.batch_view, before=write.update)
+        ops += view
+        operands = list(write.update.operands)
+        operands[write.update.call["args"][0]["$t"]] = view[-1].results[0]
+        write.update.operands = operands
+        dead.append(write.batch_view)
+        write.batch_view = view[-1]
     stored, gone = _store(write.update, write.paged, write.rows, value)
     ops += stored  # (outline orders a region's ops as the block does)
     dead += gone
@@ -226,6 +241,24 @@ def _normalize(write: Write) -> list[Operation]:
             op.erase()
         if not unused:
             break
+    return ops
+
+
+def _rows_view(buffer: SSAValue, value: SSAValue, old: Operation, before: Operation) -> list[Operation]:
+    """Ops of slice(buffer, 0, 0, B) with B the written value's batch, inserted before `before`:
+    the region's own view of the rows it writes (the old view's B is a size from outside, which a
+    region cannot take as an input; the value's batch is the same size)."""
+    batch = dims(value)[0]
+    ops: list[Operation] = []
+    if isinstance(batch, int):
+        end, operands = batch, [buffer]
+    else:
+        size = AtenOp("aten.sym_size.int", {"args": [{"$t": 0}, 0], "kwargs": {}}, [value], [IndexType()])
+        ops.append(size)
+        end, operands = {"$t": 1}, [buffer, size.results[0]]
+    view = AtenOp("aten.slice.Tensor", {"args": [{"$t": 0}, 0, 0, end], "kwargs": {}}, operands, [old.results[0].type])
+    ops.append(view)
+    Rewriter.insert_op(ops, InsertPoint.before(before))
     return ops
 
 

@@ -53,6 +53,7 @@ class Write:
     rows: Operation | None = None  # per-row writes: the arange(B) of the batch index
     paged: PagedWrite | None = None  # a write through a page table (paged-kv)
     scales: ScaleWrite | None = None  # per-token fp8: the scales' computation and write
+    batch_view: Operation | None = None  # a dynamic batch's write through slice(cache, 0, 0, B)
 
     def updates(self) -> list[tuple[StateUpdateOp, PagedWrite | None]]:
         """The writes of the region: the cache's, and its scale buffer's (per-token)."""
@@ -122,13 +123,27 @@ def _cache_write(update: StateUpdateOp, rank: int = 4):
     positions = update.inputs[indices[2]["$t"]] if isinstance(indices[2], dict) and "$t" in indices[2] else None
     if cache is None or value is None or positions is None:
         return "indices"
-    if not isinstance(cache.owner, WeightOp):
-        return "sliced_cache"  # slice(cache, 0, 0, B): a dynamic batch, not fused yet
+    if not isinstance(cache.owner, WeightOp) and (rows is not None or rank != 4 or batch_view(cache, update) is None):
+        return "sliced_cache"  # a slice written otherwise than a shared write of the first B rows
     if len(dims(cache)) != rank or len(dims(positions)) != 1:
         return "shape"
     if rows is not None and dims(rows.results[0]) != dims(positions):
         return "shape"
     return cache, positions, value, rows, None
+
+
+def batch_view(cache: SSAValue, update: StateUpdateOp) -> Operation | None:
+    """The slice(buffer, 0, 0, B) that `update` writes through, read by nothing else, when the
+    buffer is a state weight (a dynamic batch's rows, after inplace-state-writes); else None."""
+    view = cache.owner
+    if aten_target(view) != "aten.slice.Tensor" or only_user(cache) is not update:
+        return None
+    buffer = tensor_arg(view, 0)
+    dim, start = literal_arg(view, 1, default=0), literal_arg(view, 2, default=0)
+    step = literal_arg(view, 4, default=1)
+    if buffer is None or not isinstance(buffer.owner, WeightOp) or dim != 0 or start not in (0, None) or step not in (1, None):
+        return None
+    return view
 
 
 def _per_row_value(update: StateUpdateOp, value: SSAValue) -> tuple[SSAValue, Operation] | None:
@@ -190,7 +205,7 @@ def read_write(update: StateUpdateOp, absorb_rope: bool, absorb_quantize: bool) 
     if isinstance(found, str):
         return found
     cache, positions, value, rows, paged = found
-    b_max, heads, _, head_dim = dims(cache)
+    b_max, heads, _, head_dim = dims(cache)  # (a batch view: the B rows it writes)
     if paged is not None:  # the pool's dim 0 is pages: the batch is the page table's
         b_max = dims(paged.table)[0]
     views: list[Operation] = []
@@ -214,6 +229,11 @@ def read_write(update: StateUpdateOp, absorb_rope: bool, absorb_quantize: bool) 
     elif dims(source) != [b_max, heads, dims(positions)[0], head_dim]:
         return "shape"  # not the whole indexed shape: index_put_ would broadcast it
     write = Write(update, cache, positions, source, views, rope, quantize, rows, paged)
+    if not isinstance(cache.owner, WeightOp):  # the first B rows: the region takes the whole buffer
+        write.batch_view = cache.owner
+        write.cache = tensor_arg(cache.owner, 0)
+        if quantize is not None and quantize.granularity.data == "per-token":
+            return "sliced_cache"  # (its scale buffer's sliced write is not matched)
     if quantize is not None and quantize.granularity.data == "per-token":
         write.scales = _scale_write(write, scales)
         if write.scales is None:

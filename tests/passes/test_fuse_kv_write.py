@@ -97,15 +97,34 @@ def test_default_pipeline_fuses_before_fuse_rope():
     assert counters["fuse.kv_write.rope"] == 1 and len(kv_writes(module)) == 1
 
 
-@pytest.mark.parametrize("model,why", [
-    (Step(v_positions_offset=True), "unpaired"),  # V written at other positions: no partner
-    (Step(b_max=2, batch=1), "sliced_cache"),  # cache[:1] of a 2-sequence cache: a slice is written
-], ids=["other-positions", "batch-below-cache"])
-def test_unmatched_writes_are_left_alone_and_counted(model, why):
-    module, counters = run_pipeline(model, inputs(), FUSE)
+def test_unmatched_writes_are_left_alone_and_counted():
+    module, counters = run_pipeline(Step(v_positions_offset=True), inputs(), FUSE)  # V at other positions
     assert not kv_writes(module)
-    assert counters[f"fuse.kv_write.skipped.{why}"] >= 1, counters
-    assert len([op for op in module.walk() if isinstance(op, StateUpdateOp)]) >= 2 or why == "sliced_cache"
+    assert counters["fuse.kv_write.skipped.unpaired"] >= 1, counters
+    assert len([op for op in module.walk() if isinstance(op, StateUpdateOp)]) >= 2
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["first-row-of-two", "dynamic-batch"])
+def test_a_write_of_the_first_rows_takes_the_whole_cache_and_slices_it_inside(dynamic, tmp_path):
+    # cache[:B] of a bigger cache: B = 1 of 2 (static), or the dynamic batch (2 of at most 4)
+    batch = torch.export.Dim("batch", min=1, max=4)
+    shapes = ({0: batch}, {0: batch}, None, None, None) if dynamic else None
+    model, b, b_max = (Step(b_max=4), 2, 4) if dynamic else (Step(b_max=2, batch=1), 1, 2)
+    module, counters = run_pipeline(model, inputs(b), FUSE, dynamic_shapes=shapes)
+    (region,) = kv_writes(module)
+    assert counters["fuse.kv_write.batch_view"] == 1 and not counters.get("fuse.kv_write.skipped.sliced_cache")
+    assert [v.owner.ref.data for v in region.inputs[:2]] == ["k_cache", "v_cache"]  # the whole buffers
+    body = [getattr(op, "target", None) and op.target.data for op in region.body.block.ops]
+    assert body.count("aten.slice.Tensor") == 2 and body.count("aten.sym_size.int") == (2 if dynamic else 0)
+    # the reference writes the first B rows of its cache inputs in place, B from k
+    reference = load_module_from_source(reference_module_source(region), tmp_path, "reference")
+    k_cache, v_cache = torch.zeros(b_max, 2, 16, 8), torch.zeros(b_max, 2, 16, 8)
+    k, v, cos, sin, pos = inputs(b)
+    out = reference.run(k_cache, v_cache, pos, k, v, cos, sin)
+    assert out[0] is k_cache and out[1] is v_cache
+    torch.testing.assert_close(k_cache[:b, :, 3], (k * cos + rotate_half(k) * sin)[:, :, 0])
+    torch.testing.assert_close(v_cache[:b, :, 3], v[:, :, 0])
+    assert not k_cache[b:].any() and not v_cache[:, :, 4:].any()
 
 
 def _quantize_writes(module, granularity):
