@@ -4,6 +4,7 @@ bandwidth floor, in one run on one GPU.
     python bench/decode.py                           # 8 layers, the three cases of issue 3
     python bench/decode.py --layers 32 --cases 1:2048:4096 --out decode.json
     python bench/decode.py --cases 1:2048:4096 --prefill 0     # decode only, no prompt timing
+    python bench/decode.py --cases "" --prefill 2048           # the prompt only
 
 A case is batch:position:cache_length. Each variant runs the same model file
 (examples/llama/model.py, bf16, random weights, the cache filled up to the position), one
@@ -241,7 +242,7 @@ def main():
         if args.out:
             args.out.write_text(json.dumps({"environment": env, "rows": [*rows, row]}, indent=2))
 
-    for case in args.cases.split(","):
+    for case in filter(None, args.cases.split(",")):  # --cases "" with --prefill N: the prompt alone
         rows.append(run_case(case, args, save))
         if args.out:
             args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
