@@ -164,6 +164,19 @@ def _fp16_tiles_problem(region: RegionSummary) -> str | None:
     return None
 
 
+# The last split merges the partials of its GROUP heads: loaded for all heads at once (one round
+# trip to L2 for all of them) when GROUP x SPLIT_KV x BLOCK_D fp32 values come to at most this many
+# a thread; else head by head (each head's loads wait for the previous head's store: a round trip
+# a head).
+_MAX_MERGE_VALUES_PER_THREAD = 128
+
+
+def _merge_at_once(region: RegionSummary, params: dict) -> bool:
+    group = next_pow2(region.attrs["num_heads"] // region.attrs["num_kv_heads"])
+    values = group * params["SPLIT_KV"] * max(16, next_pow2(region.inputs[0].shape[3]))
+    return params["SPLIT_KV"] > 1 and values <= _MAX_MERGE_VALUES_PER_THREAD * 32 * params["num_warps"]
+
+
 def scales_at(region: RegionSummary) -> int:
     """Index of k_scale (when fp8): after the lengths, the page table and the rope tables."""
     return 4 + (page_size(region) is not None) + 2 * bool(region.attrs.get("rope"))
@@ -318,6 +331,9 @@ class DecodeAttentionFamily(TemplateFamily):
             head_dim=head_dim,
             block_d=block_d,
             block_h=self.block_h(region, params["USE_DOT"]),
+            # the merge loads every head's partials at once where they fit in registers
+            merge_at_once=_merge_at_once(region, params),
+            group_p=next_pow2(self._group(region)),
             ieee_dot=region.inputs[0].dtype == "float32",
             kv_scale=kv_scale(region),
             paged=page_size(region) is not None,

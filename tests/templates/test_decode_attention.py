@@ -168,6 +168,20 @@ def test_reads_only_the_valid_prefix(split_kv, load_candidate):
     check_close(out, reference(region, q, k, v, lengths))
 
 
+@pytest.mark.parametrize("split_kv,at_once", [(8, True), (32, False)])
+def test_the_last_split_merges_every_head_at_once_or_head_by_head(split_kv, at_once, load_candidate):
+    # GROUP 3 (padded to 4) x SPLIT_KV x D 128 fp32 partials over 2 warps: at 8 splits 64 a
+    # thread (one load of every head's), at 32 splits 256 (head by head); lengths leave some
+    # splits empty
+    region = make_region(2, 6, 2, 512, 128, "bfloat16")
+    params = {"BLOCK_N": 16, "SPLIT_KV": split_kv, "USE_DOT": True, "num_warps": 2, "num_stages": 2}
+    assert FAMILY.check(region, params, H200) is None
+    assert ("offs_g = tl.arange(0, 4)" in FAMILY.render(region, params)) == at_once
+    inputs = make_inputs(region, [500, 40])
+    (out,) = run_candidate(load_candidate, region, params, inputs, stem=f"merge{split_kv}")
+    check_close(out, reference(region, *inputs))
+
+
 def test_strided_cache_views(load_candidate):
     # caches kept as [B, S_max, Hkv, D] and viewed as [B, Hkv, S_max, D]; q a transpose view
     region = make_region(2, 4, 2, 64, 32)

@@ -143,22 +143,25 @@ def _decode_split_kernel(
     meeting = batch * NUM_KV_HEADS + kv_head
     arrived = tl.atomic_add(arrivals_ptr + meeting, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLIT_KV - 1:
-        # Head by head, all splits at once: one [SPLIT_KV, BLOCK_D] load per head (the loads of
-        # the GROUP heads are independent, so they overlap) rather than a serial walk over splits.
         offs_s = tl.arange(0, SPLIT_KV)
         seen = offs_s * chunk < length  # splits that saw keys (the others wrote nothing)
-        for g in tl.static_range(GROUP):
-            row = (batch * NUM_HEADS + kv_head * GROUP + g) * SPLIT_KV + offs_s
-            # .cg reads at L2, where the other SMs' partials are, never a stale L1 line.
-            part_m = tl.load(part_m_ptr + row, mask=seen, other=-1.0e30, cache_modifier=".cg")
-            weight = tl.where(seen, tl.exp2(part_m - tl.max(part_m, 0)), 0.0)
-            l_g = tl.sum(tl.load(part_l_ptr + row, mask=seen, other=0.0, cache_modifier=".cg") * weight, 0)
-            part_acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=seen[:, None],
-                               other=0.0, cache_modifier=".cg")
-            # A length of 0 (outside the schema) leaves l_g == 0: zeros, not NaN.
-            out_g = tl.sum(part_acc * weight[:, None], 0) / tl.where(l_g == 0.0, 1.0, l_g)
-            o_row = o_ptr + batch * stride_ob + (kv_head * GROUP + g) * stride_oh
-            tl.store(o_row + offs_d * stride_od, out_g.to(tl.bfloat16))
+        # Every head and split at once: one load each of m, l and the [GROUP, SPLIT_KV, BLOCK_D]
+        # partials, so their round trips to L2 overlap (head by head, each head's loads would wait
+        # for the previous head's store). .cg reads at L2, where the other SMs' partials are.
+        offs_g = tl.arange(0, 4)
+        merged = (offs_g < GROUP)[:, None] & seen[None, :]
+        row = (batch * NUM_HEADS + kv_head * GROUP + offs_g)[:, None] * SPLIT_KV + offs_s[None, :]
+        part_m = tl.load(part_m_ptr + row, mask=merged, other=-1.0e30, cache_modifier=".cg")
+        part_l = tl.load(part_l_ptr + row, mask=merged, other=0.0, cache_modifier=".cg")
+        part_acc = tl.load(part_acc_ptr + row[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=merged[:, :, None],
+                           other=0.0, cache_modifier=".cg")
+        weight = tl.where(merged, tl.exp2(part_m - tl.max(part_m, 1)[:, None]), 0.0)
+        l_g = tl.sum(part_l * weight, 1)
+        # A length of 0 (outside the schema) leaves l_g == 0: zeros, not NaN.
+        out = tl.sum(part_acc * weight[:, :, None], 1) / tl.where(l_g == 0.0, 1.0, l_g)[:, None]
+        o_rows = o_ptr + batch * stride_ob + (kv_head * GROUP + offs_g) * stride_oh
+        tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(tl.bfloat16),
+                 mask=(offs_g < GROUP)[:, None])
         tl.store(arrivals_ptr + meeting, 0)
 
 
