@@ -179,8 +179,12 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
             # activation rows padded to 16) and a wide slab that re-reads the rows less. H200,
             # 32 rows (bench/gemm.py --shapes layer --variants gemv): the best point of every
             # Llama layer GEMV swaps (q|k|v 18.7 µs vs 20.4, o 12.6 vs 13.1, gate|up 57.7 vs
-            # 60.6, down 32.5 vs 33.4).
+            # 60.6, down 32.5 vs 33.4), on tiles of all M rows (o: 32 rows 12.6 µs, two tiles of 16
+            # 13.4: the wgmma takes any multiple of 8 activation rows, and each extra row tile
+            # re-reads the weight slab).
             c -= 0.5
+            if bm < bm_t:
+                c += 0.75
         if norm_modes:
             # The RMSNorm in the GEMV loop (NORM_FIRST=False) or in a kernel before it. One row:
             # in the loop (H200: q|k|v + norm 14.6 µs against 23.9 for eager norm + cuBLAS), the
