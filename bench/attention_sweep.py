@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from gemm import COPY_BYTES_PER_S, L2_BYTES, announce_gpu, print_points  # noqa: E402  (the benches' shared H200 facts)
+from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies, print_points  # noqa: E402  (shared with the GEMM bench)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # name -> (batch, valid length, cache positions, fp8 cache[, the query's rope in the kernel])
@@ -155,28 +155,6 @@ def _warm(job) -> str | None:
         return f"{type(error).__name__}: {str(error)[:200]}"
 
 
-def graph_ms(call, input_sets) -> float:
-    """Median of one call replayed in a CUDA graph, each captured call on the next input set."""
-    import itertools
-
-    import torch
-    from triton.testing import do_bench_cudagraph
-
-    torch.cuda.synchronize()
-    rotation = itertools.cycle(input_sets)
-    return do_bench_cudagraph(lambda: call(*next(rotation)), rep=30, return_mode="median")
-
-
-def copies_past_l2(inputs, length: int) -> list:
-    """The inputs and copies of them whose valid K/V bytes together are 3x the L2."""
-    import math
-
-    batch = inputs[0].shape[0]
-    valid = 2 * batch * KV_HEADS * length * HEAD_DIM * inputs[1].element_size()
-    count = max(1, math.ceil(3 * L2_BYTES / valid))
-    return [list(inputs)] + [[t.clone() for t in inputs] for _ in range(count - 1)]
-
-
 def sweep(args, work_dir: Path, rows: list) -> None:
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.templates.decode_attention import DecodeAttentionFamily, kv_bytes_read
@@ -199,8 +177,8 @@ def sweep(args, work_dir: Path, rows: list) -> None:
         region = make_region(*CASES[case])
         inputs = make_inputs(region, length)
         expected = reference(region, *inputs)
-        input_sets = copies_past_l2(inputs, length)
         traffic = kv_bytes_read(region, [length] * batch)
+        input_sets = input_copies(inputs, traffic)  # the valid K/V of the copies past the L2
         print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / COPY_BYTES_PER_S * 1e6:.1f} us "
               f"at {COPY_BYTES_PER_S / 1e12:.1f} TB/s; graphs rotate {len(input_sets)} input copies", flush=True)
         results = []
@@ -213,7 +191,7 @@ def sweep(args, work_dir: Path, rows: list) -> None:
                 if not err < 3e-2:
                     print(f"  {label(params):40s} WRONG: max abs err {err:.2e}", flush=True)
                     continue
-                ms = graph_ms(run, input_sets)
+                ms = graph_ms(run, input_sets, rep=30)
             except Exception as error:
                 print(f"  {label(params):40s} FAILED: {warm_error or f'{type(error).__name__}: {str(error)[:200]}'}",
                       flush=True)

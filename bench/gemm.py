@@ -305,30 +305,37 @@ def _warm(job) -> str | None:
 
 
 # -- timing ------------------------------------------------------------------------------------------
-def input_copies(inputs) -> list:
-    """The inputs and enough copies of them that their weights together are 3x the L2: a CUDA
-    graph replays without flushing the L2, so consecutive captured calls must read other weights."""
-    weight_bytes = inputs[1].numel() * inputs[1].element_size()
-    copies = max(1, math.ceil(3 * L2_BYTES / weight_bytes))
+def input_copies(inputs, bytes_read: int | None = None) -> list:
+    """The inputs and enough copies of them that the bytes one call reads (default: all of input
+    1, the weight) come to 3x the L2 over all copies: a CUDA graph replays without flushing the
+    L2, so consecutive captured calls must read other data."""
+    if bytes_read is None:
+        bytes_read = inputs[1].numel() * inputs[1].element_size()
+    copies = max(1, math.ceil(3 * L2_BYTES / bytes_read))
     return [list(inputs)] + [[t.clone() for t in inputs] for _ in range(copies - 1)]
+
+
+def graph_ms(call, input_sets, rep: int = 50) -> float:
+    """Median ms of one call replayed in a CUDA graph that captures a few thousand calls, each on
+    the next input set (triton.testing.do_bench_cudagraph, triton 3.6 and 3.9 alike)."""
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    torch.cuda.synchronize()  # the copies are ready before the graph's side stream reads them
+    rotation = itertools.cycle(input_sets)
+    return do_bench_cudagraph(lambda: call(*next(rotation)), rep=rep, return_mode="median")
 
 
 def timings(call, inputs, input_sets=None) -> tuple:
     """(do_bench ms) or, given input sets, (do_bench ms, CUDA-graph ms): medians of one call.
 
     do_bench flushes the L2 before each call and times it with events, launch overhead included
-    where the CPU falls behind. The graph variant captures a few thousand calls, each on the next
-    input set, and replays them (triton.testing.do_bench_cudagraph, triton 3.6 and 3.9 alike).
+    where the CPU falls behind; the graph variant is `graph_ms`.
     """
-    import torch
-    from triton.testing import do_bench, do_bench_cudagraph
+    from triton.testing import do_bench
 
     ms = do_bench(lambda: call(*inputs), return_mode="median")
-    if input_sets is None:
-        return (ms,)
-    torch.cuda.synchronize()  # the copies are ready before the graph's side stream reads them
-    rotation = itertools.cycle(input_sets)
-    return ms, do_bench_cudagraph(lambda: call(*next(rotation)), rep=50, return_mode="median")
+    return (ms,) if input_sets is None else (ms, graph_ms(call, input_sets))
 
 
 def relative_error(out, expected) -> float:

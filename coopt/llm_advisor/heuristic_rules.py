@@ -418,7 +418,7 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     # loads in flight during the first's math) measured ahead (b1 at 2048, BLOCK_N 128: split 8
     # 10.0 µs, split 16 10.7, bench/attention_sweep.py): that is measured second there.
     tile_fp16 = True in (knob(request.space, ("TILE_FP16",)) or [])
-    if keys_per_split <= bn_t and keys_per_split < 1024 and split_t // 2 in split_vals and split_t > 1:
+    if keys_per_split <= bn_t and split_t // 2 in split_vals:
         second_split = split_t // 2
     elif 2 * split_t in split_vals and (
             keys_per_split >= 1024 or (programs * split_t <= sms and keys_per_split >= 2 * min(bn_vals or [16]))):

@@ -86,18 +86,14 @@ class InplaceStateWrites(CooptPass):
                 continue
             if _reads_old_value_later(buffer, update):
                 continue  # someone still needs the old contents after the write
-            put = _sliced_index_put(update, buffer)
-            if put is not None:  # a dynamic batch's rows: index_put_ through the slice view
-                in_place = StateUpdateOp(write.ref.data, "aten.index_put_.default", put.call, list(put.inputs),
-                                         update.results[0].type)
-                Rewriter.replace_op(update, in_place)
+            put = _sliced_index_put(update, buffer)  # a dynamic batch's rows: index_put_ through the slice view
+            form, kind = (put, "index_put_slice") if put is not None else (update, target.split(".")[1])
+            in_place = StateUpdateOp(write.ref.data, IN_PLACE[aten_target(form)], form.call, list(form.inputs),
+                                     update.results[0].type)
+            Rewriter.replace_op(update, in_place)
+            if put is not None:
                 put.detach()
                 put.erase()
-                count("inplace.index_put_slice")
-            else:
-                in_place = StateUpdateOp(write.ref.data, IN_PLACE[target], update.call, list(update.inputs),
-                                         update.results[0].type)
-                Rewriter.replace_op(update, in_place)
-                count(f"inplace.{target.split('.')[1]}")
+            count(f"inplace.{kind}")
             write.detach()
             write.erase()

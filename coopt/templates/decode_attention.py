@@ -171,12 +171,6 @@ def _fp16_tiles_problem(region: RegionSummary) -> str | None:
 _MAX_MERGE_VALUES_PER_THREAD = 128
 
 
-def _merge_at_once(region: RegionSummary, params: dict) -> bool:
-    group = next_pow2(region.attrs["num_heads"] // region.attrs["num_kv_heads"])
-    values = group * params["SPLIT_KV"] * max(16, next_pow2(region.inputs[0].shape[3]))
-    return params["SPLIT_KV"] > 1 and values <= _MAX_MERGE_VALUES_PER_THREAD * 32 * params["num_warps"]
-
-
 def scales_at(region: RegionSummary) -> int:
     """Index of k_scale (when fp8): after the lengths, the page table and the rope tables."""
     return 4 + (page_size(region) is not None) + 2 * bool(region.attrs.get("rope"))
@@ -320,7 +314,8 @@ class DecodeAttentionFamily(TemplateFamily):
     def render(self, region: RegionSummary, params: dict) -> str:
         head_dim = region.inputs[0].shape[3]
         scale = region.attrs.get("scale")
-        block_d = self._block_d(region)
+        block_d, group_p = self._block_d(region), next_pow2(self._group(region))
+        merged_values = group_p * params["SPLIT_KV"] * block_d  # the last split's partials
         return render_template(
             "triton/decode_attention.py.j2",
             region_name=region.name,
@@ -332,8 +327,8 @@ class DecodeAttentionFamily(TemplateFamily):
             block_d=block_d,
             block_h=self.block_h(region, params["USE_DOT"]),
             # the merge loads every head's partials at once where they fit in registers
-            merge_at_once=_merge_at_once(region, params),
-            group_p=next_pow2(self._group(region)),
+            merge_at_once=merged_values <= _MAX_MERGE_VALUES_PER_THREAD * 32 * params["num_warps"],
+            group_p=group_p,
             ieee_dot=region.inputs[0].dtype == "float32",
             kv_scale=kv_scale(region),
             paged=page_size(region) is not None,
