@@ -8,8 +8,11 @@ and whether prefetching the next GEMV's weights into L2 while the attention runs
 
 Cases (Llama-3-8B attention: 32 query heads over 8 kv heads, D 128, bf16 query; `length` valid
 keys of a `cache`-position static cache): b1-2048, b1-2048-rope (the query's rotary embedding in
-the kernel, as a Llama decode step builds it), b32-2048, b1-32768, and b1-32768-fp8 (the cache in
-float8_e4m3fn with per-head scales, where TILE_FP16 applies). Each point is rendered by the
+the kernel, as a Llama decode step builds it), b32-2048, b1-32768, b1-32768-fp8 (the cache in
+float8_e4m3fn with per-head scales, where TILE_FP16 applies), and b32-2048-paged16 (the caches in
+a shuffled pool of 16-position pages read through a page table, as a --paged-kv 16 build reads
+them; its sample also holds the advisor's first points with one page or less a tile, what builds
+chose before tiles could cover several pages). Each point is rendered by the
 family, checked against an fp32 softmax over the valid keys, and timed replayed in a CUDA graph
 (triton.testing.do_bench_cudagraph) over copies of the caches that together exceed the L2, as a
 decode step runs: its bandwidth is the valid K/V bytes (`kv_bytes_read`) over the time.
@@ -44,32 +47,40 @@ import triton.language as tl  # noqa: E402
 from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies, print_points  # noqa: E402  (shared with the GEMM bench)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-# name -> (batch, valid length, cache positions, fp8 cache[, the query's rope in the kernel])
+# name -> (batch, valid length, cache positions, fp8 cache[, the query's rope in the kernel[, page size]])
 CASES = {
     "b1-2048": (1, 2048, 4096, False),
     "b1-2048-rope": (1, 2048, 4096, False, True),  # as a Llama decode step builds it (fuse-attention)
     "b32-2048": (32, 2048, 4096, False),
     "b1-32768": (1, 32768, 32832, False),
     "b1-32768-fp8": (1, 32768, 32832, True),
+    "b32-2048-paged16": (32, 2048, 4096, False, False, 16),  # bench/capacity.py's pages
 }
 ROPE_TABLE = (1, HEAD_DIM)  # cos / sin at the step's position, broadcast over batch and heads
 
 
-def make_region(batch: int, length: int, cache: int, fp8: bool, rope: bool = False):
+def make_region(batch: int, length: int, cache: int, fp8: bool, rope: bool = False, page: int | None = None):
     from coopt.ir.region import RegionSummary, TensorSpec
 
     q = TensorSpec((batch, HEADS, 1, HEAD_DIM), "bfloat16")
-    kv = TensorSpec((batch, KV_HEADS, cache, HEAD_DIM), "float8_e4m3fn" if fp8 else "bfloat16")
-    inputs = [q, kv, kv, TensorSpec((batch,), "int32")]
+    kv_dtype = "float8_e4m3fn" if fp8 else "bfloat16"
     attrs = {"scale": HEAD_DIM ** -0.5, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "lengths_input": 3,
              "lengths_bound": [1, 2], "example_length": length}
+    if page:  # a pool of every sequence's pages plus one, and a table of cache / page pages a sequence
+        pool = TensorSpec((batch * cache // page + 1, KV_HEADS, page, HEAD_DIM), kv_dtype)
+        inputs = [q, pool, pool, TensorSpec((batch,), "int32"), TensorSpec((batch, cache // page), "int32")]
+        attrs["page_size"] = page
+    else:
+        kv = TensorSpec((batch, KV_HEADS, cache, HEAD_DIM), kv_dtype)
+        inputs = [q, kv, kv, TensorSpec((batch,), "int32")]
     if rope:  # cos, sin follow the lengths (before any scales)
         inputs += [TensorSpec(ROPE_TABLE, "bfloat16")] * 2
         attrs["rope"] = True
     if fp8:
         inputs += [TensorSpec((KV_HEADS,), "float32")] * 2
         attrs["kv_scale"] = "per-head"
-    name = f"decode_attention_b{batch}_{length}" + ("_fp8" if fp8 else "") + ("_rope" if rope else "")
+    name = (f"decode_attention_b{batch}_{length}" + ("_fp8" if fp8 else "") + ("_rope" if rope else "")
+            + (f"_paged{page}" if page else ""))
     return RegionSummary(name, "decode_attention", inputs=tuple(inputs), outputs=(q,), attrs=attrs)
 
 
@@ -79,6 +90,14 @@ def make_inputs(region, length: int, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     batch = region.inputs[0].shape[0]
     q = torch.randn((batch, 1, HEADS, HEAD_DIM), generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    page = region.attrs.get("page_size")
+    if page:
+        pool_shape = region.inputs[1].shape
+        k, v = (torch.randn(pool_shape, generator=gen, device="cuda").to(torch.bfloat16) for _ in "kv")
+        # every sequence's pages drawn from the whole pool in shuffled order (page 0 left free)
+        order = torch.randperm(pool_shape[0] - 1, generator=gen, device="cuda") + 1
+        table = order.view(batch, -1).to(torch.int32)
+        return [q, k, v, torch.full((batch,), length, dtype=torch.int32, device="cuda"), table]
     cache_shape = region.inputs[1].shape
     k, v = (torch.randn(cache_shape, generator=gen, device="cuda") for _ in "kv")
     inputs = [q, k, v, torch.full((batch,), length, dtype=torch.int32, device="cuda")]
@@ -99,6 +118,9 @@ def reference(region, q, k, v, lengths, *rest):
     rotated first when the region has its rope; k, v times their per-head scales when fp8)."""
     import torch
 
+    if region.attrs.get("page_size"):  # each sequence's cache gathered from its pages: [B, Hkv, S, D]
+        table, *rest = rest
+        k, v = (t[table.long()].permute(0, 2, 1, 3, 4).flatten(2, 3) for t in (k, v))
     if region.attrs.get("rope"):
         cos, sin, *rest = rest
         half = q.shape[-1] // 2
@@ -117,21 +139,27 @@ def reference(region, q, k, v, lengths, *rest):
     return out
 
 
-def advised(region, family, count: int) -> list[dict]:
+def advised(region, family) -> list[dict]:
+    """Every legal point, the heuristic advisor's ranking."""
     from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
     from coopt.targets import H200
 
     legal = family.legal_points(region, H200)
     request = AdviceRequest(region, family.name, family.param_space(region, H200), tuple(legal), H200.facts())
-    return list(HeuristicAdvisor().advise(request).ranked[:count])
+    return list(HeuristicAdvisor().advise(request).ranked)
 
 
 def select_points(region, family, args) -> list[dict]:
     from coopt.targets import H200
 
-    first = advised(region, family, args.advised)
-    rest = [p for p in family.legal_points(region, H200) if p not in first]
-    return first + random.Random(0).sample(rest, min(args.sample, len(rest)))
+    ranked = advised(region, family)
+    first = ranked[:args.advised]
+    page = region.attrs.get("page_size")
+    # paged: the advisor's first points among tiles of one page or less (what builds chose
+    # before a tile could cover pages) join the sample
+    within_page = [p for p in ranked if page and p["BLOCK_N"] <= page and p not in first][:2]
+    rest = [p for p in family.legal_points(region, H200) if p not in first and p not in within_page]
+    return first + within_page + random.Random(0).sample(rest, min(args.sample, len(rest)))
 
 
 def label(params: dict) -> str:
@@ -198,7 +226,9 @@ def sweep(args, work_dir: Path, rows: list) -> None:
                 continue
             results.append((ms, rank, params, err))
         for ms, rank, params, err in sorted(results, key=lambda r: r[0]):
-            tag = f"advised #{rank + 1}" if rank < args.advised else "sampled"
+            page = region.attrs.get("page_size")
+            tag = (f"advised #{rank + 1}" if rank < args.advised
+                   else "1-page tile" if page and params["BLOCK_N"] <= page and rank < args.advised + 2 else "sampled")
             print(f"  {label(params):40s} {ms * 1e3:7.1f} us {traffic / ms / 1e9:6.2f} TB/s  {tag:11s} err {err:.1e}",
                   flush=True)
             rows.append({"case": case, "params": params, "advised_rank": rank + 1 if rank < args.advised else None,
@@ -234,7 +264,7 @@ def prefetch_experiment(work_dir: Path, rows: list, layers: int = 8) -> None:
     attention_family, gemv_family = DecodeAttentionFamily(), MatmulEpilogueFamily()
     batch, length, cache, _ = CASES["b1-2048"]
     attn_region = make_region(batch, length, cache, False)
-    attn_params = advised(attn_region, attention_family, 1)[0]
+    attn_params = advised(attn_region, attention_family)[0]
     o_region = gemm_region(1, 4096, 4096, "residual")
     o_params = advised_points(o_region, 1)[0]
     (work_dir / "attn.py").write_text(attention_family.render(attn_region, attn_params))

@@ -315,8 +315,7 @@ def attention(request: AdviceRequest) -> tuple[CostFn, str]:
     page_size = request.region.attrs.get("page_size")
     if page_size:  # paged KV: k is a pool of pages; the keys are what the page table addresses
         table = _shape(request, 4)
-        sk = (table[-1] if table else 1) * page_size
-        bn_vals = [v for v in bn_vals if page_size % v == 0] or bn_vals
+        sk = (table[-1] if table else 1) * page_size  # (a block may cover several pages)
 
     def query_tile(rows: int, head_programs: int):
         # For few query rows (decode) one tile covering them: more is wasted work. For many,
@@ -365,7 +364,7 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     group = max(1, heads // max(1, kv_heads))
     attrs = request.region.attrs
     # Paged KV: dim 2 of the pages is the page size; the cache a sequence may fill is what its
-    # page table row addresses (max_pages x page size), and a K/V tile must lie in one page.
+    # page table row addresses (max_pages x page size).
     page_size = attrs.get("page_size")
     if page_size:
         table = _shape(request, 4)
@@ -377,8 +376,7 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     sms = int(request.target.get("num_sms") or 132)
     split_vals = _numbers(knob(request.space, ("SPLIT_KV",))) or [1]
     bn_vals = _numbers(knob(request.space, BLOCK_N))
-    if page_size:
-        bn_vals = [v for v in bn_vals if page_size % v == 0] or bn_vals
+    # (A tile may cover several pages: BLOCK_N is chosen as for a cache per sequence.)
 
     # Decode attention streams each (sequence, kv head)'s valid K/V once: bandwidth bound, and
     # one program per (sequence, kv head) leaves most SMs idle when batch x kv heads is small.

@@ -18,7 +18,8 @@ Paged (paged-kv; attrs "page_size": P, "page_table_input": 4, "pool_input": 1): 
 [N, Hkv, P, D] and input 4 a page_table [B, max_pages] int32 (fp8 scales follow it; per-token
 scales are pools [N, Hkv, P] paged alike); key j of sequence b is row j % P of page
 page_table[b, j // P] (its scale: row j % P of that page of the scale pools), one lookup per K/V
-block (BLOCK_N divides P), and the keys a sequence has are max_pages * P.
+block where BLOCK_N divides P, one per key row where a block covers BLOCK_N / P whole pages, and
+the keys a sequence has are max_pages * P.
 
 Online softmax with fp32 statistics and accumulator; each program owns BLOCK_M query rows and
 streams K/V in BLOCK_N blocks: first the blocks every row may see (no masking), then the
@@ -245,8 +246,7 @@ class AttentionFamily(TemplateFamily):
         # A tile may cover the largest problem, never more (floor 16: tl.dot's minimum).
         _, sq_hi = dim_range(region, [region.inputs[0].shape[2]])
         if self._paged(region):
-            if page_size(region) % bn:
-                return f"BLOCK_N={bn} does not divide page_size={page_size(region)}: a K/V block must lie in one page"
+            # (BLOCK_N and the page size are powers of two: a block lies in one page or covers whole pages)
             _, pages_hi = dim_range(region, [region.inputs[4].shape[1]])
             sk_hi = None if pages_hi is None else pages_hi * page_size(region)
         else:

@@ -25,8 +25,11 @@ has "kv_scale" (per-tensor [1], per-head [Hkv], or per-token scale pools [N_page
 like the caches: a row's scale at the same page and row). Position p of sequence b is row p % P
 of page page_table[b, p // P]; slots of page_table past cdiv(lengths[b], P) are never read,
 lengths are clamped to max_pages * P and page ids into [0, N_pages). The kernel is the same
-loop with one page table lookup per BLOCK_N tile, hence the rule (in `check`) that BLOCK_N
-divides P; kv_bytes_read is unchanged (the page table adds B * max_pages * 4 bytes at most).
+loop with page table lookups: one per tile where BLOCK_N divides P, one per key row (a gather
+from the table row, L1-resident) where a tile covers BLOCK_N / P whole pages, so small pages
+(16 positions: 4 KiB K tiles at D 128) do not force small tiles (both are powers of two: a tile
+never holds part of two pages). kv_bytes_read is unchanged (the page table adds
+B * max_pages * 4 bytes at most).
 
 RoPE of the query (attrs "rope": True, from fuse-attention): input 0 is the query before its
 rotary embedding and two inputs cos, sin (broadcastable to q, in q's dtype) follow the lengths /
@@ -101,7 +104,7 @@ The same step over an fp8 cache with per-head scales (BLOCK_N 128: the same byte
     4194304
 
 The same step through a page table: a pool of 1024 pages of 16 positions, up to 256 pages a
-sequence (BLOCK_N must divide the page):
+sequence (a tile lies in one page or covers whole pages: BLOCK_N 64 reads 4 pages a tile):
     >>> pages = TensorSpec((1024, 8, 16, 128), "bfloat16")
     >>> paged_region = RegionSummary(
     ...     "layer0_attn", "decode_attention",
@@ -109,8 +112,8 @@ sequence (BLOCK_N must divide the page):
     ...     outputs=(q,), attrs={**region.attrs, "page_size": 16})
     >>> family.matches(paged_region), family.check(paged_region, {**params, "BLOCK_N": 16}, H200) is None
     (True, True)
-    >>> family.check(paged_region, params, H200)
-    'BLOCK_N=64 does not divide page_size=16: a K/V tile must lie in one page'
+    >>> family.check(paged_region, params, H200) is None
+    True
 """
 
 from __future__ import annotations
@@ -278,8 +281,8 @@ class DecodeAttentionFamily(TemplateFamily):
         fp8 = kv_scale(region) is not None
         threads = 32 * warps
         paged = page_size(region)
-        if paged is not None and paged % bn:
-            return f"BLOCK_N={bn} does not divide page_size={paged}: a K/V tile must lie in one page"
+        # (Paged: BLOCK_N and the page size are both powers of two, so a tile lies in one page or
+        # covers whole pages; the kernel reads either.)
         # A K tile may cover the largest cache, never more; each split at least one K tile.
         # (Paged: the cache a page table addresses, max_pages x page_size.)
         cache_dims = [region.inputs[1].shape[2]] if paged is None else [region.inputs[4].shape[1], paged]

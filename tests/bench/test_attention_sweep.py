@@ -23,10 +23,14 @@ def test_points_are_legal_advised_first_and_distinct(case):
     assert FAMILY.matches(region)
     args = argparse.Namespace(advised=3, sample=5)
     points = select_points(region, FAMILY, args)
-    assert len(points) == 8 and len({tuple(sorted(p.items())) for p in points}) == 8
+    page = region.attrs.get("page_size")
+    count = 8 + (2 if page else 0)  # paged: the advisor's first two tiles of one page or less join
+    assert len(points) == count and len({tuple(sorted(p.items())) for p in points}) == count
     assert all(FAMILY.check(region, p, H200) is None for p in points)
     again = select_points(region, FAMILY, argparse.Namespace(advised=3, sample=0))
-    assert points[:3] == again  # the advisor's first, then the seeded sample
+    assert points[:len(again)] == again  # the advisor's first, then the seeded sample
+    if page:
+        assert all(p["BLOCK_N"] <= page for p in again[3:]) and any(p["BLOCK_N"] > page for p in again[:3])
     if CASES[case][3]:  # the fp8 case offers the fp16-widened tiles
         assert any(p.get("TILE_FP16") for p in select_points(region, FAMILY, argparse.Namespace(advised=8, sample=0)))
 
@@ -48,6 +52,26 @@ def test_reference_is_attention_over_the_valid_keys():
     turned = torch.cat([-q[..., 64:], q[..., :64]], dim=-1)
     expected = F.scaled_dot_product_attention(turned, k[:, :, :16].repeat_interleave(4, 1), v[:, :, :16].repeat_interleave(4, 1))
     torch.testing.assert_close(reference(roped, q, k, v, lengths, cos, sin), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_paged_reference_reads_each_sequence_through_its_table():
+    # two sequences of 2 pages of 16 in a shuffled pool of 5: the reference gathers the pages
+    # back in table order, so it equals the contiguous caches' attention
+    region = make_region(2, 20, 32, False, False, 16)
+    torch.manual_seed(1)
+    q = torch.randn(2, 32, 1, 128)
+    k, v = torch.randn(2, 8, 32, 128), torch.randn(2, 8, 32, 128)
+    table = torch.tensor([[3, 1], [4, 2]], dtype=torch.int32)
+    pools = []
+    for cache in (k, v):
+        pool = torch.full((5, 8, 16, 128), float("nan"))
+        for b in range(2):
+            for i in range(2):
+                pool[table[b, i]] = cache[b, :, 16 * i:16 * (i + 1)]
+        pools.append(pool)
+    lengths = torch.tensor([20, 20])
+    torch.testing.assert_close(reference(region, q, *pools, lengths, table),
+                               reference(make_region(2, 20, 32, False), q, k, v, lengths), rtol=1e-5, atol=1e-5)
 
 
 def test_gemm_sample_is_the_advisors_gemv_points_then_a_seeded_draw():

@@ -640,6 +640,10 @@ def test_fp8_covering_points_compile_for_hopper(tmp_path):
 
 PAGED_FMA = {"BLOCK_N": 16, "SPLIT_KV": 1, "USE_DOT": False, "num_warps": 2, "num_stages": 2}
 PAGED_DOT = {"BLOCK_N": 16, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 2, "num_stages": 3}
+# tiles over several whole pages (each key row finds its page): 2 pages of 16 a tile and two
+# splits; 4 pages of 16 (2 of 32) a tile
+PAGED_TWO_PAGES = {"BLOCK_N": 32, "SPLIT_KV": 2, "USE_DOT": True, "num_warps": 2, "num_stages": 2}
+PAGED_FOUR_PAGES = {"BLOCK_N": 64, "SPLIT_KV": 1, "USE_DOT": True, "num_warps": 2, "num_stages": 2}
 
 
 def paged_region(batch, heads, kv_heads, num_pages, page_size, max_pages, head_dim, dtype="float32",
@@ -695,7 +699,8 @@ PAGED_CASES = {  # page size, lengths
 
 
 @pytest.mark.parametrize("case", PAGED_CASES)
-@pytest.mark.parametrize("params", [PAGED_FMA, PAGED_DOT], ids=["fma", "dot-four-splits"])
+@pytest.mark.parametrize("params", [PAGED_FMA, PAGED_DOT, PAGED_TWO_PAGES, PAGED_FOUR_PAGES],
+                         ids=["fma", "dot-four-splits", "tile-of-pages-split", "tile-of-pages"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_paged_lengths(case, params, dtype, load_candidate):
     # GQA group 4, pages of three sequences shuffled and interleaved in a pool with free pages
@@ -717,8 +722,9 @@ def test_paged_heads(heads, kv_heads, use_dot, load_candidate):
     check_close(out, reference(region, inputs[0], k, v, inputs[3]))
 
 
-@pytest.mark.parametrize("params", [PAGED_FMA, PAGED_DOT, {**PAGED_DOT, "TILE_FP16": True}],
-                         ids=["fma", "dot-four-splits", "dot-fp16-tiles"])
+@pytest.mark.parametrize("params", [PAGED_FMA, PAGED_DOT, {**PAGED_DOT, "TILE_FP16": True},
+                                    {**PAGED_FOUR_PAGES, "TILE_FP16": True}],
+                         ids=["fma", "dot-four-splits", "dot-fp16-tiles", "fp16-tiles-of-pages"])
 @pytest.mark.parametrize("granularity", ["per-head", "per-tensor"])
 def test_paged_fp8(granularity, params, load_candidate):
     region = paged_region(3, 8, 2, 12, 16, 4, 64, "bfloat16", granularity)
@@ -728,8 +734,9 @@ def test_paged_fp8(granularity, params, load_candidate):
     check_close(out, fp8_reference(region, inputs[0], k, v, inputs[3], *inputs[5:]))
 
 
+@pytest.mark.parametrize("params", [PAGED_DOT, {**PAGED_FOUR_PAGES, "BLOCK_N": 32}], ids=["tile-in-a-page", "tile-of-pages"])
 @pytest.mark.parametrize("granularity", [None, "per-head", "per-token"], ids=["bf16", "fp8-per-head", "fp8-per-token"])
-def test_paged_kernel_reads_the_runtime_pool(granularity, load_candidate):
+def test_paged_kernel_reads_the_runtime_pool(granularity, params, load_candidate):
     # coopt.runtime.paged: sequences added, grown in turns and one released, then a decode step
     # (per-token: each row's scale in the pool's scale pages, read through the same table)
     from coopt.runtime.paged import PagedKVCache
@@ -753,7 +760,7 @@ def test_paged_kernel_reads_the_runtime_pool(granularity, load_candidate):
     region = paged_region(3, 4, 2, 16, 16, table.shape[1], 32, "bfloat16", granularity)
     q = torch.randn(3, 4, 1, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
     inputs = [q, *cache.pages(0), lengths, table, *(cache.scales(0) if fp8 else ())]
-    (out,) = run_candidate(load_candidate, region, PAGED_DOT, inputs)
+    (out,) = run_candidate(load_candidate, region, params, inputs)
     k, v = (torch.zeros(3, 2, table.shape[1] * 16, 32, device=DEVICE) for _ in "kv")
     for b, seq in enumerate(seqs):
         seq_k, seq_v = cache.gather(0, seq, dequantize=True)
@@ -765,7 +772,8 @@ def test_paged_matches_and_check():
     ok = paged_region(1, 32, 8, 1024, 16, 256, 128, "bfloat16")
     params = {"BLOCK_N": 16, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
     assert FAMILY.matches(ok) and FAMILY.check(ok, params, H200) is None
-    assert "does not divide page_size=16" in FAMILY.check(ok, {**params, "BLOCK_N": 32}, H200)
+    # a tile lies in one page or covers whole pages (32 or 128: 2 or 8 pages of 16)
+    assert all(FAMILY.check(ok, {**params, "BLOCK_N": bn}, H200) is None for bn in (32, 64, 128))
     big = paged_region(1, 32, 8, 64, 256, 16, 128, "bfloat16")
     assert FAMILY.check(big, {**params, "BLOCK_N": 64}, H200) is None  # 64 divides 256
     # the cache a page table addresses bounds the splits: 2 pages of 16
@@ -796,14 +804,18 @@ def test_paged_matches_and_check():
     assert not FAMILY.matches(RegionSummary("r", "decode_attention", ok.inputs, ok.outputs, plain.attrs))
 
 
-@pytest.mark.parametrize("size,block_n", [(16, 16), (32, 32), (256, 128)])
-def test_paged_heuristic_respects_the_page(size, block_n):
-    # 32768 positions addressable, planned for all of them: the non-paged choice when it fits a page
+@pytest.mark.parametrize("size", [16, 32, 256])
+def test_paged_heuristic_tiles_as_without_pages(size):
+    # 32768 positions addressable, planned for all of them: small pages do not shrink the tiles
+    # (a tile covers several pages), so the first point is the one a cache per sequence gets
+    def first(region):
+        request = AdviceRequest(region, "decode_attention", FAMILY.param_space(region, H200),
+                                tuple(FAMILY.legal_points(region, H200)), H200.facts())
+        return HeuristicAdvisor().advise(request).ranked[0]
+
     region = paged_region(1, 32, 8, 4096, size, 32768 // size, 128, "bfloat16", example_length=32768)
-    request = AdviceRequest(region, "decode_attention", FAMILY.param_space(region, H200),
-                            tuple(FAMILY.legal_points(region, H200)), H200.facts())
-    best = HeuristicAdvisor().advise(request).ranked[0]
-    assert best["BLOCK_N"] == block_n and best["SPLIT_KV"] == 16, best
+    best, unpaged = first(region), first(make_region(1, 32, 8, 32768, 128, "bfloat16", example_length=32768))
+    assert (best["BLOCK_N"], best["SPLIT_KV"]) == (unpaged["BLOCK_N"], unpaged["SPLIT_KV"]) == (128, 16), (best, unpaged)
     assert FAMILY.check(region, best, H200) is None
 
 

@@ -77,6 +77,7 @@ DECODE_POINTS = {
     "fma": {"BLOCK_N": 16, "SPLIT_KV": 1, "USE_DOT": False, "num_warps": 4, "num_stages": 2},
     "dot-four-splits": {"BLOCK_N": 16, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 4, "num_stages": 3},
     "dot-a-page": {"BLOCK_N": 32, "SPLIT_KV": 2, "USE_DOT": True, "num_warps": 4, "num_stages": 2},
+    "tile-of-pages": {"BLOCK_N": 64, "SPLIT_KV": 1, "USE_DOT": True, "num_warps": 4, "num_stages": 2},
 }
 DECODE_LENGTHS = {  # page size, lengths: one row, page edges, whole tables
     "one": (16, [1, 1, 1]),
@@ -86,8 +87,8 @@ DECODE_LENGTHS = {  # page size, lengths: one row, page edges, whole tables
 }
 
 
-@pytest.mark.parametrize("case,point", [(case, point) for case, (size, _) in DECODE_LENGTHS.items()
-                                        for point, params in DECODE_POINTS.items() if size % params["BLOCK_N"] == 0])
+@pytest.mark.parametrize("case", DECODE_LENGTHS)
+@pytest.mark.parametrize("point", DECODE_POINTS)
 def test_decode_reads_row_scales_through_the_page_table(case, point, load_candidate):
     size, lengths = DECODE_LENGTHS[case]
     params = DECODE_POINTS[point]
@@ -138,7 +139,8 @@ def prompt_reference(region, q, k, v, lengths, k_scale, v_scale):
     PROMPT_POINT,
     {**PROMPT_POINT, "PACK_GQA": True, "SPLIT_KV": 2},
     {**PROMPT_POINT, "BLOCK_N": 32},
-], ids=["plain", "pack-gqa-split", "block-a-page"])
+    {**PROMPT_POINT, "BLOCK_N": 64},
+], ids=["plain", "pack-gqa-split", "block-a-page", "block-of-pages"])
 def test_prompt_reads_row_scales_through_the_page_table(params, load_candidate):
     # a chunk of 6 queries per sequence: prefixes of 1, a page edge, across pages, the whole table
     lengths = [1, 16, 17, 64, 33, 31]
