@@ -27,6 +27,7 @@ each, so the decoder's page table serves them all).
 - step(): one new token for every live sequence: a sequence added since the last step emits
   the token its prefill chose; every other one takes one more position (all or nothing, before
   any model call) and is decoded, B rows per call (the build's batch; the last call padded).
+  The calls' tokens stay on the device until all are queued: one host sync a step, not a call.
   Returns {seq_id: token} in the order the sequences were added.
 - release(seq_id): returns the pages; UnknownSequence for an unknown or released id.
 
@@ -118,7 +119,7 @@ class PagedDecoder:
             self.pages.release(seq_id)  # a failed prefill holds no pages
             del self._sampling[seq_id]
             raise
-        self._pending[seq_id] = self._choose([seq_id], logits[None])[0]
+        self._pending[seq_id] = int(self._choose([seq_id], logits[None])[0])
         return seq_id
 
     @torch.no_grad()
@@ -132,12 +133,16 @@ class PagedDecoder:
                              f"caches address (max_seq): release it before the next step")
         chosen: dict[int, int] = {}
         if decode:
-            positions = self.pages.step(decode).tolist()  # all or nothing: PoolExhausted changes nothing
+            positions = [self.pages.length(s) for s in decode]  # where this step's K/V go
+            self.pages.step(decode)  # all or nothing: PoolExhausted changes nothing
             batch = self.contract["batch"]
-            for start in range(0, len(decode), batch):
-                group = decode[start:start + batch]
-                logits = self._call_step(group, [self._last[s] for s in group], positions[start:start + batch])
-                chosen.update(zip(group, self._choose(group, logits)))
+            # Tokens stay on the device until every call is queued: one host sync a step, so the
+            # host prepares call i + 1 while the GPU runs call i (each call's sampling is queued
+            # before the next replay overwrites the logits it reads).
+            tokens = [self._choose(group, self._call_step(group, [self._last[s] for s in group],
+                                                          positions[start:start + batch]))
+                      for start in range(0, len(decode), batch) for group in [decode[start:start + batch]]]
+            chosen = dict(zip(decode, torch.cat(tokens).tolist()))
         emitted = {}
         for seq_id in live:
             token = self._pending.pop(seq_id) if seq_id in self._pending else chosen[seq_id]
@@ -244,18 +249,21 @@ class PagedDecoder:
         logits = self.prefill_entry(chunk, positions, self._tables([seq_id], rows))
         return logits[0, -1]
 
-    def _choose(self, seq_ids: Sequence[int], logits: torch.Tensor) -> list[int]:
-        """The next token of each sequence from its row of `logits` [n, V]: one sample() call per
-        (temperature, top_k) among them, in row order (so the generator's draws are reproducible)."""
+    def _choose(self, seq_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each sequence from its row of `logits` [n, V], int64 [n] on the
+        model's device (no host sync): one sample() call per (temperature, top_k) among them, in
+        row order (so the generator's draws are reproducible)."""
         default = (self.temperature, self.top_k)
         rows_of: dict[tuple[float, int | None], list[int]] = {}
         for row, seq_id in enumerate(seq_ids):
             rows_of.setdefault(self._sampling.get(seq_id, default), []).append(row)
-        tokens = [0] * len(seq_ids)
+        if len(rows_of) == 1:  # one setting for every row (the usual case): no gather, no scatter
+            (temperature, top_k), = rows_of
+            return sample(logits, temperature, top_k, self.generator)[:, 0]
+        tokens = torch.empty(len(seq_ids), dtype=torch.int64, device=logits.device)
         for (temperature, top_k), rows in rows_of.items():
-            picked = sample(logits[rows], temperature, top_k, self.generator)[:, 0].tolist()
-            for row, token in zip(rows, picked):
-                tokens[row] = token
+            index = torch.tensor(rows, device=logits.device)
+            tokens[index] = sample(logits[index], temperature, top_k, self.generator)[:, 0]
         return tokens
 
     def _capture(self) -> GraphedStep:

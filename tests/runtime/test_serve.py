@@ -85,6 +85,22 @@ def test_each_step_decodes_every_live_sequence_batch_rows_at_a_time():
     assert list(dec.step()) == [ids[0], ids[2]]
 
 
+def test_a_step_brings_its_tokens_to_the_host_once(monkeypatch):
+    # 3 sequences at batch 2 make two calls; their tokens stay on the device until both are
+    # queued (on a GPU each host read is a sync that would leave the GPU idle between calls)
+    dec, step, _ = decoder()
+    ids = [dec.add([i + 1] * (3 + i)) for i in range(3)]
+    first = dec.step()
+    reads = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _f=original, _n=name: reads.append(_n) or _f(self))
+    step.calls.clear()
+    second = dec.step()
+    assert len(step.calls) == 2 and reads == ["tolist"]
+    assert second == {s: (first[s] + dec.length(s) - 1 + 1) % VOCAB for s in ids}
+
+
 def test_failures_change_nothing():
     dec, step, _ = decoder(with_prefill=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
