@@ -20,10 +20,10 @@
 #   bash bench/gpu_session.sh long-quick # the same at 16384 tokens (~4-6 min)
 #   bash bench/gpu_session.sh capacity   # bench/capacity.py --throughput: PagedDecoder.step() (graph-replayed) at capacity,
 #                                        # paged bf16 / static / paged fp8, 8 layers, 4 GiB of KV (~6-8 min)
-#   bash bench/gpu_session.sh pair       # two GPUs (nvidia-h200-x2), in parallel: GPU 0 examples then
-#                                        # GPU tests, GPU 1 decode (3 cases, bf16 and fp8 KV)
-#                                        # (session 3: every step overran its limit, the two jobs
-#                                        # sharing the host's CPUs; one job per call is safer)
+#   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
+#                                        # every file comes back in $OUT/parallel.tar.gz (session 3: two
+#                                        # jobs sharing the host's CPUs overran their limits; pick steps
+#                                        # with slack)
 #
 # Every step has its own time limit, so a slow step costs its own results, not the others'.
 set -uo pipefail
@@ -108,7 +108,7 @@ case "${1:-}" in
         ;;
     issue3)  # issue 3's 8-layer table in one call: b1 and b32 at 2048, every mode (max-autotune last; ~9 min)
         step 560 decode python bench/decode.py --cases 1:2048:4096,32:2048:4096 \
-            --modes eager,reduce-overhead,coopt,max-autotune-no-cudagraphs --prefill 0 --agreement-steps 16 \
+            --modes eager,reduce-overhead,coopt,max-autotune-no-cudagraphs --prefill 0 --agreement-steps 64 \
             --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
         reports reports_decode coopt-decode
         ;;
@@ -137,27 +137,20 @@ case "${1:-}" in
         step 580 capacity python bench/capacity.py --throughput --out "$OUT/capacity.json" --build-dir /tmp/coopt-capacity
         reports reports_capacity coopt-capacity
         ;;
-    pair)
-        # at most 8 files come back from a device call: the reports travel as one archive
-        (
-            export CUDA_VISIBLE_DEVICES=0
-            step 330 run python bench/run.py --out "$OUT/run.json" --build-dir /tmp/coopt-bench
-            step 220 pytest python -m pytest -q -p no:cacheprovider tests/templates tests/e2e/test_cuda_graph.py tests/llama/test_llama_generate.py
-        ) > /tmp/gpu0.txt 2>&1 &
-        (
-            export CUDA_VISIBLE_DEVICES=1
-            step 560 decode python bench/decode.py --cases 1:2048:4096,32:2048:4096,1:32768:32832 \
-                --modes eager,reduce-overhead,coopt,coopt-fp8 --prefill 0 --agreement-steps 16 \
-                --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
-        ) > /tmp/gpu1.txt 2>&1 &
+    parallel)  # parallel STEP...: step i on GPU i (nvidia-h200-x2 / -x4), each under $OUT/gpu<i>, all back as one archive
+        shift
+        i=0
+        for name in "$@"; do
+            mkdir -p "$OUT/gpu$i"
+            CUDA_VISIBLE_DEVICES=$i OUT="$OUT/gpu$i" bash "$0" "$name" > "$OUT/gpu$i/console.txt" 2>&1 &
+            i=$((i + 1))
+        done
         wait
-        cat /tmp/gpu0.txt /tmp/gpu1.txt
-        out_dir=$(cd "$OUT" && pwd)
-        (cd /tmp && find coopt-bench coopt-decode -maxdepth 2 \( -name report.md -o -name build.json \) \
-            | tar czf "$out_dir/reports.tar.gz" -T -)
+        for dir in "$OUT"/gpu*; do echo "==== $dir"; tail -30 "$dir/console.txt"; done
+        (cd "$OUT" && tar czf parallel.tar.gz gpu* && rm -rf gpu*)
         ;;
     *)
-        echo "usage: bash bench/gpu_session.sh examples|decode|batched|core|long|long-quick|capacity|pair" >&2
+        echo "usage: bash bench/gpu_session.sh STEP (the steps above) | parallel STEP STEP..." >&2
         exit 2
         ;;
 esac
