@@ -7,6 +7,7 @@ fp8 pages — for Llama-3-8B's KV shape; with `--throughput`, the decode through
     python bench/capacity.py --throughput --out capacity.json  # + decode tokens/s on the GPU
     python bench/capacity.py --throughput --preset tiny --decode-budget-mib 0.125 \\
         --decode-lengths 8:64 --step-batch 4 --steps 2 --dtype float32 --reference-program  # CPU smoke
+    python bench/capacity.py --throughput --step-batch 32       # session 7's run: 32 rows a call
 
 Capacity is the allocator's arithmetic, not a timing: the real `coopt.runtime.paged.PagedKVCache`
 (on torch's meta device: nothing is allocated) takes sequences with lengths drawn log-uniform
@@ -16,7 +17,10 @@ budget // (max length x bytes per token) sequences whatever their lengths.
 Throughput (`--throughput`, the real runtime): examples/llama/model.py (`--preset`, `--decode-layers`,
 random weights, `--dtype`) built three times with one KV budget (`--decode-budget-mib`) and
 cache length (the top of `--decode-lengths`):
-- `paged`, `paged-fp8`: the ragged decode step (COOPT_LLAMA_RAGGED=1) at batch `--step-batch`, with
+- `paged`, `paged-fp8`: the ragged decode step (COOPT_LLAMA_RAGGED=1) at batch `--step-batch` (by
+  default the sequences the variant's pool holds, rounded up to 8: one call a step, so a pool that
+  holds more sequences streams the weights once for all of them; session 7 measured 32-row
+  steps, 3 and 7 calls a step, slower than the static batch), with
   `paged-kv{page-size=P,num-pages=budget // bytes per page}` (and fp8-kv-cache, per-head scales,
   for `paged-fp8`), served by `coopt.runtime.serve.PagedDecoder`: sequences with the drawn lengths
   are placed in its pool until it is exhausted (capacity), the newest released until every
@@ -75,8 +79,10 @@ def parse_args(argv=None):
     decode.add_argument("--decode-budget-mib", type=float, default=4096, help="KV bytes of every variant, MiB")
     decode.add_argument("--decode-lengths", default="128:4096",
                         help="MIN:MAX sequence lengths (log-uniform); MAX is the caches' length")
-    decode.add_argument("--step-batch", type=int, default=32,
-                        help="rows per call of the paged step (its build's static caches: batch x cache positions)")
+    decode.add_argument("--step-batch", default="capacity",
+                        help="rows per call of the paged step (its build's static caches: batch x cache positions); "
+                             "'capacity' (default): each paged variant's step takes every sequence its pool holds "
+                             "(rounded up to 8 rows), one call a step")
     decode.add_argument("--steps", type=int, default=8, help="timed steps (after one untimed)")
     decode.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     decode.add_argument("--variants", default=",".join(DECODE_VARIANTS))
@@ -97,8 +103,10 @@ def parse_args(argv=None):
     args.variants = [v for v in args.variants.split(",") if v]
     if set(args.variants) - set(DECODE_VARIANTS):
         parser.error(f"--variants: choices are {', '.join(DECODE_VARIANTS)}")
-    if args.step_batch < 2:
-        parser.error("--step-batch: a ragged decode step has at least 2 rows")
+    if args.step_batch != "capacity":
+        if not args.step_batch.isdigit() or int(args.step_batch) < 2:
+            parser.error("--step-batch: 'capacity' or a number of rows >= 2 (a ragged decode step has at least 2)")
+        args.step_batch = int(args.step_batch)
     if args.decode_layers is None and args.preset == "llama-3-8b":
         args.decode_layers = 8
     return args
@@ -288,7 +296,8 @@ def load_decode_model(args, device):
     from coopt.frontend.model_file import import_model_file, load_model_file
 
     cache = args.decode_max
-    os.environ.update({"COOPT_LLAMA_PRESET": args.preset, "COOPT_LLAMA_BATCH": str(args.step_batch),
+    first_batch = args.step_batch if isinstance(args.step_batch, int) else 2  # each build sets its own (build_variant)
+    os.environ.update({"COOPT_LLAMA_PRESET": args.preset, "COOPT_LLAMA_BATCH": str(first_batch),
                        "COOPT_LLAMA_MAX_SEQ": str(cache), "COOPT_LLAMA_POS": str(cache // 2), "COOPT_LLAMA_RAGGED": "1",
                        "COOPT_LLAMA_PREFILL": "0", "COOPT_EXAMPLE_DTYPE": args.dtype,
                        **({"COOPT_LLAMA_LAYERS": str(args.decode_layers)} if args.decode_layers else {})})
@@ -296,19 +305,51 @@ def load_decode_model(args, device):
     return loaded, loaded.model.to(device), import_model_file(ROOT / "examples" / "llama" / "model.py")
 
 
+def decode_lengths(args) -> list[int]:
+    """The sequences' lengths, in the order they are placed: log-uniform, each able to take the
+    measured steps within the cache."""
+    return draw_lengths(100_000, args.decode_min, args.decode_max - args.steps - 4, args.seed)
+
+
 def decode_settings(args, model) -> dict:
-    """KV bytes per token of each variant, the pools' pages and the static batch in one budget."""
+    """KV bytes per token of each variant, the pools' pages, the paged steps' rows and the static
+    batch in one budget."""
     dtype, margs = getattr(torch, args.dtype), model.args
     token_bytes = {name: margs.n_layers * 2 * margs.n_kv_heads * margs.head_dim * size
                    for name, size in (("paged", dtype.itemsize), ("static", dtype.itemsize), ("paged-fp8", 1))}
     budget = int(args.decode_budget_mib * 2**20)
     longest = args.decode_max - args.steps - 4  # every sequence can take the measured steps within the cache
+    pool_pages = {name: budget // (token_bytes[name] * args.page_size) for name in ("paged", "paged-fp8")}
+    if args.step_batch == "capacity":  # every held sequence in one call: the weights stream once a step
+        lengths = decode_lengths(args)
+        step_batch = {name: planned_step_batch(pages, args.page_size, lengths, 2 + args.steps)
+                      for name, pages in pool_pages.items()}
+    else:
+        step_batch = dict.fromkeys(pool_pages, args.step_batch)
     return {"preset": args.preset, "layers": margs.n_layers, "dtype": args.dtype, "budget_bytes": budget,
             "cache": args.decode_max, "lengths": [args.decode_min, longest], "page_size": args.page_size,
-            "step_batch": args.step_batch, "steps": args.steps, "top_k": args.top_k, "cuda_graph": args.cuda_graph,
+            "step_batch": step_batch, "steps": args.steps, "top_k": args.top_k, "cuda_graph": args.cuda_graph,
             "pipeline": "reference program" if args.reference_program else "default", "kv_bytes_per_token": token_bytes,
-            "pool_pages": {name: budget // (token_bytes[name] * args.page_size) for name in ("paged", "paged-fp8")},
-            "static_batch": budget // (args.decode_max * token_bytes["static"])}
+            "pool_pages": pool_pages, "static_batch": budget // (args.decode_max * token_bytes["static"])}
+
+
+class _PlannedPool:
+    """fill()'s view of a PagedDecoder over a bare page allocator: how many sequences a pool of
+    `num_pages` will hold, known before anything is built."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        from coopt.runtime.pages import PageAllocator
+
+        self.pages = PageAllocator(num_pages, page_size, reserved=1)  # as PagedDecoder's: one scratch page
+        self.contract = {"page_size": page_size, "num_pages": num_pages}
+        self.place, self.release, self.pages_in_use = self.pages.add_sequence, self.pages.release, self.pages.pages_in_use
+
+
+def planned_step_batch(num_pages: int, page_size: int, lengths: list[int], steps: int) -> int:
+    """Rows for a paged step that takes every sequence the pool holds (fill()'s count) in one call,
+    rounded up to 8 (padding rows read the scratch page: a few keys each)."""
+    held = fill(_PlannedPool(num_pages, page_size), lengths, steps)["sequences"]
+    return max(8, -(-held // 8) * 8)
 
 
 def build_variant(name: str, model, loaded, llama, settings: dict, args, out: Path, device):
@@ -318,11 +359,14 @@ def build_variant(name: str, model, loaded, llama, settings: dict, args, out: Pa
     from coopt.passes.registry import DEFAULT_PIPELINE
 
     paged, cache = name != "static", settings["cache"]
-    batch = args.step_batch if paged else settings["static_batch"]
+    batch = settings["step_batch"][name] if paged else settings["static_batch"]
     if model.max_batch_size != batch:  # this build's static caches: batch x cache positions
         model.setup_caches(batch, cache)
     tokens = torch.randint(0, model.args.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(1))
-    positions = llama.ragged_positions(cache // 2, batch) if paged else torch.tensor([cache // 2])
+    top = cache // 2
+    if paged:  # the build checks its example against the original within the pool: B x pages of the top position
+        top = min(top, (settings["pool_pages"][name] - 1) // batch * args.page_size - 1)
+    positions = llama.ragged_positions(top, batch) if paged else torch.tensor([top])
     if paged:
         passes = decode_pipeline(args, settings["pool_pages"][name])
     else:
@@ -346,10 +390,11 @@ def run_throughput(args, result: dict) -> dict:
     loaded, model, llama = load_decode_model(args, device)
     settings = decode_settings(args, model)
     log(f"decode throughput: {args.preset}, {settings['layers']} layers, {args.dtype}, loaded in "
-        f"{time.monotonic() - start:.0f}s; pools of {settings['pool_pages']} pages, "
-        f"static batch {settings['static_batch']}, {'CUDA graphs' if args.cuda_graph else 'plain calls'}")
+        f"{time.monotonic() - start:.0f}s; pools of {settings['pool_pages']} pages, paged steps of "
+        f"{settings['step_batch']} rows, static batch {settings['static_batch']}, "
+        f"{'CUDA graphs' if args.cuda_graph else 'plain calls'}")
     throughput = result["throughput"] = {"settings": settings, "rows": {}}
-    lengths = draw_lengths(100_000, *settings["lengths"], args.seed)
+    lengths = decode_lengths(args)
     build_root = args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-capacity-"))
     for name in [v for v in DECODE_VARIANTS if v in args.variants]:
         if name == "static" and settings["static_batch"] < 1:

@@ -86,17 +86,41 @@ def test_the_fill_releases_the_newest_until_the_steps_fit():
     assert row["sequences"] == row["capacity_sequences"] == 3  # no steps, nothing released
 
 
-@pytest.fixture(scope="module")
-def tiny_throughput(tmp_path_factory):
-    out = tmp_path_factory.mktemp("capacity") / "capacity.json"
+def test_the_planned_step_takes_every_sequence_the_decoder_will_hold():
+    # planned before any build: the rows of a step that decodes all of a pool's sequences at once
+    lengths = capacity.draw_lengths(500, 8, 100, seed=1)
+    for pages in (9, 40, 130):
+        held = capacity.fill(capacity.placed_decoder(FakeStep(num_pages=pages)), lengths, steps=4)["sequences"]
+        batch = capacity.planned_step_batch(pages, 16, lengths, steps=4)
+        assert batch % 8 == 0 and held <= batch < held + 8 or batch == 8 >= held, (pages, held, batch)
+    args = capacity.parse_args(["--throughput", "--step-batch", "capacity"])
+    assert args.step_batch == "capacity" and capacity.parse_args(["--step-batch", "12"]).step_batch == 12
+    with pytest.raises(SystemExit):
+        capacity.parse_args(["--step-batch", "1"])
+
+
+def run_tiny(out, *extra) -> dict:
+    """bench/capacity.py --throughput on the tiny preset, reference programs (seconds on a CPU)."""
     with pytest.MonkeyPatch.context() as env:
         for name in ("PRESET", "LAYERS", "BATCH", "POS", "MAX_SEQ", "PREFILL", "RAGGED"):
             env.delenv(f"COOPT_LLAMA_{name}", raising=False)
         env.delenv("COOPT_EXAMPLE_DTYPE", raising=False)
-        result = capacity.main([*SMALL, "--throughput", "--preset", "tiny", "--decode-budget-mib", "0.125",
-                                "--decode-lengths", "8:64", "--step-batch", "4", "--steps", "2", "--dtype", "float32",
-                                "--reference-program", "--out", str(out)])
-    return result, out
+        return capacity.main([*SMALL, "--throughput", "--preset", "tiny", "--decode-budget-mib", "0.125",
+                              "--decode-lengths", "8:64", "--steps", "2", "--dtype", "float32",
+                              "--reference-program", "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def tiny_throughput(tmp_path_factory):
+    out = tmp_path_factory.mktemp("capacity") / "capacity.json"
+    return run_tiny(out, "--step-batch", "4"), out
+
+
+def test_steps_at_capacity_decode_every_sequence_in_one_call(tmp_path):
+    result = run_tiny(tmp_path / "capacity.json", "--variants", "paged")  # --step-batch capacity, the default
+    settings, row = result["throughput"]["settings"], result["throughput"]["rows"]["paged"]
+    assert row["status"] == "ok" and row["step_batch"] == settings["step_batch"]["paged"] >= row["sequences"] > 4
+    assert row["calls_per_step"] == 1
 
 
 def test_throughput_at_capacity_within_one_budget(tiny_throughput):
@@ -119,6 +143,7 @@ def test_throughput_at_capacity_within_one_budget(tiny_throughput):
     assert rows["paged-fp8"]["capacity_sequences"] > rows["paged"]["capacity_sequences"] > rows["static"]["sequences"]
     # on the CPU nothing is replayed, and the JSON says so; the static row has only its plain calls
     assert settings["cuda_graph"] is False and all(r["cuda_graph"] is False for r in rows.values())
+    assert settings["step_batch"] == {"paged": 4, "paged-fp8": 4}
     static = rows["static"]
     assert static["tokens_per_s"] == static["plain_tokens_per_s"] and "graph_tokens_per_s" not in static
     saved = json.loads(out.read_text())
