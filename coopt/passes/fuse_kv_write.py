@@ -41,10 +41,11 @@ attrs "quant": "per-token", "headroom"; the kernel computes each row's scale its
 A dynamic batch's write of its B rows (`index_put_` through `slice(cache, 0, 0, B)`, as
 inplace-state-writes leaves it) takes the whole cache as the region's input and slices it inside,
 B from the written value's batch (`sym_size(value, 0)`: the outer B is a size from outside the
-region): the kernel writes rows [0, B). Counted `fuse.kv_write.batch_view`.
+region): the kernel writes rows [0, B) (per-token: of the scale buffers too). Counted
+`fuse.kv_write.batch_view`.
 
 Left unfused, each with a counter `fuse.kv_write.skipped.<why>`: a write into another slice of the
-cache, or a batch slice with per-token scales (`sliced_cache`), a value that is not the whole indexed shape
+cache (`sliced_cache`), a value that is not the whole indexed shape
 (index_put_ would broadcast it over the batch), per-token fp8 whose scales are not that
 computation written once beside the cache (`per_token`), and a write with no partner. Writes of
 scale buffers are taken with their cache's write, never on their own.
@@ -162,7 +163,9 @@ def _index_ops(write: Write) -> list[Operation]:
 def _scale_ops(write: Write) -> list[Operation]:
     """Per-token: the scales' computation, the select a per-row write stores, the scale write."""
     scales = write.scales
-    return [*scales.scales.ops, *scales.views, scales.update] if scales is not None else []
+    if scales is None:
+        return []
+    return [*scales.scales.ops, *scales.views, *([scales.batch_view] if scales.batch_view else []), scales.update]
 
 
 def _own_rows(k: Write, v: Write) -> Operation | None:
@@ -208,6 +211,9 @@ def _normalize(write: Write) -> list[Operation]:
         # the same computation on the 4-D rows, where the old one started (before its write)
         scales = read_row_scales(row_scales(value, old.scales.headroom, before=old.scales.ops[0]))
         ops += scales.ops
+        if old.batch_view is not None:  # the scale buffer's first B rows, as the cache's below
+            ops += _through_rows_view(old.update, old.buffer, value, old.batch_view)
+            dead.append(old.batch_view)
         stored, gone = _store(old.update, old.paged, write.rows, scales.ops[-1].results[0])
         ops += stored
         dead += gone
@@ -223,11 +229,8 @@ def _normalize(write: Write) -> list[Operation]:
         value = new.results[0]
         ops.append(new)
     if write.batch_view is not None:  # the first B rows of the whole buffer, B from the value
-        view = _rows_view(write.cache, value, write.batch_view, before=write.update)
+        view = _through_rows_view(write.update, write.cache, value, write.batch_view)
         ops += view
-        operands = list(write.update.operands)
-        operands[write.update.call["args"][0]["$t"]] = view[-1].results[0]
-        write.update.operands = operands
         dead.append(write.batch_view)
         write.batch_view = view[-1]
     stored, gone = _store(write.update, write.paged, write.rows, value)
@@ -242,6 +245,16 @@ def _normalize(write: Write) -> list[Operation]:
         if not unused:
             break
     return ops
+
+
+def _through_rows_view(update: StateUpdateOp, buffer: SSAValue, value: SSAValue, old: Operation) -> list[Operation]:
+    """Make `update` write through the region's own view of `buffer`'s first B rows (`_rows_view`,
+    B from `value`) instead of the `old` one; returns the view's ops."""
+    view = _rows_view(buffer, value, old, before=update)
+    operands = list(update.operands)
+    operands[update.call["args"][0]["$t"]] = view[-1].results[0]
+    update.operands = operands
+    return view
 
 
 def _rows_view(buffer: SSAValue, value: SSAValue, old: Operation, before: Operation) -> list[Operation]:

@@ -37,6 +37,7 @@ class ScaleWrite:
     buffer: SSAValue  # [B_max, Hkv, S_max] (paged: a pool [N, Hkv, P])
     views: list[Operation]  # per row: the select(s, 2, 0) it stores
     paged: PagedWrite | None
+    batch_view: Operation | None = None  # a dynamic batch's write through slice(buffer, 0, 0, B)
 
 
 @dataclass
@@ -123,7 +124,7 @@ def _cache_write(update: StateUpdateOp, rank: int = 4):
     positions = update.inputs[indices[2]["$t"]] if isinstance(indices[2], dict) and "$t" in indices[2] else None
     if cache is None or value is None or positions is None:
         return "indices"
-    if not isinstance(cache.owner, WeightOp) and (rows is not None or rank != 4 or batch_view(cache, update) is None):
+    if not isinstance(cache.owner, WeightOp) and (rows is not None or batch_view(cache, update) is None):
         return "sliced_cache"  # a slice written otherwise than a shared write of the first B rows
     if len(dims(cache)) != rank or len(dims(positions)) != 1:
         return "shape"
@@ -232,8 +233,6 @@ def read_write(update: StateUpdateOp, absorb_rope: bool, absorb_quantize: bool) 
     if not isinstance(cache.owner, WeightOp):  # the first B rows: the region takes the whole buffer
         write.batch_view = cache.owner
         write.cache = tensor_arg(cache.owner, 0)
-        if quantize is not None and quantize.granularity.data == "per-token":
-            return "sliced_cache"  # (its scale buffer's sliced write is not matched)
     if quantize is not None and quantize.granularity.data == "per-token":
         write.scales = _scale_write(write, scales)
         if write.scales is None:
@@ -255,6 +254,11 @@ def _scale_write(write: Write, scales: RowScales | None) -> ScaleWrite | None:
     if isinstance(found, str):
         return None
     buffer, positions, stored, rows, paged = found
+    view = None
+    if not isinstance(buffer.owner, WeightOp):  # a dynamic batch's first B rows, as the cache's write
+        view, buffer = buffer.owner, tensor_arg(buffer.owner, 0)
+    if (view is None) != (write.batch_view is None):
+        return None
     if positions is not write.positions or (rows is None) != (write.rows is None) or dims(buffer) != dims(write.cache)[:3]:
         return None
     if (paged is None) != (write.paged is None) or (paged is not None and (
@@ -267,7 +271,7 @@ def _scale_write(write: Write, scales: RowScales | None) -> ScaleWrite | None:
         return ScaleWrite(scales, update, buffer, [reader], paged)
     # shared: stores s [B, Hkv, T] (paged: permuted, the permute among the page arithmetic)
     expected = paged.index_ops[-1] if paged is not None else update
-    return ScaleWrite(scales, update, buffer, [], paged) if stored is s and reader is expected else None
+    return ScaleWrite(scales, update, buffer, [], paged, view) if stored is s and reader is expected else None
 
 
 def pair(first: Write, second: Write) -> tuple[Write, Write] | str:

@@ -178,22 +178,47 @@ def test_per_token_scales_that_are_not_computed_from_the_rows_are_left_alone():
 PER_TOKEN = UP_TO_RAISE + ",fp8-kv-cache{granularity=per-token,scale-source=dynamic,headroom=1.5}"
 
 
+class DynamicBatchPromptStep(torch.nn.Module):
+    """A prompt over the first B rows of caches for up to 4 sequences, B the dynamic batch."""
+
+    def __init__(self, b_max=4, max_seq=40):
+        super().__init__()
+        self.register_buffer("k_cache", torch.randn(b_max, 2, max_seq, 8))
+        self.register_buffer("v_cache", torch.randn(b_max, 2, max_seq, 8))
+        self.register_buffer("cache_positions", torch.arange(max_seq))
+
+    def forward(self, q, k, v, pos):
+        b = k.shape[0]
+        self.k_cache[:b, :, pos] = k
+        self.v_cache[:b, :, pos] = v
+        mask = self.cache_positions[None, :] <= pos[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(q, self.k_cache[:b], self.v_cache[:b], attn_mask=mask,
+                                                                enable_gqa=True)
+
+
 def per_token_steps():
-    """(name, model, inputs): a prompt over a batch-1 cache (the export writes [Hkv, T, D] views),
-    a batch-2 prompt, a ragged step (per-row writes with K's rope)."""
+    """(name, model, inputs, dynamic shapes): a prompt over a batch-1 cache (the export writes
+    [Hkv, T, D] views), a batch-2 prompt, a ragged step (per-row writes with K's rope), a prompt
+    of a dynamic batch (2 of at most 4: the caches and scale buffers written through [:B])."""
     from test_paged_kv import PromptStep, prompt_inputs
     from test_ragged_decode import RaggedStep, inputs as ragged_inputs
 
     torch.manual_seed(1)
     batch1 = [torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.arange(4, 7)]
-    return [("batch1-prompt", PromptStep(b_max=1), batch1), ("prompt", PromptStep(), prompt_inputs()),
-            ("ragged", RaggedStep(), ragged_inputs())]
+    batch = torch.export.Dim("batch", min=1, max=4)
+    return [("batch1-prompt", PromptStep(b_max=1), batch1, None), ("prompt", PromptStep(), prompt_inputs(), None),
+            ("ragged", RaggedStep(), ragged_inputs(), None),
+            ("dynamic-batch", DynamicBatchPromptStep(), prompt_inputs(), ({0: batch}, {0: batch}, {0: batch}, None))]
 
 
-@pytest.mark.parametrize("case", [0, 1, 2], ids=["batch1-prompt", "prompt", "ragged"])
+PER_TOKEN_CASES = ["batch1-prompt", "prompt", "ragged", "dynamic-batch"]
+
+
+@pytest.mark.parametrize("case", range(len(PER_TOKEN_CASES)), ids=PER_TOKEN_CASES)
 def test_per_token_scales_are_computed_and_written_in_the_region(case):
-    name, model, args = per_token_steps()[case]
-    module, counters = run_pipeline(model, args, PER_TOKEN + ",fuse-attention,fuse-kv-write,fuse-rope")
+    name, model, args, shapes = per_token_steps()[case]
+    module, counters = run_pipeline(model, args, PER_TOKEN + ",fuse-attention,fuse-kv-write,fuse-rope",
+                                    dynamic_shapes=shapes)
     (region,) = kv_writes(module)
     rope = name == "ragged"
     assert region.family_attrs["quant"] == "per-token" and region.family_attrs["headroom"] == 1.5
@@ -211,22 +236,25 @@ def test_per_token_scales_are_computed_and_written_in_the_region(case):
     assert not [op for op in module.walk() if getattr(op, "target", None) is not None and op.parent_op() is not region
                 and op.target.data in ("aten.abs.default", "aten.amax.default", "aten.clamp_min.default")]
     assert not [op for op in module.walk() if isinstance(op, (QuantizeFp8Op, StateUpdateOp)) and op.parent_op() is not region]
+    if name == "dynamic-batch":  # the whole buffers in, each sliced inside to the value's batch
+        assert counters["fuse.kv_write.batch_view"] == 1
+        assert body.count("aten.slice.Tensor") == 4 and body.count("aten.sym_size.int") == 4
 
 
-@pytest.mark.parametrize("case", [0, 1, 2], ids=["batch1-prompt", "prompt", "ragged"])
+@pytest.mark.parametrize("case", range(len(PER_TOKEN_CASES)), ids=PER_TOKEN_CASES)
 def test_per_token_reference_writes_what_the_unfused_program_writes(case, tmp_path):
     """The region's reference module (its eager fallback) against the unfused ops: the same fp8
     rows and scales in the caches and scale buffers, nothing else written."""
     from test_paged_kv import run_program
 
-    name, model, args = per_token_steps()[case]
+    name, model, args, shapes = per_token_steps()[case]
     state = {n: b.clone() for n, b in model.named_buffers()}
     fp8 = {"k_cache": torch.zeros(state["k_cache"].shape).to(torch.float8_e4m3fn),
            "v_cache": torch.zeros(state["v_cache"].shape).to(torch.float8_e4m3fn),
            "k_cache.scale": torch.rand(state["k_cache"].shape[:3]), "v_cache.scale": torch.rand(state["k_cache"].shape[:3])}
     results = []
     for pipeline in (PER_TOKEN + ",fuse-attention", PER_TOKEN + ",fuse-attention,fuse-kv-write,fuse-rope"):
-        module, _ = run_pipeline(type(model)(), args, pipeline)
+        module, _ = run_pipeline(type(model)(), args, pipeline, dynamic_shapes=shapes)
         weights = {"cache_positions": state["cache_positions"], **{n: t.clone() for n, t in fp8.items()}}
         out = run_program(module, weights, args, tmp_path / str(len(results)))
         results.append((out, weights))
@@ -235,6 +263,47 @@ def test_per_token_reference_writes_what_the_unfused_program_writes(case, tmp_pa
     for name in fp8:
         assert torch.equal(after[name].float(), before[name].float()), name
     assert (before["k_cache.scale"] != fp8["k_cache.scale"]).sum() > 0  # the step did write scales
+
+
+def test_a_dynamic_batch_per_token_build_writes_its_rows_and_scales_through_the_kernel(tmp_path):
+    # built twice (kv_write kernel / the writes unfused), then called with 2, 4, 1 and 3 rows:
+    # the same fp8 rows and scales land in the first B rows, the rows past B keep what they held
+    import re
+
+    import coopt
+    from test_paged_kv import prompt_inputs
+
+    batch = torch.export.Dim("batch", min=1, max=4)
+    shapes = ({0: batch}, {0: batch}, {0: batch}, None)
+    per_token = "fp8-kv-cache{granularity=per-token,scale-source=dynamic}"
+    built = {}
+    for name, drop in (("fused", ""), ("unfused", "fuse-kv-write")):
+        passes = [p for p in DEFAULT_PIPELINE.split(",") if p != drop]
+        pipeline = re.sub(r"(^|,)raise-patterns", lambda m: f"{m.group(0)},{per_token}", ",".join(passes), count=1)
+        torch.manual_seed(0)  # the same cache contents for both builds
+        coopt.Pipeline(pipeline, top_k=1, kv_cache="fp8").build(DynamicBatchPromptStep(), tuple(prompt_inputs()),
+                                                                tmp_path / name, dynamic_shapes=shapes)
+        built[name] = coopt.load(tmp_path / name)
+    selection = json.loads((tmp_path / "fused" / "selection.json").read_text())["regions"]
+    (kv,) = [r for r in selection.values() if r["family"] == "kv_write"]
+    assert [c["verified"] for c in kv["candidates"] if c["family"] == "kv_write"] == [True]
+    assert "kv_write" not in json.dumps(json.loads((tmp_path / "unfused" / "selection.json").read_text()))
+    names = ("k_cache", "v_cache", "k_cache.scale", "v_cache.scale")
+    initial = {n: built["fused"].state_tensor(n).clone() for n in names}
+    torch.manual_seed(2)
+    for rows, start in ((2, 10), (4, 20), (1, 25), (3, 30)):
+        args = [torch.randn(rows, 4, 5, 8), torch.randn(rows, 2, 5, 8), torch.randn(rows, 2, 5, 8),
+                torch.arange(start, start + 5)]
+        outs = [built[name](*args) for name in ("fused", "unfused")]
+        torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.05)
+        for n in names:
+            fused, unfused = (built[name].state_tensor(n).float() for name in ("fused", "unfused"))
+            torch.testing.assert_close(fused, unfused, rtol=0.07, atol=1e-6)  # e4m3: one rounding step at most
+        written = built["fused"].state_tensor("k_cache.scale")[:rows, :, start:start + 5]
+        assert (written != initial["k_cache.scale"][:rows, :, start:start + 5]).all()
+    for n in names:  # row 3 was written only by the 4-row call, at positions 20..24
+        later = built["fused"].state_tensor(n)[3].float()
+        assert torch.equal(later[:, :20], initial[n][3].float()[:, :20]), n
 
 
 def test_quantize_knob_off_leaves_quantized_writes():
