@@ -17,6 +17,7 @@ from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text
 from coopt.passes.stats import collect_counters
 from coopt.runtime.kernel_loader import load_module_from_source
 from pass_helpers import kernels, run_pipeline
+from test_paged_kv import PromptStep
 
 UP_TO_RAISE = "inplace-state-writes,raise-patterns"
 FUSE = "inplace-state-writes,raise-patterns,fuse-kv-write,fuse-rope"
@@ -178,14 +179,11 @@ def test_per_token_scales_that_are_not_computed_from_the_rows_are_left_alone():
 PER_TOKEN = UP_TO_RAISE + ",fp8-kv-cache{granularity=per-token,scale-source=dynamic,headroom=1.5}"
 
 
-class DynamicBatchPromptStep(torch.nn.Module):
+class DynamicBatchPromptStep(PromptStep):
     """A prompt over the first B rows of caches for up to 4 sequences, B the dynamic batch."""
 
-    def __init__(self, b_max=4, max_seq=40):
-        super().__init__()
-        self.register_buffer("k_cache", torch.randn(b_max, 2, max_seq, 8))
-        self.register_buffer("v_cache", torch.randn(b_max, 2, max_seq, 8))
-        self.register_buffer("cache_positions", torch.arange(max_seq))
+    def __init__(self):
+        super().__init__(b_max=4)
 
     def forward(self, q, k, v, pos):
         b = k.shape[0]
@@ -200,7 +198,7 @@ def per_token_steps():
     """(name, model, inputs, dynamic shapes): a prompt over a batch-1 cache (the export writes
     [Hkv, T, D] views), a batch-2 prompt, a ragged step (per-row writes with K's rope), a prompt
     of a dynamic batch (2 of at most 4: the caches and scale buffers written through [:B])."""
-    from test_paged_kv import PromptStep, prompt_inputs
+    from test_paged_kv import prompt_inputs
     from test_ragged_decode import RaggedStep, inputs as ragged_inputs
 
     torch.manual_seed(1)
