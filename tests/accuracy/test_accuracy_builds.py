@@ -41,6 +41,19 @@ def test_fp8_pipeline_puts_the_pass_after_raise_patterns():
         "a,raise-patterns{x=1},fp8-kv-cache{granularity=per-token,scale-source=dynamic}"
     with pytest.raises(ValueError, match="no raise-patterns"):
         builds.fp8_kv_pipeline("per-head", "inplace-state-writes")
+    assert builds.fp8_kv_pipeline("per-head", "raise-patterns", headroom=2.0) == \
+        "raise-patterns,fp8-kv-cache{granularity=per-head,headroom=2.0}"
+
+
+def test_headroom_widens_the_calibrated_scales(corpus, trained, measured, tmp_path):
+    # the same calibration with headroom 2: every per-head scale twice the headroom-1 build's
+    model, _ = trained
+    calibration = builds.calibration_inputs(corpus.train, SETTING)
+    wide = builds.build_candidate(model, tmp_path / "wide", builds.fp8_kv_pipeline(
+        "per-head", builds.REFERENCE_PIPELINE, headroom=2.0), SETTING, calibration)
+    name = "layers.0.attention.k_cache.scale"
+    narrow = measured["per-head"][0].model.state_tensor(name)
+    torch.testing.assert_close(wide.model.state_tensor(name), 2 * narrow, rtol=1e-6, atol=0)
 
 
 def test_calibration_is_training_text_never_heldout(corpus):
