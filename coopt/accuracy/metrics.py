@@ -46,6 +46,22 @@ def as_candidate(model: LogitsFn | Candidate) -> Candidate:
     return model if isinstance(model, Candidate) else Candidate(model)
 
 
+def remembered(model: LogitsFn | Candidate) -> Candidate:
+    """The same candidate, its logits and greedy tokens kept per input: measured against several
+    references (eager fp32, the bf16 build) on the same windows and prompts, it runs each once."""
+    model = as_candidate(model)
+    seen: dict = {}
+
+    def once(kind: str, fn: Callable, tokens: torch.Tensor, *rest):
+        key = (kind, tuple(tokens.shape), tokens.cpu().numpy().tobytes(), *rest)
+        if key not in seen:
+            seen[key] = fn(tokens, *rest)
+        return seen[key]
+
+    return Candidate(lambda tokens: once("logits", model.logits, tokens),
+                     lambda prompts, n: once("greedy", model.greedy, prompts, n), model.details, model.model)
+
+
 @dataclass
 class AccuracyReport:
     """Candidate vs reference over `windows` held-out windows of `seq_len` predicted tokens."""

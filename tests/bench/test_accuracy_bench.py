@@ -1,0 +1,80 @@
+"""bench/accuracy.py end to end on the CPU (tiny model, reference-program builds): each lossy
+configuration is measured against the fp32 eager model and against the coopt bf16 build (issue 4's
+bf16 baseline), the targets are judged against the latter, and a run without the bf16 build says
+so instead of guessing."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+import accuracy
+from coopt.accuracy import metrics
+
+FAST = ["--config", "tiny", "--steps", "20", "--batch", "8", "--train-seq-len", "64", "--reference-program",
+        "--seq-len", "32", "--windows", "8", "--greedy-prompts", "2", "--greedy-tokens", "4", "--device", "cpu"]
+
+
+def run(monkeypatch, tmp_path, name, *extra) -> tuple[dict, str]:
+    out = tmp_path / f"{name}.json"
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", *FAST, "--out", str(out), *extra])
+    accuracy.main()
+    return json.loads(out.read_text()), out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny model trained once, saved for the runs below (--checkpoint skips the training)."""
+    path = tmp_path_factory.mktemp("accuracy") / "tiny"
+    with pytest.MonkeyPatch.context() as patch:
+        run(patch, path.parent, "train", "--only", "eager fp32", "--save", str(path))
+    return path
+
+
+def test_lossy_builds_against_both_baselines(monkeypatch, tmp_path, checkpoint, capsys):
+    # the bf16 build listed last is still measured before the fp8 one that needs it
+    saved, _ = run(monkeypatch, tmp_path, "both", "--checkpoint", str(checkpoint),
+                   "--only", "eager fp32,coopt fp8 KV per-head,coopt bf16")
+    results = saved["results"]
+    assert list(results) == ["eager fp32", "coopt bf16", "coopt fp8 KV per-head"]
+    fp8, bf16 = results["coopt fp8 KV per-head"], results["coopt bf16"]
+    assert "vs_bf16" not in bf16 and "vs_bf16" not in results["eager fp32"]
+    against = fp8["vs_bf16"]
+    assert all(math.isfinite(against[k]) for k in ("perplexity_change", "kl_mean", "top1_agreement"))
+    assert against["kl_mean"] > 0 and 0.5 < against["top1_agreement"] <= 1  # fp8 rounds: not the bf16 logits
+    assert against["reference_perplexity"] == pytest.approx(bf16["candidate_perplexity"])  # the bf16 build's own
+    assert fp8["reference_perplexity"] == pytest.approx(results["eager fp32"]["candidate_perplexity"])
+    assert set(fp8["targets"]) == {"eager fp32", "coopt bf16"}
+    assert fp8["targets"]["coopt bf16"]["top1_agreement"]["value"] == against["top1_agreement"]
+    printed = capsys.readouterr().out
+    assert "Against the coopt bf16 build" in printed and "coopt fp8 KV per-head vs coopt bf16: top1_agreement" in printed
+
+
+def test_without_the_bf16_build_the_comparison_says_it_was_not_measured(monkeypatch, tmp_path, checkpoint, capsys):
+    saved, _ = run(monkeypatch, tmp_path, "fp32-only", "--checkpoint", str(checkpoint),
+                   "--only", "eager fp32,coopt fp8 KV per-head")
+    fp8 = saved["results"]["coopt fp8 KV per-head"]
+    assert "not measured" in fp8["vs_bf16"]["error"] and set(fp8["targets"]) == {"eager fp32"}
+    assert "targets against coopt bf16: not measured" in capsys.readouterr().out
+
+
+def test_remembered_candidates_run_each_input_once():
+    calls = []
+
+    def logits(tokens):
+        calls.append(tokens.shape)
+        return torch.nn.functional.one_hot(tokens, 8).float()
+
+    heldout = torch.randint(0, 8, (4000,), generator=torch.Generator().manual_seed(0))
+    model = metrics.remembered(logits)
+    first = metrics.compare(metrics.remembered(logits), model, heldout, seq_len=16, windows=4, batch=2,
+                            greedy_prompts=2, prompt_len=4, greedy_tokens=3)
+    count = len(calls)
+    again = metrics.compare(metrics.remembered(logits), model, heldout, seq_len=16, windows=4, batch=2,
+                            greedy_prompts=2, prompt_len=4, greedy_tokens=3)
+    assert first == again and first.top1_agreement == 1.0
+    assert len(calls) == count + count // 2  # the second compare ran only the fresh reference
