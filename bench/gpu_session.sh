@@ -134,8 +134,19 @@ case "${1:-}" in
         step 420 long python bench/long_prefill.py --quick --out "$OUT/long_prefill_quick.json" --build-dir /tmp/coopt-long-quick
         ;;
     capacity)  # issue 4: three decode builds (paged bf16, static, paged fp8) in one 4 GiB KV budget; JSON after each
+               # (session 7: 32-row paged steps, ~500 s; now each paged step takes its pool's 96 / 216 sequences)
         step 580 capacity python bench/capacity.py --throughput --out "$OUT/capacity.json" --build-dir /tmp/coopt-capacity
         reports reports_capacity coopt-capacity
+        ;;
+    capacity-paged)  # capacity's paged bf16 and static rows only (with capacity-fp8: `parallel capacity-paged capacity-fp8`)
+        step 580 capacity python bench/capacity.py --throughput --variants paged,static --out "$OUT/capacity.json" \
+            --build-dir /tmp/coopt-capacity-paged
+        reports reports_capacity coopt-capacity-paged
+        ;;
+    capacity-fp8)  # paged fp8 only
+        step 580 capacity python bench/capacity.py --throughput --variants paged-fp8 --out "$OUT/capacity.json" \
+            --build-dir /tmp/coopt-capacity-fp8
+        reports reports_capacity coopt-capacity-fp8
         ;;
     parallel)  # parallel STEP...: step i on GPU i (nvidia-h200-x2 / -x4), each under $OUT/gpu<i>, all back as one archive
         shift
