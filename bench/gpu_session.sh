@@ -130,6 +130,15 @@ case "${1:-}" in
         step 580 long python bench/long_prefill.py --out "$OUT/long_prefill.json" --build-dir /tmp/coopt-long
         reports reports_long coopt-long
         ;;
+    long-eager)  # long's eager rows only (with long-coopt: `parallel long-eager long-coopt` on nvidia-h200-x2)
+        step 580 long python bench/long_prefill.py --variants eager,eager-chunked --out "$OUT/long_prefill.json" \
+            --build-dir /tmp/coopt-long-eager
+        ;;
+    long-coopt)  # long's coopt rows only: the unchunked and chunk-4096 builds
+        step 580 long python bench/long_prefill.py --variants coopt,coopt-chunked --out "$OUT/long_prefill.json" \
+            --build-dir /tmp/coopt-long-coopt
+        reports reports_long coopt-long-coopt
+        ;;
     long-quick)
         step 420 long python bench/long_prefill.py --quick --out "$OUT/long_prefill_quick.json" --build-dir /tmp/coopt-long-quick
         ;;
