@@ -202,30 +202,35 @@ def target_verdicts(name: str, reports: dict) -> dict:
     return verdicts
 
 
+def _metric_cells(r: dict) -> str:
+    """Δppl | KL mean | KL max | top-1 | greedy of one comparison, as table cells."""
+    return (f"{r['perplexity_change']:+.3%} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | {r['top1_agreement']:.2%} | "
+            f"{r['greedy_agreement']:.1f}/{r['greedy_tokens']}")
+
+
+def _print_rows(columns: list[str], rows: dict, cells) -> None:
+    """A markdown table: one row per configuration, `cells(r)` after its name; a failed one says why."""
+    print("| configuration | " + " | ".join(columns) + " |")
+    print("| --- |" + " ---: |" * len(columns))
+    for name, r in rows.items():
+        failed = f"{r['error'][:160]} |" + " |" * (len(columns) - 1) if "error" in r else None
+        print(f"| {name} | {failed or cells(r) + ' |'}")
+
+
 def print_table(results: dict, bf16_bytes: float) -> None:
-    """The results as a markdown table, then the issue's targets with PASS / MISS."""
-    print("\n| configuration | ppl | Δppl | KL mean | KL max | top-1 | greedy | KV B/token | vs bf16 | s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, r in results.items():
-        if "error" in r:
-            print(f"| {name} | failed: {r['error'][:160]} | | | | | | | | {r['seconds']:.0f} |")
-            continue
+    """The results as a markdown table (against eager fp32), the lossy ones against the bf16
+    build, then the issue's targets with PASS / MISS."""
+    def against_fp32(r):
         kv = r.get("kv_bytes_per_token")
         kv_cells = f"{kv:.1f} | {kv / bf16_bytes:.3f}" if kv else "— | —"
-        print(f"| {name} | {r['candidate_perplexity']:.4f} | {r['perplexity_change']:+.3%} | {r['kl_mean']:.2e} | "
-              f"{r['kl_max']:.2e} | {r['top1_agreement']:.2%} | {r['greedy_agreement']:.1f}/{r['greedy_tokens']} | "
-              f"{kv_cells} | {r['seconds']:.0f} |")
+        return f"{r['candidate_perplexity']:.4f} | {_metric_cells(r)} | {kv_cells} | {r['seconds']:.0f}"
+
+    print()
+    _print_rows(["ppl", "Δppl", "KL mean", "KL max", "top-1", "greedy", "KV B/token", "vs bf16", "s"], results, against_fp32)
     against_bf16 = {name: r["vs_bf16"] for name, r in results.items() if "vs_bf16" in r}
     if against_bf16:
         print(f"\nAgainst the {BF16_BUILD} build (issue 4's bf16 baseline: what the lossy change alone costs)")
-        print("| configuration | Δppl | KL mean | KL max | top-1 | greedy |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        for name, r in against_bf16.items():
-            if "error" in r:
-                print(f"| {name} | {r['error'][:160]} | | | | |")
-                continue
-            print(f"| {name} | {r['perplexity_change']:+.3%} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | "
-                  f"{r['top1_agreement']:.2%} | {r['greedy_agreement']:.1f}/{r['greedy_tokens']} |")
+        _print_rows(["Δppl", "KL mean", "KL max", "top-1", "greedy"], against_bf16, _metric_cells)
     for name, r in results.items():
         if name in TARGETS and BF16_BUILD not in r.get("targets", {}):
             print(f"{name}: targets against {BF16_BUILD}: not measured ({BF16_BUILD} was not run)")
