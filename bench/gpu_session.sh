@@ -14,6 +14,7 @@
 #   bash bench/gpu_session.sh sweep      # decode attention + GEMV: advised points vs a sample of the space, L2 prefetch (~9 min)
 #   bash bench/gpu_session.sh accuracy   # bench/accuracy.py --config small --steps 2000 on the GPU
 #   bash bench/gpu_session.sh layers32   # 32 layers, b1 / 2048, all modes incl. max-autotune-no-cudagraphs
+#   bash bench/gpu_session.sh layers32-b32 / layers32-long   # 32 layers at b32 / 2048 and at b1 / 32768
 #   bash bench/gpu_session.sh gpu-tests  # GPU runs of the paged prompt attention, GEMV forms, decode attention, PagedDecoder graphs
 #   bash bench/gpu_session.sh long       # bench/long_prefill.py: a 131072-token prompt (8 layers), whole and
 #                                        # in chunks of 4096, eager and coopt: time, peak memory (~7-9 min)
@@ -100,6 +101,18 @@ case "${1:-}" in
             --modes eager,reduce-overhead,coopt,max-autotune-no-cudagraphs --prefill 0 --agreement-steps 8 \
             --out "$OUT/decode_32layers.json" --build-dir /tmp/coopt-32
         reports reports_32layers coopt-32
+        ;;
+    layers32-b32)  # issue 3: 32 layers at b32 / 2048 (eager, reduce-overhead, coopt; max-autotune was 1.2x slower at 8)
+        step 580 decode python bench/decode.py --layers 32 --cases 32:2048:4096 \
+            --modes eager,reduce-overhead,coopt --prefill 0 --agreement-steps 16 \
+            --out "$OUT/decode_32layers_b32.json" --build-dir /tmp/coopt-32-b32
+        reports reports_32layers_b32 coopt-32-b32
+        ;;
+    layers32-long)  # issue 3: 32 layers at b1 / 32768 (reduce-overhead, coopt bf16 and fp8 KV)
+        step 580 decode python bench/decode.py --layers 32 --cases 1:32768:32832 \
+            --modes reduce-overhead,coopt,coopt-fp8 --prefill 0 --agreement-steps 16 \
+            --out "$OUT/decode_32layers_long.json" --build-dir /tmp/coopt-32-long
+        reports reports_32layers_long coopt-32-long
         ;;
     gpu-tests)  # the GPU runs of this session's kernels and runtime paths (session 5: not run on a GPU yet)
         step 420 pytest python -m pytest -q -p no:cacheprovider tests/templates/test_attention_paged.py \
