@@ -399,9 +399,11 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     tile_bytes = 32768 if programs * split_t <= sms else 16384
     bn_t = _largest_at_most(bn_vals, max(16, min(tile_bytes // (d * elem), keys_per_split)))
     # Tiles over several pages look up a page per key row, a dependent load before each tile's
-    # K/V: more programs in flight hide it (b32 at 2048, pages of 16, BLOCK_N 64: split 2 67.3 µs,
-    # split 1 81.7; unpaged the other way round, 73.9 vs 63.1; bench/attention_sweep.py, H200).
-    if page_size and bn_t > page_size and 2 * split_t in split_vals and length // (2 * split_t) >= bn_t:
+    # K/V: more programs in flight hide it (b32 at 2048, pages of 16, BLOCK_N 64, ~2 programs an
+    # SM: split 2 67.3 µs, split 1 81.7; unpaged the other way round, 73.9 vs 63.1;
+    # bench/attention_sweep.py, H200). Not measured with more programs than 4 an SM: left as is.
+    if page_size and bn_t > page_size and 2 * split_t in split_vals and length // (2 * split_t) >= bn_t \
+            and programs * split_t <= 4 * sms:
         split_t *= 2
         keys_per_split = max(1, length // split_t)
     # Tensor cores pad the head group to 16 rows: free for a 16-bit query with group >= 4

@@ -819,6 +819,9 @@ def test_paged_heuristic_tiles_as_without_pages(size):
     # a tile over several pages (a page lookup per key row) gets twice the splits in flight
     assert best["SPLIT_KV"] == (32 if size < 128 else 16), best
     assert FAMILY.check(region, best, H200) is None
+    # not where every SM already has more than 4 programs (96 sequences x 8 kv heads): as unpaged
+    many = paged_region(96, 32, 8, 8192, 16, 256, 128, "bfloat16", example_length=1359)
+    assert first(many)["SPLIT_KV"] == first(make_region(96, 32, 8, 4096, 128, "bfloat16", example_length=1359))["SPLIT_KV"]
 
 
 def test_paged_bandwidth_model_counts_the_same_bytes():
