@@ -248,19 +248,10 @@ def _normalize(write: Write) -> list[Operation]:
 
 
 def _through_rows_view(update: StateUpdateOp, buffer: SSAValue, value: SSAValue, old: Operation) -> list[Operation]:
-    """Make `update` write through the region's own view of `buffer`'s first B rows (`_rows_view`,
-    B from `value`) instead of the `old` one; returns the view's ops."""
-    view = _rows_view(buffer, value, old, before=update)
-    operands = list(update.operands)
-    operands[update.call["args"][0]["$t"]] = view[-1].results[0]
-    update.operands = operands
-    return view
-
-
-def _rows_view(buffer: SSAValue, value: SSAValue, old: Operation, before: Operation) -> list[Operation]:
-    """Ops of slice(buffer, 0, 0, B) with B the written value's batch, inserted before `before`:
-    the region's own view of the rows it writes (the old view's B is a size from outside, which a
-    region cannot take as an input; the value's batch is the same size)."""
+    """Make `update` write through the region's own slice(buffer, 0, 0, B), B the written value's
+    batch, instead of the `old` view (whose B is a size from outside, which a region cannot take
+    as an input; the value's batch is the same size); returns the view's ops, inserted before
+    `update`."""
     batch = dims(value)[0]
     ops: list[Operation] = []
     if isinstance(batch, int):
@@ -271,7 +262,10 @@ def _rows_view(buffer: SSAValue, value: SSAValue, old: Operation, before: Operat
         end, operands = {"$t": 1}, [buffer, size.results[0]]
     view = AtenOp("aten.slice.Tensor", {"args": [{"$t": 0}, 0, 0, end], "kwargs": {}}, operands, [old.results[0].type])
     ops.append(view)
-    Rewriter.insert_op(ops, InsertPoint.before(before))
+    Rewriter.insert_op(ops, InsertPoint.before(update))
+    operands = list(update.operands)
+    operands[update.call["args"][0]["$t"]] = view.results[0]
+    update.operands = operands
     return ops
 
 

@@ -147,6 +147,14 @@ def batch_view(cache: SSAValue, update: StateUpdateOp) -> Operation | None:
     return view
 
 
+def _whole_buffer(written: SSAValue) -> tuple[SSAValue, Operation | None]:
+    """(the state buffer, the batch view) of what a write `_cache_write` accepted goes into: the
+    buffer itself (no view), or a dynamic batch's slice(buffer, 0, 0, B)."""
+    if isinstance(written.owner, WeightOp):
+        return written, None
+    return tensor_arg(written.owner, 0), written.owner
+
+
 def _per_row_value(update: StateUpdateOp, value: SSAValue) -> tuple[SSAValue, Operation] | None:
     """(x, select) when a per-row write stores select(x, 2, 0) of x [B, Hkv, 1, D] read by
     nothing else (the one token of each row), else None."""
@@ -229,10 +237,9 @@ def read_write(update: StateUpdateOp, absorb_rope: bool, absorb_quantize: bool) 
             return "shape"  # one [Hkv, D] row per sequence, at most the cache's batch
     elif dims(source) != [b_max, heads, dims(positions)[0], head_dim]:
         return "shape"  # not the whole indexed shape: index_put_ would broadcast it
-    write = Write(update, cache, positions, source, views, rope, quantize, rows, paged)
-    if not isinstance(cache.owner, WeightOp):  # the first B rows: the region takes the whole buffer
-        write.batch_view = cache.owner
-        write.cache = tensor_arg(cache.owner, 0)
+    # the first B rows of a dynamic batch: the region takes the whole buffer
+    whole, view = _whole_buffer(cache)
+    write = Write(update, whole, positions, source, views, rope, quantize, rows, paged, batch_view=view)
     if quantize is not None and quantize.granularity.data == "per-token":
         write.scales = _scale_write(write, scales)
         if write.scales is None:
@@ -253,10 +260,8 @@ def _scale_write(write: Write, scales: RowScales | None) -> ScaleWrite | None:
     found = _cache_write(update, rank=3) if isinstance(update, StateUpdateOp) else "not_index_put"
     if isinstance(found, str):
         return None
-    buffer, positions, stored, rows, paged = found
-    view = None
-    if not isinstance(buffer.owner, WeightOp):  # a dynamic batch's first B rows, as the cache's write
-        view, buffer = buffer.owner, tensor_arg(buffer.owner, 0)
+    written, positions, stored, rows, paged = found
+    buffer, view = _whole_buffer(written)  # (a dynamic batch's first B rows, as the cache's write)
     if (view is None) != (write.batch_view is None):
         return None
     if positions is not write.positions or (rows is None) != (write.rows is None) or dims(buffer) != dims(write.cache)[:3]:

@@ -139,9 +139,11 @@ class PagedDecoder:
             # Tokens stay on the device until every call is queued: one host sync a step, so the
             # host prepares call i + 1 while the GPU runs call i (each call's sampling is queued
             # before the next replay overwrites the logits it reads).
-            tokens = [self._choose(group, self._call_step(group, [self._last[s] for s in group],
-                                                          positions[start:start + batch]))
-                      for start in range(0, len(decode), batch) for group in [decode[start:start + batch]]]
+            tokens = []
+            for start in range(0, len(decode), batch):
+                group = decode[start:start + batch]
+                logits = self._call_step(group, [self._last[s] for s in group], positions[start:start + batch])
+                tokens.append(self._choose(group, logits))
             chosen = dict(zip(decode, torch.cat(tokens).tolist()))
         emitted = {}
         for seq_id in live:
