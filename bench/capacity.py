@@ -82,7 +82,11 @@ def parse_args(argv=None):
     decode.add_argument("--step-batch", default="capacity",
                         help="rows per call of the paged step (its build's static caches: batch x cache positions); "
                              "'capacity' (default): each paged variant's step takes every sequence its pool holds "
-                             "(rounded up to 8 rows), one call a step")
+                             "(rounded up to 8 rows), in as few calls as --max-step-rows allows")
+    decode.add_argument("--max-step-rows", type=int, default=128,
+                        help="with --step-batch capacity, the most rows of one call: the build checks its step "
+                             "against a float copy of the original model, whose static caches are rows x cache "
+                             "positions (session 8: 216 rows ran an H200 out of memory)")
     decode.add_argument("--steps", type=int, default=8, help="timed steps (after one untimed)")
     decode.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     decode.add_argument("--variants", default=",".join(DECODE_VARIANTS))
@@ -322,7 +326,7 @@ def decode_settings(args, model) -> dict:
     pool_pages = {name: budget // (token_bytes[name] * args.page_size) for name in ("paged", "paged-fp8")}
     if args.step_batch == "capacity":  # every held sequence in one call: the weights stream once a step
         lengths = decode_lengths(args)
-        step_batch = {name: planned_step_batch(pages, args.page_size, lengths, 2 + args.steps)
+        step_batch = {name: planned_step_batch(pages, args.page_size, lengths, 2 + args.steps, args.max_step_rows)
                       for name, pages in pool_pages.items()}
     else:
         step_batch = dict.fromkeys(pool_pages, args.step_batch)
@@ -345,11 +349,13 @@ class _PlannedPool:
         self.place, self.release, self.pages_in_use = self.pages.add_sequence, self.pages.release, self.pages.pages_in_use
 
 
-def planned_step_batch(num_pages: int, page_size: int, lengths: list[int], steps: int) -> int:
-    """Rows for a paged step that takes every sequence the pool holds (fill()'s count) in one call,
-    rounded up to 8 (padding rows read the scratch page: a few keys each)."""
+def planned_step_batch(num_pages: int, page_size: int, lengths: list[int], steps: int, max_rows: int) -> int:
+    """Rows for a paged step that takes every sequence the pool holds (fill()'s count) in as few
+    calls of at most `max_rows` as it can, shared evenly, rounded up to 8 (padding rows read the
+    scratch page: a few keys each)."""
     held = fill(_PlannedPool(num_pages, page_size), lengths, steps)["sequences"]
-    return max(8, -(-held // 8) * 8)
+    calls = max(1, -(-held // max_rows))
+    return max(8, -(-(-(-held // calls)) // 8) * 8)
 
 
 def build_variant(name: str, model, loaded, llama, settings: dict, args, out: Path, device):

@@ -43,41 +43,74 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
     wraps each loaded build into something called like `model` (a paged-kv program takes a page
     table the original does not: compile.paged_as_static). `lossy_original`: `model` is a lossy
     build's reference program and this the unquantized model; both programs are judged against
-    its float64 copy and the errors reported from `model` (verify/end_to_end.py)."""
+    its high-precision copy and the errors reported from `model` (verify/end_to_end.py). A
+    `stateful` model's buffers are run and put back as they were."""
     from coopt.runtime.loader import load as load_build
     from coopt.verify import verify_end_to_end
-    from coopt.verify.bisect import snapshot_buffers
-    from coopt.verify.end_to_end import float64_copy
+    from coopt.verify.bisect import copy_buffers, snapshot_buffers
+    from coopt.verify.end_to_end import reference_copy
 
     def load(out, device):
         built = load_build(out, device=device)
         return adapt(built) if adapt is not None else built
 
-    if stateful:
-        model = copy.deepcopy(model)  # the check runs the model: never mutate the caller's buffers
-    high = float64_copy(lossy_original) if lossy_original is not None else None
-    errors_from = "original" if high is not None else "float64"
+    # One high-precision copy serves every check (float64, or float32 where float64 would not
+    # fit in the device's memory: a decode step built for many rows holds large caches).
+    source = lossy_original if lossy_original is not None else model
+    high, precision = reference_copy(source)
+    if precision != "float64":
+        warnings.append(f"end-to-end check: the high-precision reference is {precision} (float64 would not fit "
+                        f"in the device's free memory)" if high is not None else f"end-to-end check: no high-"
+                        f"precision reference ({precision}); judged by the floor around eager")
+    errors_from = "original" if lossy_original is not None and high is not None else "high"
     # Each full check runs a freshly loaded build, whose state is what weights.pt holds: the model
-    # (and the float64 reference) start from the same state, not from what the trials of an
+    # (and the high-precision reference) start from the same state, not from what the trials of an
     # earlier check wrote (a prompt reads cache rows it does not write: trials at other positions
-    # would make even the reference program disagree with itself).
-    initial_state = snapshot_buffers(*(m for m in (model, high) if m is not None)) if stateful else (lambda: None)
+    # would make even the reference program disagree with itself). The check runs the caller's
+    # model and puts its buffers back at the end (one snapshot of its buffers, not a deep copy of
+    # the whole model beside it); the copy's buffers are set from its source's, never snapshotted.
+    restore_model = snapshot_buffers(model) if stateful else (lambda: None)
+
+    def initial_state():
+        restore_model()
+        if stateful and high is not None:
+            copy_buffers(source, high)
+
     device = device_of(example_inputs)
-    built = load(out, device=device)
 
     def full_check(built):
         initial_state()
-        return verify_end_to_end(model, built, example_inputs, trials=trials, seed=seed, float64_model=high,
-                                 errors_from=errors_from)
+        return verify_end_to_end(model, built, example_inputs, trials=trials, seed=seed, high_reference=False,
+                                 high_model=high, errors_from=errors_from)
 
+    try:
+        record, built = _checked(model, example_inputs, regions, out, seed, high, initial_state, full_check, load,
+                                 device, warnings, write_selection)
+        record["reference_precision"] = precision
+        if measured:
+            record.update(_timing(model, built, example_inputs, regions, out, cuda_graphs, warnings, write_selection))
+    finally:
+        restore_model()
+    return record
+
+
+def _checked(model, example_inputs, regions, out, seed, high, initial_state, full_check, load, device,
+             warnings, write_selection) -> tuple[dict, object]:
+    """check_end_to_end's verdict and the build it judged last: the full check, then bisection
+    and fallbacks while it fails. Each check and the bisection load the build afresh: it starts
+    from the state weights.pt holds, as the model starts from its initial state."""
+    built = load(out, device=device)
     verdict = full_check(built)
     if not verdict.ok:
-        at_fault = _bisect(model, built, example_inputs, regions, out, seed, high)
+        built = None  # one loaded build at a time (a paged build's pool is large)
+        built = load(out, device=device)
+        at_fault = _bisect(model, built, example_inputs, regions, out, seed, high, initial_state)
         _fall_back(regions, at_fault, "end-to-end mismatch: this region's kernel breaks the whole model's "
                    "agreement with the original (found by bisection); fell back to the reference")
         warnings.append(f"end-to-end check failed with kernels ({verdict.failure}); bisection blamed "
                         f"{', '.join(at_fault) or 'no single region'}: fell back to the reference there")
         write_selection()
+        built = None
         built = load(out, device=device)
         verdict = full_check(built)
     if not verdict.ok:
@@ -87,14 +120,12 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
         _fall_back(regions, kernel_regions, "end-to-end mismatch with kernels: fell back to the reference")
         warnings.append(f"end-to-end check still failed ({verdict.failure}); every region fell back to its reference")
         write_selection()
+        built = None
         built = load(out, device=device)
         verdict = full_check(built)
         if not verdict.ok:
             raise EndToEndMismatch(f"the built model does not match the original: {verdict.failure}")
-    record = verdict.to_json()
-    if measured:
-        record.update(_timing(model, built, example_inputs, regions, out, cuda_graphs, warnings, write_selection))
-    return record
+    return verdict.to_json(), built
 
 
 def measure_lossy_end_to_end(model, example_inputs, regions, out, *, lossy_passes, trials: int, seed: int,
@@ -193,29 +224,28 @@ def device_of(example_inputs) -> torch.device:
     return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
-def _bisect(model, built, example_inputs, regions, out, seed: int, high=None) -> list[str]:
+def _bisect(model, built, example_inputs, regions, out, seed: int, high, initial_state) -> list[str]:
     """Regions whose kernels break the agreement; each probe is one trial of the end-to-end
-    check, from the same model state. `high`: the full check's float64 reference when it has
-    its own (a lossy build's unquantized model), in the same state as `model`."""
+    check, from the initial state of `model` and its high-precision reference `high` (None:
+    judged by the floor around eager), which `initial_state()` restores."""
     from coopt.verify import verify_end_to_end
     from coopt.verify.bisect import ReferencesDisagree, regions_at_fault, snapshot_buffers
-    from coopt.verify.end_to_end import float64_copy
 
-    # Probes are judged like the full check (the float64 reference sets the tolerance: the bf16
-    # floor alone rejects even the reference program of a deep model), on one float64 copy.
-    high = high if high is not None else float64_copy(model)
-    restore = snapshot_buffers(*(m for m in (model, built, high) if m is not None))
+    # Probes are judged like the full check (the high-precision reference sets the tolerance: the
+    # bf16 floor alone rejects even the reference program of a deep model).
+    restore_built = snapshot_buffers(built)
 
     def agrees() -> bool:
-        restore()
-        return verify_end_to_end(model, built, example_inputs, trials=1, seed=seed,
-                                 float64_reference=high is not None, float64_model=high).ok
+        initial_state()
+        restore_built()
+        return verify_end_to_end(model, built, example_inputs, trials=1, seed=seed, high_reference=False,
+                                 high_model=high).ok
 
     try:
         at_fault = regions_at_fault(built, regions, out, agrees)
     except ReferencesDisagree:
         at_fault = []
-    restore()
+    restore_built()
     return at_fault
 
 

@@ -60,6 +60,17 @@ def snapshot_buffers(*modules) -> Callable[[], None]:
     return restore
 
 
+def copy_buffers(source, target) -> None:
+    """Sets each buffer of `target` (a copy of `source` at another precision: the same names) to
+    `source`'s value, cast: the copy starts from its source's state without a snapshot of its own."""
+    import torch
+
+    values = dict(source.named_buffers())
+    with torch.no_grad():
+        for name, buffer in target.named_buffers():
+            buffer.copy_(values[name])
+
+
 def regions_at_fault(built, regions, out, check: Callable[[], bool]) -> list[str]:
     """Names of the regions whose selected kernels break the end-to-end agreement.
 

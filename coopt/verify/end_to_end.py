@@ -7,13 +7,14 @@ the example's [min, max] (token ids stay in the vocabulary), bool inputs a fair 
 inputs are passed through.
 
 References, as in tolerances.py: `ref_hi` is a float64 deep copy of the original module run on
-upcast inputs; `ref_native` the original itself. When the module cannot be copied or run in
-float64, ref_hi falls back to the native outputs (the rule then reduces to the floor around
-eager). Every tensor leaf of the (nested tuple/list/dict) output is compared with `compare` at
+upcast inputs (float32 where a float64 copy would not fit in the device's free memory:
+`reference_copy`); `ref_native` the original itself. When the module cannot be copied or run
+at that precision, ref_hi falls back to the native outputs (the rule then reduces to the floor
+around eager). Every tensor leaf of the (nested tuple/list/dict) output is compared with `compare` at
 the dtype of the original's output; non-tensor leaves must be equal.
 
 A lossy build (fp8 KV cache) checks its kernels against its reference program (the transform on
-ATen ops at the build's dtype) as `original_module`, with `float64_model` the float64 copy of the
+ATen ops at the build's dtype) as `original_module`, with `high_model` the float64 copy of the
 unquantized model: both programs approximate that function, and quantization decides a value
 near a rounding boundary either way (a kernel's one-ulp difference upstream moves it by an fp8
 ulp), so a float64 copy of the reference program, which quantizes its own float64 values, is no
@@ -47,28 +48,28 @@ def verify_end_to_end(
     dynamic_shapes: Sequence[Mapping[int, object] | None] | None = None,
     trials: int = 3,
     seed: int = 0,
-    float64_reference: bool = True,
-    float64_model: torch.nn.Module | None = None,
-    errors_from: str = "float64",
+    high_reference: bool = True,
+    high_model: torch.nn.Module | None = None,
+    errors_from: str = "high",
 ) -> VerifyResult:
     """Compare `built_module(*inputs)` with `original_module(*inputs)` over `trials` trials.
 
     `dynamic_shapes` (optional) is aligned with `example_inputs`, in torch.export's form: per
     input None or {dim_index: torch.export.Dim(name, min=, max=)} (or a (name, min, max)
     tuple); dims sharing a name get the same size. Modules and inputs stay on their device.
-    `float64_reference=False` skips the float64 copy (it takes 4x the memory of bf16 weights);
-    `float64_model` is one made beforehand by `float64_copy` (repeated checks, as bisection runs,
+    `high_reference=False` skips the high-precision copy (float64 takes 4x the memory of bf16);
+    `high_model` is one made beforehand by `reference_copy` (repeated checks, as bisection runs,
     then copy the model once; the caller restores its state between checks), or for a lossy
     build the unquantized model's (module docstring). `errors_from` says what the reported
-    max_abs_err / max_rel_err measure from: the float64 reference ("float64") or
+    max_abs_err / max_rel_err measure from: the high-precision reference ("high") or
     `original_module`'s own outputs ("original"); the verdict is the same.
     """
-    if errors_from not in ("float64", "original"):
-        raise ValueError(f"errors_from={errors_from!r}: 'float64' or 'original'")
-    if float64_model is not None:
-        hi_model = float64_model
+    if errors_from not in ("high", "original"):
+        raise ValueError(f"errors_from={errors_from!r}: 'high' or 'original'")
+    if high_model is not None:
+        hi_model = high_model
     else:
-        hi_model = float64_copy(original_module) if float64_reference else None
+        hi_model = reference_copy(original_module)[0] if high_reference else None
     sizes_rng = random.Random(seed)
     max_abs = max_rel = 0.0
     for trial in range(trials):
@@ -78,7 +79,7 @@ def verify_end_to_end(
         where = f"trial {trial}, input shapes {_shapes(inputs)}"
         with torch.inference_mode():
             native = original_module(*_clones(inputs))
-            hi = _run_float64(hi_model, inputs)
+            hi = _run_high(hi_model, inputs)
             try:
                 built = built_module(*_clones(inputs))
             except Exception as error:  # noqa: BLE001 - a failing build is a verdict
@@ -110,7 +111,7 @@ def _compare_leaf(native, built, hi) -> tuple[str | None, float, float]:
         return (None if same else f"{built!r} != {native!r}"), 0.0, 0.0
     dtype, shape = native.dtype, tuple(native.shape)
     if hi is None or not isinstance(hi, torch.Tensor) or tuple(hi.shape) != shape:
-        hi, native = native, None  # no float64 reference: judge by the floor around eager
+        hi, native = native, None  # no high-precision reference: judge by the floor around eager
     verdict = compare(built, hi.double(), native, dtype=dtype, shape=shape)
     return verdict.reason, verdict.max_abs_err, verdict.max_rel_err
 
@@ -125,18 +126,88 @@ def _distance(built, native, otherwise: tuple[float, float]) -> tuple[float, flo
     return error, error / max(float(native.double().abs().max()), torch.finfo(native.dtype).tiny)
 
 
-def float64_copy(module):
-    """A float64 deep copy of `module` (the high-precision reference), or None if it cannot be made."""
-    try:
-        return copy.deepcopy(module).to(torch.float64)
-    except Exception:  # noqa: BLE001 - uncopyable module: fall back to native outputs
+# A high-precision copy may take at most this share of its device's free memory: a decode step
+# built for many rows holds KV caches of tens of GB, whose float64 copy ran an H200 out of memory
+# in the middle of a build (session 8: 96 rows x 4096 positions x 8 Llama-3-8B layers, 62 GB).
+# The rest is for the copy's forward pass: a GQA attention in eager expands the cache per query
+# head, transients up to half the copy's size.
+COPY_SHARE = {torch.float64: 0.5, torch.float32: 0.6}
+
+
+def reference_copy(module) -> tuple[torch.nn.Module | None, str]:
+    """(the high-precision reference of `module`, what it is): a float64 deep copy; else a float32
+    one where float64 would not fit in its COPY_SHARE of the device's free memory; else None (native
+    outputs judge: the floor around eager), also when the module cannot be copied."""
+    free = _free_bytes(module)
+    for dtype, share in COPY_SHARE.items():
+        if free is not None and _copy_bytes(module, dtype) > share * free:
+            continue
+        try:
+            return _converted_copy(module, dtype), str(dtype).removeprefix("torch.")
+        except torch.OutOfMemoryError:
+            continue  # the estimate missed (fragmentation): try the smaller copy
+        except Exception as error:  # noqa: BLE001 - uncopyable module: fall back to native outputs
+            return None, f"none: the model cannot be copied ({one_line(error)})"
+    return None, (f"none: even a float32 copy needs {_copy_bytes(module, torch.float32) / 2**30:.1f} GiB, "
+                  f"more than {COPY_SHARE[torch.float32]:.0%} of the {free / 2**30:.1f} GiB free")
+
+
+def _tensors(module):
+    return [*module.parameters(), *module.buffers()]
+
+
+def _free_bytes(module) -> int | None:
+    """Free memory of the CUDA device `module` lives on (what its caching allocator holds unused
+    counts as free), or None off CUDA (no limit checked)."""
+    tensor = next(iter(_tensors(module)), None)
+    if tensor is None or tensor.device.type != "cuda":
         return None
+    free, _ = torch.cuda.mem_get_info(tensor.device)
+    return free + torch.cuda.memory_reserved(tensor.device) - torch.cuda.memory_allocated(tensor.device)
 
 
-def _run_float64(hi_model, inputs):
+def _plain(module) -> bool:
+    """Whether a dtype cast of `module` converts every floating tensor (no module overrides
+    _apply, as a built program does to keep its fp8 caches fp8)."""
+    return all(type(m)._apply is torch.nn.Module._apply for m in module.modules())
+
+
+def _copy_bytes(module, dtype: torch.dtype) -> int:
+    """Bytes a `dtype` copy of `module` allocates at its peak (a module that casts by its own rules
+    is deep-copied first, then cast)."""
+    converted = sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+                    for t in _tensors(module))
+    return converted if _plain(module) else converted + sum(t.numel() * t.element_size() for t in _tensors(module))
+
+
+def _converted_copy(module, dtype: torch.dtype):
+    """A deep copy of `module` cast to `dtype`. A plain module's tensors are converted as they are
+    copied (the memo hands deepcopy the converted tensors), so no copy at the model's own dtype
+    is ever held beside the converted one; others are copied, then cast by their own `.to`."""
+    if not _plain(module):
+        return copy.deepcopy(module).to(dtype)
+
+    def converted(tensor):
+        if not tensor.is_floating_point():
+            return tensor.detach().clone()
+        return tensor.detach().to(dtype, copy=True)
+
+    memo = {}
+    for tensor in _tensors(module):
+        if id(tensor) not in memo:
+            value = converted(tensor)
+            memo[id(tensor)] = (torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
+                                if isinstance(tensor, torch.nn.Parameter) else value)
+    return copy.deepcopy(module, memo)
+
+
+def _run_high(hi_model, inputs):
     if hi_model is None:
         return None
-    upcast = [x.to(torch.float64) if _is_float_tensor(x) else _clone(x) for x in inputs]
+    # the copy's precision: its widest floating dtype (a built program's copy keeps fp8 caches)
+    dtype = max((t.dtype for t in _tensors(hi_model) if t.is_floating_point()), key=lambda d: d.itemsize,
+                default=torch.float64)
+    upcast = [x.to(dtype) if _is_float_tensor(x) else _clone(x) for x in inputs]
     try:
         return hi_model(*upcast)
     except Exception:  # noqa: BLE001 - e.g. a dtype-specific op: fall back to native outputs

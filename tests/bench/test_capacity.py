@@ -91,8 +91,13 @@ def test_the_planned_step_takes_every_sequence_the_decoder_will_hold():
     lengths = capacity.draw_lengths(500, 8, 100, seed=1)
     for pages in (9, 40, 130):
         held = capacity.fill(capacity.placed_decoder(FakeStep(num_pages=pages)), lengths, steps=4)["sequences"]
-        batch = capacity.planned_step_batch(pages, 16, lengths, steps=4)
+        batch = capacity.planned_step_batch(pages, 16, lengths, steps=4, max_rows=1000)
         assert batch % 8 == 0 and held <= batch < held + 8 or batch == 8 >= held, (pages, held, batch)
+        # at most max_rows a call: the fewest calls, the rows shared evenly between them
+        capped = capacity.planned_step_batch(pages, 16, lengths, steps=4, max_rows=16)
+        calls = -(-held // capped)
+        assert capped % 8 == 0 and capped <= 16 and calls == max(1, -(-held // 16)), (pages, held, capped)
+        assert capped * calls - held < 8 * calls, (pages, held, capped)
     args = capacity.parse_args(["--throughput", "--step-batch", "capacity"])
     assert args.step_batch == "capacity" and capacity.parse_args(["--step-batch", "12"]).step_batch == 12
     with pytest.raises(SystemExit):

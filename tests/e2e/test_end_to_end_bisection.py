@@ -50,3 +50,43 @@ def test_bisection_drops_only_the_kernel_that_breaks_the_model(tmp_path):
     assert selection[broken.summary.name]["selected"] == REFERENCE
     with torch.no_grad():
         torch.testing.assert_close(coopt.load(out)(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
+
+
+class CachedBlocks(torch.nn.Module):
+    """TwoBlocks over a cache written in place at `pos` (a decoder's state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+        self.register_buffer("cache", torch.randn(8, 32))
+
+    def forward(self, x, pos):
+        self.cache[pos] = torch.relu(self.up(x))
+        return self.down(self.cache[:4]) + x
+
+
+def test_a_stateful_check_runs_the_callers_model_and_puts_its_buffers_back(tmp_path, monkeypatch):
+    import coopt.verify.end_to_end as e2e
+
+    torch.manual_seed(0)
+    model, inputs, out = CachedBlocks(), (torch.randn(4, 16), torch.arange(4)), tmp_path / "out"
+    result = coopt.Pipeline(top_k=1).build(model, inputs, out)
+    kernels = [r for r in result.regions if r.selected != REFERENCE]
+    assert kernels, [(r.summary.name, r.selected) for r in result.regions]
+    broken = kernels[-1]
+    chosen = next(c for c in broken.candidates if c.label == broken.selected)
+    path = out / chosen.module
+    path.write_text(path.read_text() + "\n\n_run = run\n\ndef run(*inputs):\n"
+                    "    return tuple(2 * y if y.is_floating_point() else y for y in _run(*inputs))\n")
+    before = model.cache.clone()
+    # a device with room for a float32 copy of the model but not a float64 one
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(e2e._copy_bytes(module, torch.float32) / e2e.COPY_SHARE[torch.float32]) + 1)
+    warnings: list[str] = []
+    record = check_end_to_end(model, inputs, result.regions, out, trials=2, seed=0, measured=False,
+                              stateful=True, cuda_graphs=False, warnings=warnings,
+                              write_selection=lambda: coopt.compile.write_selection(out, result.regions, False))
+    assert record["ok"] and record["reference_precision"] == "float32"
+    assert broken.selected == REFERENCE and "bisection" in broken.reason
+    assert any("float32" in w for w in warnings)
+    assert torch.equal(model.cache, before)  # the trials wrote the caller's cache; it is put back

@@ -24,7 +24,7 @@ import coopt
 from coopt.candidates import REFERENCE
 from coopt.compile import write_selection
 from coopt.end_to_end import check_end_to_end, reference_program
-from coopt.verify.end_to_end import float64_copy
+from coopt.verify.end_to_end import reference_copy
 
 HEADS, KV_HEADS, DIM, MAX_SEQ, PROMPT, VOCAB = 4, 2, 16, 16, 4, 32
 PER_TOKEN = "fp8-kv-cache{granularity=per-token,scale-source=dynamic}"
@@ -66,8 +66,8 @@ def test_float64_reference_of_a_bf16_per_token_program_runs(tmp_path):
     inputs = prompt_inputs()
     coopt.Pipeline(f"inplace-state-writes,raise-patterns,{PER_TOKEN}").build(model, inputs, tmp_path / "out")
     built = coopt.load(tmp_path / "out")
-    high = float64_copy(built)
-    assert high is not None
+    high, precision = reference_copy(built)
+    assert high is not None and precision == "float64"
     kept = {"k_cache": torch.float8_e4m3fn, "k_cache.scale": torch.float32, "v_cache.scale": torch.float32}
     for name, dtype in kept.items():
         assert high.state_tensor(name).dtype == dtype, name

@@ -7,7 +7,7 @@ import copy
 import torch
 from torch.export import Dim
 
-from coopt.verify.end_to_end import verify_end_to_end
+from coopt.verify.end_to_end import reference_copy, verify_end_to_end
 
 
 class TinyMLP(torch.nn.Module):
@@ -74,3 +74,59 @@ def test_dynamic_dims_are_varied_between_trials():
     assert result.ok, result.failure
     assert built.shapes[0] == (6, 16) and built.shapes[1] == (1, 16)  # example, then minimum
     assert all(1 <= s[0] <= 6 for s in built.shapes)  # never beyond the example's size
+
+
+class TiedCache(torch.nn.Module):
+    """Tied weights and a KV-cache-like buffer, in bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 16)
+        self.head = torch.nn.Linear(16, 8, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("cache", torch.randn(4, 16))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens) + self.cache[: tokens.shape[0]])
+
+
+def test_reference_copy_is_float64_without_a_native_copy_and_keeps_ties(monkeypatch):
+    model = TiedCache().to(torch.bfloat16)
+    # a deepcopy at the model's own dtype would meet this; the converted copy never makes one
+    copied = []
+    original_deepcopy = torch.Tensor.__deepcopy__
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", lambda self, memo: copied.append(self) or original_deepcopy(self, memo))
+    high, precision = reference_copy(model)
+    assert precision == "float64" and copied == []
+    assert high.embed.weight.dtype == high.cache.dtype == torch.float64 and high.steps.dtype == torch.int64
+    assert isinstance(high.embed.weight, torch.nn.Parameter) and high.head.weight is high.embed.weight
+    assert high.cache.data_ptr() != model.cache.data_ptr() and model.cache.dtype == torch.bfloat16
+    torch.testing.assert_close(high.cache, model.cache.double())
+
+
+def test_reference_copy_steps_down_to_float32_then_to_none_as_memory_shrinks(monkeypatch):
+    import coopt.verify.end_to_end as e2e
+
+    model = TiedCache()
+    need64 = e2e._copy_bytes(model, torch.float64)
+    need32 = e2e._copy_bytes(model, torch.float32)
+    assert need64 == 2 * need32 - 8  # the int64 counter is copied as it is
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(need32 / e2e.COPY_SHARE[torch.float32]) + 1)
+    high, precision = reference_copy(model)
+    assert precision == "float32" and high.cache.dtype == torch.float32
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(need32 / e2e.COPY_SHARE[torch.float32]) - 1)
+    high, precision = reference_copy(model)
+    assert high is None and precision.startswith("none: even a float32 copy needs")
+
+
+def test_a_float32_reference_still_judges_a_bf16_build(monkeypatch):
+    import coopt.verify.end_to_end as e2e
+
+    model = _model(torch.bfloat16)
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(e2e._copy_bytes(module, torch.float32) / e2e.COPY_SHARE[torch.float32]) + 1)
+    assert verify_end_to_end(model, copy.deepcopy(model), (torch.randn(4, 16).to(torch.bfloat16),)).ok
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.down.weight[3, 5] += 0.5
+    assert not verify_end_to_end(model, broken, (torch.randn(4, 16).to(torch.bfloat16),)).ok
