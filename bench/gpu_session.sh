@@ -21,10 +21,12 @@
 #   bash bench/gpu_session.sh long-quick # the same at 16384 tokens (~4-6 min)
 #   bash bench/gpu_session.sh capacity   # bench/capacity.py --throughput: PagedDecoder.step() (graph-replayed) at capacity,
 #                                        # paged bf16 / static / paged fp8, 8 layers, 4 GiB of KV (~6-8 min)
+#   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
 #                                        # every file comes back in $OUT/parallel.tar.gz (session 3: two
 #                                        # jobs sharing the host's CPUs overran their limits; pick steps
-#                                        # with slack)
+#                                        # with slack); `parallel kv-probe+long-eager fp8-b32`: two
+#                                        # steps one after the other on GPU 0
 #
 # Every step has its own time limit, so a slow step costs its own results, not the others'.
 set -uo pipefail
@@ -139,6 +141,9 @@ case "${1:-}" in
     accuracy)  # issue 4: train the small model on the GPU, then every lossy configuration against bf16
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --out "$OUT/accuracy.json"
         ;;
+    kv-probe)  # issue 4: which fp8 KV quantization reaches the top-1 target (eager, the harness's model; ~1-2 min)
+        step 200 kv-probe python bench/fp8_kv_probe.py --device cuda --out "$OUT/fp8_kv_probe.json"
+        ;;
     long)  # issue 4: two builds (unchunked, chunk 4096), each loaded then its weights.pt deleted; JSON after every variant
         step 580 long python bench/long_prefill.py --out "$OUT/long_prefill.json" --build-dir /tmp/coopt-long
         reports reports_long coopt-long
@@ -170,12 +175,14 @@ case "${1:-}" in
             --build-dir /tmp/coopt-capacity-fp8
         reports reports_capacity coopt-capacity-fp8
         ;;
-    parallel)  # parallel STEP...: step i on GPU i (nvidia-h200-x2 / -x4), each under $OUT/gpu<i>, all back as one archive
+    parallel)  # parallel STEP...: step i on GPU i (nvidia-h200-x2 / -x4), each under $OUT/gpu<i>, all back as one
+               # archive; STEP may be A+B: A then B on the same GPU
         shift
         i=0
         for name in "$@"; do
             mkdir -p "$OUT/gpu$i"
-            CUDA_VISIBLE_DEVICES=$i OUT="$OUT/gpu$i" bash "$0" "$name" > "$OUT/gpu$i/console.txt" 2>&1 &
+            (for part in ${name//+/ }; do CUDA_VISIBLE_DEVICES=$i OUT="$OUT/gpu$i" bash "$0" "$part"; done) \
+                > "$OUT/gpu$i/console.txt" 2>&1 &
             i=$((i + 1))
         done
         wait
