@@ -8,7 +8,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 
 from coopt.codegen.input_bounds import derive_input_bounds
-from coopt.codegen.torch_lines import Names, block_lines
+from coopt.codegen.torch_lines import Names, block_lines, with_releases
 from coopt.ir.summary import symbol_table, tensor_spec
 from coopt.passes.fp8_kv_cache import scale_buffers
 from coopt.templates.base import render_template
@@ -83,7 +83,7 @@ def program_source(module: ModuleOp, *, model_name: str, target: str, params: li
         out_spec=out_spec,
         params=params,
         unpack=unpack,
-        lines=lines,
+        lines=with_releases(lines, returned),
         returned=returned,
     )
 
