@@ -202,6 +202,9 @@ def test_kernels_compile_for_sm90(compile_for_sm90):
         ("bias_gelu_broadcast", FAMILY.render(BIAS_GELU, {"BLOCK": 1024, "num_warps": 4}), bias, "elementwise_kernel"),
         ("bias_gelu_flat", FAMILY.render(BIAS_GELU, {"BLOCK": 4096, "num_warps": 8}), flat, "elementwise_kernel"),
         ("scale_shift", FAMILY.render(SCALE_SHIFT, {"BLOCK": 128, "num_warps": 1}), scale_shift, "elementwise_kernel"),
+        # the int64 indices a long prompt's strided inputs take (forced here on small ones)
+        ("bias_gelu_broadcast_int64", FAMILY.render(BIAS_GELU, {"BLOCK": 1024, "num_warps": 4})
+         + "\n_index_64 = lambda *views: True\n", bias, "elementwise_kernel"),
     ])
 
 
@@ -219,3 +222,25 @@ def test_programmatic_dependent_launch_only_on_hopper_gpus(load_candidate):
     assert module.PDL is hopper and module.PDL_LAUNCH == ({"launch_pdl": True} if hopper else {})
     (y,) = module.run(on_test_device([torch.ones(4, 8)])[0])
     assert torch.allclose(y.float().cpu(), torch.nn.functional.silu(torch.ones(4, 8)))
+
+
+def test_offsets_past_2_31_switch_the_kernel_to_int64_indices(load_candidate, assert_close):
+    """The SwiGLU of a 131072-token prompt reads slices of a [131072, 28672] gate|up output:
+    offsets up to 3.8e9 while its own output has fewer than 2**31 elements (session 8: int32
+    indices read out of bounds on the H200). The decision is checked on the shapes; the int64
+    path itself on small inputs (forced), against the same torch result as the int32 one."""
+    summary = region([(5, 6)] * 3, [["s", "add", ["in0", "in1"]], ["y", "mul", ["s", "in2"]]], ["y"])
+    module = load_candidate(FAMILY.render(summary, {"BLOCK": 128, "num_warps": 2}), "index64")
+    rows, half = 131072, 14336
+    gate_strides = (0, 0, 2 * half, 1)  # gate = gate_up[:, :half] of a [rows, 2 * half] tensor
+    assert module._index_64((rows, half), gate_strides)
+    assert not module._index_64((rows // 2, half), gate_strides)  # 1.9e9: int32 holds it
+    assert module._index_64((2**16, 2**15), (0, 0, 2**15, 1))  # the output itself: 2**31 elements
+    assert not module._index_64((rows, half), (0, 0, 0, 1))  # a broadcast row adds nothing
+    torch.manual_seed(3)
+    a, b, c = torch.randn(5, 12)[:, ::2], torch.randn(6, 5).t(), torch.randn(5, 1).expand(5, 6)
+    narrow = module.run(*on_test_device([a, b, c]))[0]
+    module._index_64 = lambda *views: True
+    (wide,) = module.run(*on_test_device([a, b, c]))
+    assert_close(wide, (a + b) * c)
+    assert torch.equal(wide, narrow)

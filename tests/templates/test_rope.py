@@ -72,7 +72,23 @@ def test_compiles_for_hopper(compile_for_sm90):
     q = merged[..., : 32 * 128].view(1, 4, 32, 128).transpose(1, 2)
     cos, sin = torch.randn(4, 128).to(torch.bfloat16), torch.randn(4, 128).to(torch.bfloat16)
     summary = region(q.shape, cos.shape, "bfloat16")
+    forced_64 = "\n_index_64 = lambda *views: True  # the int64 indices of a long prompt\n"
     compile_for_sm90([
-        (f"R{p['BLOCK_R']}w{p['num_warps']}", FAMILY.render(summary, p), [q, cos, sin], "rope_kernel")
-        for p in ({"BLOCK_R": 1, "num_warps": 1}, {"BLOCK_R": 8, "num_warps": 4})
+        (f"R{p['BLOCK_R']}w{p['num_warps']}{tail and '-int64'}", FAMILY.render(summary, p) + tail, [q, cos, sin],
+         "rope_kernel")
+        for p in ({"BLOCK_R": 1, "num_warps": 1}, {"BLOCK_R": 8, "num_warps": 4}) for tail in ("", forced_64)
     ])
+
+
+def test_int64_indices_when_an_offset_passes_2_31(load_candidate, assert_close):
+    """A q slice of a long prompt's merged projection: row offsets reach 2**31 before the rows do."""
+    module = load_candidate(FAMILY.render(region((1, 7, 2, 6), (1, 7, 6)), {"BLOCK_R": 4, "num_warps": 1}), "index64")
+    assert module._index_64((1, 2**18, 32, 128), (0, 6144, 128, 1)) is False  # 1.6e9
+    assert module._index_64((1, 2**19, 32, 128), (0, 6144, 128, 1)) is True  # 2**19 x 6144 > 2**31
+    torch.manual_seed(1)
+    merged = torch.randn(1, 7, 5 * 6)
+    k = merged[..., 18:30].view(1, 7, 2, 6).transpose(1, 2)
+    cos, sin = torch.randn(1, 7, 6), torch.randn(1, 7, 6)
+    module._index_64 = lambda *views: True
+    (out,) = module.run(*on_test_device([k, cos, sin]))
+    assert_close(out, rope_reference(k, cos, sin))

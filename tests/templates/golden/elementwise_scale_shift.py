@@ -47,13 +47,17 @@ def elementwise_kernel(
     IN1_FLAT: tl.constexpr,
     IN2_FLAT: tl.constexpr,
     BLOCK: tl.constexpr,
+    INDEX_64: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    program = tl.program_id(0)
+    if INDEX_64:  # an offset of some input or of the output reaches 2**31 (run's _index_64)
+        program = program.to(tl.int64)
+    offsets = program * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     # 4-D index of each output element; only inputs not laid out like the output use it
     # (broadcast dims have stride 0), so the compiler drops it when every input is flat.
@@ -85,10 +89,23 @@ def elementwise_kernel(
     tl.store(out1_ptr + offsets, v_y.to(out1_ptr.dtype.element_ty), mask=mask)
 
 
-def _strides_4d(tensor, out_shape):
-    """Element strides of `tensor` broadcast to `out_shape`, left-padded to 4-D (0 = broadcast)."""
-    strides = torch.broadcast_to(tensor, out_shape).stride()
+def _strides_4d(tensor, shape):
+    """Element strides of `tensor` broadcast to `shape`, left-padded to 4-D (0 = broadcast)."""
+    strides = torch.broadcast_to(tensor, shape).stride()
     return (0,) * (4 - len(strides)) + tuple(strides)
+
+
+def _index_64(shape, *strides_4d) -> bool:
+    """Whether an element offset into any of the views (4-D strides over `shape`) reaches 2**31:
+    the kernel then computes its indices in int64 (INDEX_64). int32 wraps there and reads
+    outside the tensor: the SwiGLU of a 131072-token prompt reads slices of a [131072, 28672]
+    gate|up output, offsets up to 3.8e9, though its own output has fewer than 2**31 elements."""
+    sizes = (1,) * (4 - len(shape)) + tuple(shape)
+    numel = 1
+    for size in sizes:
+        numel *= size
+    largest = max((sum((n - 1) * abs(s) for n, s in zip(sizes, strides)) for strides in strides_4d), default=0)
+    return max(numel, largest + 1) > 2**31 - 1
 
 
 def run(*inputs):
@@ -100,8 +117,6 @@ def run(*inputs):
     numel = outputs[0].numel()
     if numel == 0:
         return outputs
-    # offsets are int32 in the kernel
-    assert numel < 2**31, f"elementwise kernel supports fewer than 2**31 elements, got {numel}"
     sizes = (1,) * (4 - len(out_shape)) + tuple(out_shape)
     strides = [_strides_4d(x, out_shape) for x in inputs]
     # an input laid out exactly like the output is read at the linear index, no unravelling
@@ -119,6 +134,7 @@ def run(*inputs):
         IN1_FLAT=flat[1],
         IN2_FLAT=flat[2],
         BLOCK=BLOCK,
+        INDEX_64=_index_64(out_shape, *strides),
         PDL=PDL, **PDL_LAUNCH,
         num_warps=NUM_WARPS,
     )
