@@ -3,15 +3,16 @@ before the passes, and the tensors the emitter stores after them.
 
 The pass itself touches no data. The build (coopt/compile.py) calls:
 - `calibrate_kv_absmax` before the passes: the original model (a deep copy) runs on the
-  calibration inputs, and each 4-D floating buffer's absmax per kv head (dim 1) is recorded in
-  the module attribute `coopt.kv_calibration` ({buffer ref: [absmax per head]}). The buffers'
-  contents after those calls are what the model wrote plus what they held before, which is
+  calibration inputs, and each 4-D floating buffer's absmax per kv head (dim 1), mean per
+  (head, channel) and centred range are recorded in the module attribute `coopt.kv_calibration`
+  ({buffer ref: {"absmax", "mean", "centred_absmax"}}). The buffers' contents after those calls are what the model wrote plus what they held before, which is
   quantized with the same scales.
 - `fp8_weights` in `program_weights`: the scale weights from the values the pass recorded in
-  `coopt.fp8_kv_cache`, per-token scale buffers from each cache's existing rows, and each
-  cache quantized with its scales (stored as float8_e4m3fn in weights.pt).
+  `coopt.fp8_kv_cache`, per-token scale buffers from each cache's existing rows, smoothed key
+  caches' offsets, and each cache (less its offset) quantized with its scales (stored as
+  float8_e4m3fn in weights.pt).
 
-    absmax = calibrate_kv_absmax(model, [(tokens, positions)])   # {"layers.0.attention.k_cache": [3.1, 2.7], ...}
+    stats = calibrate_kv_absmax(model, [(tokens, positions)])   # {"layers.0.attention.k_cache": {"absmax": [3.1, 2.7], "mean": ..., ...}}
 """
 
 from __future__ import annotations
@@ -28,23 +29,47 @@ def needs_calibration(passes) -> bool:
 
 
 @torch.no_grad()
-def calibrate_kv_absmax(model: torch.nn.Module, calibration_inputs) -> dict[str, list[float]]:
-    """{buffer name: [absmax of dim-1 slice h]} for every 4-D floating buffer, the largest it held
-    before or after any call of a deep copy of `model` on each input tuple (the caller's model and
-    its buffers stay as they are)."""
+def calibrate_kv_absmax(model: torch.nn.Module, calibration_inputs) -> dict[str, dict]:
+    """Per 4-D floating buffer, what a deep copy of `model` held in it before or after any call
+    on each input tuple (the caller's model and its buffers stay as they are):
+    {"absmax": [per kv head (dim 1)], "mean": [[per head and channel (dim 3)]], "centred_absmax":
+    [per head: the largest |x - mean| of its channels]}. Mean and centred range are over the
+    rows that hold something (a row of zeros is a position nothing wrote yet): fp8-kv-cache's
+    smooth-k subtracts the mean from the keys before rounding and scales by the centred range."""
     model = copy.deepcopy(model)
     device = next((b.device for b in model.buffers()), torch.device("cpu"))
+    buffers = {name: b for name, b in model.named_buffers() if b.dim() == 4 and b.is_floating_point()}
+    stats: dict[str, dict] = {}
 
-    def head_absmax() -> dict[str, torch.Tensor]:
-        return {name: buffer.detach().float().abs().amax(dim=(0, 2, 3))
-                for name, buffer in model.named_buffers() if buffer.dim() == 4 and buffer.is_floating_point()}
+    def observe() -> None:
+        # running statistics: calls at the same positions (several prompts) overwrite each other's rows
+        for name, buffer in buffers.items():
+            x = buffer.detach().float()
+            rows = x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])  # [rows, H, D]
+            held = rows.abs().amax(dim=-1) > 0  # [rows, H]
+            now = {"absmax": x.abs().amax(dim=(0, 2, 3)),
+                   "sum": torch.where(held[..., None], rows, 0.0).sum(dim=0), "count": held.sum(dim=0),
+                   "low": torch.where(held[..., None], rows, float("inf")).amin(dim=0),
+                   "high": torch.where(held[..., None], rows, float("-inf")).amax(dim=0)}
+            seen = stats.get(name)
+            stats[name] = now if seen is None else {
+                "absmax": torch.maximum(seen["absmax"], now["absmax"]), "sum": seen["sum"] + now["sum"],
+                "count": seen["count"] + now["count"], "low": torch.minimum(seen["low"], now["low"]),
+                "high": torch.maximum(seen["high"], now["high"])}
 
-    # a running maximum: calls at the same positions (several prompts) overwrite each other's rows
-    absmax = head_absmax()
+    observe()
     for inputs in calibration_inputs:
         model(*[x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs])
-        absmax = {name: torch.maximum(absmax[name], now) for name, now in head_absmax().items()}
-    return {name: [float(v) for v in values.cpu()] for name, values in absmax.items()}
+        observe()
+    result = {}
+    for name, s in stats.items():
+        mean = s["sum"] / s["count"].clamp_min(1)[:, None]  # [H, D]; a head with no rows: 0
+        spread = torch.maximum(s["high"] - mean, mean - s["low"])
+        centred = torch.where(s["count"][:, None] > 0, spread, 0.0).amax(dim=-1)
+        result[name] = {"absmax": [float(v) for v in s["absmax"].cpu()],
+                        "mean": [[float(v) for v in head] for head in mean.cpu()],
+                        "centred_absmax": [float(v) for v in centred.cpu()]}
+    return result
 
 
 def set_calibration(module, absmax: dict) -> None:
@@ -79,6 +104,7 @@ def broadcast_scale(scale: torch.Tensor, granularity: str) -> torch.Tensor:
 def fp8_weights(record: dict, state: dict) -> dict[str, torch.Tensor]:
     """The fp8 caches and their scales by state name, from the pass's record and the model's state."""
     granularity, headroom = record["granularity"], record["headroom"]
+    offsets = record.get("offsets", {})  # smooth-k: key caches store k - offset
     tensors = {}
     for cache_ref, scale_ref in record["caches"].items():
         cache = state[cache_ref]
@@ -87,6 +113,11 @@ def fp8_weights(record: dict, state: dict) -> dict[str, torch.Tensor]:
         else:
             scale = torch.tensor(record["scales"][scale_ref], dtype=torch.float32, device=cache.device)
         tensors[scale_ref] = scale
+        if cache_ref in offsets:
+            offset = torch.tensor(record["offset_values"][offsets[cache_ref]], dtype=torch.float32,
+                                  device=cache.device)[None, :, None, :]  # [1, Hkv, 1, D]
+            tensors[offsets[cache_ref]] = offset
+            cache = cache.float() - offset
         tensors[cache_ref] = quantize(cache, scale, granularity)
     return tensors
 
@@ -99,4 +130,6 @@ def kv_cache_bytes(record: dict, state: dict) -> dict:
         cache = state[cache_ref]  # one byte an element in fp8, plus its fp32 scales
         scales = cache[..., 0].numel() if record["granularity"] == "per-token" else torch.tensor(record["scales"][scale_ref]).numel()
         after += cache.numel() + 4 * scales
+    for offset_ref in record.get("offset_values", {}):  # smooth-k: fp32 [Hkv, D] a key cache
+        after += 4 * sum(len(head) for head in record["offset_values"][offset_ref])
     return {"before": before, "after": after, "saved": before - after}

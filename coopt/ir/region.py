@@ -71,8 +71,9 @@ kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quanti
              "inplace": [input indices written in place]}
     inputs: k_cache, v_cache [B_max, Hkv, S_max, D], positions [T] int, k, v [B, Hkv, T, D],
     [cos, sin when rope], [k_scale, v_scale when quantized: per-token scale buffers
-    [B_max, Hkv, S_max] (paged: [N, Hkv, P]) written in place too, attrs "headroom"]; outputs:
-    the inplace inputs after cache[:B, :, positions] = quant(rope(k)) (and v). Per row (attrs
+    [B_max, Hkv, S_max] (paged: [N, Hkv, P]) written in place too, attrs "headroom"], [k_offset
+    [1, Hkv, 1, D] fp32 when attrs "k_offset": fp8-kv-cache's smooth-k, per-tensor/per-head]; outputs:
+    the inplace inputs after cache[:B, :, positions] = quant(rope(k) - k_offset) (and quant(v)). Per row (attrs
     "positions": "per-row", "index_input": 2, "index_bound": [0, 2]; a ragged decode step): positions [B], k, v
     [B, Hkv, 1, D], cache[b, :, positions[b]] = quant(rope(k[b, :, 0])). Paged (attrs
     "page_size": P, "page_table_input": last, "pool_input": 0): k_cache / v_cache are pools

@@ -9,10 +9,14 @@ through `coopt.quantize_fp8`, and gives each attention its `k_scale` / `v_scale`
 Where the scales come from (`scale-source`):
 - calibration (granularity per-tensor | per-head): the build runs the original model on the
   calibration inputs before the passes and records, per cache buffer, the absmax of its contents
-  per kv head in the module attribute `coopt.kv_calibration` (JSON {buffer ref: [absmax per
-  head]}; `coopt opt` reads it from the IR text). Scale = max(absmax, SCALE_FLOOR) · headroom /
-  FP8_MAX, one per head or the largest for the tensor; a weight `<buffer ref>.scale` (fp32,
-  [Hkv] or [1]).
+  per kv head, the mean of each (head, channel) and the largest distance from it, in the module
+  attribute `coopt.kv_calibration` (JSON {buffer ref: {"absmax", "mean", "centred_absmax"}}:
+  fp8_cache.calibrate_kv_absmax; `coopt opt` reads it from the IR text). Scale =
+  max(absmax, SCALE_FLOOR) · headroom / FP8_MAX, one per head or the largest for the tensor; a
+  weight `<buffer ref>.scale` (fp32, [Hkv] or [1]). With `smooth-k`, each key cache stores
+  k - mean (a weight `<buffer ref>.offset`, fp32 [1, Hkv, 1, D], subtracted before the write's
+  quantize_fp8) scaled by the centred range: attention reads it as it is, since a query's
+  scores all move by q . mean, which softmax ignores.
 - dynamic (granularity per-token): a state buffer `<buffer ref>.scale` [B_max, Hkv, S_max] fp32
   beside each cache, written at the same positions as the cache with each written row's scale:
   s = clamp_min(amax(abs(x), -1) as fp32, SCALE_FLOOR) · (headroom / FP8_MAX), a few ATen ops
@@ -23,7 +27,8 @@ Where the scales come from (`scale-source`):
 
 The pass touches no data: it records in the module attribute `coopt.fp8_kv_cache` (JSON
 {"granularity", "headroom", "caches": {cache ref: scale ref}, "scales": {scale ref: [values]}
-(calibration only)}) what the emitter (`compile.program_weights`) materialises: scale weights
+(calibration only), with smooth-k "offsets": {cache ref: offset ref} and "offset_values":
+{offset ref: [[mean per channel] per head]}}) what the emitter (`compile.program_weights`) materialises: scale weights
 from those values, per-token scale buffers from the caches' existing contents, and each cache
 quantized with its scale. Lossy: never in the default pipeline; `--kv-cache fp8` adds it.
 """
@@ -85,6 +90,11 @@ class Fp8KvCache(CooptPass):
     granularity: str = "per-head"  # per-tensor | per-head | per-token
     scale_source: str = "calibration"  # calibration | dynamic
     headroom: float = 1.0  # scale = absmax * headroom / 448: > 1 leaves room above the calibrated range
+    # keys minus their calibrated per-(head, channel) mean before rounding, scaled by the centred
+    # range: exact for attention (q . mean is the same for every key of a query; softmax ignores
+    # it), and it shrinks the rounding error of channels with a large common offset
+    # (bench/fp8_kv_probe.py: KL 1.75e-3 -> 1.00e-3, top-1 98.24 -> 98.78 % on the harness model)
+    smooth_k: bool = False
 
     def __post_init__(self):
         if self.granularity not in KV_SCALE_GRANULARITIES:
@@ -97,6 +107,9 @@ class Fp8KvCache(CooptPass):
                 f"(calibration: per-tensor or per-head; dynamic: per-token)")
         if not float(self.headroom) >= 1.0:
             raise ConfigError(f"fp8-kv-cache: knob headroom={self.headroom} must be a number >= 1.0")
+        if self.smooth_k and self.scale_source != "calibration":
+            raise ConfigError("fp8-kv-cache: knob smooth-k needs calibrated scales (scale-source=calibration: "
+                              "per-tensor or per-head); the keys' means come from the calibration")
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         caches = find_caches(op)
@@ -106,27 +119,38 @@ class Fp8KvCache(CooptPass):
                 "and read as k/v by a decode or cache attention); drop --kv-cache fp8 / the fp8-kv-cache pass")
         record = {"granularity": self.granularity, "headroom": float(self.headroom), "caches": {}, "scales": {}}
         calibration = _calibration(op) if self.scale_source == "calibration" else {}
+        smoothed = _key_caches(op, caches) if self.smooth_k else set()
+        if smoothed:
+            record["offsets"], record["offset_values"] = {}, {}
         scales: dict[SSAValue, SSAValue] = {}  # cache value (any view) -> its scale value
         for ref, cache in caches.items():
             weight = cache.weight
             shape = weight.results[0].type.get_shape()
+            offset = None
             if self.scale_source == "calibration":
-                values = self._calibrated_scales(ref, calibration, shape[1])
+                values = self._calibrated_scales(ref, calibration, shape[1], centred=ref in smoothed)
                 scale = WeightOp(scale_ref(ref), TensorType(f32, [len(values)]))
                 record["scales"][scale_ref(ref)] = values
+                if ref in smoothed:
+                    offset = WeightOp(offset_ref(ref), TensorType(f32, [1, shape[1], 1, shape[3]]))
+                    Rewriter.insert_op(offset, InsertPoint.after(weight))
+                    record["offsets"][ref] = offset_ref(ref)
+                    record["offset_values"][offset_ref(ref)] = _entry(calibration, ref)["mean"]
+                    count("fp8_kv_cache.smoothed_keys")
             else:
                 scale = WeightOp(scale_ref(ref), TensorType(f32, list(shape[:3])))
             Rewriter.insert_op(scale, InsertPoint.after(weight))
             record["caches"][ref] = scale_ref(ref)
-            scales.update(self._quantize_writes(cache, scale.results[0]))
+            scales.update(self._quantize_writes(cache, scale.results[0], offset.results[0] if offset is not None else None))
             count("fp8_kv_cache.buffers")
         for attention in _attentions(op):
             if attention.k in scales and attention.v in scales:
                 _give_scales(attention, scales[attention.k], scales[attention.v], self.granularity)
         op.attributes[FP8_ATTR] = StringAttr(json.dumps(record, sort_keys=True))
 
-    def _calibrated_scales(self, ref: str, calibration: dict, heads: int) -> list[float]:
-        absmax = calibration.get(ref)
+    def _calibrated_scales(self, ref: str, calibration: dict, heads: int, centred: bool = False) -> list[float]:
+        entry = _entry(calibration, ref)
+        absmax = entry.get("centred_absmax" if centred else "absmax") if entry is not None else None
         if absmax is None or len(absmax) != heads:
             raise ConfigError(
                 f"fp8-kv-cache{{scale-source=calibration}}: no calibration absmax for the {heads} heads of buffer '{ref}' "
@@ -134,9 +158,10 @@ class Fp8KvCache(CooptPass):
         per_head = [max(float(a), SCALE_FLOOR) * self.headroom / FP8_MAX for a in absmax]
         return per_head if self.granularity == "per-head" else [max(per_head)]
 
-    def _quantize_writes(self, cache: _Cache, scale: SSAValue) -> dict[SSAValue, SSAValue]:
-        """Retype the cache and its views to fp8, quantize what each write stores; returns cache
-        value -> scale value (the weight itself, or per-token the scale buffer's matching view)."""
+    def _quantize_writes(self, cache: _Cache, scale: SSAValue, offset: SSAValue | None = None) -> dict[SSAValue, SSAValue]:
+        """Retype the cache and its views to fp8, quantize what each write stores (minus `offset`,
+        smoothed keys); returns cache value -> scale value (the weight itself, or per-token the
+        scale buffer's matching view)."""
         per_token = self.granularity == "per-token"
         mirror: dict[SSAValue, SSAValue] = {cache.weight.results[0]: scale}
         for member in cache.ops:  # block order: writes, state updates and slices of the cache
@@ -151,7 +176,7 @@ class Fp8KvCache(CooptPass):
                     self._mirror(member, rows, mirror)
                     _quantize_per_row(member, scales, self.granularity, x)
                 else:
-                    _quantize_per_row(member, scale, self.granularity)
+                    _quantize_per_row(member, scale, self.granularity, offset=offset)
                 continue
             if _is_write(member):
                 x = _rank4(member.operands[_write_value_index(member)], member)
@@ -159,6 +184,7 @@ class Fp8KvCache(CooptPass):
                 self._mirror(member, None if x is None else row_scales(x, self.headroom, member), mirror)
             if x is not None:
                 row_scale = mirror[member.operands[_write_value_index(member)]] if per_token else scale
+                x = _centred(x, offset, member)
                 quantized = QuantizeFp8Op(x, row_scale, self.granularity, _fp8(x.type))
                 Rewriter.insert_op(quantized, InsertPoint.before(member))
                 member.operands[_write_value_index(member)] = quantized.result
@@ -292,14 +318,15 @@ def _row_as_rank4(write: Operation) -> SSAValue:
                  before=write)
 
 
-def _quantize_per_row(write: Operation, scale: SSAValue, granularity: str, x: SSAValue | None = None) -> None:
+def _quantize_per_row(write: Operation, scale: SSAValue, granularity: str, x: SSAValue | None = None,
+                      offset: SSAValue | None = None) -> None:
     """A per-row write stores [B, Hkv, D] rows, select(x, 2, 0) of x [B, Hkv, 1, D]: quantize x
     (rank 4, heads on dim 1 as quantize_fp8 wants; per-token: `scale` [B, Hkv, 1]) and store
     select(quantize(x), 2, 0)."""
     index = _write_value_index(write)
     value = write.operands[index]
     select = value.owner
-    x = x if x is not None else _row_as_rank4(write)
+    x = _centred(x if x is not None else _row_as_rank4(write), offset, write)
     quantized = QuantizeFp8Op(x, scale, granularity, _fp8(x.type))
     Rewriter.insert_op(quantized, InsertPoint.before(write))
     rows = _aten("aten.select.int", [{"$t": 0}, 2, 0], [quantized.result], _fp8(value.type), before=write)
@@ -309,6 +336,32 @@ def _quantize_per_row(write: Operation, scale: SSAValue, granularity: str, x: SS
         select.detach()
         select.erase()
     count("fp8_kv_cache.quantized_writes")
+
+
+def offset_ref(cache_ref: str) -> str:
+    """The state name of a smoothed key cache's per-(head, channel) offset, [1, Hkv, 1, D] fp32."""
+    return cache_ref + ".offset"
+
+
+def _centred(x: SSAValue, offset: SSAValue | None, before: Operation) -> SSAValue:
+    """x - offset (fp32, x's shape) for smoothed keys, else x."""
+    if offset is None:
+        return x
+    return _aten("aten.sub.Tensor", [{"$t": 0}, {"$t": 1}], [x, offset],
+                 _tensor(f32, x.type.get_shape(), _names(x.type)), before=before)
+
+
+def _key_caches(module: ModuleOp, caches: dict) -> set[str]:
+    """Refs of the caches the attentions read as k (the ones smooth-k centres)."""
+    values = {v: ref for ref, c in caches.items() for member in [c.weight, *c.ops] for v in member.results}
+    return {values[a.k] for a in _attentions(module) if a.k in values}
+
+
+def _entry(calibration: dict, ref: str) -> dict | None:
+    """A buffer's calibration record ({"absmax", "mean", "centred_absmax"}: fp8_cache.calibrate_kv_absmax);
+    a bare list is an absmax per head (IR written before the means were recorded)."""
+    entry = calibration.get(ref)
+    return {"absmax": entry} if isinstance(entry, list) else entry
 
 
 def _write_value_index(op) -> int:

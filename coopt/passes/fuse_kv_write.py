@@ -106,8 +106,8 @@ class FuseKvWrite(CooptPass):
     def _fuse(k: Write, v: Write) -> None:
         # the group as it stands (views and quantize included): nothing outside it may read it
         # between its first op and the write the region replaces
-        group = [op for w in (k, v) for op in (w.rope, *w.views, w.quantize, *_scale_ops(w), *_index_ops(w),
-                                               w.batch_view, w.update) if op is not None]
+        group = [op for w in (k, v) for op in (w.rope, w.centre, *w.views, w.quantize, *_scale_ops(w),
+                                               *_index_ops(w), w.batch_view, w.update) if op is not None]
         if not can_outline(group):
             count("fuse.kv_write.skipped.order")
             return
@@ -128,6 +128,9 @@ class FuseKvWrite(CooptPass):
             attrs.update({"inplace": [0, 1, len(inputs) - 2, len(inputs) - 1], "headroom": k.scales.scales.headroom})
         elif k.quantize is not None:
             inputs += [k.quantize.scale, v.quantize.scale]
+        if k.centre is not None:  # smooth-k: K's offset weight, after the scales
+            inputs.append(k.centre.inputs[1])
+            attrs["k_offset"] = True
         if rows is not None:
             # positions [B], one per row, each within the cache's dim 2 (what verification draws)
             attrs.update({"positions": "per-row", "index_input": 2, "index_bound": [0, 2]})
@@ -152,6 +155,8 @@ class FuseKvWrite(CooptPass):
             count("fuse.kv_write.paged")
         if k.batch_view is not None:
             count("fuse.kv_write.batch_view")
+        if k.centre is not None:
+            count("fuse.kv_write.smooth_k")
 
 
 def _index_ops(write: Write) -> list[Operation]:
@@ -217,6 +222,15 @@ def _normalize(write: Write) -> list[Operation]:
         stored, gone = _store(old.update, old.paged, write.rows, scales.ops[-1].results[0])
         ops += stored
         dead += gone
+    if write.centre is not None:  # smooth-k: K less its offset, between rope and quantize
+        old = write.centre
+        dead.append(old)
+        centre = AtenOp(old.target.data, old.call, [value, old.inputs[1]],
+                        [TensorType(old.results[0].type.element_type, value.type.get_shape(), value.type.encoding)])
+        Rewriter.insert_op(centre, InsertPoint.before(write.update))
+        write.centre = centre
+        value = centre.results[0]
+        ops.append(centre)
     if write.quantize is not None:
         old = write.quantize
         dead.append(old)

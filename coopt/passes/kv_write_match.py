@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xdsl.dialects.builtin import f32
 from xdsl.ir import Operation, SSAValue
 
 from coopt.ir.dialect import KernelOp, QuantizeFp8Op, RopeOp, StateUpdateOp, WeightOp
@@ -55,6 +56,7 @@ class Write:
     paged: PagedWrite | None = None  # a write through a page table (paged-kv)
     scales: ScaleWrite | None = None  # per-token fp8: the scales' computation and write
     batch_view: Operation | None = None  # a dynamic batch's write through slice(cache, 0, 0, B)
+    centre: Operation | None = None  # smooth-k: the sub of the key offset weight between rope and quantize
 
     def updates(self) -> list[tuple[StateUpdateOp, PagedWrite | None]]:
         """The writes of the region: the cache's, and its scale buffer's (per-token)."""
@@ -177,13 +179,13 @@ def _read_only_by(value: SSAValue, user: Operation, scales: RowScales | None) ->
 
 
 def _value_chain(update: StateUpdateOp, value: SSAValue, absorb_rope: bool):
-    """(source, views, rope, quantize, scales): walk back from the written value through
-    single-use views that only drop or add leading size-1 dims, one quantize_fp8 and (when
-    `absorb_rope`) one rope. `source` is the value before all of them (the region's k or v
-    input). Per-token `scales` computed from the quantized rows (else None): their abs is the
-    rows' other reader."""
+    """(source, views, rope, quantize, scales, centre): walk back from the written value through
+    single-use views that only drop or add leading size-1 dims, one quantize_fp8, the sub of a
+    smoothed key's offset before it (`centre`) and (when `absorb_rope`) one rope. `source` is the
+    value before all of them (the region's k or v input). Per-token `scales` computed from the
+    quantized rows (else None): their abs is the rows' other reader."""
     views: list[Operation] = []
-    rope = quantize = scales = None
+    rope = quantize = scales = centre = None
     user: Operation = update
     while _read_only_by(value, user, scales):
         producer = value.owner
@@ -198,6 +200,8 @@ def _value_chain(update: StateUpdateOp, value: SSAValue, absorb_rope: bool):
             if producer.granularity.data == "per-token":
                 scales = read_row_scales(producer.scale)
                 scales = scales if scales is not None and scales.x is source else None
+        elif quantize is not None and centre is None and rope is None and _key_offset(producer) is not None:
+            centre, source = producer, producer.inputs[0]
         elif isinstance(producer, RopeOp) and absorb_rope:
             rope, source = producer, producer.x
         else:
@@ -205,7 +209,21 @@ def _value_chain(update: StateUpdateOp, value: SSAValue, absorb_rope: bool):
         user, value = producer, source
         if rope is not None:
             break
-    return value, views, rope, quantize, scales
+    return value, views, rope, quantize, scales, centre
+
+
+def _key_offset(op) -> SSAValue | None:
+    """The offset weight when `op` is fp8-kv-cache's smooth-k centring, sub(k, offset) with
+    offset a `<cache>.offset` weight [1, Hkv, 1, D] fp32 of k's heads and channels; else None."""
+    if aten_target(op) != "aten.sub.Tensor" or len(op.inputs) != 2 or op.call["args"] != [{"$t": 0}, {"$t": 1}] \
+            or op.call["kwargs"]:
+        return None
+    x, offset = op.inputs
+    weight = offset.owner
+    if not (isinstance(weight, WeightOp) and weight.ref.data.endswith(".offset") and offset.type.element_type == f32):
+        return None
+    shape, x_shape = dims(offset), dims(x)
+    return offset if len(x_shape) == 4 and shape == [1, x_shape[1], 1, x_shape[3]] else None
 
 
 def read_write(update: StateUpdateOp, absorb_rope: bool, absorb_quantize: bool) -> Write | str:
@@ -227,7 +245,7 @@ def read_write(update: StateUpdateOp, absorb_rope: bool, absorb_quantize: bool) 
         user = select
     else:
         user = paged.index_ops[-1] if paged is not None else update  # a paged shared write stores permute(x)
-    source, chain_views, rope, quantize, scales = _value_chain(user, value, absorb_rope)
+    source, chain_views, rope, quantize, scales, centre = _value_chain(user, value, absorb_rope)
     views += chain_views
     if quantize is not None and not absorb_quantize:
         return "quantized"
@@ -239,7 +257,7 @@ def read_write(update: StateUpdateOp, absorb_rope: bool, absorb_quantize: bool) 
         return "shape"  # not the whole indexed shape: index_put_ would broadcast it
     # the first B rows of a dynamic batch: the region takes the whole buffer
     whole, view = _whole_buffer(cache)
-    write = Write(update, whole, positions, source, views, rope, quantize, rows, paged, batch_view=view)
+    write = Write(update, whole, positions, source, views, rope, quantize, rows, paged, batch_view=view, centre=centre)
     if quantize is not None and quantize.granularity.data == "per-token":
         write.scales = _scale_write(write, scales)
         if write.scales is None:
@@ -291,6 +309,11 @@ def pair(first: Write, second: Write) -> tuple[Write, Write] | str:
         return "quant_mismatch"
     if first.rope is not None and second.rope is not None:
         return "two_ropes"
+    if first.centre is not None and second.centre is not None:
+        return "pair"  # smooth-k centres the keys only
+    if first.centre is not None or second.centre is not None:  # the centred one is K
+        k, v = (first, second) if first.centre is not None else (second, first)
+        return (k, v) if v.rope is None else "pair"
     if first.scales is not None and first.scales.scales.headroom != second.scales.scales.headroom:
         return "quant_mismatch"
     if (first.rows is None) != (second.rows is None) or (first.paged is None) != (second.paged is None):

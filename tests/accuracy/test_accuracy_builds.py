@@ -12,6 +12,7 @@ import torch
 
 from coopt.accuracy import builds, metrics
 from coopt.fp8_cache import quantize
+from coopt.passes.registry import parse_pipeline_text
 
 SETTING = builds.BuildSetting(batch=4, max_seq=64, calibration_calls=2)
 EVAL = dict(seq_len=48, windows=8, batch=4, greedy_prompts=4, prompt_len=16, greedy_tokens=12)
@@ -43,6 +44,9 @@ def test_fp8_pipeline_puts_the_pass_after_raise_patterns():
         builds.fp8_kv_pipeline("per-head", "inplace-state-writes")
     assert builds.fp8_kv_pipeline("per-head", "raise-patterns", headroom=2.0) == \
         "raise-patterns,fp8-kv-cache{granularity=per-head,headroom=2.0}"
+    smoothed = builds.fp8_kv_pipeline("per-head", "raise-patterns", smooth_k=True)
+    assert smoothed == "raise-patterns,fp8-kv-cache{granularity=per-head,smooth-k=true}"
+    assert parse_pipeline_text(smoothed)[1].smooth_k is True
 
 
 def test_headroom_widens_the_calibrated_scales(corpus, trained, measured, tmp_path):

@@ -133,6 +133,7 @@ def test_regions_carry_the_scales():
     ("granularity=per-row", "granularity='per-row'"),
     ("scale-source=online", "scale-source='online'"),
     ("headroom=0.5", "headroom=0.5"),
+    ("granularity=per-token,scale-source=dynamic,smooth-k=true", "smooth-k needs calibrated scales"),
 ])
 def test_illegal_knob_combinations_are_pipeline_errors_naming_the_knob(knobs, culprit):
     with pytest.raises(ConfigError, match="fp8-kv-cache") as error:
@@ -185,3 +186,93 @@ def test_per_token_build_writes_quantized_rows_and_their_scales(tmp_path):
         torch.testing.assert_close(built.state_tensor("k_cache.scale")[0, :, pos], scale)
         expected = torch.clamp(row / scale[:, None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         assert torch.equal(built.state_tensor("k_cache")[0, :, pos].view(torch.uint8), expected.view(torch.uint8))
+
+
+class OffsetKeys(DecodeStep):
+    """Keys with a large common offset on half their channels (as real K projections have), the
+    cache's history with them too."""
+
+    OFFSET = torch.cat([torch.full((DIM // 2,), 24.0), torch.zeros(DIM // 2)])
+
+    def __init__(self):
+        super().__init__()
+        self.k_cache += self.OFFSET
+
+
+def offset_step(pos: int, seed: int):
+    q, k, v, positions = step(pos, torch.Generator().manual_seed(seed))
+    return q, k + OffsetKeys.OFFSET, v, positions
+
+
+def test_calibration_records_means_and_centred_ranges_over_written_rows_only():
+    class Sparse(torch.nn.Module):  # rows never written stay zero: they must not pull the mean
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("k", torch.zeros(1, 2, 6, 3))
+
+        def forward(self, x, pos):
+            self.k[:, :, pos] = x
+            return self.k.sum()
+
+    rows = torch.tensor([[5.0, 1.0, 0.0], [7.0, -1.0, 2.0]])[None, :, None, :]  # [1, Hkv, 1, D]
+    stats = calibrate_kv_absmax(Sparse(), [(rows, torch.tensor([0])), (rows + 2, torch.tensor([1]))])["k"]
+    # after the calls: rows 0 and 0, 1 (row 0 seen twice), never the four zero rows
+    expected_mean = (3 * rows[0, :, 0] + 2) / 3
+    torch.testing.assert_close(torch.tensor(stats["mean"]), expected_mean)
+    assert stats["absmax"] == pytest.approx([7.0, 9.0])
+    spread = torch.maximum(rows[0, :, 0] + 2 - expected_mean, expected_mean - rows[0, :, 0]).amax(-1)
+    assert stats["centred_absmax"] == pytest.approx(spread.tolist())
+
+
+def test_smooth_k_centres_the_key_writes_and_scales_keys_by_their_centred_range():
+    torch.manual_seed(0)
+    model = OffsetKeys().eval()
+    inputs = offset_step(5, 5)
+    module = import_program(capture(model, inputs), inputs).module
+    calibration = calibrate_kv_absmax(model, [inputs])
+    set_calibration(module, calibration)
+    with collect_counters() as counters:
+        for compiler_pass in parse_pipeline_text(RAISE + ",fp8-kv-cache{smooth-k=true}"):
+            compiler_pass.apply(Context(allow_unregistered=True), module)
+    module.verify()
+    assert weight_types(module)["k_cache.offset"] == "tensor<1x2x1x16xf32>" and "v_cache.offset" not in weight_types(module)
+    quantized = {q.results[0].uses.__iter__().__next__().operation.ref.data: q for q in ops(module, QuantizeFp8Op)}
+    centred = quantized["k_cache"].x.owner
+    assert centred.target.data == "aten.sub.Tensor" and centred.inputs[1].owner.ref.data == "k_cache.offset"
+    assert not hasattr(quantized["v_cache"].x.owner, "target") or quantized["v_cache"].x.owner.target.data != "aten.sub.Tensor"
+    record = json.loads(module.attributes[FP8_ATTR].data)
+    assert record["offsets"] == {"k_cache": "k_cache.offset"} and counters["fp8_kv_cache.smoothed_keys"] == 1
+    assert record["offset_values"]["k_cache.offset"] == calibration["k_cache"]["mean"]
+    centred_range = torch.tensor(calibration["k_cache"]["centred_absmax"])
+    assert record["scales"]["k_cache.scale"] == pytest.approx((centred_range / FP8_MAX).tolist())
+    assert float(centred_range.max()) < 0.5 * max(calibration["k_cache"]["absmax"])  # the offset left the range
+
+
+def test_smooth_k_brings_an_offset_keys_attention_closer_to_fp32(tmp_path):
+    """Keys offset by 24 on half their channels: e4m3's 3 mantissa bits round them to steps of 2,
+    which smoothing removes; attention reads the centred cache as it is (softmax ignores q . mean)."""
+    errors = {}
+    for name, knobs in (("plain", ""), ("smooth", "{smooth-k=true}")):
+        torch.manual_seed(0)
+        eager, build_model = OffsetKeys(), OffsetKeys()
+        build_model.load_state_dict(eager.state_dict())
+        pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{knobs},fuse-attention"
+        coopt.Pipeline(pipeline, top_k=1).build(build_model, offset_step(3, 3), tmp_path / name,
+                                                calibration_inputs=[offset_step(p, p) for p in (1, 2, 3)])
+        built = coopt.load(tmp_path / name)
+        error = 0.0
+        for pos in (4, 9, 17):
+            inputs = offset_step(pos, 100 + pos)
+            error = max(error, float((built(*inputs) - eager(*inputs)).abs().max()))
+        errors[name] = error
+    assert errors["smooth"] < 0.5 * errors["plain"], errors
+
+
+def test_fuse_kv_write_takes_the_key_centring_into_its_region():
+    module, counters, _ = run(RAISE + ",fp8-kv-cache{smooth-k=true},fuse-kv-write")
+    (kernel,) = [k for k in ops(module, KernelOp) if k.family.data == "kv_write"]
+    assert kernel.family_attrs["k_offset"] is True and kernel.family_attrs["quant"] == "per-head"
+    assert str(kernel.inputs[-1].type) == "tensor<1x2x1x16xf32>" and kernel.inputs[-1].owner.ref.data == "k_cache.offset"
+    assert counters["fuse.kv_write.smooth_k"] == 1 and counters["fuse.kv_write.quantized"] == 1
+    assert not [o for o in module.walk() if getattr(o, "target", None) is not None
+                and o.target.data == "aten.sub.Tensor" and not isinstance(o.parent_op(), KernelOp)]

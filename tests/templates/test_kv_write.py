@@ -16,7 +16,7 @@ FP8 = torch.float8_e4m3fn
 SCALE_FLOOR = 1e-12
 
 
-def region(b_max, heads, s_max, b, t, d, *, rope=False, quant="none", dtype="float32", headroom=None):
+def region(b_max, heads, s_max, b, t, d, *, rope=False, quant="none", dtype="float32", headroom=None, k_offset=False):
     cache_dtype = "float8_e4m3fn" if quant != "none" else dtype
     cache = TensorSpec((b_max, heads, s_max, d), cache_dtype)
     row = TensorSpec((b, heads, t, d), dtype)
@@ -30,6 +30,9 @@ def region(b_max, heads, s_max, b, t, d, *, rope=False, quant="none", dtype="flo
         inputs += [TensorSpec((b_max, heads, s_max), "float32")] * 2
         inplace = [0, 1, len(inputs) - 2, len(inputs) - 1]
     attrs = {"rope": rope, "quant": quant, "inplace": inplace}
+    if k_offset:  # fp8-kv-cache's smooth-k: K less a per-(head, channel) offset before quantizing
+        inputs.append(TensorSpec((1, heads, 1, d), "float32"))
+        attrs["k_offset"] = True
     if headroom is not None:
         attrs["headroom"] = headroom
     return RegionSummary("kv", "kv_write", tuple(inputs), tuple(inputs[i] for i in inplace), attrs)
@@ -48,12 +51,16 @@ def quantize(x, scale, granularity):
     return (x.float() / s).clamp(-448, 448).to(FP8)
 
 
-def reference(inputs, *, rope_on, quant, headroom=1.0):
-    """What the unfused ops do: rope, quantize, index_put_ of the first B rows."""
+def reference(inputs, *, rope_on, quant, headroom=1.0, k_offset=False):
+    """What the unfused ops do: rope, (smooth-k: minus the offset, in fp32), quantize, index_put_
+    of the first B rows."""
     k_cache, v_cache, positions, k, v, *extra = [t.clone() for t in inputs]
     if rope_on:
         cos, sin, *extra = extra
         k = rope(k, cos, sin)
+    if k_offset:
+        *extra, offset = extra
+        k = k.float() - offset
     written = [k_cache, v_cache]
     b = k.shape[0]
     if quant == "per-token":
@@ -82,7 +89,8 @@ def make_inputs(summary, positions, seed=0, magnitude=1.0):
         values = torch.randn(spec.shape, generator=generator) * magnitude
         if spec.dtype == "float8_e4m3fn":
             tensors.append(values.clamp(-448, 448).to(FP8))
-        elif i >= len(summary.inputs) - 2 and summary.attrs["quant"] in ("per-tensor", "per-head"):
+        elif i in (5 + 2 * summary.attrs["rope"], 6 + 2 * summary.attrs["rope"]) \
+                and summary.attrs["quant"] in ("per-tensor", "per-head"):
             tensors.append(values.abs() * 0.05 + 0.01)  # positive scales
         else:
             tensors.append(values.to(getattr(torch, spec.dtype)))
@@ -96,7 +104,7 @@ def check(load_candidate, summary, positions, params=None, seed=0, magnitude=1.0
         inputs[3] = inputs[3].transpose(1, 2).contiguous().transpose(1, 2)
         inputs[4] = inputs[4].transpose(1, 2).contiguous().transpose(1, 2)
     expected = reference(inputs, rope_on=summary.attrs["rope"], quant=summary.attrs["quant"],
-                         headroom=summary.attrs.get("headroom", 1.0))
+                         headroom=summary.attrs.get("headroom", 1.0), k_offset=summary.attrs.get("k_offset", False))
     module = load_candidate(FAMILY.render(summary, params))
     device_inputs = on_test_device([t.clone() for t in inputs])
     outputs = module.run(*device_inputs)
@@ -145,6 +153,25 @@ def test_fp8_quantization_rounds_like_torch(load_candidate, quant, rope_on, magn
     assert torch.equal(outputs[0].cpu()[:, :, untouched].float(), inputs[0][:, :, untouched].float())
 
 
+@pytest.mark.parametrize("quant", ["per-tensor", "per-head"])
+@pytest.mark.parametrize("rope_on", [False, True])
+def test_smooth_k_subtracts_the_offset_from_k_only_before_rounding(load_candidate, quant, rope_on):
+    """K rows around a large per-channel offset: the stored K is quant(rope(k) - offset) bit for
+    bit, V is stored as without it."""
+    summary = region(2, 2, 8, 2, 3, 32, rope=rope_on, quant=quant, k_offset=True)
+    inputs = make_inputs(summary, [1, 6, 2], seed=5)
+    inputs[-1] = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(9)) * 20
+    module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]))
+    outputs = module.run(*on_test_device([t.clone() for t in inputs]))
+    expected = reference(inputs, rope_on=rope_on, quant=quant, k_offset=True)
+    plain = reference(inputs[:-1], rope_on=rope_on, quant=quant)
+    for got, want in zip(outputs, expected):
+        assert torch.equal(got.cpu().float(), want.float())
+    assert torch.equal(outputs[1].cpu().float(), plain[1].float())
+    assert not torch.equal(outputs[0].cpu().float(), plain[0].float())
+    assert FAMILY.matches(summary) and not FAMILY.matches(region(2, 2, 8, 2, 3, 32, quant="per-token", k_offset=True))
+
+
 def test_e4m3_grid_rounding_edge_values(load_candidate):
     """Ties, carries into the exponent, subnormals and saturation, through per-tensor scale 1."""
     summary = region(1, 1, 4, 1, 1, 16, quant="per-tensor")
@@ -184,8 +211,9 @@ def test_matches_and_space():
 
 def test_compiles_for_hopper(compile_for_sm90):
     jobs = []
-    for quant in ("none", "per-head", "per-token"):
-        summary = region(1, 2, 16, 1, 2, 32, rope=True, quant=quant, dtype="bfloat16")
+    for quant, offset in (("none", False), ("per-head", False), ("per-token", False), ("per-head", True)):
+        summary = region(1, 2, 16, 1, 2, 32, rope=True, quant=quant, dtype="bfloat16", k_offset=offset)
         inputs = make_inputs(summary, [0, 1])
-        jobs.append((quant, FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]), inputs, "kv_write_kernel"))
+        jobs.append((quant + ("-smooth-k" if offset else ""), FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]),
+                     inputs, "kv_write_kernel"))
     compile_for_sm90(jobs)
