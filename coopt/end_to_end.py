@@ -78,14 +78,17 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
 
     device = device_of(example_inputs)
 
+    def reload():
+        return load(out, device=device)
+
     def full_check(built):
         initial_state()
         return verify_end_to_end(model, built, example_inputs, trials=trials, seed=seed, high_reference=False,
                                  high_model=high, errors_from=errors_from)
 
     try:
-        record, built = _checked(model, example_inputs, regions, out, seed, high, initial_state, full_check, load,
-                                 device, warnings, write_selection)
+        record, built = _checked(model, example_inputs, regions, out, seed, high, initial_state, full_check, reload,
+                                 warnings, write_selection)
         record["reference_precision"] = precision
         if measured:
             record.update(_timing(model, built, example_inputs, regions, out, cuda_graphs, warnings, write_selection))
@@ -94,16 +97,16 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
     return record
 
 
-def _checked(model, example_inputs, regions, out, seed, high, initial_state, full_check, load, device,
-             warnings, write_selection) -> tuple[dict, object]:
+def _checked(model, example_inputs, regions, out, seed, high, initial_state, full_check, reload, warnings,
+             write_selection) -> tuple[dict, object]:
     """check_end_to_end's verdict and the build it judged last: the full check, then bisection
     and fallbacks while it fails. Each check and the bisection load the build afresh: it starts
     from the state weights.pt holds, as the model starts from its initial state."""
-    built = load(out, device=device)
+    built = reload()
     verdict = full_check(built)
     if not verdict.ok:
         built = None  # one loaded build at a time (a paged build's pool is large)
-        built = load(out, device=device)
+        built = reload()
         at_fault = _bisect(model, built, example_inputs, regions, out, seed, high, initial_state)
         _fall_back(regions, at_fault, "end-to-end mismatch: this region's kernel breaks the whole model's "
                    "agreement with the original (found by bisection); fell back to the reference")
@@ -111,7 +114,7 @@ def _checked(model, example_inputs, regions, out, seed, high, initial_state, ful
                         f"{', '.join(at_fault) or 'no single region'}: fell back to the reference there")
         write_selection()
         built = None
-        built = load(out, device=device)
+        built = reload()
         verdict = full_check(built)
     if not verdict.ok:
         kernel_regions = [r.summary.name for r in regions if r.selected != REFERENCE]
@@ -121,7 +124,7 @@ def _checked(model, example_inputs, regions, out, seed, high, initial_state, ful
         warnings.append(f"end-to-end check still failed ({verdict.failure}); every region fell back to its reference")
         write_selection()
         built = None
-        built = load(out, device=device)
+        built = reload()
         verdict = full_check(built)
         if not verdict.ok:
             raise EndToEndMismatch(f"the built model does not match the original: {verdict.failure}")
