@@ -82,10 +82,11 @@ def compile_model(model, mode: str, inputs, *, calls: int):
     return compiled, time.monotonic() - start
 
 
-def run_prefill(args) -> dict:
+def run_prefill(args, save=lambda row: None) -> dict:
     """Prefill throughput: one call over a `args.prefill`-token prompt at positions 0..T-1 (the
     Llama example's prefill entry point, dynamic in T), eager vs torch.compile vs coopt; the
-    coopt build here is the prefill entry alone (the same compile path as out/entries/prefill)."""
+    coopt build here is the prefill entry alone (the same compile path as out/entries/prefill).
+    `save(row)` after every mode (a call cut inside max-autotune's autotuning keeps the others)."""
     import torch
 
     import coopt
@@ -111,6 +112,7 @@ def run_prefill(args) -> dict:
         row["tokens_per_s"][mode] = length / (row["ms"][mode] * 1e-3)
         print(f"  {mode:28s} {row['ms'][mode]:8.3f} ms  {row['tokens_per_s'][mode]:10.0f} tokens/s"
               f"  max abs err {row['max_abs_err'][mode]:.3g}  setup {setup_s:.0f}s", flush=True)
+        save(row)
 
     modes = args.modes.split(",")
     if "eager" in modes:
@@ -260,9 +262,12 @@ def main():
             frac += f" (fp8: {r['ms']['coopt-fp8'] / r['fp8_floor_ms']:.2f}x of {r['fp8_floor_ms']:.3f})"
         print(f"| b{r['batch']} pos {r['pos']} | {r['floor_ms']:.3f} | " + " | ".join(cells) + f" | {frac} |")
     if args.prefill:
-        prefill = run_prefill(args)
-        if args.out:
-            args.out.write_text(json.dumps({"environment": env, "rows": rows, "prefill": prefill}, indent=2))
+        def save_prefill(prefill):
+            if args.out:
+                args.out.write_text(json.dumps({"environment": env, "rows": rows, "prefill": prefill}, indent=2))
+
+        prefill = run_prefill(args, save_prefill)
+        save_prefill(prefill)
         print(f"\n| prefill {prefill['prefill']} tokens | " + " | ".join(prefill["ms"]) + " |")
         print("|" + " --- |" * (len(prefill["ms"]) + 1))
         print("| ms | " + " | ".join(f"{v:.2f}" for v in prefill["ms"].values()) + " |")

@@ -15,6 +15,9 @@
 #   bash bench/gpu_session.sh accuracy   # bench/accuracy.py --config small --steps 2000 on the GPU
 #   bash bench/gpu_session.sh layers32   # 32 layers, b1 / 2048, all modes incl. max-autotune-no-cudagraphs
 #   bash bench/gpu_session.sh layers32-b32 / layers32-long   # 32 layers at b32 / 2048 and at b1 / 32768
+#   bash bench/gpu_session.sh layers32-rest  # both of those in one call (eager, reduce-overhead, coopt)
+#   bash bench/gpu_session.sh prefill-quick  # the 2048-token prompt without max-autotune, then the unchunked 131072 coopt prefill
+#   bash bench/gpu_session.sh sweep-fp8  # fp8 decode attention at b32 / 2048 and 8192: advised points vs a sample
 #   bash bench/gpu_session.sh gpu-tests  # GPU runs of the paged prompt attention, GEMV forms, decode attention, PagedDecoder graphs
 #   bash bench/gpu_session.sh long       # bench/long_prefill.py: a 131072-token prompt (8 layers), whole and
 #                                        # in chunks of 4096, eager and coopt: time, peak memory (~7-9 min)
@@ -116,6 +119,13 @@ case "${1:-}" in
             --out "$OUT/decode_32layers_long.json" --build-dir /tmp/coopt-32-long
         reports reports_32layers_long coopt-32-long
         ;;
+    layers32-rest)  # issue 3: 32 layers at b32 / 2048 and b1 / 32768 in one call (eager, reduce-overhead, coopt;
+                    # JSON after every variant: a cut keeps what finished)
+        step 590 decode python bench/decode.py --layers 32 --cases 32:2048:4096,1:32768:32832 \
+            --modes eager,reduce-overhead,coopt --prefill 0 --agreement-steps 8 \
+            --out "$OUT/decode_32layers_rest.json" --build-dir /tmp/coopt-32-rest
+        reports reports_32layers_rest coopt-32-rest
+        ;;
     gpu-tests)  # the GPU runs of this session's kernels and runtime paths (session 5: not run on a GPU yet)
         step 420 pytest python -m pytest -q -p no:cacheprovider tests/templates/test_attention_paged.py \
             tests/templates/test_matmul_gemv_fusions.py tests/templates/test_decode_attention.py \
@@ -132,6 +142,17 @@ case "${1:-}" in
         step 560 prefill python bench/decode.py --cases "" --prefill 2048 \
             --modes eager,reduce-overhead,coopt,max-autotune-no-cudagraphs --out "$OUT/prefill.json" \
             --build-dir /tmp/coopt-prefill
+        ;;
+    prefill-quick)  # issue 3: the 2048-token prompt without max-autotune (its autotuning outlasted 130-210 s
+                    # limits twice), then issue 4's unchunked 131072-token coopt prefill
+        step 300 prefill python bench/decode.py --cases "" --prefill 2048 --modes eager,reduce-overhead,coopt \
+            --out "$OUT/prefill.json" --build-dir /tmp/coopt-prefill
+        step 280 long python bench/long_prefill.py --variants coopt --out "$OUT/long_prefill.json" \
+            --build-dir /tmp/coopt-long-coopt
+        ;;
+    sweep-fp8)  # issue 4: fp8 decode attention at b32 (2048, 8192): the advisor's points against a sample
+        step 290 attention python bench/attention_sweep.py --cases b32-2048-fp8,b32-8192-fp8 --advised 8 --sample 24 \
+            --no-prefetch --json "$OUT/attention_sweep_fp8.json"
         ;;
     sweep)  # the advisor's first points against samples of the spaces: decode attention (4 cases) + L2
             # prefetch experiment, then one layer's four GEMV regions at 1 and 32 rows
