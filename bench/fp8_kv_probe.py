@@ -60,7 +60,7 @@ def attention_hook(transform):
 @torch.no_grad()
 def calibrate(model, windows: torch.Tensor, layers: int) -> list[dict]:
     """Per layer: K/V absmax per (kv head, channel) and K's per-channel mean, over `windows`."""
-    stats = [dict(k_absmax=None, v_absmax=None, k_sum=None, count=0) for _ in range(layers)]
+    stats = [dict(k_absmax=None, v_absmax=None, k_sum=None, v_sum=None, count=0) for _ in range(layers)]
 
     def record(call, k, v):
         layer = stats[call % layers]
@@ -68,6 +68,7 @@ def calibrate(model, windows: torch.Tensor, layers: int) -> list[dict]:
         for name, value in (("k_absmax", k32.abs().amax(dim=(0, 2))), ("v_absmax", v32.abs().amax(dim=(0, 2)))):
             layer[name] = value if layer[name] is None else torch.maximum(layer[name], value)
         layer["k_sum"] = k32.sum(dim=(0, 2)) + (0 if layer["k_sum"] is None else layer["k_sum"])
+        layer["v_sum"] = v32.sum(dim=(0, 2)) + (0 if layer["v_sum"] is None else layer["v_sum"])
         layer["count"] += k.shape[0] * k.shape[2]
         return k, v
 
@@ -75,13 +76,17 @@ def calibrate(model, windows: torch.Tensor, layers: int) -> list[dict]:
         for chunk in windows.split(8):
             model(chunk.to(next(model.parameters()).device))
     for layer in stats:
-        layer["k_mean"] = layer.pop("k_sum") / layer.pop("count")
+        count = layer.pop("count")
+        layer["k_mean"], layer["v_mean"] = layer.pop("k_sum") / count, layer.pop("v_sum") / count
     return stats
 
 
-def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smooth_k: bool = False):
+def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smooth_k: bool = False,
+            smooth_v: bool = False):
     """transform for attention_hook: K and V each None (kept bf16), "head" (one scale per kv head)
-    or "channel" (one per kv head and channel); smooth_k subtracts K's calibrated channel means."""
+    or "channel" (one per kv head and channel); smooth_k subtracts K's calibrated channel means;
+    smooth_v rounds v - mean and adds the mean back (what adding it to the attention's output
+    does: the probabilities of a query sum to 1)."""
     def scale(absmax, granularity):
         per = absmax if granularity == "channel" else absmax.amax(dim=1, keepdim=True)
         return per.clamp_min(1e-12) / FP8_MAX
@@ -97,7 +102,11 @@ def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smo
                 key = fake_fp8(centred, scale(absmax, k))
             else:
                 key = fake_fp8(key, scale(layer["k_absmax"], k))
-        if v is not None:
+        if v is not None and smooth_v:
+            mean = layer["v_mean"][None, :, None, :].to(value.dtype)
+            absmax = layer["v_absmax"] + layer["v_mean"].abs()
+            value = fake_fp8(value - mean, scale(absmax, v)) + mean
+        elif v is not None:
             value = fake_fp8(value, scale(layer["v_absmax"], v))
         return key, value
     return transform
@@ -108,6 +117,8 @@ VARIANTS = {
     "K per-head only": dict(k="head", v=None),
     "V per-head only": dict(k=None, v="head"),
     "K+V per-head, K smoothed": dict(k="head", v="head", smooth_k=True),
+    "K+V per-head, K and V smoothed": dict(k="head", v="head", smooth_k=True, smooth_v=True),
+    "V per-head only, smoothed": dict(k=None, v="head", smooth_v=True),
     "K per-channel, V per-head": dict(k="channel", v="head"),
     "K per-channel smoothed, V per-head": dict(k="channel", v="head", smooth_k=True),
 }

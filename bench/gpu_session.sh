@@ -24,6 +24,7 @@
 #   bash bench/gpu_session.sh long-quick # the same at 16384 tokens (~4-6 min)
 #   bash bench/gpu_session.sh capacity   # bench/capacity.py --throughput: PagedDecoder.step() (graph-replayed) at capacity,
 #                                        # paged bf16 / static / paged fp8, 8 layers, 4 GiB of KV (~6-8 min)
+#   bash bench/gpu_session.sh accuracy-smooth   # the harness: bf16, per-head, smoothed K, smoothed K and V only
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
 #                                        # every file comes back in $OUT/parallel.tar.gz (session 3: two
@@ -161,6 +162,15 @@ case "${1:-}" in
         ;;
     accuracy)  # issue 4: train the small model on the GPU, then every lossy configuration against bf16
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --out "$OUT/accuracy.json"
+        ;;
+    accuracy-smooth)  # issue 4: the harness with the bf16 baseline, per-head, and per-head smoothed K / K and V (~5 min)
+        step 340 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda \
+            --only "coopt bf16,coopt fp8 KV per-head,coopt fp8 KV per-head, smoothed K,coopt fp8 KV per-head, smoothed K and V" \
+            --out "$OUT/accuracy_smooth.json"
+        ;;
+    layers32-b32-coopt)  # issue 3: coopt alone at 32 layers, b32 / 2048 (eager and reduce-overhead: layers32-rest)
+        step 250 decode python bench/decode.py --layers 32 --cases 32:2048:4096 --modes coopt --prefill 0 \
+            --agreement-steps 0 --out "$OUT/decode_32layers_b32_coopt.json" --build-dir /tmp/coopt-32-b32
         ;;
     kv-probe)  # issue 4: which fp8 KV quantization reaches the top-1 target (eager, the harness's model; ~1-2 min)
         step 200 kv-probe python bench/fp8_kv_probe.py --device cuda --out "$OUT/fp8_kv_probe.json"

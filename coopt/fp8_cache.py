@@ -8,8 +8,8 @@ The pass itself touches no data. The build (coopt/compile.py) calls:
   ({buffer ref: {"absmax", "mean", "centred_absmax"}}). The buffers' contents after those calls are what the model wrote plus what they held before, which is
   quantized with the same scales.
 - `fp8_weights` in `program_weights`: the scale weights from the values the pass recorded in
-  `coopt.fp8_kv_cache`, per-token scale buffers from each cache's existing rows, smoothed key
-  caches' offsets, and each cache (less its offset) quantized with its scales (stored as
+  `coopt.fp8_kv_cache`, per-token scale buffers from each cache's existing rows, smoothed
+  caches' offsets (smooth-v: also what the attentions add back), and each cache (less its offset) quantized with its scales (stored as
   float8_e4m3fn in weights.pt).
 
     stats = calibrate_kv_absmax(model, [(tokens, positions)])   # {"layers.0.attention.k_cache": {"absmax": [3.1, 2.7], "mean": ..., ...}}
@@ -104,7 +104,7 @@ def broadcast_scale(scale: torch.Tensor, granularity: str) -> torch.Tensor:
 def fp8_weights(record: dict, state: dict) -> dict[str, torch.Tensor]:
     """The fp8 caches and their scales by state name, from the pass's record and the model's state."""
     granularity, headroom = record["granularity"], record["headroom"]
-    offsets = record.get("offsets", {})  # smooth-k: key caches store k - offset
+    offsets = record.get("offsets", {})  # smooth-k / smooth-v: key / value caches store x - offset
     tensors = {}
     for cache_ref, scale_ref in record["caches"].items():
         cache = state[cache_ref]
@@ -119,6 +119,9 @@ def fp8_weights(record: dict, state: dict) -> dict[str, torch.Tensor]:
             tensors[offsets[cache_ref]] = offset
             cache = cache.float() - offset
         tensors[cache_ref] = quantize(cache, scale, granularity)
+    for output_ref, of in record.get("output_offsets", {}).items():  # smooth-v: added to attention outputs
+        offset = tensors[of["offset"]].repeat_interleave(of["repeat"], dim=1)  # [1, H, 1, D]
+        tensors[output_ref] = offset.to(getattr(torch, of["dtype"]))
     return tensors
 
 
@@ -130,6 +133,6 @@ def kv_cache_bytes(record: dict, state: dict) -> dict:
         cache = state[cache_ref]  # one byte an element in fp8, plus its fp32 scales
         scales = cache[..., 0].numel() if record["granularity"] == "per-token" else torch.tensor(record["scales"][scale_ref]).numel()
         after += cache.numel() + 4 * scales
-    for offset_ref in record.get("offset_values", {}):  # smooth-k: fp32 [Hkv, D] a key cache
+    for offset_ref in record.get("offset_values", {}):  # smooth-k / smooth-v: fp32 [Hkv, D] a cache
         after += 4 * sum(len(head) for head in record["offset_values"][offset_ref])
     return {"before": before, "after": after, "saved": before - after}

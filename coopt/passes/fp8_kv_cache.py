@@ -54,6 +54,7 @@ from coopt.ir.dialect import (
     StateUpdateOp,
     WeightOp,
 )
+from coopt.ir.summary import dtype_name
 from coopt.passes.base import CooptPass, aten_target, literal_arg
 from coopt.passes.stats import count
 
@@ -95,6 +96,10 @@ class Fp8KvCache(CooptPass):
     # it), and it shrinks the rounding error of channels with a large common offset
     # (bench/fp8_kv_probe.py: KL 1.75e-3 -> 1.00e-3, top-1 98.24 -> 98.78 % on the harness model)
     smooth_k: bool = False
+    # values minus their calibrated per-(head, channel) mean before rounding, the mean added back
+    # to the attention's output (exact: a query's probabilities sum to 1, so attention over
+    # v - mean is attention over v, less the mean); one add after each attention
+    smooth_v: bool = False
 
     def __post_init__(self):
         if self.granularity not in KV_SCALE_GRANULARITIES:
@@ -107,9 +112,10 @@ class Fp8KvCache(CooptPass):
                 f"(calibration: per-tensor or per-head; dynamic: per-token)")
         if not float(self.headroom) >= 1.0:
             raise ConfigError(f"fp8-kv-cache: knob headroom={self.headroom} must be a number >= 1.0")
-        if self.smooth_k and self.scale_source != "calibration":
-            raise ConfigError("fp8-kv-cache: knob smooth-k needs calibrated scales (scale-source=calibration: "
-                              "per-tensor or per-head); the keys' means come from the calibration")
+        for knob, on, what in (("smooth-k", self.smooth_k, "keys'"), ("smooth-v", self.smooth_v, "values'")):
+            if on and self.scale_source != "calibration":
+                raise ConfigError(f"fp8-kv-cache: knob {knob} needs calibrated scales (scale-source=calibration: "
+                                  f"per-tensor or per-head); the {what} means come from the calibration")
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         caches = find_caches(op)
@@ -119,7 +125,8 @@ class Fp8KvCache(CooptPass):
                 "and read as k/v by a decode or cache attention); drop --kv-cache fp8 / the fp8-kv-cache pass")
         record = {"granularity": self.granularity, "headroom": float(self.headroom), "caches": {}, "scales": {}}
         calibration = _calibration(op) if self.scale_source == "calibration" else {}
-        smoothed = _key_caches(op, caches) if self.smooth_k else set()
+        smoothed_values = _caches_read_as(op, caches, "v") if self.smooth_v else set()
+        smoothed = (_caches_read_as(op, caches, "k") if self.smooth_k else set()) | smoothed_values
         if smoothed:
             record["offsets"], record["offset_values"] = {}, {}
         scales: dict[SSAValue, SSAValue] = {}  # cache value (any view) -> its scale value
@@ -136,16 +143,19 @@ class Fp8KvCache(CooptPass):
                     Rewriter.insert_op(offset, InsertPoint.after(weight))
                     record["offsets"][ref] = offset_ref(ref)
                     record["offset_values"][offset_ref(ref)] = _entry(calibration, ref)["mean"]
-                    count("fp8_kv_cache.smoothed_keys")
+                    count("fp8_kv_cache.smoothed_values" if ref in smoothed_values else "fp8_kv_cache.smoothed_keys")
             else:
                 scale = WeightOp(scale_ref(ref), TensorType(f32, list(shape[:3])))
             Rewriter.insert_op(scale, InsertPoint.after(weight))
             record["caches"][ref] = scale_ref(ref)
             scales.update(self._quantize_writes(cache, scale.results[0], offset.results[0] if offset is not None else None))
             count("fp8_kv_cache.buffers")
+        value_refs = _value_refs(caches)
         for attention in _attentions(op):
             if attention.k in scales and attention.v in scales:
-                _give_scales(attention, scales[attention.k], scales[attention.v], self.granularity)
+                attention = _give_scales(attention, scales[attention.k], scales[attention.v], self.granularity)
+                if value_refs.get(attention.v) in smoothed_values:
+                    _add_value_offset(attention, value_refs[attention.v], record)
         op.attributes[FP8_ATTR] = StringAttr(json.dumps(record, sort_keys=True))
 
     def _calibrated_scales(self, ref: str, calibration: dict, heads: int, centred: bool = False) -> list[float]:
@@ -351,10 +361,38 @@ def _centred(x: SSAValue, offset: SSAValue | None, before: Operation) -> SSAValu
                  _tensor(f32, x.type.get_shape(), _names(x.type)), before=before)
 
 
-def _key_caches(module: ModuleOp, caches: dict) -> set[str]:
-    """Refs of the caches the attentions read as k (the ones smooth-k centres)."""
-    values = {v: ref for ref, c in caches.items() for member in [c.weight, *c.ops] for v in member.results}
-    return {values[a.k] for a in _attentions(module) if a.k in values}
+def output_offset_ref(cache_ref: str) -> str:
+    """The state name of what a smoothed value cache's attentions add to their output: its
+    offset with each kv head repeated for its query heads, [1, H, 1, D] in the output's dtype."""
+    return cache_ref + ".output_offset"
+
+
+def _value_refs(caches: dict) -> dict[SSAValue, str]:
+    """Every value of the caches (the buffer, its views and writes) -> its cache's ref."""
+    return {v: ref for ref, c in caches.items() for member in [c.weight, *c.ops] for v in member.results}
+
+
+def _caches_read_as(module: ModuleOp, caches: dict, operand: str) -> set[str]:
+    """Refs of the caches the attentions read as `operand` ("k" or "v": the ones smooth-k /
+    smooth-v centre)."""
+    values = _value_refs(caches)
+    return {values[getattr(a, operand)] for a in _attentions(module) if getattr(a, operand) in values}
+
+
+def _add_value_offset(attention, cache_ref: str, record: dict) -> None:
+    """smooth-v: attention's output + the cache's offset (its heads repeated for the query heads
+    they serve), replacing every use of the output."""
+    out = attention.result
+    shape, heads = out.type.get_shape(), attention.q.type.get_shape()[1]
+    kv_heads = len(record["offset_values"][offset_ref(cache_ref)])
+    offset = WeightOp(output_offset_ref(cache_ref), _tensor(out.type.element_type, [1, heads, 1, shape[3]], None))
+    Rewriter.insert_op(offset, InsertPoint.after(attention))
+    add = AtenOp("aten.add.Tensor", {"args": [{"$t": 0}, {"$t": 1}], "kwargs": {}}, [out, offset.results[0]], [out.type])
+    Rewriter.insert_op(add, InsertPoint.after(offset))
+    out.replace_uses_with_if(add.results[0], lambda use: use.operation is not add)
+    record.setdefault("output_offsets", {})[output_offset_ref(cache_ref)] = {
+        "offset": offset_ref(cache_ref), "repeat": heads // kv_heads, "dtype": dtype_name(out)}
+    count("fp8_kv_cache.output_offsets")
 
 
 def _entry(calibration: dict, ref: str) -> dict | None:
@@ -472,9 +510,11 @@ def read_row_scales(scales: SSAValue) -> RowScales | None:
     return RowScales(magnitude.inputs[0], factor * FP8_MAX, ops)
 
 
-def _give_scales(attention, k_scale: SSAValue, v_scale: SSAValue, granularity: str) -> None:
+def _give_scales(attention, k_scale: SSAValue, v_scale: SSAValue, granularity: str):
+    """The attention, replaced by one that reads fp8 k / v with these scales (returned)."""
     new = type(attention)(attention.q, attention.k, attention.v, attention.lengths, attention.scale.value.data,
                           attention.result.type, k_scale=k_scale, v_scale=v_scale, kv_scale=granularity)
     Rewriter.replace_op(attention, new)
     count("fp8_kv_cache.attentions")
+    return new
 

@@ -128,9 +128,10 @@ class FuseKvWrite(CooptPass):
             attrs.update({"inplace": [0, 1, len(inputs) - 2, len(inputs) - 1], "headroom": k.scales.scales.headroom})
         elif k.quantize is not None:
             inputs += [k.quantize.scale, v.quantize.scale]
-        if k.centre is not None:  # smooth-k: K's offset weight, after the scales
-            inputs.append(k.centre.inputs[1])
-            attrs["k_offset"] = True
+        for write, knob in ((k, "k_offset"), (v, "v_offset")):  # smooth-k / smooth-v: the offsets, after the scales
+            if write.centre is not None:
+                inputs.append(write.centre.inputs[1])
+                attrs[knob] = True
         if rows is not None:
             # positions [B], one per row, each within the cache's dim 2 (what verification draws)
             attrs.update({"positions": "per-row", "index_input": 2, "index_bound": [0, 2]})
@@ -157,6 +158,8 @@ class FuseKvWrite(CooptPass):
             count("fuse.kv_write.batch_view")
         if k.centre is not None:
             count("fuse.kv_write.smooth_k")
+        if v.centre is not None:
+            count("fuse.kv_write.smooth_v")
 
 
 def _index_ops(write: Write) -> list[Operation]:

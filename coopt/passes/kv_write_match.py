@@ -56,7 +56,7 @@ class Write:
     paged: PagedWrite | None = None  # a write through a page table (paged-kv)
     scales: ScaleWrite | None = None  # per-token fp8: the scales' computation and write
     batch_view: Operation | None = None  # a dynamic batch's write through slice(cache, 0, 0, B)
-    centre: Operation | None = None  # smooth-k: the sub of the key offset weight between rope and quantize
+    centre: Operation | None = None  # smooth-k / smooth-v: the sub of the cache's offset weight between rope and quantize
 
     def updates(self) -> list[tuple[StateUpdateOp, PagedWrite | None]]:
         """The writes of the region: the cache's, and its scale buffer's (per-token)."""
@@ -181,7 +181,7 @@ def _read_only_by(value: SSAValue, user: Operation, scales: RowScales | None) ->
 def _value_chain(update: StateUpdateOp, value: SSAValue, absorb_rope: bool):
     """(source, views, rope, quantize, scales, centre): walk back from the written value through
     single-use views that only drop or add leading size-1 dims, one quantize_fp8, the sub of a
-    smoothed key's offset before it (`centre`) and (when `absorb_rope`) one rope. `source` is the
+    smoothed cache's offset before it (`centre`) and (when `absorb_rope`) one rope. `source` is the
     value before all of them (the region's k or v input). Per-token `scales` computed from the
     quantized rows (else None): their abs is the rows' other reader."""
     views: list[Operation] = []
@@ -200,7 +200,7 @@ def _value_chain(update: StateUpdateOp, value: SSAValue, absorb_rope: bool):
             if producer.granularity.data == "per-token":
                 scales = read_row_scales(producer.scale)
                 scales = scales if scales is not None and scales.x is source else None
-        elif quantize is not None and centre is None and rope is None and _key_offset(producer) is not None:
+        elif quantize is not None and centre is None and rope is None and _cache_offset(producer) is not None:
             centre, source = producer, producer.inputs[0]
         elif isinstance(producer, RopeOp) and absorb_rope:
             rope, source = producer, producer.x
@@ -212,9 +212,9 @@ def _value_chain(update: StateUpdateOp, value: SSAValue, absorb_rope: bool):
     return value, views, rope, quantize, scales, centre
 
 
-def _key_offset(op) -> SSAValue | None:
-    """The offset weight when `op` is fp8-kv-cache's smooth-k centring, sub(k, offset) with
-    offset a `<cache>.offset` weight [1, Hkv, 1, D] fp32 of k's heads and channels; else None."""
+def _cache_offset(op) -> SSAValue | None:
+    """The offset weight when `op` is fp8-kv-cache's smooth-k / smooth-v centring, sub(x, offset)
+    with offset a `<cache>.offset` weight [1, Hkv, 1, D] fp32 of x's heads and channels; else None."""
     if aten_target(op) != "aten.sub.Tensor" or len(op.inputs) != 2 or op.call["args"] != [{"$t": 0}, {"$t": 1}] \
             or op.call["kwargs"]:
         return None
@@ -309,11 +309,6 @@ def pair(first: Write, second: Write) -> tuple[Write, Write] | str:
         return "quant_mismatch"
     if first.rope is not None and second.rope is not None:
         return "two_ropes"
-    if first.centre is not None and second.centre is not None:
-        return "pair"  # smooth-k centres the keys only
-    if first.centre is not None or second.centre is not None:  # the centred one is K
-        k, v = (first, second) if first.centre is not None else (second, first)
-        return (k, v) if v.rope is None else "pair"
     if first.scales is not None and first.scales.scales.headroom != second.scales.scales.headroom:
         return "quant_mismatch"
     if (first.rows is None) != (second.rows is None) or (first.paged is None) != (second.paged is None):

@@ -75,10 +75,11 @@ class KvWriteFamily(TemplateFamily):
         if region.family != self.name or not isinstance(rope, bool) or quant not in QUANT_MODES:
             return False
         paged = attrs.get("page_size") is not None
-        offset = attrs.get("k_offset", False)  # smooth-k: K less a per-(head, channel) offset before quant
-        if not isinstance(offset, bool) or (offset and quant not in ("per-tensor", "per-head")):
+        # smooth-k / smooth-v: K / V less a per-(head, channel) offset before quant
+        offsets = [attrs.get("k_offset", False), attrs.get("v_offset", False)]
+        if any(not isinstance(o, bool) or (o and quant not in ("per-tensor", "per-head")) for o in offsets):
             return False
-        want_inputs = 5 + 2 * rope + 2 * (quant != "none") + offset + paged
+        want_inputs = 5 + 2 * rope + 2 * (quant != "none") + sum(offsets) + paged
         inplace = [0, 1, 5 + 2 * rope, 6 + 2 * rope] if quant == "per-token" else [0, 1]
         if len(region.inputs) != want_inputs or list(attrs.get("inplace") or ()) != inplace:
             return False
@@ -99,8 +100,8 @@ class KvWriteFamily(TemplateFamily):
         # per-token: one scale per cache row, [B_max, Hkv, S_max] (paged: [N_pages, Hkv, P])
         if quant == "per-token" and any(s.shape != k_cache.shape[:3] for s in region.inputs[5 + 2 * rope:7 + 2 * rope]):
             return False
-        # smooth-k's offset [1, Hkv, 1, D] fp32, after the scales
-        if offset and region.inputs[7 + 2 * rope].shape != (1, k_cache.shape[1], 1, k_cache.shape[3]):
+        # the offsets [1, Hkv, 1, D] fp32 (K's, then V's), after the scales
+        if any(s.shape != (1, k_cache.shape[1], 1, k_cache.shape[3]) for s in region.inputs[7 + 2 * rope:7 + 2 * rope + sum(offsets)]):
             return False
         return (
             isinstance(head_dim, int) and 1 <= head_dim <= MAX_HEAD_DIM
@@ -156,6 +157,7 @@ class KvWriteFamily(TemplateFamily):
             quant=attrs["quant"],
             per_row=attrs.get("positions") == "per-row",
             k_offset=bool(attrs.get("k_offset", False)),
+            v_offset=bool(attrs.get("v_offset", False)),
             page_size=attrs.get("page_size") or 0,
             headroom=repr(float(attrs.get("headroom", 1.0))),
         )

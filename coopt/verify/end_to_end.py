@@ -130,15 +130,21 @@ def _distance(built, native, otherwise: tuple[float, float]) -> tuple[float, flo
 # built for many rows holds KV caches of tens of GB, whose float64 copy ran an H200 out of memory
 # in the middle of a build (session 8: 96 rows x 4096 positions x 8 Llama-3-8B layers, 62 GB).
 # The rest is for the copy's forward pass: a GQA attention in eager expands the cache per query
-# head, transients up to half the copy's size.
+# head, transients up to half the copy's size. The share is of what is free once the build is
+# loaded beside it (its weights and state as large as the module's own): 32 Llama-3-8B layers
+# at 32 rows x 4096 positions (32 GB native) took a float32 copy (64 GB) of 107 GB free, and the
+# build's load then ran the H200 out of memory (session 9).
 COPY_SHARE = {torch.float64: 0.5, torch.float32: 0.6}
 
 
 def reference_copy(module) -> tuple[torch.nn.Module | None, str]:
     """(the high-precision reference of `module`, what it is): a float64 deep copy; else a float32
     one where float64 would not fit in its COPY_SHARE of the device's free memory; else None (native
-    outputs judge: the floor around eager), also when the module cannot be copied."""
+    outputs judge: the floor around eager), also when the module cannot be copied. Free memory
+    counts less what the build that is checked will take when loaded (the module's own bytes)."""
     free = _free_bytes(module)
+    if free is not None:
+        free = max(0, free - native_bytes(module))
     for dtype, share in COPY_SHARE.items():
         if free is not None and _copy_bytes(module, dtype) > share * free:
             continue
@@ -149,7 +155,7 @@ def reference_copy(module) -> tuple[torch.nn.Module | None, str]:
         except Exception as error:  # noqa: BLE001 - uncopyable module: fall back to native outputs
             return None, f"none: the model cannot be copied ({one_line(error)})"
     return None, (f"none: even a float32 copy needs {_copy_bytes(module, torch.float32) / 2**30:.1f} GiB, "
-                  f"more than {COPY_SHARE[torch.float32]:.0%} of the {free / 2**30:.1f} GiB free")
+                  f"more than {COPY_SHARE[torch.float32]:.0%} of the {free / 2**30:.1f} GiB free beside the loaded build")
 
 
 def _tensors(module):
@@ -166,6 +172,11 @@ def _free_bytes(module) -> int | None:
     return free + torch.cuda.memory_reserved(tensor.device) - torch.cuda.memory_allocated(tensor.device)
 
 
+def native_bytes(module) -> int:
+    """Bytes of the module's parameters and buffers as they are (about what its build loads)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(module))
+
+
 def _plain(module) -> bool:
     """Whether a dtype cast of `module` converts every floating tensor (no module overrides
     _apply, as a built program does to keep its fp8 caches fp8)."""
@@ -177,7 +188,7 @@ def _copy_bytes(module, dtype: torch.dtype) -> int:
     is deep-copied first, then cast)."""
     converted = sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
                     for t in _tensors(module))
-    return converted if _plain(module) else converted + sum(t.numel() * t.element_size() for t in _tensors(module))
+    return converted if _plain(module) else converted + native_bytes(module)
 
 
 def _converted_copy(module, dtype: torch.dtype):

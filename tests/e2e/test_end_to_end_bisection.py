@@ -81,7 +81,8 @@ def test_a_stateful_check_runs_the_callers_model_and_puts_its_buffers_back(tmp_p
                     "    return tuple(2 * y if y.is_floating_point() else y for y in _run(*inputs))\n")
     before = model.cache.clone()
     # a device with room for a float32 copy of the model but not a float64 one
-    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(e2e._copy_bytes(module, torch.float32) / e2e.COPY_SHARE[torch.float32]) + 1)
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: e2e.native_bytes(module)
+                        + int(e2e._copy_bytes(module, torch.float32) / e2e.COPY_SHARE[torch.float32]) + 1)
     warnings: list[str] = []
     record = check_end_to_end(model, inputs, result.regions, out, trials=2, seed=0, measured=False,
                               stateful=True, cuda_graphs=False, warnings=warnings,

@@ -134,6 +134,7 @@ def test_regions_carry_the_scales():
     ("scale-source=online", "scale-source='online'"),
     ("headroom=0.5", "headroom=0.5"),
     ("granularity=per-token,scale-source=dynamic,smooth-k=true", "smooth-k needs calibrated scales"),
+    ("granularity=per-token,scale-source=dynamic,smooth-v=true", "smooth-v needs calibrated scales"),
 ])
 def test_illegal_knob_combinations_are_pipeline_errors_naming_the_knob(knobs, culprit):
     with pytest.raises(ConfigError, match="fp8-kv-cache") as error:
@@ -276,3 +277,80 @@ def test_fuse_kv_write_takes_the_key_centring_into_its_region():
     assert counters["fuse.kv_write.smooth_k"] == 1 and counters["fuse.kv_write.quantized"] == 1
     assert not [o for o in module.walk() if getattr(o, "target", None) is not None
                 and o.target.data == "aten.sub.Tensor" and not isinstance(o.parent_op(), KernelOp)]
+
+
+class OffsetValues(DecodeStep):
+    """Values with a large common offset on half their channels, the cache's history too."""
+
+    def __init__(self):
+        super().__init__()
+        self.v_cache += OffsetKeys.OFFSET
+
+
+def offset_value_step(pos: int, seed: int):
+    q, k, v, positions = step(pos, torch.Generator().manual_seed(seed))
+    return q, k, v + OffsetKeys.OFFSET, positions
+
+
+def test_smooth_v_centres_the_value_writes_and_adds_the_offset_to_the_attention_output():
+    torch.manual_seed(0)
+    model = OffsetValues().eval()
+    inputs = offset_value_step(5, 5)
+    module = import_program(capture(model, inputs), inputs).module
+    calibration = calibrate_kv_absmax(model, [inputs])
+    set_calibration(module, calibration)
+    with collect_counters() as counters:
+        for compiler_pass in parse_pipeline_text(RAISE + ",fp8-kv-cache{smooth-v=true}"):
+            compiler_pass.apply(Context(allow_unregistered=True), module)
+    module.verify()
+    types = weight_types(module)
+    assert types["v_cache.offset"] == "tensor<1x2x1x16xf32>" and "k_cache.offset" not in types
+    # the output offset: each kv head's repeated for its HEADS // KV_HEADS query heads, in q's dtype
+    assert types["v_cache.output_offset"] == "tensor<1x4x1x16xf32>"
+    (attention,) = ops(module, DecodeAttentionOp)
+    (use,) = list(attention.result.uses)
+    add = use.operation
+    assert add.target.data == "aten.add.Tensor" and add.inputs[1].owner.ref.data == "v_cache.output_offset"
+    record = json.loads(module.attributes[FP8_ATTR].data)
+    assert record["offsets"] == {"v_cache": "v_cache.offset"}
+    assert record["output_offsets"] == {"v_cache.output_offset": {"offset": "v_cache.offset", "repeat": 2,
+                                                                  "dtype": "float32"}}
+    assert counters["fp8_kv_cache.smoothed_values"] == 1 and counters["fp8_kv_cache.output_offsets"] == 1
+    centred_range = torch.tensor(calibration["v_cache"]["centred_absmax"])
+    assert record["scales"]["v_cache.scale"] == pytest.approx((centred_range / FP8_MAX).tolist())
+
+
+def test_smooth_v_brings_an_offset_values_attention_closer_to_fp32(tmp_path):
+    """Values offset by 24 on half their channels: without smoothing e4m3 rounds them to steps of
+    2; centred, the rounding is of the spread alone, and the mean comes back exactly (a query's
+    probabilities sum to 1)."""
+    errors = {}
+    for name, knobs in (("plain", ""), ("smooth", "{smooth-k=true smooth-v=true}")):
+        torch.manual_seed(0)
+        eager, build_model = OffsetValues(), OffsetValues()
+        build_model.load_state_dict(eager.state_dict())
+        pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{knobs},fuse-attention,fuse-kv-write"
+        coopt.Pipeline(pipeline, top_k=1).build(build_model, offset_value_step(3, 3), tmp_path / name,
+                                                calibration_inputs=[offset_value_step(p, p) for p in (1, 2, 3)])
+        built = coopt.load(tmp_path / name)
+        error = 0.0
+        for pos in (4, 9, 17):
+            inputs = offset_value_step(pos, 100 + pos)
+            error = max(error, float((built(*inputs) - eager(*inputs)).abs().max()))
+        errors[name] = error
+    assert errors["smooth"] < 0.5 * errors["plain"], errors
+
+
+def test_fuse_kv_write_takes_both_centrings_into_its_region():
+    module, counters, _ = run(RAISE + ",fp8-kv-cache{smooth-k=true smooth-v=true},fuse-kv-write")
+    (kernel,) = [k for k in ops(module, KernelOp) if k.family.data == "kv_write"]
+    assert kernel.family_attrs["k_offset"] is True and kernel.family_attrs["v_offset"] is True
+    assert [v.owner.ref.data for v in kernel.inputs[-2:]] == ["k_cache.offset", "v_cache.offset"]
+    assert counters["fuse.kv_write.smooth_k"] == 1 and counters["fuse.kv_write.smooth_v"] == 1
+
+
+def test_fuse_kv_write_takes_a_value_centring_alone():
+    module, counters, _ = run(RAISE + ",fp8-kv-cache{smooth-v=true},fuse-kv-write")
+    (kernel,) = [k for k in ops(module, KernelOp) if k.family.data == "kv_write"]
+    assert "k_offset" not in kernel.family_attrs and kernel.family_attrs["v_offset"] is True
+    assert kernel.inputs[-1].owner.ref.data == "v_cache.offset" and counters["fuse.kv_write.smooth_v"] == 1

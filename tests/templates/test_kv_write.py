@@ -16,7 +16,8 @@ FP8 = torch.float8_e4m3fn
 SCALE_FLOOR = 1e-12
 
 
-def region(b_max, heads, s_max, b, t, d, *, rope=False, quant="none", dtype="float32", headroom=None, k_offset=False):
+def region(b_max, heads, s_max, b, t, d, *, rope=False, quant="none", dtype="float32", headroom=None, k_offset=False,
+           v_offset=False):
     cache_dtype = "float8_e4m3fn" if quant != "none" else dtype
     cache = TensorSpec((b_max, heads, s_max, d), cache_dtype)
     row = TensorSpec((b, heads, t, d), dtype)
@@ -30,9 +31,11 @@ def region(b_max, heads, s_max, b, t, d, *, rope=False, quant="none", dtype="flo
         inputs += [TensorSpec((b_max, heads, s_max), "float32")] * 2
         inplace = [0, 1, len(inputs) - 2, len(inputs) - 1]
     attrs = {"rope": rope, "quant": quant, "inplace": inplace}
-    if k_offset:  # fp8-kv-cache's smooth-k: K less a per-(head, channel) offset before quantizing
-        inputs.append(TensorSpec((1, heads, 1, d), "float32"))
-        attrs["k_offset"] = True
+    # fp8-kv-cache's smooth-k / smooth-v: K / V less a per-(head, channel) offset before quantizing
+    for knob, on in (("k_offset", k_offset), ("v_offset", v_offset)):
+        if on:
+            inputs.append(TensorSpec((1, heads, 1, d), "float32"))
+            attrs[knob] = True
     if headroom is not None:
         attrs["headroom"] = headroom
     return RegionSummary("kv", "kv_write", tuple(inputs), tuple(inputs[i] for i in inplace), attrs)
@@ -51,13 +54,16 @@ def quantize(x, scale, granularity):
     return (x.float() / s).clamp(-448, 448).to(FP8)
 
 
-def reference(inputs, *, rope_on, quant, headroom=1.0, k_offset=False):
-    """What the unfused ops do: rope, (smooth-k: minus the offset, in fp32), quantize, index_put_
-    of the first B rows."""
+def reference(inputs, *, rope_on, quant, headroom=1.0, k_offset=False, v_offset=False):
+    """What the unfused ops do: rope, (smooth-k / smooth-v: minus the offset, in fp32), quantize,
+    index_put_ of the first B rows."""
     k_cache, v_cache, positions, k, v, *extra = [t.clone() for t in inputs]
     if rope_on:
         cos, sin, *extra = extra
         k = rope(k, cos, sin)
+    if v_offset:
+        *extra, offset = extra
+        v = v.float() - offset
     if k_offset:
         *extra, offset = extra
         k = k.float() - offset
@@ -104,7 +110,8 @@ def check(load_candidate, summary, positions, params=None, seed=0, magnitude=1.0
         inputs[3] = inputs[3].transpose(1, 2).contiguous().transpose(1, 2)
         inputs[4] = inputs[4].transpose(1, 2).contiguous().transpose(1, 2)
     expected = reference(inputs, rope_on=summary.attrs["rope"], quant=summary.attrs["quant"],
-                         headroom=summary.attrs.get("headroom", 1.0), k_offset=summary.attrs.get("k_offset", False))
+                         headroom=summary.attrs.get("headroom", 1.0), k_offset=summary.attrs.get("k_offset", False),
+                         v_offset=summary.attrs.get("v_offset", False))
     module = load_candidate(FAMILY.render(summary, params))
     device_inputs = on_test_device([t.clone() for t in inputs])
     outputs = module.run(*device_inputs)
@@ -155,21 +162,27 @@ def test_fp8_quantization_rounds_like_torch(load_candidate, quant, rope_on, magn
 
 @pytest.mark.parametrize("quant", ["per-tensor", "per-head"])
 @pytest.mark.parametrize("rope_on", [False, True])
-def test_smooth_k_subtracts_the_offset_from_k_only_before_rounding(load_candidate, quant, rope_on):
-    """K rows around a large per-channel offset: the stored K is quant(rope(k) - offset) bit for
-    bit, V is stored as without it."""
-    summary = region(2, 2, 8, 2, 3, 32, rope=rope_on, quant=quant, k_offset=True)
+@pytest.mark.parametrize("centred", ["k", "v", "kv"])
+def test_smooth_subtracts_each_offset_from_its_rows_only_before_rounding(load_candidate, quant, rope_on, centred):
+    """K and / or V rows around a large per-channel offset (a different one each): the stored
+    rows are quant(rope(k) - k_offset), quant(v - v_offset) bit for bit; a cache without an
+    offset is stored as without smoothing."""
+    k_on, v_on = "k" in centred, "v" in centred
+    summary = region(2, 2, 8, 2, 3, 32, rope=rope_on, quant=quant, k_offset=k_on, v_offset=v_on)
     inputs = make_inputs(summary, [1, 6, 2], seed=5)
-    inputs[-1] = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(9)) * 20
+    offsets = len(centred)
+    for i in range(offsets):  # large offsets, a different one for K and V
+        inputs[len(inputs) - offsets + i] = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(9 + i)) * 20
     module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]))
     outputs = module.run(*on_test_device([t.clone() for t in inputs]))
-    expected = reference(inputs, rope_on=rope_on, quant=quant, k_offset=True)
-    plain = reference(inputs[:-1], rope_on=rope_on, quant=quant)
+    expected = reference(inputs, rope_on=rope_on, quant=quant, k_offset=k_on, v_offset=v_on)
+    plain = reference(inputs[:len(inputs) - offsets], rope_on=rope_on, quant=quant)
     for got, want in zip(outputs, expected):
         assert torch.equal(got.cpu().float(), want.float())
-    assert torch.equal(outputs[1].cpu().float(), plain[1].float())
-    assert not torch.equal(outputs[0].cpu().float(), plain[0].float())
-    assert FAMILY.matches(summary) and not FAMILY.matches(region(2, 2, 8, 2, 3, 32, quant="per-token", k_offset=True))
+    for cache, on in ((0, k_on), (1, v_on)):
+        assert torch.equal(outputs[cache].cpu().float(), plain[cache].float()) != on
+    per_token = region(2, 2, 8, 2, 3, 32, quant="per-token", k_offset=k_on, v_offset=v_on)
+    assert FAMILY.matches(summary) and not FAMILY.matches(per_token)
 
 
 def test_e4m3_grid_rounding_edge_values(load_candidate):
@@ -212,8 +225,8 @@ def test_matches_and_space():
 def test_compiles_for_hopper(compile_for_sm90):
     jobs = []
     for quant, offset in (("none", False), ("per-head", False), ("per-token", False), ("per-head", True)):
-        summary = region(1, 2, 16, 1, 2, 32, rope=True, quant=quant, dtype="bfloat16", k_offset=offset)
+        summary = region(1, 2, 16, 1, 2, 32, rope=True, quant=quant, dtype="bfloat16", k_offset=offset, v_offset=offset)
         inputs = make_inputs(summary, [0, 1])
-        jobs.append((quant + ("-smooth-k" if offset else ""), FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]),
+        jobs.append((quant + ("-smooth-kv" if offset else ""), FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]),
                      inputs, "kv_write_kernel"))
     compile_for_sm90(jobs)

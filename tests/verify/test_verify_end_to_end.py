@@ -112,19 +112,24 @@ def test_reference_copy_steps_down_to_float32_then_to_none_as_memory_shrinks(mon
     need64 = e2e._copy_bytes(model, torch.float64)
     need32 = e2e._copy_bytes(model, torch.float32)
     assert need64 == 2 * need32 - 8  # the int64 counter is copied as it is
-    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(need32 / e2e.COPY_SHARE[torch.float32]) + 1)
+    build = e2e.native_bytes(model)  # what the checked build takes beside the copy once loaded
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: build + int(need32 / e2e.COPY_SHARE[torch.float32]) + 1)
     high, precision = reference_copy(model)
     assert precision == "float32" and high.cache.dtype == torch.float32
-    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(need32 / e2e.COPY_SHARE[torch.float32]) - 1)
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: build + int(need32 / e2e.COPY_SHARE[torch.float32]) - 1)
     high, precision = reference_copy(model)
     assert high is None and precision.startswith("none: even a float32 copy needs")
+    # room for the copy, but not for the build beside it (session 9: 32 layers ran out of memory)
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(need32 / e2e.COPY_SHARE[torch.float32]) + 1)
+    assert reference_copy(model)[0] is None
 
 
 def test_a_float32_reference_still_judges_a_bf16_build(monkeypatch):
     import coopt.verify.end_to_end as e2e
 
     model = _model(torch.bfloat16)
-    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(e2e._copy_bytes(module, torch.float32) / e2e.COPY_SHARE[torch.float32]) + 1)
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: e2e.native_bytes(module)
+                        + int(e2e._copy_bytes(module, torch.float32) / e2e.COPY_SHARE[torch.float32]) + 1)
     assert verify_end_to_end(model, copy.deepcopy(model), (torch.randn(4, 16).to(torch.bfloat16),)).ok
     broken = copy.deepcopy(model)
     with torch.no_grad():
