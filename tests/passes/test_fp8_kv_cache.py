@@ -44,10 +44,10 @@ def step(pos: int, generator=None):
             torch.randn(1, KV_HEADS, 1, DIM, generator=g), torch.tensor([pos]))
 
 
-def run(pipeline: str, model=None, calibrate=True):
+def run(pipeline: str, model=None, calibrate=True, inputs=None):
     torch.manual_seed(0)
     model = (model or DecodeStep()).eval()
-    inputs = step(5)
+    inputs = inputs or step(5)
     module = import_program(capture(model, inputs), inputs).module
     if calibrate:
         set_calibration(module, calibrate_kv_absmax(model, [inputs]))
@@ -227,15 +227,9 @@ def test_calibration_records_means_and_centred_ranges_over_written_rows_only():
 
 def test_smooth_k_centres_the_key_writes_and_scales_keys_by_their_centred_range():
     torch.manual_seed(0)
-    model = OffsetKeys().eval()
-    inputs = offset_step(5, 5)
-    module = import_program(capture(model, inputs), inputs).module
+    model, inputs = OffsetKeys(), offset_step(5, 5)
     calibration = calibrate_kv_absmax(model, [inputs])
-    set_calibration(module, calibration)
-    with collect_counters() as counters:
-        for compiler_pass in parse_pipeline_text(RAISE + ",fp8-kv-cache{smooth-k=true}"):
-            compiler_pass.apply(Context(allow_unregistered=True), module)
-    module.verify()
+    module, counters, _ = run(RAISE + ",fp8-kv-cache{smooth-k=true}", model, inputs=inputs)
     assert weight_types(module)["k_cache.offset"] == "tensor<1x2x1x16xf32>" and "v_cache.offset" not in weight_types(module)
     quantized = {q.results[0].uses.__iter__().__next__().operation.ref.data: q for q in ops(module, QuantizeFp8Op)}
     centred = quantized["k_cache"].x.owner
@@ -249,23 +243,27 @@ def test_smooth_k_centres_the_key_writes_and_scales_keys_by_their_centred_range(
     assert float(centred_range.max()) < 0.5 * max(calibration["k_cache"]["absmax"])  # the offset left the range
 
 
+def built_errors(tmp_path, model_class, make_step, smooth_knobs: str, passes: str) -> dict[str, float]:
+    """{"plain", "smooth"}: the largest |built - eager| over decode steps at three positions of
+    a build with fp8-kv-cache, without and with `smooth_knobs`."""
+    errors = {}
+    for name, knobs in (("plain", ""), ("smooth", "{" + smooth_knobs + "}")):
+        torch.manual_seed(0)
+        eager, build_model = model_class(), model_class()
+        build_model.load_state_dict(eager.state_dict())
+        pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{knobs},{passes}"
+        coopt.Pipeline(pipeline, top_k=1).build(build_model, make_step(3, 3), tmp_path / name,
+                                                calibration_inputs=[make_step(p, p) for p in (1, 2, 3)])
+        built = coopt.load(tmp_path / name)
+        errors[name] = max(float((built(*inputs) - eager(*inputs)).abs().max())
+                           for inputs in (make_step(pos, 100 + pos) for pos in (4, 9, 17)))
+    return errors
+
+
 def test_smooth_k_brings_an_offset_keys_attention_closer_to_fp32(tmp_path):
     """Keys offset by 24 on half their channels: e4m3's 3 mantissa bits round them to steps of 2,
     which smoothing removes; attention reads the centred cache as it is (softmax ignores q . mean)."""
-    errors = {}
-    for name, knobs in (("plain", ""), ("smooth", "{smooth-k=true}")):
-        torch.manual_seed(0)
-        eager, build_model = OffsetKeys(), OffsetKeys()
-        build_model.load_state_dict(eager.state_dict())
-        pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{knobs},fuse-attention"
-        coopt.Pipeline(pipeline, top_k=1).build(build_model, offset_step(3, 3), tmp_path / name,
-                                                calibration_inputs=[offset_step(p, p) for p in (1, 2, 3)])
-        built = coopt.load(tmp_path / name)
-        error = 0.0
-        for pos in (4, 9, 17):
-            inputs = offset_step(pos, 100 + pos)
-            error = max(error, float((built(*inputs) - eager(*inputs)).abs().max()))
-        errors[name] = error
+    errors = built_errors(tmp_path, OffsetKeys, offset_step, "smooth-k=true", "fuse-attention")
     assert errors["smooth"] < 0.5 * errors["plain"], errors
 
 
@@ -294,15 +292,9 @@ def offset_value_step(pos: int, seed: int):
 
 def test_smooth_v_centres_the_value_writes_and_adds_the_offset_to_the_attention_output():
     torch.manual_seed(0)
-    model = OffsetValues().eval()
-    inputs = offset_value_step(5, 5)
-    module = import_program(capture(model, inputs), inputs).module
+    model, inputs = OffsetValues(), offset_value_step(5, 5)
     calibration = calibrate_kv_absmax(model, [inputs])
-    set_calibration(module, calibration)
-    with collect_counters() as counters:
-        for compiler_pass in parse_pipeline_text(RAISE + ",fp8-kv-cache{smooth-v=true}"):
-            compiler_pass.apply(Context(allow_unregistered=True), module)
-    module.verify()
+    module, counters, _ = run(RAISE + ",fp8-kv-cache{smooth-v=true}", model, inputs=inputs)
     types = weight_types(module)
     assert types["v_cache.offset"] == "tensor<1x2x1x16xf32>" and "k_cache.offset" not in types
     # the output offset: each kv head's repeated for its HEADS // KV_HEADS query heads, in q's dtype
@@ -324,20 +316,8 @@ def test_smooth_v_brings_an_offset_values_attention_closer_to_fp32(tmp_path):
     """Values offset by 24 on half their channels: without smoothing e4m3 rounds them to steps of
     2; centred, the rounding is of the spread alone, and the mean comes back exactly (a query's
     probabilities sum to 1)."""
-    errors = {}
-    for name, knobs in (("plain", ""), ("smooth", "{smooth-k=true smooth-v=true}")):
-        torch.manual_seed(0)
-        eager, build_model = OffsetValues(), OffsetValues()
-        build_model.load_state_dict(eager.state_dict())
-        pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{knobs},fuse-attention,fuse-kv-write"
-        coopt.Pipeline(pipeline, top_k=1).build(build_model, offset_value_step(3, 3), tmp_path / name,
-                                                calibration_inputs=[offset_value_step(p, p) for p in (1, 2, 3)])
-        built = coopt.load(tmp_path / name)
-        error = 0.0
-        for pos in (4, 9, 17):
-            inputs = offset_value_step(pos, 100 + pos)
-            error = max(error, float((built(*inputs) - eager(*inputs)).abs().max()))
-        errors[name] = error
+    errors = built_errors(tmp_path, OffsetValues, offset_value_step, "smooth-k=true smooth-v=true",
+                          "fuse-attention,fuse-kv-write")
     assert errors["smooth"] < 0.5 * errors["plain"], errors
 
 
