@@ -21,6 +21,7 @@ from coopt.end_to_end import check_end_to_end, device_of, measure_lossy_end_to_e
 from coopt.codegen.program import program_source
 from coopt.frontend.capture import capture
 from coopt.fp8_cache import calibrate_kv_absmax, needs_calibration, set_calibration
+from coopt.emit.state_file import save_state, stored_state
 from coopt.frontend.importer import import_program
 from coopt.ir.summary import kernels, name_regions, summarize, symbol_table
 from coopt.passes.chunked_prefill import fit_example_inputs, prefill_chunk
@@ -484,11 +485,11 @@ def _emit(module, program, imported, model, example_inputs, regions, out, config
     if shared_weights is not None:
         import os
 
-        stored = set(torch.load(shared_weights, map_location="meta", weights_only=True))
+        stored = set(stored_state(shared_weights))
         weights = {name: t for name, t in weights.items() if name not in stored}
         shared = {"weights": os.path.relpath(shared_weights, out), "names": sorted(stored)}
         (out / "shared_weights.json").write_text(json.dumps(shared, indent=1))
-    torch.save(weights, out / "weights.pt")
+    save_state(weights, out)  # weights.pt, and zeros.json for the all-zero state (KV caches)
     write_selection(out, regions, measured)
 
 

@@ -28,6 +28,7 @@ import torch
 # coopt.api first: it decides Triton's interpreter (no GPU) before anything imports triton.language
 from coopt.api import Pipeline
 from coopt.accuracy.metrics import Candidate, heldout_windows
+from coopt.emit.state_file import WEIGHTS_FILE, stored_state
 from coopt.passes.registry import DEFAULT_PIPELINE
 
 # No kernel regions: the program is the ATen ops (with the fp8 pass's quantize and dequantize),
@@ -160,12 +161,12 @@ def entry_records(out_dir: Path) -> dict[str, dict]:
 def kv_bytes_per_token(out_dir: Path, setting: BuildSetting) -> float:
     """Bytes of every layer's K and V (scales included) per cached token of one sequence: the
     build's own count (build.json accuracy.kv_cache_bytes) when it made one, else the cache
-    tensors it stores (weights.pt)."""
+    tensors it stores (weights.pt and zeros.json)."""
     slots = setting.batch * setting.max_seq
     accuracy = json.loads((out_dir / "build.json").read_text()).get("accuracy") or {}
     if "kv_cache_bytes" in accuracy:
         return accuracy["kv_cache_bytes"]["after"] / slots
-    weights = torch.load(out_dir / "weights.pt", map_location="cpu", mmap=True, weights_only=True)
+    weights = stored_state(out_dir / WEIGHTS_FILE)
     return sum(t.numel() * t.element_size() for name, t in weights.items() if name.endswith(CACHE_SUFFIXES)) / slots
 
 

@@ -7,6 +7,7 @@ import textwrap
 import torch
 
 import coopt
+from coopt.emit.state_file import stored_state
 
 MODEL = """
 import torch
@@ -42,7 +43,7 @@ def test_dynamic_batch_end_to_end(tmp_path):
     from coopt.frontend.model_file import load_model_file
 
     original = load_model_file(path).model
-    original.load_state_dict(torch.load(tmp_path / "out" / "weights.pt", weights_only=True))
+    original.load_state_dict(stored_state(tmp_path / "out" / "weights.pt", "cpu"))
     built = coopt.load(tmp_path / "out")
     for batch in (1, 37, 64):
         x = torch.randn(batch, 32)

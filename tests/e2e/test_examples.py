@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import coopt
+from coopt.emit.state_file import stored_state
 from coopt.passes.fuse_parallel_linears import concat_parts
 from coopt.frontend.model_file import load_model_file
 
@@ -39,7 +40,7 @@ def builds(tmp_path_factory):
 @pytest.mark.parametrize("name", ["mlp", "minigpt_block", "llama_layer"])
 def test_example_builds_verified_and_matches_the_original(builds, name):
     out, result = builds(name)
-    for path in ["manifest.json", "program.py", "weights.pt", "selection.json", "advice.json", "report.md", "verify/results.json", "ir/00-import.mlir"]:
+    for path in ["manifest.json", "program.py", "weights.pt", "zeros.json", "selection.json", "advice.json", "report.md", "verify/results.json", "ir/00-import.mlir"]:
         assert (out / path).is_file(), path
     assert result.measured == torch.cuda.is_available()  # without a GPU: advisor's pick, unmeasured
     selection = json.loads((out / "selection.json").read_text())
@@ -59,7 +60,7 @@ def test_example_builds_verified_and_matches_the_original(builds, name):
 
 def _original_state(out: Path, model) -> dict:
     """The original model's tensors as the build stored them (merged weights split back)."""
-    weights = torch.load(out / "weights.pt", weights_only=True)
+    weights = stored_state(out / "weights.pt", "cpu")
     own = model.state_dict()
     state = {}
     for name, tensor in weights.items():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import coopt
+from coopt.emit.state_file import stored_state
 from coopt.frontend.model_file import load_model_file
 from llama_helpers import MODEL_PATH
 
@@ -79,8 +80,8 @@ def test_prefill_entry_shares_weights_and_cache_with_the_decode_step(built_dir):
     tensor is stored twice."""
     counters = json.loads((built_dir / "entries" / "prefill" / "build.json").read_text())["counters"]
     assert counters["fuse.attention.prompt_over_cache"] == 2  # each layer's prompt attention is a flash kernel
-    main = torch.load(built_dir / "weights.pt", weights_only=True)
-    extra = torch.load(built_dir / "entries" / "prefill" / "weights.pt", weights_only=True)
+    main = stored_state(built_dir / "weights.pt")
+    extra = stored_state(built_dir / "entries" / "prefill" / "weights.pt")
     assert not set(main) & set(extra)
     built = coopt.load(built_dir)
     prefill = built.entry_points["prefill"]

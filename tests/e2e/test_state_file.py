@@ -1,0 +1,66 @@
+"""out/weights.pt + out/zeros.json (coopt/emit/state_file.py): all-zero tensors (a decode
+build's KV caches) are stored as shape and dtype, made again with torch.zeros at load."""
+
+import json
+
+import torch
+
+from coopt.emit.state_file import ZEROS_FILE, save_state, stored_state
+
+
+def test_all_zero_tensors_go_to_zeros_json_and_come_back_alike(tmp_path):
+    shared = torch.zeros(4, 4)
+    tensors = {
+        "cache": torch.zeros(2, 3, 5, dtype=torch.bfloat16),
+        "steps": torch.zeros(3, dtype=torch.int64),
+        "weight": torch.randn(4, 4),
+        "almost": torch.zeros(6).index_fill_(0, torch.tensor([5]), 1e-30),  # one nonzero element
+        "tied_a": shared, "tied_b": shared,  # shared storage: torch.save keeps the tie, zeros.json could not
+        "empty": torch.zeros(0, 3),
+    }
+    save_state(tensors, tmp_path)
+    stored = torch.load(tmp_path / "weights.pt", weights_only=True)
+    zeros = json.loads((tmp_path / ZEROS_FILE).read_text())
+    assert set(zeros) == {"cache", "steps"} and set(stored) == {"weight", "almost", "tied_a", "tied_b", "empty"}
+    assert zeros["cache"] == {"shape": [2, 3, 5], "dtype": "bfloat16"}
+    assert stored["tied_a"].data_ptr() == stored["tied_b"].data_ptr()
+    loaded = stored_state(tmp_path / "weights.pt", "cpu")
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    meta = stored_state(tmp_path / "weights.pt")
+    assert meta["cache"].device.type == "meta" and meta["cache"].shape == (2, 3, 5)
+
+
+class EmptyCache(torch.nn.Module):
+    """A decode step over a KV cache that starts empty (zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(1, 2, 16, 8))
+        self.register_buffer("v_cache", torch.zeros(1, 2, 16, 8))
+        self.register_buffer("positions", torch.arange(16))
+
+    def forward(self, q, k, v, input_pos):
+        self.k_cache[:, :, input_pos] = k
+        self.v_cache[:, :, input_pos] = v
+        mask = self.positions[None, :] <= input_pos[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
+
+
+def test_a_build_stores_its_empty_caches_as_zeros_json_and_loads_them_as_zeros(tmp_path):
+    import coopt
+
+    def step(pos):
+        g = torch.Generator().manual_seed(pos)
+        return (torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g),
+                torch.randn(1, 2, 1, 8, generator=g), torch.tensor([pos]))
+
+    eager = EmptyCache().eval()
+    coopt.Pipeline("inplace-state-writes,raise-patterns", top_k=1).build(EmptyCache().eval(), step(0), tmp_path / "out")
+    assert set(json.loads((tmp_path / "out" / ZEROS_FILE).read_text())) == {"k_cache", "v_cache"}
+    assert not {"k_cache", "v_cache"} & set(torch.load(tmp_path / "out" / "weights.pt", map_location="meta", weights_only=True))
+    built = coopt.load(tmp_path / "out")
+    assert built.state_tensor("k_cache").shape == (1, 2, 16, 8) and not built.state_tensor("k_cache").any()
+    for pos in range(4):  # the loaded zeros are the cache the steps write and read
+        torch.testing.assert_close(built(*step(pos)), eager(*step(pos)))
