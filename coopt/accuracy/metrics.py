@@ -84,6 +84,18 @@ class AccuracyReport:
         return json.dumps(self.to_dict(), indent=2)
 
 
+def wilson_interval(fraction: float, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95 % at z = 1.96) of a rate `fraction` seen over `trials`
+    independent trials. Predictions of one held-out window are not independent (neighbouring
+    positions share context), so for top-1 agreement it is a lower bound on the uncertainty."""
+    if trials <= 0:
+        return 0.0, 1.0
+    centre = fraction + z * z / (2 * trials)
+    spread = z * (fraction * (1 - fraction) / trials + z * z / (4 * trials * trials)) ** 0.5
+    scale = 1 + z * z / trials
+    return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
+
+
 def heldout_windows(data: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
     """[count', seq_len + 1] int64 windows at evenly spaced offsets of `data` (deterministic;
     fewer than `count` when `data` is short, never overlapping)."""

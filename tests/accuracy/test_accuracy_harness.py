@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from coopt.accuracy import metrics, train
@@ -83,3 +84,12 @@ def test_leading_agreement_counts_the_prefix():
     a = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
     b = torch.tensor([[1, 2, 9, 4], [5, 2, 3, 4]])
     assert metrics.leading_agreement(a, b).tolist() == [2, 0]
+
+
+def test_wilson_interval_brackets_the_rate_and_narrows_with_more_trials():
+    # 44 disagreements in 4096 predictions (session 9's smoothed-K build): 99 % lies inside
+    low, high = metrics.wilson_interval(1 - 44 / 4096, 4096)
+    assert low < 0.99 < high and high - low == pytest.approx(0.0063, abs=0.0005)
+    wide, narrow = metrics.wilson_interval(0.9, 100), metrics.wilson_interval(0.9, 10000)
+    assert wide[0] < narrow[0] < 0.9 < narrow[1] < wide[1]
+    assert metrics.wilson_interval(1.0, 50)[1] == 1.0 and metrics.wilson_interval(0.0, 50)[0] == 0.0

@@ -81,6 +81,8 @@ def test_lossy_builds_against_both_baselines(monkeypatch, tmp_path, checkpoint, 
     assert fp8["reference_perplexity"] == pytest.approx(results["eager fp32"]["candidate_perplexity"])
     assert set(fp8["targets"]) == {"eager fp32", "coopt bf16"}
     assert fp8["targets"]["coopt bf16"]["top1_agreement"]["value"] == against["top1_agreement"]
+    low, high = fp8["targets"]["coopt bf16"]["top1_agreement"]["interval_95"]  # over windows x seq_len positions
+    assert low < against["top1_agreement"] <= high or against["top1_agreement"] == high == 1
     printed = capsys.readouterr().out
     second_table = printed.split("Against the coopt bf16 build")[1]
     assert "| coopt bf16 |" in second_table and "| coopt fp8 KV per-head |" in second_table
@@ -89,6 +91,7 @@ def test_lossy_builds_against_both_baselines(monkeypatch, tmp_path, checkpoint, 
     assert "coopt fp8 KV per-head vs coopt bf16: top1_agreement" in printed
     assert "coopt fp8 KV per-head vs eager fp32: top1_agreement" in printed
     assert "(shown; judged against the bf16 build)" in printed
+    assert "95 % interval" in printed.split("coopt fp8 KV per-head vs coopt bf16: top1_agreement")[1].splitlines()[0]
 
 
 def broken_build(model, run):
