@@ -163,13 +163,14 @@ case "${1:-}" in
     accuracy)  # issue 4: train the small model on the GPU, then every lossy configuration against bf16
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --out "$OUT/accuracy.json"
         ;;
-    accuracy-smooth)  # issue 4: the harness with the bf16 baseline, per-head, and per-head smoothed K / K and V (~5 min)
-        step 340 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda \
+    accuracy-smooth)  # issue 4: the harness with the bf16 baseline, per-head, and per-head smoothed K / K and V
+                      # (session 9: ~100 s training + first build, ~70 s each build after: a call of its own)
+        step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda \
             --only "coopt bf16,coopt fp8 KV per-head,coopt fp8 KV per-head, smoothed K,coopt fp8 KV per-head, smoothed K and V" \
             --out "$OUT/accuracy_smooth.json"
         ;;
     layers32-b32-coopt)  # issue 3: coopt alone at 32 layers, b32 / 2048 (eager and reduce-overhead: layers32-rest)
-        step 250 decode python bench/decode.py --layers 32 --cases 32:2048:4096 --modes coopt --prefill 0 \
+        step 560 decode python bench/decode.py --layers 32 --cases 32:2048:4096 --modes coopt --prefill 0 \
             --agreement-steps 0 --out "$OUT/decode_32layers_b32_coopt.json" --build-dir /tmp/coopt-32-b32
         ;;
     kv-probe)  # issue 4: which fp8 KV quantization reaches the top-1 target (eager, the harness's model; ~1-2 min)

@@ -98,7 +98,8 @@ def build(
     kv_cache: str = typer.Option(
         "none", "--kv-cache",
         help="KV-cache storage: none/bf16 (default: as the model) or fp8 (lossy: adds fp8-kv-cache after raise-patterns, "
-             "per-head calibrated scales; the report measures the accuracy cost; exit 5 for a model without a KV cache)"),
+             "per-head calibrated scales, keys centred (smooth-k); the report measures the accuracy cost; exit 5 for a model "
+             "without a KV cache)"),
     prefill_chunk: Optional[int] = typer.Option(
         None, "--prefill-chunk",
         help="tokens per prefill call (a power of two >= 16): adds chunked-prefill{chunk=N} to entry points with a "

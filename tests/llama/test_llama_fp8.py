@@ -35,7 +35,7 @@ def built_dir(tmp_path_factory):
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     build = json.loads(result.stdout[result.stdout.index("{"):])
-    assert "raise-patterns,fp8-kv-cache," in json.loads((out / "build.json").read_text())["pipeline"]
+    assert "raise-patterns,fp8-kv-cache{smooth-k=true}," in json.loads((out / "build.json").read_text())["pipeline"]
     assert build["end_to_end"]["lossy"] and build["entries"]["prefill"]["end_to_end"]["lossy"]
     return out
 
@@ -48,9 +48,11 @@ def test_weights_hold_fp8_caches_and_their_scales_once(built_dir):
     # the prefill entry stores no cache or scale of its own: it uses the main entry's
     extra = torch.load(built_dir / "entries" / "prefill" / "weights.pt", weights_only=True)
     assert not any("cache" in name for name in extra)
-    # existing contents (the model's stand-in history) are stored quantized with the same scales
+    # existing contents (the model's stand-in history) are stored quantized with the same scales,
+    # the keys less their calibrated channel means (--kv-cache fp8 centres them: smooth-k)
+    assert CACHES[0] + ".offset" in main and CACHES[1] + ".offset" not in main
     eager = load_model_file(MODEL_PATH).model
-    history = eager.layers[0].attention.k_cache[:, :, :8]
+    history = eager.layers[0].attention.k_cache[:, :, :8] - main[CACHES[0] + ".offset"]
     scale = main[CACHES[0] + ".scale"]
     expected = torch.clamp(history / scale[:, None, None], -448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(main[CACHES[0]][:, :, :8].view(torch.uint8), expected.view(torch.uint8))
@@ -69,6 +71,8 @@ def test_decode_step_writes_rows_quantized_with_the_calibrated_scales(built_dir)
     for kind in "kv":
         name = f"layers.0.attention.{kind}_cache"
         written = getattr(eager.model.layers[0].attention, f"{kind}_cache")[:, :, row]  # [1, Hkv, D]
+        if kind == "k":  # keys centred (smooth-k)
+            written = written - built.state_tensor(name + ".offset")[:, :, 0]
         scale = built.state_tensor(name + ".scale")
         expected = torch.clamp(written / scale[:, None], -448, 448).to(torch.float8_e4m3fn)
         assert torch.equal(built.state_tensor(name)[:, :, row].view(torch.uint8), expected.view(torch.uint8)), name
@@ -98,13 +102,16 @@ def test_build_json_and_report_state_the_measured_accuracy_cost(built_dir):
     accuracy = json.loads((built_dir / "build.json").read_text())["accuracy"]
     assert accuracy["passes"] == [{"pass": "fp8-kv-cache",
                                    "knobs": {"granularity": "per-head", "scale-source": "calibration", "headroom": 1.0,
-                                             "smooth-k": False, "smooth-v": False}}]
+                                             "smooth-k": True, "smooth-v": False}}]
     for key in ("max_abs_err", "max_rel_err", "top1_agreement", "mean_kl"):
         assert math.isfinite(accuracy[key]) and accuracy[key] >= 0, key
     assert accuracy["decode_steps"] == 16 and accuracy["top1_agreement"] >= MIN_TOP1, accuracy
     assert accuracy["mean_kl"] < 0.1, accuracy
     memory = accuracy["kv_cache_bytes"]
-    assert memory["before"] == 4 * 128 * 2 * 16 * 4 and memory["after"] == memory["before"] // 4 + 4 * 2 * 4
+    # fp32 caches -> one byte an element, plus 4 per-head scales of 2 heads and the 2 key caches'
+    # offsets, [2 heads x 16 channels] fp32 each
+    assert memory["before"] == 4 * 128 * 2 * 16 * 4
+    assert memory["after"] == memory["before"] // 4 + 4 * 2 * 4 + 2 * 2 * 16 * 4
     report = (built_dir / "report.md").read_text()
     assert "## Lossy transformations" in report and "fp8-kv-cache" in report and "top-1 agreement" in report
     prefill = json.loads((built_dir / "entries" / "prefill" / "build.json").read_text())

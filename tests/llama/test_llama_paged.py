@@ -205,12 +205,14 @@ def test_fp8_pages(tmp_path):
         result = coopt.build(MODEL_PATH, out, top_k=1, paged_kv=PAGE, kv_cache="fp8")
     assert result.e2e["lossy"] and result.e2e["kernels_vs_reference_program"]["ok"]
     assert result.accuracy["max_rel_err"] < 0.2  # measured, not judged: fp8 rounding of the history
-    assert "fp8-kv-cache,paged-kv{page-size=16}" in json.loads((out / "build.json").read_text())["pipeline"]
+    assert "fp8-kv-cache{smooth-k=true},paged-kv{page-size=16}" in json.loads((out / "build.json").read_text())["pipeline"]
     regions = json.loads((out / "selection.json").read_text())["regions"].values()
     paged = [r for r in regions if r["summary"]["attrs"].get("page_size") == PAGE]
     assert sorted((r["family"], r["summary"]["attrs"].get("kv_scale") or r["summary"]["attrs"].get("quant"))
                   for r in paged) == [("decode_attention", "per-head")] * 2 + [("kv_write", "per-head")] * 2
     assert all(next(c for c in r["candidates"] if c["label"] == r["selected"])["verified"] for r in paged)
+    # the paged writes centre the keys too (smooth-k: the offset is an input of the kv_write region)
+    assert all(r["summary"]["attrs"].get("k_offset") for r in paged if r["family"] == "kv_write")
     built = coopt.load(out)
     assert built.state_tensor("layers.0.attention.k_cache").dtype == torch.float8_e4m3fn
     assert built.state_tensor("layers.0.attention.k_cache").shape == (8, 2, PAGE, 16)

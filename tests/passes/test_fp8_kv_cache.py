@@ -158,7 +158,7 @@ def test_calibration_data_is_required_for_calibrated_scales():
 
 def test_kv_cache_option_inserts_the_pass_after_raise_patterns():
     pipe = coopt.Pipeline("inplace-state-writes,raise-patterns,fuse-elementwise{max-ops=4}", kv_cache="fp8")
-    assert pipe.pipeline_text == "inplace-state-writes,raise-patterns,fp8-kv-cache,fuse-elementwise{max-ops=4}"
+    assert pipe.pipeline_text == "inplace-state-writes,raise-patterns,fp8-kv-cache{smooth-k=true},fuse-elementwise{max-ops=4}"
     assert [p.name for p in pipe.passes][2] == "fp8-kv-cache" and pipe.config().lossy_passes
     assert coopt.Pipeline(kv_cache="bf16").pipeline_text == coopt.Pipeline().pipeline_text
     with pytest.raises(ConfigError, match="raise-patterns"):
