@@ -9,6 +9,8 @@ bf16 build (target >= 99 %). The variants here separate the K and V errors and t
 subtracting each kv head's per-channel mean of K (from calibration text) before quantizing
 changes every score of a query by the same amount (q . mean), which softmax ignores, so nothing
 is added back, while the rounding error of channels with a large common offset shrinks.
+Smoothing V (session 9) rounds v - mean and adds the mean back, which is what adding it to the
+attention's output does (a query's probabilities sum to 1): fp8-kv-cache's smooth-v.
 
     python bench/fp8_kv_probe.py --device cuda --out probe.json      # GPU, ~1 min with training
     python bench/fp8_kv_probe.py --config tiny --steps 30 --windows 4  # CPU smoke run
