@@ -93,21 +93,20 @@ def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smo
         per = absmax if granularity == "channel" else absmax.amax(dim=1, keepdim=True)
         return per.clamp_min(1e-12) / FP8_MAX
 
+    def centred(x, absmax, mean, granularity):
+        """(x - mean rounded, mean): the rounding's absmax over (x - mean), bounded by |x| + |mean|."""
+        mean_x = mean[None, :, None, :].to(x.dtype)
+        return fake_fp8(x - mean_x, scale(absmax + mean.abs(), granularity)), mean_x
+
     def transform(call, key, value):
         layer = stats[call % layers]
-        if k is not None:
-            if smooth_k:
-                mean = layer["k_mean"][None, :, None, :].to(key.dtype)
-                centred = key - mean
-                # the smoothed keys' own absmax: calibration over (k - mean), bounded by |k| + |mean|
-                absmax = layer["k_absmax"] + layer["k_mean"].abs()
-                key = fake_fp8(centred, scale(absmax, k))
-            else:
-                key = fake_fp8(key, scale(layer["k_absmax"], k))
+        if k is not None and smooth_k:
+            key, _ = centred(key, layer["k_absmax"], layer["k_mean"], k)  # nothing added back: softmax ignores q . mean
+        elif k is not None:
+            key = fake_fp8(key, scale(layer["k_absmax"], k))
         if v is not None and smooth_v:
-            mean = layer["v_mean"][None, :, None, :].to(value.dtype)
-            absmax = layer["v_absmax"] + layer["v_mean"].abs()
-            value = fake_fp8(value - mean, scale(absmax, v)) + mean
+            rounded, mean = centred(value, layer["v_absmax"], layer["v_mean"], v)
+            value = rounded + mean
         elif v is not None:
             value = fake_fp8(value, scale(layer["v_absmax"], v))
         return key, value

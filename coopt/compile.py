@@ -71,15 +71,15 @@ class BuildConfig:
 KV_CACHE_CHOICES = ("none", "bf16", "fp8")
 
 
-# --kv-cache fp8's knobs: centred keys measured better at no cost (session 9, accuracy harness on
+# --kv-cache fp8's pass: centred keys measured better at no cost (session 9, accuracy harness on
 # the H200: top-1 98.93 % against 98.51 % plain per-head, KL 1.04e-3 against 1.90e-3; the
 # centring runs inside the kv_write kernel)
-KV_FP8_KNOBS = "smooth-k=true"
+KV_FP8_PASS = "fp8-kv-cache{smooth-k=true}"
 
 
 def with_kv_cache(passes: list, pipeline_text: str, kv_cache: str) -> tuple[list, str]:
     """(passes, pipeline text) for the --kv-cache choice: "fp8" puts fp8-kv-cache{smooth-k=true}
-    (per-head calibrated scales, keys centred: KV_FP8_KNOBS) right after raise-patterns (it
+    (per-head calibrated scales, keys centred: KV_FP8_PASS) right after raise-patterns (it
     rewrites the raised attentions, before fusion outlines them); a pipeline that already has the
     pass keeps it and its knobs."""
     from coopt.errors import ConfigError
@@ -91,10 +91,10 @@ def with_kv_cache(passes: list, pipeline_text: str, kv_cache: str) -> tuple[list
         return list(passes), pipeline_text
     if "raise-patterns" not in names:
         raise ConfigError("--kv-cache fp8 needs raise-patterns in the pipeline (fp8-kv-cache rewrites the raised cache attentions)")
-    from coopt.passes.fp8_kv_cache import Fp8KvCache
+    from coopt.passes.registry import parse_pipeline_text
 
     at = names.index("raise-patterns") + 1
-    passes = [*passes[:at], Fp8KvCache(smooth_k=True), *passes[at:]]
+    passes = [*passes[:at], *parse_pipeline_text(KV_FP8_PASS), *passes[at:]]
     return passes, _insert_after_raise(pipeline_text)
 
 
@@ -127,8 +127,7 @@ def _insert_after_raise(text: str) -> str:
     """Pipeline text with --kv-cache fp8's pass after raise-patterns (other passes' knobs kept)."""
     import re
 
-    return re.sub(r"(^|,)raise-patterns(\{[^}]*\})?", lambda m: m.group(0) + f",fp8-kv-cache{{{KV_FP8_KNOBS}}}", text,
-                  count=1)
+    return re.sub(r"(^|,)raise-patterns(\{[^}]*\})?", lambda m: m.group(0) + "," + KV_FP8_PASS, text, count=1)
 
 
 def with_prefill_chunk(config: BuildConfig, module: ModuleOp) -> BuildConfig:

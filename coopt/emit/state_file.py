@@ -4,8 +4,7 @@ A KV cache that starts empty is all zeros: a paged build's page pool is the whol
 (4 GiB in bench/capacity.py), a prompt build's cache holds its longest prompt. Written into
 weights.pt such tensors cost the disk, the emit and every load, of which a build's end-to-end
 check makes several. So an all-zero tensor is stored as its shape and dtype in zeros.json, and
-the program's loader
-(templates/program.py.j2, `_load_state`) makes it with torch.zeros on the device: the same
+the program's loader (templates/program.py.j2, `_load_state`) makes it with torch.zeros on the device: the same
 tensor, none of its bytes on disk. A zero tensor that shares storage with another stored one
 stays in weights.pt (torch.save keeps the sharing; zeros.json could not).
 """
@@ -13,6 +12,7 @@ stays in weights.pt (torch.save keeps the sharing; zeros.json could not).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -23,10 +23,7 @@ ZEROS_FILE = "zeros.json"  # {name: {"shape": [...], "dtype": "bfloat16"}}, besi
 
 def save_state(tensors: dict[str, torch.Tensor], out: Path) -> None:
     """weights.pt with every tensor but the unshared all-zero ones, which go to zeros.json."""
-    storages: dict[int, int] = {}
-    for tensor in tensors.values():
-        key = tensor.untyped_storage().data_ptr()
-        storages[key] = storages.get(key, 0) + 1
+    storages = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
     zeros = {name: t for name, t in tensors.items()
              if t.numel() and storages[t.untyped_storage().data_ptr()] == 1 and not t.any()}
     torch.save({name: t for name, t in tensors.items() if name not in zeros}, Path(out) / WEIGHTS_FILE)

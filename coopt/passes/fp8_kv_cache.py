@@ -125,8 +125,9 @@ class Fp8KvCache(CooptPass):
                 "and read as k/v by a decode or cache attention); drop --kv-cache fp8 / the fp8-kv-cache pass")
         record = {"granularity": self.granularity, "headroom": float(self.headroom), "caches": {}, "scales": {}}
         calibration = _calibration(op) if self.scale_source == "calibration" else {}
-        smoothed_values = _caches_read_as(op, caches, "v") if self.smooth_v else set()
-        smoothed = (_caches_read_as(op, caches, "k") if self.smooth_k else set()) | smoothed_values
+        value_refs = _value_refs(caches)
+        smoothed_values = _caches_read_as(op, value_refs, "v") if self.smooth_v else set()
+        smoothed = (_caches_read_as(op, value_refs, "k") if self.smooth_k else set()) | smoothed_values
         if smoothed:
             record["offsets"], record["offset_values"] = {}, {}
         scales: dict[SSAValue, SSAValue] = {}  # cache value (any view) -> its scale value
@@ -150,7 +151,7 @@ class Fp8KvCache(CooptPass):
             record["caches"][ref] = scale_ref(ref)
             scales.update(self._quantize_writes(cache, scale.results[0], offset.results[0] if offset is not None else None))
             count("fp8_kv_cache.buffers")
-        value_refs = _value_refs(caches)
+        value_refs = _value_refs(caches)  # again: the writes above replaced the caches' views
         for attention in _attentions(op):
             if attention.k in scales and attention.v in scales:
                 attention = _give_scales(attention, scales[attention.k], scales[attention.v], self.granularity)
@@ -372,11 +373,10 @@ def _value_refs(caches: dict) -> dict[SSAValue, str]:
     return {v: ref for ref, c in caches.items() for member in [c.weight, *c.ops] for v in member.results}
 
 
-def _caches_read_as(module: ModuleOp, caches: dict, operand: str) -> set[str]:
+def _caches_read_as(module: ModuleOp, value_refs: dict[SSAValue, str], operand: str) -> set[str]:
     """Refs of the caches the attentions read as `operand` ("k" or "v": the ones smooth-k /
-    smooth-v centre)."""
-    values = _value_refs(caches)
-    return {values[getattr(a, operand)] for a in _attentions(module) if getattr(a, operand) in values}
+    smooth-v centre); `value_refs` from _value_refs."""
+    return {value_refs[getattr(a, operand)] for a in _attentions(module) if getattr(a, operand) in value_refs}
 
 
 def _add_value_offset(attention, cache_ref: str, record: dict) -> None:
