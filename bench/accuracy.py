@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -342,6 +343,7 @@ def main() -> None:
         except Exception as error:  # a failed build is a result too; the other configurations still run
             results[name] = {"error": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - start}
             print(f"  FAILED {results[name]['error']}", flush=True)
+            traceback.print_exc()  # to the log: session 10's GPU failure left only its last line
         if options.out is not None:  # after every configuration: a run cut short keeps what it measured
             options.out.write_text(json.dumps({
                 "baseline": BASELINE, "bf16_baseline": BF16_BUILD, "environment": env,

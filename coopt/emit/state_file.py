@@ -25,10 +25,16 @@ def save_state(tensors: dict[str, torch.Tensor], out: Path) -> None:
     """weights.pt with every tensor but the unshared all-zero ones, which go to zeros.json."""
     storages = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
     zeros = {name: t for name, t in tensors.items()
-             if t.numel() and storages[t.untyped_storage().data_ptr()] == 1 and not t.any()}
+             if t.numel() and storages[t.untyped_storage().data_ptr()] == 1 and _zero_bits(t)}
     torch.save({name: t for name, t in tensors.items() if name not in zeros}, Path(out) / WEIGHTS_FILE)
     specs = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in zeros.items()}
     (Path(out) / ZEROS_FILE).write_text(json.dumps(specs, indent=1, sort_keys=True))
+
+
+def _zero_bits(tensor: torch.Tensor) -> bool:
+    """Whether every bit of `tensor` is zero, so torch.zeros remakes it exactly (a -0.0 is not).
+    Read as bytes: CUDA has no any() for float8 (session 10: every fp8 build failed to save)."""
+    return not tensor.detach().contiguous().view(-1).view(torch.uint8).any()
 
 
 def stored_state(weights_file: Path, device="meta") -> dict[str, torch.Tensor]:
