@@ -221,6 +221,8 @@ def target_verdicts(name: str, reports: dict) -> dict:
                        "pass": value <= bound if relation == "<=" else value >= bound}
             if metric == "top1_agreement":  # how far sampling alone could move it
                 verdict["interval_95"] = metrics.wilson_interval(value, report["windows"] * report["seq_len"])
+                # how close to ties the flips were: a flip where the reference hesitated is rounding noise
+                verdict.update({k: report[k] for k in ("flip_margin_median", "flip_near_ties") if k in report})
             verdicts.setdefault(baseline, {})[metric] = verdict
     return verdicts
 
@@ -272,8 +274,11 @@ def print_table(results: dict, bf16_bytes: float) -> None:
                 within = (f"; 95 % interval {interval[0]:.2%}-{interval[1]:.2%}, "
                           + ("the target inside it" if interval[0] <= bound <= interval[1] else "the target outside it")
                           if interval else "")
+                flips = (f"; flips: reference margin median {verdict['flip_margin_median']:.3f} nats, "
+                         f"{verdict['flip_near_ties']:.0%} under {metrics.NEAR_TIE_NATS} nats"
+                         if "flip_near_ties" in verdict else "")
                 print(f"{name} vs {baseline}: {metric} {shown.format(verdict['value'])} (target {relation} "
-                      f"{shown.format(bound)}{within}): {'PASS' if verdict['pass'] else 'MISS'}"
+                      f"{shown.format(bound)}{within}{flips}): {'PASS' if verdict['pass'] else 'MISS'}"
                       + ("" if baseline == BF16_BUILD else "  (shown; judged against the bf16 build)"))
 
 

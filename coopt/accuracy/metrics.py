@@ -71,6 +71,10 @@ class AccuracyReport:
     kl_mean: float  # mean over predicted positions of KL(reference || candidate), nats
     kl_max: float  # the worst position
     top1_agreement: float  # fraction of positions whose argmax tokens agree
+    # At the positions where the argmaxes differ, the reference's own margin between its top two
+    # tokens (nats): how close to a tie each flip was. Median, and the share below NEAR_TIE_NATS.
+    flip_margin_median: float
+    flip_near_ties: float
     greedy_agreement: float  # mean number of leading greedy tokens that agree, of greedy_tokens
     greedy_tokens: int
     greedy_prompts: int
@@ -82,6 +86,9 @@ class AccuracyReport:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+NEAR_TIE_NATS = 0.1  # a reference whose top two tokens are this close: ~10 % apart in probability
 
 
 def wilson_interval(fraction: float, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -146,6 +153,7 @@ def compare(reference: LogitsFn | Candidate, candidate: LogitsFn | Candidate, he
     data = heldout_windows(heldout, seq_len, windows)
     nll = {"reference": 0.0, "candidate": 0.0}
     kl_sum = kl_max = 0.0
+    flip_margins = []
     agree = positions = 0
     for chunk in data.split(batch):
         inputs, targets = chunk[:, :-1], chunk[:, 1:].flatten()
@@ -156,9 +164,13 @@ def compare(reference: LogitsFn | Candidate, candidate: LogitsFn | Candidate, he
         nll["candidate"] += F.nll_loss(cand_logp, targets, reduction="sum").item()
         kl = (ref_logp.exp() * (ref_logp - cand_logp)).sum(dim=-1).clamp_min(0.0)
         kl_sum, kl_max = kl_sum + kl.sum().item(), max(kl_max, kl.max().item())
-        agree += (ref_logp.argmax(dim=-1) == cand_logp.argmax(dim=-1)).sum().item()
+        same = ref_logp.argmax(dim=-1) == cand_logp.argmax(dim=-1)
+        agree += same.sum().item()
+        top2 = ref_logp[~same].topk(2, dim=-1).values
+        flip_margins.append(top2[:, 0] - top2[:, 1])
         positions += targets.numel()
     reference_ppl = math.exp(nll["reference"] / positions)
+    flip_margins = torch.cat(flip_margins)
     candidate_ppl = math.exp(nll["candidate"] / positions)
 
     prompts = data[:greedy_prompts, :prompt_len]
@@ -174,6 +186,8 @@ def compare(reference: LogitsFn | Candidate, candidate: LogitsFn | Candidate, he
         kl_mean=kl_sum / positions,
         kl_max=kl_max,
         top1_agreement=agree / positions,
+        flip_margin_median=flip_margins.median().item() if flip_margins.numel() else 0.0,
+        flip_near_ties=(flip_margins < NEAR_TIE_NATS).double().mean().item() if flip_margins.numel() else 0.0,
         greedy_agreement=greedy,
         greedy_tokens=greedy_tokens,
         greedy_prompts=len(prompts),

@@ -93,3 +93,26 @@ def test_wilson_interval_brackets_the_rate_and_narrows_with_more_trials():
     wide, narrow = metrics.wilson_interval(0.9, 100), metrics.wilson_interval(0.9, 10000)
     assert wide[0] < narrow[0] < 0.9 < narrow[1] < wide[1]
     assert metrics.wilson_interval(1.0, 50)[1] == 1.0 and metrics.wilson_interval(0.0, 50)[0] == 0.0
+
+
+def test_flips_report_how_close_the_reference_was_to_a_tie():
+    """A candidate that swaps the reference's top two tokens everywhere: every position flips;
+    the reference's margin is 0.05 nats after an even input token, 2 after an odd one, so the
+    near-tie share is the share of even inputs."""
+    data = torch.randint(0, 3, (4000,), generator=torch.Generator().manual_seed(3))  # tokens are the 3 logits
+
+    def logits(swap):
+        def fn(tokens):
+            margin = torch.where(tokens % 2 == 0, 0.05, 2.0)
+            top, second = torch.zeros_like(margin), -margin
+            pair = (second, top) if swap else (top, second)
+            return torch.stack([*pair, torch.full_like(margin, -10.0)], dim=-1)
+        return fn
+
+    report = metrics.compare(logits(False), logits(True), data, seq_len=32, windows=16, greedy_tokens=0)
+    inputs = metrics.heldout_windows(data, 32, 16)[:, :-1]
+    assert report.top1_agreement == 0.0
+    assert report.flip_near_ties == pytest.approx((inputs % 2 == 0).double().mean().item(), abs=1e-12)
+    assert report.flip_margin_median == pytest.approx(0.05 if report.flip_near_ties > 0.5 else 2.0, abs=1e-6)
+    same = metrics.compare(logits(False), logits(False), data, seq_len=32, windows=16, greedy_tokens=0)
+    assert same.top1_agreement == 1.0 and same.flip_near_ties == 0.0  # no flips, nothing to report
