@@ -54,14 +54,16 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
         built = load_build(out, device=device)
         return adapt(built) if adapt is not None else built
 
-    # One high-precision copy serves every check (float64, or float32 where float64 would not
-    # fit in the device's memory: a decode step built for many rows holds large caches).
+    # One high-precision reference serves every check (a float64 copy; where none fits in the
+    # device's memory, as for a decode step built for many rows with large caches, the model
+    # itself run with each submodule cast as it runs).
     source = lossy_original if lossy_original is not None else model
     high, precision = reference_copy(source)
-    if precision != "float64":
-        warnings.append(f"end-to-end check: the high-precision reference is {precision} (float64 would not fit "
-                        f"in the device's free memory)" if high is not None else f"end-to-end check: no high-"
-                        f"precision reference ({precision}); judged by the floor around eager")
+    if high is None:
+        warnings.append(f"end-to-end check: no high-precision reference ({precision}); judged by the floor around eager")
+    elif precision != "float64":
+        warnings.append(f"end-to-end check: the high-precision reference is {precision} (no float64 copy of the "
+                        f"whole model fits in the device's free memory)")
     errors_from = "original" if lossy_original is not None and high is not None else "high"
     # Each full check runs a freshly loaded build, whose state is what weights.pt holds: the model
     # (and the high-precision reference) start from the same state, not from what the trials of an
@@ -73,7 +75,7 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
 
     def initial_state():
         restore_model()
-        if stateful and high is not None:
+        if stateful and isinstance(high, torch.nn.Module):  # a StreamedCopy holds no state of its own
             copy_buffers(source, high)
 
     device = device_of(example_inputs)

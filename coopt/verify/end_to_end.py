@@ -7,8 +7,8 @@ the example's [min, max] (token ids stay in the vocabulary), bool inputs a fair 
 inputs are passed through.
 
 References, as in tolerances.py: `ref_hi` is a float64 deep copy of the original module run on
-upcast inputs (float32 where a float64 copy would not fit in the device's free memory:
-`reference_copy`); `ref_native` the original itself. When the module cannot be copied or run
+upcast inputs (where a whole copy would not fit in the device's free memory, the module itself
+run with each submodule's tensors cast as it runs: `reference_copy`, StreamedCopy); `ref_native` the original itself. When the module cannot be copied or run
 at that precision, ref_hi falls back to the native outputs (the rule then reduces to the floor
 around eager). Every tensor leaf of the (nested tuple/list/dict) output is compared with `compare` at
 the dtype of the original's output; non-tensor leaves must be equal.
@@ -78,8 +78,10 @@ def verify_end_to_end(
         inputs = [_fresh_like(x, sizes.get(i), generator) for i, x in enumerate(example_inputs)]
         where = f"trial {trial}, input shapes {_shapes(inputs)}"
         with torch.inference_mode():
-            native = original_module(*_clones(inputs))
+            # the reference first: a streamed one (StreamedCopy) reads the original's state, which
+            # the original's own call then writes
             hi = _run_high(hi_model, inputs)
+            native = original_module(*_clones(inputs))
             try:
                 built = built_module(*_clones(inputs))
             except Exception as error:  # noqa: BLE001 - a failing build is a verdict
@@ -134,32 +136,92 @@ def _distance(built, native, otherwise: tuple[float, float]) -> tuple[float, flo
 # loaded beside it (its weights and state as large as the module's own): 32 Llama-3-8B layers
 # at 32 rows x 4096 positions (32 GB native) took a float32 copy (64 GB) of 107 GB free, and the
 # build's load then ran the H200 out of memory (session 9).
-COPY_SHARE = {torch.float64: 0.5, torch.float32: 0.6}
+# Where no whole copy fits, the reference is streamed (StreamedCopy): only one submodule's tensors
+# are cast at a time (32 Llama-3-8B layers at 32 rows x 4096 positions: a float32 copy did not fit
+# beside the build, and the bf16 floor alone rejected the build, session 10).
+COPY_SHARE = 0.5
+STREAMED = "streamed module by module"
 
 
-def reference_copy(module) -> tuple[torch.nn.Module | None, str]:
-    """(the high-precision reference of `module`, what it is): a float64 deep copy; else a float32
-    one where float64 would not fit in its COPY_SHARE of the device's free memory; else None (native
-    outputs judge: the floor around eager), also when the module cannot be copied. Free memory
-    counts less what the build that is checked will take when loaded (the module's own bytes)."""
+class StreamedCopy:
+    """`module` run at `dtype` without a whole copy: for the length of each submodule's forward its
+    own floating parameters and buffers are replaced by `dtype` casts (a forward pre-hook), then
+    put back (a forward hook), so the peak is one submodule's cast tensors. Writes into the cast
+    buffers (a KV cache's new rows) are dropped with them: the module's state is never changed.
+    So a call reads the module's state as it is: run it before the module's own call of a trial
+    (verify_end_to_end does), and it reads what a deep copy would hold, except rows that earlier
+    calls wrote, which it reads at the module's precision. Tensors a module reads from another
+    (a tied weight used outside its owner's forward) meet the dtypes mixed: the call raises and
+    the check falls back to the floor around eager (_run_high)."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+        self.module, self.dtype = module, dtype
+
+    def __call__(self, *inputs):
+        saved: dict[torch.nn.Module, list] = {}
+
+        def cast_in(module, args):
+            saved.setdefault(module, []).append((dict(module._parameters), dict(module._buffers)))
+            for store in (module._parameters, module._buffers):
+                for name, tensor in store.items():
+                    if tensor is not None and tensor.is_floating_point():
+                        store[name] = tensor.detach().to(self.dtype)
+
+        def put_back(module, *_):
+            parameters, buffers = saved[module].pop()
+            module._parameters.update(parameters)
+            module._buffers.update(buffers)
+
+        owners = [m for m in self.module.modules() if any(t.is_floating_point() for t in _own_tensors(m))]
+        handles = [hook for m in owners
+                   for hook in (m.register_forward_pre_hook(cast_in), m.register_forward_hook(put_back))]
+        try:
+            return self.module(*inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            for module, stack in saved.items():  # a forward that raised skipped its put_back
+                while stack:
+                    put_back(module)
+
+
+def reference_copy(module) -> tuple[torch.nn.Module | StreamedCopy | None, str]:
+    """(the high-precision reference of `module`, what it is): a float64 deep copy where it fits in
+    COPY_SHARE of the device's free memory; else a float64 StreamedCopy, or a float32 one, where one
+    submodule's cast tensors fit; else None (native outputs judge: the floor around eager), also
+    when the module cannot be copied. Free memory counts less what the build that is checked will
+    take when loaded (the module's own bytes)."""
     free = _free_bytes(module)
     if free is not None:
         free = max(0, free - native_bytes(module))
-    for dtype, share in COPY_SHARE.items():
-        if free is not None and _copy_bytes(module, dtype) > share * free:
-            continue
+    if free is None or _copy_bytes(module, torch.float64) <= COPY_SHARE * free:
         try:
-            return _converted_copy(module, dtype), str(dtype).removeprefix("torch.")
+            return _converted_copy(module, torch.float64), "float64"
         except torch.OutOfMemoryError:
-            continue  # the estimate missed (fragmentation): try the smaller copy
+            pass  # the estimate missed (fragmentation): stream instead
         except Exception as error:  # noqa: BLE001 - uncopyable module: fall back to native outputs
             return None, f"none: the model cannot be copied ({one_line(error)})"
-    return None, (f"none: even a float32 copy needs {_copy_bytes(module, torch.float32) / 2**30:.1f} GiB, "
-                  f"more than {COPY_SHARE[torch.float32]:.0%} of the {free / 2**30:.1f} GiB free beside the loaded build")
+    if _plain(module):  # a module that casts by its own rules (fp8 caches) is never cast piecewise
+        for dtype in (torch.float64, torch.float32):
+            if free is None or _streamed_bytes(module, dtype) <= COPY_SHARE * free:
+                return StreamedCopy(module, dtype), f"{str(dtype).removeprefix('torch.')}, {STREAMED}"
+    return None, (f"none: even one submodule's float32 copy needs {_streamed_bytes(module, torch.float32) / 2**30:.1f} "
+                  f"GiB, more than {COPY_SHARE:.0%} of the {free / 2**30:.1f} GiB free beside the loaded build")
 
 
 def _tensors(module):
     return [*module.parameters(), *module.buffers()]
+
+
+def _own_tensors(module) -> list[torch.Tensor]:
+    """The parameters and buffers `module` holds itself (not its submodules')."""
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+
+
+def _streamed_bytes(module, dtype: torch.dtype) -> int:
+    """What a StreamedCopy at `dtype` holds at once: the largest submodule's own floating tensors."""
+    return max(sum(t.numel() * dtype.itemsize for t in _own_tensors(m) if t.is_floating_point())
+               for m in module.modules())
 
 
 def _free_bytes(module) -> int | None:
@@ -216,8 +278,8 @@ def _run_high(hi_model, inputs):
     if hi_model is None:
         return None
     # the copy's precision: its widest floating dtype (a built program's copy keeps fp8 caches)
-    dtype = max((t.dtype for t in _tensors(hi_model) if t.is_floating_point()), key=lambda d: d.itemsize,
-                default=torch.float64)
+    dtype = hi_model.dtype if isinstance(hi_model, StreamedCopy) else max(
+        (t.dtype for t in _tensors(hi_model) if t.is_floating_point()), key=lambda d: d.itemsize, default=torch.float64)
     upcast = [x.to(dtype) if _is_float_tensor(x) else _clone(x) for x in inputs]
     try:
         return hi_model(*upcast)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch.export import Dim
 
@@ -105,32 +106,96 @@ def test_reference_copy_is_float64_without_a_native_copy_and_keeps_ties(monkeypa
     torch.testing.assert_close(high.cache, model.cache.double())
 
 
-def test_reference_copy_steps_down_to_float32_then_to_none_as_memory_shrinks(monkeypatch):
+def test_reference_copy_streams_then_gives_up_as_memory_shrinks(monkeypatch):
     import coopt.verify.end_to_end as e2e
 
     model = TiedCache()
-    need64 = e2e._copy_bytes(model, torch.float64)
-    need32 = e2e._copy_bytes(model, torch.float32)
-    assert need64 == 2 * need32 - 8  # the int64 counter is copied as it is
     build = e2e.native_bytes(model)  # what the checked build takes beside the copy once loaded
-    monkeypatch.setattr(e2e, "_free_bytes", lambda module: build + int(need32 / e2e.COPY_SHARE[torch.float32]) + 1)
+
+    def free_for(need):
+        monkeypatch.setattr(e2e, "_free_bytes", lambda module: build + int(need / e2e.COPY_SHARE))
+
+    free_for(e2e._copy_bytes(model, torch.float64))
+    assert isinstance(reference_copy(model)[0], torch.nn.Module)  # the whole float64 copy
+    free_for(e2e._copy_bytes(model, torch.float64) - 64)
     high, precision = reference_copy(model)
-    assert precision == "float32" and high.cache.dtype == torch.float32
-    monkeypatch.setattr(e2e, "_free_bytes", lambda module: build + int(need32 / e2e.COPY_SHARE[torch.float32]) - 1)
+    assert isinstance(high, e2e.StreamedCopy) and high.dtype == torch.float64 and high.module is model
+    assert precision == "float64, streamed module by module"
+    # the largest submodule's own tensors: the embedding table (shared with the head), 8 x 16
+    assert e2e._streamed_bytes(model, torch.float64) == 8 * 16 * 8
+    free_for(e2e._streamed_bytes(model, torch.float64) - 1)
     high, precision = reference_copy(model)
-    assert high is None and precision.startswith("none: even a float32 copy needs")
+    assert isinstance(high, e2e.StreamedCopy) and high.dtype == torch.float32
+    free_for(e2e._streamed_bytes(model, torch.float32) - 1)
+    high, precision = reference_copy(model)
+    assert high is None and precision.startswith("none: even one submodule's float32 copy needs")
     # room for the copy, but not for the build beside it (session 9: 32 layers ran out of memory)
-    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(need32 / e2e.COPY_SHARE[torch.float32]) + 1)
-    assert reference_copy(model)[0] is None
+    monkeypatch.setattr(e2e, "_free_bytes", lambda module: int(e2e._copy_bytes(model, torch.float64) / e2e.COPY_SHARE))
+    assert isinstance(reference_copy(model)[0], e2e.StreamedCopy)
 
 
-def test_a_float32_reference_still_judges_a_bf16_build(monkeypatch):
+class WritesItsCache(torch.nn.Module):
+    """A decode-step-like block: writes its cache row in place, then reads the whole cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("cache", torch.randn(4, 16))
+
+    def forward(self, x, pos):
+        self.cache[pos] = self.proj(x)
+        return self.cache.sum(0) * x
+
+
+class TwoBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = WritesItsCache(), WritesItsCache()
+
+    def forward(self, x, pos):
+        return self.second(self.first(x, pos), pos)
+
+
+def test_a_streamed_copy_computes_what_the_float64_copy_does_and_changes_nothing():
+    import coopt.verify.end_to_end as e2e
+
+    torch.manual_seed(0)
+    model = TwoBlocks().to(torch.bfloat16)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    x, pos = torch.randn(16, dtype=torch.float64), torch.tensor(2)
+    with torch.inference_mode():
+        want = e2e._converted_copy(model, torch.float64)(x, pos)
+        got = e2e.StreamedCopy(model, torch.float64)(x, pos)
+    assert got.dtype == torch.float64 and torch.equal(got, want)  # the same float64 arithmetic
+    for name, tensor in model.state_dict().items():  # the cache writes went to the casts
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, state[name]), name
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_streamed_copy_puts_every_tensor_back_when_the_forward_raises():
+    import coopt.verify.end_to_end as e2e
+
+    model = TwoBlocks().to(torch.bfloat16)
+    weights = {name: t for name, t in model.named_parameters()}
+    with pytest.raises(IndexError):
+        e2e.StreamedCopy(model, torch.float64)(torch.randn(16, dtype=torch.float64), torch.tensor(9))  # row 9 of 4
+    assert all(t is weights[name] for name, t in model.named_parameters())
+    assert all(t.dtype == torch.bfloat16 for t in model.state_dict().values())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_streamed_reference_judges_a_bf16_build_as_the_whole_copy_does(monkeypatch):
     import coopt.verify.end_to_end as e2e
 
     model = _model(torch.bfloat16)
+    x = (torch.randn(4, 16).to(torch.bfloat16),)
+    whole = verify_end_to_end(model, copy.deepcopy(model), x)
     monkeypatch.setattr(e2e, "_free_bytes", lambda module: e2e.native_bytes(module)
-                        + int(e2e._copy_bytes(module, torch.float32) / e2e.COPY_SHARE[torch.float32]) + 1)
-    assert verify_end_to_end(model, copy.deepcopy(model), (torch.randn(4, 16).to(torch.bfloat16),)).ok
+                        + int(e2e._copy_bytes(module, torch.float64) / e2e.COPY_SHARE) - 1)
+    assert isinstance(reference_copy(model)[0], e2e.StreamedCopy)
+    streamed = verify_end_to_end(model, copy.deepcopy(model), x)
+    # errors measured from the float64 reference (from the native output they would be 0)
+    assert streamed.ok and whole.ok and streamed.max_abs_err == whole.max_abs_err > 0
     broken = copy.deepcopy(model)
     with torch.no_grad():
         broken.down.weight[3, 5] += 0.5
