@@ -11,6 +11,10 @@ changes every score of a query by the same amount (q . mean), which softmax igno
 is added back, while the rounding error of channels with a large common offset shrinks.
 Smoothing V (session 9) rounds v - mean and adds the mean back, which is what adding it to the
 attention's output does (a query's probabilities sum to 1): fp8-kv-cache's smooth-v.
+The rotated variants (session 10) store (x - mean) @ H, H the orthonormal Hadamard matrix of the
+head dim, and read it back times H (in a build: q rotated as it is loaded, the output rotated
+back): where a score rests on a few large channels, e4m3 rounds it like those few elements;
+rotated, each element mixes all channels and the rounding errors average out.
 
     python bench/fp8_kv_probe.py --device cuda --out probe.json      # GPU, ~1 min with training
     python bench/fp8_kv_probe.py --config tiny --steps 30 --windows 4  # CPU smoke run
@@ -83,12 +87,43 @@ def calibrate(model, windows: torch.Tensor, layers: int) -> list[dict]:
     return stats
 
 
+def hadamard(size: int) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix [size, size] (size a power of two): symmetric, so
+    x @ H @ H == x. Rotating K and V rows by it spreads a few large channels over all of them."""
+    if size & (size - 1):
+        raise ValueError(f"head dim {size} is not a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / size ** 0.5
+
+
+@torch.no_grad()
+def calibrate_rotated(model, windows: torch.Tensor, layers: int, stats: list[dict]) -> None:
+    """Adds to `stats` the absmax per (kv head, channel) of K and V rotated by hadamard(D), plain
+    ("k_rot_absmax") and centred on calibrate()'s means ("k_rot_centred_absmax")."""
+    def record(call, k, v):
+        layer = stats[call % layers]
+        rotation = hadamard(k.shape[-1]).to(k.device)
+        for name, x in (("k", k.float()), ("v", v.float())):
+            mean = layer[f"{name}_mean"][None, :, None, :]
+            for key, value in ((f"{name}_rot_absmax", x @ rotation), (f"{name}_rot_centred_absmax", (x - mean) @ rotation)):
+                value = value.abs().amax(dim=(0, 2))
+                layer[key] = value if key not in layer else torch.maximum(layer[key], value)
+        return k, v
+
+    with attention_hook(record):
+        for chunk in windows.split(8):
+            model(chunk.to(next(model.parameters()).device))
+
+
 def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smooth_k: bool = False,
-            smooth_v: bool = False):
+            smooth_v: bool = False, rotate: bool = False):
     """transform for attention_hook: K and V each None (kept bf16), "head" (one scale per kv head)
     or "channel" (one per kv head and channel); smooth_k subtracts K's calibrated channel means;
     smooth_v rounds v - mean and adds the mean back (what adding it to the attention's output
-    does: the probabilities of a query sum to 1)."""
+    does: the probabilities of a query sum to 1); rotate stores (x - mean) @ H (H: hadamard(D))
+    and reads it back times H, which attention does by rotating q and its output alike."""
     def scale(absmax, granularity):
         per = absmax if granularity == "channel" else absmax.amax(dim=1, keepdim=True)
         return per.clamp_min(1e-12) / FP8_MAX
@@ -98,8 +133,23 @@ def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smo
         mean_x = mean[None, :, None, :].to(x.dtype)
         return fake_fp8(x - mean_x, scale(absmax + mean.abs(), granularity)), mean_x
 
+    def rotated(x, name, granularity, smooth):
+        """x rounded as (x - mean) @ H, read back as rounded @ H (+ mean for V: K's is ignored)."""
+        layer = stats[call_layer[0]]
+        rotation = hadamard(x.shape[-1]).to(x.device)
+        mean = layer[f"{name}_mean"][None, :, None, :] if smooth else torch.zeros(())
+        absmax = layer[f"{name}_rot_centred_absmax" if smooth else f"{name}_rot_absmax"]
+        rounded = fake_fp8((x.float() - mean.to(x.device)) @ rotation, scale(absmax, granularity)).float() @ rotation
+        return (rounded + (mean.to(x.device) if name == "v" else 0)).to(x.dtype)
+
+    call_layer = [0]
+
     def transform(call, key, value):
         layer = stats[call % layers]
+        call_layer[0] = call % layers
+        if rotate:
+            return (key if k is None else rotated(key, "k", k, smooth_k),
+                    value if v is None else rotated(value, "v", v, smooth_v))
         if k is not None and smooth_k:
             key, _ = centred(key, layer["k_absmax"], layer["k_mean"], k)  # nothing added back: softmax ignores q . mean
         elif k is not None:
@@ -122,6 +172,10 @@ VARIANTS = {
     "V per-head only, smoothed": dict(k=None, v="head", smooth_v=True),
     "K per-channel, V per-head": dict(k="channel", v="head"),
     "K per-channel smoothed, V per-head": dict(k="channel", v="head", smooth_k=True),
+    "K+V per-head, rotated": dict(k="head", v="head", rotate=True),
+    "K+V per-head, K smoothed, rotated": dict(k="head", v="head", smooth_k=True, rotate=True),
+    "K+V per-head, K and V smoothed, rotated": dict(k="head", v="head", smooth_k=True, smooth_v=True, rotate=True),
+    "K per-head only, smoothed, rotated": dict(k="head", v=None, smooth_k=True, rotate=True),
 }
 
 
@@ -146,6 +200,7 @@ def main(argv=None) -> dict:
     layers = bf16.args.n_layers
     calibration = metrics.heldout_windows(corpus.train, args.seq_len - 1, args.calibration_windows)
     stats = calibrate(bf16, calibration, layers)
+    calibrate_rotated(bf16, calibration, layers, stats)
     reference = metrics.remembered(metrics.model_logits_fn(bf16))
     results = {}
     print(f"\n| variant (vs eager bf16, {args.windows} windows x {args.seq_len}) | Δppl | KL mean | top-1 |")

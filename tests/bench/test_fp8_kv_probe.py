@@ -38,3 +38,27 @@ def test_subtracting_a_per_channel_key_mean_leaves_causal_gqa_attention_unchange
     plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     smoothed = F.scaled_dot_product_attention(q, k - mean, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(smoothed, plain)
+
+
+def test_hadamard_is_an_orthonormal_symmetric_rotation():
+    h = probe.hadamard(32)
+    torch.testing.assert_close(h @ h, torch.eye(32), rtol=0, atol=1e-6)
+    assert torch.equal(h, h.T) and torch.equal(h.abs(), torch.full((32, 32), 32 ** -0.5))
+
+
+def test_rotating_spreads_a_dominant_channel_so_fp8_scores_err_less():
+    # the premise of the rotated variants: where q . k rests on one channel, e4m3 rounds the score
+    # like that one element (up to 1/16); rotated, the rounding errors of 32 elements average out
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 1, 32, dtype=torch.float64)
+    k = torch.randn(1, 1, 2000, 32, dtype=torch.float64) * 0.05
+    q[..., 0], k[..., 0] = 4.0, 1.0 + torch.rand(2000, dtype=torch.float64)  # the dominant channel
+    h = probe.hadamard(32).double()
+
+    def rounded(keys):  # one per-head scale, as the build's
+        return probe.fake_fp8(keys, keys.abs().amax().reshape(1, 1) / probe.FP8_MAX)
+
+    exact = (q * k).sum(-1)
+    plain_error = ((q * rounded(k)).sum(-1) - exact).abs().mean()
+    rotated_error = ((q @ h * rounded(k @ h)).sum(-1) - exact).abs().mean()  # q rotated alike: (qH) . (kH) = q . k
+    assert rotated_error < plain_error / 2, (rotated_error, plain_error)
