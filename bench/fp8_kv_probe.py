@@ -203,8 +203,9 @@ def main(argv=None) -> dict:
     calibrate_rotated(bf16, calibration, layers, stats)
     reference = metrics.remembered(metrics.model_logits_fn(bf16))
     results = {}
-    print(f"\n| variant (vs eager bf16, {args.windows} windows x {args.seq_len}) | Δppl | KL mean | top-1 |")
-    print("| --- | ---: | ---: | ---: |")
+    print(f"\n| variant (vs eager bf16, {args.windows} windows x {args.seq_len}) | Δppl | KL mean | top-1 "
+          f"| flips under {metrics.NEAR_TIE_NATS} nats |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     plain = metrics.model_logits_fn(bf16)
     for name, knobs in VARIANTS.items():
         def quantized(tokens, transform=variant(stats, layers, **knobs)):
@@ -213,9 +214,10 @@ def main(argv=None) -> dict:
         report = metrics.compare(reference, quantized, corpus.heldout, seq_len=args.seq_len, windows=args.windows,
                                  greedy_tokens=0)
         results[name] = {"perplexity_change": report.perplexity_change, "kl_mean": report.kl_mean,
-                         "top1_agreement": report.top1_agreement, "positions": report.windows * report.seq_len}
-        print(f"| {name} | {report.perplexity_change:+.3%} | {report.kl_mean:.2e} | {report.top1_agreement:.2%} |",
-              flush=True)
+                         "top1_agreement": report.top1_agreement, "positions": report.windows * report.seq_len,
+                         "flip_margin_median": report.flip_margin_median, "flip_near_ties": report.flip_near_ties}
+        print(f"| {name} | {report.perplexity_change:+.3%} | {report.kl_mean:.2e} | {report.top1_agreement:.2%} "
+              f"| {report.flip_near_ties:.0%} |", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
     return results
