@@ -186,7 +186,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--windows", type=int, default=32, help="held-out windows of --seq-len (the harness's 32)")
+    parser.add_argument("--windows", type=int, default=128, help="held-out windows of --seq-len (the harness's 128)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--calibration-windows", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
