@@ -163,6 +163,15 @@ def _also_used_elsewhere(model, embedding, param) -> bool:
     return any(p is param for m in model.modules() if m is not embedding for p in m.parameters(recurse=False))
 
 
+def build_summary(out: Path) -> dict:
+    """What a row keeps of out/build.json: the build's seconds, by step, and what its end-to-end
+    check judged against (a 32-layer b32 build streams its float64 reference: session 10)."""
+    record = json.loads((out / "build.json").read_text())
+    check = record.get("end_to_end") or {}
+    return {"seconds": record.get("seconds"), "step_seconds": record.get("step_seconds"),
+            "reference_precision": check.get("reference_precision"), "check_max_abs_err": check.get("max_abs_err")}
+
+
 def run_case(case: str, args, save=lambda row: None) -> dict:
     """One case's row; `save(row)` after every variant (a call cut by its time limit keeps them).
     max-autotune-no-cudagraphs runs last: its autotuning is the slowest setup."""
@@ -207,6 +216,7 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         step = GraphedStep(built, inputs, check=False)  # the bench times the replay, not the value check
         record(mode, lambda: step(*inputs), time.monotonic() - start)
         row[f"{mode}_report"] = str(out / "report.md")
+        row[f"{mode}_build"] = build_summary(out)
         if kv_cache == "fp8":  # its own floor: the cache is read at one byte per element (+ per-head scales)
             row["fp8_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1)
             print(f"  {mode}: {row['fp8_floor_ms'] / row['ms'][mode]:.0%} of its fp8 floor "
