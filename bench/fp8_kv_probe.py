@@ -78,9 +78,7 @@ def calibrate(model, windows: torch.Tensor, layers: int) -> list[dict]:
         layer["count"] += k.shape[0] * k.shape[2]
         return k, v
 
-    with attention_hook(record):
-        for chunk in windows.split(8):
-            model(chunk.to(next(model.parameters()).device))
+    _run_calibration(model, windows, record)
     for layer in stats:
         count = layer.pop("count")
         layer["k_mean"], layer["v_mean"] = layer.pop("k_sum") / count, layer.pop("v_sum") / count
@@ -112,6 +110,11 @@ def calibrate_rotated(model, windows: torch.Tensor, layers: int, stats: list[dic
                 layer[key] = value if key not in layer else torch.maximum(layer[key], value)
         return k, v
 
+    _run_calibration(model, windows, record)
+
+
+def _run_calibration(model, windows: torch.Tensor, record) -> None:
+    """The model over `windows`, 8 at a time, every attention's K and V passing through `record`."""
     with attention_hook(record):
         for chunk in windows.split(8):
             model(chunk.to(next(model.parameters()).device))
@@ -133,23 +136,19 @@ def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smo
         mean_x = mean[None, :, None, :].to(x.dtype)
         return fake_fp8(x - mean_x, scale(absmax + mean.abs(), granularity)), mean_x
 
-    def rotated(x, name, granularity, smooth):
+    def rotated(x, layer, name, granularity, smooth):
         """x rounded as (x - mean) @ H, read back as rounded @ H (+ mean for V: K's is ignored)."""
-        layer = stats[call_layer[0]]
         rotation = hadamard(x.shape[-1]).to(x.device)
-        mean = layer[f"{name}_mean"][None, :, None, :] if smooth else torch.zeros(())
+        mean = layer[f"{name}_mean"][None, :, None, :].to(x.device) if smooth else 0.0
         absmax = layer[f"{name}_rot_centred_absmax" if smooth else f"{name}_rot_absmax"]
-        rounded = fake_fp8((x.float() - mean.to(x.device)) @ rotation, scale(absmax, granularity)).float() @ rotation
-        return (rounded + (mean.to(x.device) if name == "v" else 0)).to(x.dtype)
-
-    call_layer = [0]
+        rounded = fake_fp8((x.float() - mean) @ rotation, scale(absmax, granularity)).float() @ rotation
+        return (rounded + (mean if name == "v" else 0.0)).to(x.dtype)
 
     def transform(call, key, value):
         layer = stats[call % layers]
-        call_layer[0] = call % layers
         if rotate:
-            return (key if k is None else rotated(key, "k", k, smooth_k),
-                    value if v is None else rotated(value, "v", v, smooth_v))
+            return (key if k is None else rotated(key, layer, "k", k, smooth_k),
+                    value if v is None else rotated(value, layer, "v", v, smooth_v))
         if k is not None and smooth_k:
             key, _ = centred(key, layer["k_absmax"], layer["k_mean"], k)  # nothing added back: softmax ignores q . mean
         elif k is not None:

@@ -170,8 +170,8 @@ def compare(reference: LogitsFn | Candidate, candidate: LogitsFn | Candidate, he
         flip_margins.append(top2[:, 0] - top2[:, 1])
         positions += targets.numel()
     reference_ppl = math.exp(nll["reference"] / positions)
-    flip_margins = torch.cat(flip_margins)
     candidate_ppl = math.exp(nll["candidate"] / positions)
+    flip_margins = torch.cat(flip_margins)
 
     prompts = data[:greedy_prompts, :prompt_len]
     greedy = 0.0

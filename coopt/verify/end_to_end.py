@@ -8,8 +8,8 @@ inputs are passed through.
 
 References, as in tolerances.py: `ref_hi` is a float64 deep copy of the original module run on
 upcast inputs (where a whole copy would not fit in the device's free memory, the module itself
-run with each submodule's tensors cast as it runs: `reference_copy`, StreamedCopy); `ref_native` the original itself. When the module cannot be copied or run
-at that precision, ref_hi falls back to the native outputs (the rule then reduces to the floor
+run with each submodule's tensors cast as it runs: `reference_copy`, StreamedCopy); `ref_native`
+the original itself. When the module cannot be copied or run at that precision, ref_hi falls back to the native outputs (the rule then reduces to the floor
 around eager). Every tensor leaf of the (nested tuple/list/dict) output is compared with `compare` at
 the dtype of the original's output; non-tensor leaves must be equal.
 
@@ -163,9 +163,8 @@ class StreamedCopy:
         def cast_in(module, args):
             saved.setdefault(module, []).append((dict(module._parameters), dict(module._buffers)))
             for store in (module._parameters, module._buffers):
-                for name, tensor in store.items():
-                    if tensor is not None and tensor.is_floating_point():
-                        store[name] = tensor.detach().to(self.dtype)
+                store.update({name: t.detach().to(self.dtype) for name, t in store.items()
+                              if t is not None and t.is_floating_point()})
 
         def put_back(module, *_):
             parameters, buffers = saved[module].pop()
