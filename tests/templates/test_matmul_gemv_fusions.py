@@ -191,13 +191,16 @@ def test_norm_first_matches_torch(m, point, glu, load_candidate):
     check_close(out, reference(region, inputs)[0])
 
 
-def test_norm_first_fp32_long_rows_without_weight(load_candidate):
-    # K = 4500: the row kernel walks two blocks of 4096 (masked tail), in fp32 (no rounding)
-    region = fused_region((3,), 20, 4500, "float32", norm_weight=False)
+@pytest.mark.parametrize("k", [301, 4500])
+@pytest.mark.parametrize("norm_weight", [False, True])
+def test_norm_first_fp32_rows_in_one_pass_and_in_blocks(k, norm_weight, load_candidate):
+    # K = 301: the row kernel's one pass (x and g held in registers); K = 4500: it walks two
+    # blocks of 4096 (masked tail) twice, in fp32 (no rounding)
+    region = fused_region((3,), 20, k, "float32", norm_weight=norm_weight)
     point = FIRST_POINTS["dot_first"]
     assert FAMILY.check(region, point, H200) is None
     inputs = make_inputs(region, 1e-3, seed=7)  # mean(x^2) ~ 1e-6: eps matters
-    (out,) = run_candidate(load_candidate, region, point, inputs)
+    (out,) = run_candidate(load_candidate, region, point, inputs, stem=f"first_fp32_{k}_{norm_weight}")
     check_close(out, reference(region, inputs)[0])
 
 

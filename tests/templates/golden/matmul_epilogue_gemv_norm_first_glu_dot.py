@@ -127,7 +127,7 @@ def _gemv_kernel(
 @triton.jit
 def _rms_rows_kernel(
     x_ptr, g_ptr, out_ptr, K, stride_xm, stride_xk, stride_g, 
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row of a: its sum of squares (fp32), then x / rms(x) * g stored in out's dtype."""
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
@@ -136,17 +136,26 @@ def _rms_rows_kernel(
 
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
-    squares = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    if ONE_PASS:
+        # The row fits one block (K <= BLOCK): loaded once, g beside it, kept in registers: one memory
+        # round trip, where two passes wait for two (a kernel this small is all latency).
+        offs = tl.arange(0, BLOCK)
         x = tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
-        squares += x * x
-    rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + 1e-05)
-    for start in range(0, K, BLOCK):  # the row again, from L1/L2
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
-        x = x * tl.load(g_ptr + offs * stride_g, mask=offs < K, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * K + offs, (x * rstd).to(out_ptr.dtype.element_ty), mask=offs < K)
+        g = tl.load(g_ptr + offs * stride_g, mask=offs < K, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + 1e-05)
+        tl.store(out_ptr + row * K + offs, (x * g * rstd).to(out_ptr.dtype.element_ty), mask=offs < K)
+    else:
+        squares = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
+            squares += x * x
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + 1e-05)
+        for start in range(0, K, BLOCK):  # the row again, from L1/L2
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
+            x = x * tl.load(g_ptr + offs * stride_g, mask=offs < K, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * K + offs, (x * rstd).to(out_ptr.dtype.element_ty), mask=offs < K)
 
 
 def run(a, b, norm_weight):
@@ -163,7 +172,7 @@ def run(a, b, norm_weight):
         rows_block = min(triton.next_power_of_2(K), 4096)
         _rms_rows_kernel[(M,)](
             a2, norm_weight, normed, K, a2.stride(0), a2.stride(1), norm_weight.stride(0), 
-            BLOCK=rows_block, PDL=PDL, **PDL_LAUNCH, num_warps=4 if rows_block <= 2048 else 8,
+            BLOCK=rows_block, ONE_PASS=K <= rows_block, PDL=PDL, **PDL_LAUNCH, num_warps=4 if rows_block <= 2048 else 8,
         )
         a2 = normed
         tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
