@@ -24,6 +24,7 @@ from coopt.fp8_cache import calibrate_kv_absmax, needs_calibration, set_calibrat
 from coopt.emit.state_file import save_state, stored_state
 from coopt.frontend.importer import import_program
 from coopt.ir.summary import kernels, name_regions, summarize, symbol_table
+from coopt.ir.unfused import unfused_ops
 from coopt.passes.chunked_prefill import fit_example_inputs, prefill_chunk
 from coopt.passes.paged_kv import PAGE_TABLE, paged_record
 from coopt.passes.stats import collect_counters
@@ -161,6 +162,8 @@ class BuildResult:
     kv_calibration: dict | None = None
     accuracy: dict | None = None  # a lossy build's measured cost against the original (build.json)
     prefill_chunk: int | None = None  # chunked-prefill's chunk, when the entry's pipeline ran it
+    # ops outside every region that launch work of their own (PyTorch's kernels between coopt's)
+    unfused_ops: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -168,6 +171,7 @@ class BuildResult:
             "regions": {r.summary.name: {"family": r.summary.family, "selected": r.selected, "reason": r.reason} for r in self.regions},
             "counters": self.counters,
             "fallback_ops": self.fallback_ops,
+            "unfused_ops": self.unfused_ops,
             "measured": self.measured,
             "cuda_graphs": self.cuda_graphs,
             "end_to_end": self.e2e,
@@ -314,7 +318,8 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
 
     # 9. record: report for people, manifest for tools, advice for replay
     result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings, graphs,
-                         kv_calibration=kv_calibration, accuracy=accuracy, prefill_chunk=prefill_chunk(module))
+                         kv_calibration=kv_calibration, accuracy=accuracy, prefill_chunk=prefill_chunk(module),
+                         unfused_ops=unfused_ops(module))
     result.seconds = time.monotonic() - start
     result.step_seconds = progress.totals()
     advice_log.write(out / "advice.json")

@@ -26,6 +26,7 @@ def write_build_record(out: Path, config, model_path, result) -> None:
         "step_seconds": result.step_seconds,
         "counters": dict(sorted(result.counters.items())),
         "fallback_ops": result.fallback_ops,
+        "unfused_ops": result.unfused_ops,
         "end_to_end": result.e2e,
         "warnings": result.warnings,
     }
@@ -182,6 +183,11 @@ def write_report(out: Path) -> None:
         lines += [f"- `{name}` ×{n}" for name, n in sorted(build["fallback_ops"].items())]
     else:
         lines.append("- no unknown ATen ops")
+    unfused = build.get("unfused_ops") or {}
+    if unfused:  # known ops no region took: each launches a PyTorch kernel between coopt's
+        lines += ["", f"Outside every region, {sum(unfused.values())} ops a call run through PyTorch, each its own launch "
+                  "(views not counted):", ""]
+        lines += [f"- `{name}` ×{n}" for name, n in unfused.items()]
     kept = {name: r for name, r in regions.items() if r["selected"] == REFERENCE}
     if kept:
         lines += ["", "Regions kept on the reference path (the original ops: cuBLAS, SDPA, ATen kernels):", ""]
