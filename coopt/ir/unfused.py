@@ -25,20 +25,23 @@ VIEW_TARGETS = frozenset({
     "aten.as_strided.default", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int",
     "aten.sym_size.int",
 })
-# ops that are bookkeeping of the IR, not computation: weights are loaded, state writes are
-# the cache updates the program makes in place (their copies are counted by their targets)
-_NOT_RUN = (WeightOp, StateWriteOp, KernelOp)
+# not counted: weights are loaded, not run; kernels are coopt's; unknown ops (fallbacks) have
+# the report's list of their own
+_NOT_COUNTED = (WeightOp, KernelOp, FallbackOp)
+# ops without results that still run: a state_write left functional copies its value into the
+# buffer (copy_), a state_update writes part of it in place
+_WRITES = (StateWriteOp, StateUpdateOp)
 
 
 def unfused_ops(module: ModuleOp) -> dict[str, int]:
     """Target (ATen name, or the IR op's name for a raised op no region took) -> count, for every
-    op outside the kernel regions that launches work of its own; views are left out."""
+    known op outside the kernel regions that launches work of its own; views are left out."""
     inside = {id(op) for kernel in module.walk() if isinstance(kernel, KernelOp) for op in kernel.walk()}
     counts: Counter[str] = Counter()
     for op in module.walk():
-        if id(op) in inside or isinstance(op, (ModuleOp, *_NOT_RUN)) or not op.results and not isinstance(op, StateUpdateOp):
+        if id(op) in inside or isinstance(op, (ModuleOp, *_NOT_COUNTED)) or not op.results and not isinstance(op, _WRITES):
             continue  # the module, functions, returns: no results, nothing to launch
-        if isinstance(op, (AtenOp, FallbackOp, StateUpdateOp)):
+        if isinstance(op, (AtenOp, StateUpdateOp)):
             if op.target.data not in VIEW_TARGETS:
                 counts[op.target.data] += 1
         elif op.name.startswith("coopt."):
