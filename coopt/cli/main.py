@@ -136,9 +136,17 @@ def build(
     kernels = sum(r.selected != "reference" for r in result.regions)
     typer.echo(
         f"built {out} in {result.seconds:.1f}s: {len(result.regions)} regions, {kernels} on generated kernels, "
-        f"{len(result.regions) - kernels} on the reference; latency {'measured' if result.measured else 'unmeasured (run coopt tune on the GPU)'}; "
+        f"{len(result.regions) - kernels} on the reference{_left_to_pytorch(result)}; "
+        f"latency {'measured' if result.measured else 'unmeasured (run coopt tune on the GPU)'}; "
         f"report: {out / 'report.md'}"
     )
+
+
+def _left_to_pytorch(result) -> str:
+    """", N ops left to PyTorch" when known ops outside every region launch their own kernels
+    (the report lists them), else nothing."""
+    left = sum(result.unfused_ops.values())
+    return f", {left} op{'s' if left != 1 else ''} left to PyTorch" if left else ""
 
 
 @app.command()
