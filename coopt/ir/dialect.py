@@ -275,7 +275,7 @@ class _CachedAttentionBase(IRDLOperation):
 
 @irdl_op_definition
 class DecodeAttentionOp(_CachedAttentionBase):
-    """One query token per sequence: q [B,H,1,D]; lengths [B] int32, one per sequence."""
+    """One query token per sequence: q [B,H,1,D]; lengths [B] int32 or int64, one per sequence."""
 
     name = "coopt.decode_attention"
     traits = traits_def(Pure())
@@ -284,7 +284,7 @@ class DecodeAttentionOp(_CachedAttentionBase):
 @irdl_op_definition
 class CacheAttentionOp(_CachedAttentionBase):
     """Several query tokens (a prompt, or a chunk of one): query i of q [B,H,T,D] reads
-    lengths[i] positions; lengths [T] int32 (the query's position + 1, the same for every
+    lengths[i] positions; lengths [T] int32 or int64 (the query's position + 1, the same for every
     sequence)."""
 
     name = "coopt.cache_attention"

@@ -45,7 +45,7 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     attrs = {"scale": float, "num_heads": H, "num_kv_heads": Hkv,
              "lengths_input": 3, "lengths_bound": [1, 2], ["example_length": int]}
     inputs: q [B, H, 1, D], k_cache [B, Hkv, S_max, D], v_cache [B, Hkv, S_max, D],
-    lengths [B] int32 with 1 <= lengths[b] <= S_max; output [B, H, 1, D] in q's dtype.
+    lengths [B] int32 or int64 with 1 <= lengths[b] <= S_max; output [B, H, 1, D] in q's dtype.
     Sequence b attends to cache positions 0 .. lengths[b] - 1 (causal for a decode step at
     position lengths[b] - 1); GQA as in attention. "lengths_input" / "lengths_bound" name the
     lengths input and the dim bounding it (input 1, dim 2: S_max), so that verification draws
@@ -57,7 +57,7 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     holds for attention with lengths (a prompt over an fp8 cache).
 
     Paged KV (coopt/runtime/paged.py): attrs add "page_size": P (a power of two, 16..256);
-    inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D], lengths [B] int32,
+    inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D], lengths [B] int32 or int64,
     page_table [B, max_pages] int32 (then k_scale, v_scale as above when "kv_scale"; per-token:
     scale pools [N_pages, Hkv, P] paged alike). Position p of sequence b is
     k_pages[page_table[b, p // P], :, p % P] (per token, its scale the same index of k_scale);

@@ -1,7 +1,7 @@
 """decode_attention: flash-decoding of one new token per sequence over a static KV cache.
 
 Region schema (coopt.ir.region): q [B, H, 1, D] (any strides), k_cache / v_cache
-[B, Hkv, S_max, D] (any strides), lengths [B] int32 with 1 <= lengths[b] <= S_max; output
+[B, Hkv, S_max, D] (any strides), lengths [B] int32 or int64 with 1 <= lengths[b] <= S_max; output
 [B, H, 1, D] in q's dtype. attrs {"scale", "num_heads", "num_kv_heads", "lengths_input": 3,
 "lengths_bound": [1, 2]}, optionally "example_length" (the valid length the advisor plans
 for; default S_max). The query of sequence b attends to cache positions 0 .. lengths[b] - 1
@@ -20,7 +20,7 @@ v_scale[b, h, n] before P @ V.
 
 Paged KV (issue 4; the runtime is coopt/runtime/paged.py): attrs add "page_size": P (a power of
 two, 16..256); inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D] (pages shared by all
-sequences), lengths [B] int32, page_table [B, max_pages] int32, then k_scale, v_scale when attrs
+sequences), lengths [B] int32 or int64, page_table [B, max_pages] int32, then k_scale, v_scale when attrs
 has "kv_scale" (per-tensor [1], per-head [Hkv], or per-token scale pools [N_pages, Hkv, P] paged
 like the caches: a row's scale at the same page and row). Position p of sequence b is row p % P
 of page page_table[b, p // P]; slots of page_table past cdiv(lengths[b], P) are never read,

@@ -88,7 +88,7 @@ def test_prefill_entry_shares_fp8_caches_and_scales(built_dir):
     regions = json.loads((built_dir / "entries" / "prefill" / "selection.json").read_text())["regions"]
     summary = next(r["summary"] for r in regions.values() if r["family"] == "attention")
     assert summary["attrs"]["kv_scale"] == "per-head"
-    assert [i["dtype"] for i in summary["inputs"]] == ["float32", "float8_e4m3fn", "float8_e4m3fn", "int32", "float32", "float32"]
+    assert [i["dtype"] for i in summary["inputs"]] == ["float32", "float8_e4m3fn", "float8_e4m3fn", "int64", "float32", "float32"]
     # a prompt through the prefill entry, then a decode step over what it wrote: fp8-close to eager
     eager = load_model_file(MODEL_PATH).model
     prompt = torch.randint(0, eager.args.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5))

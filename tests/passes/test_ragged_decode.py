@@ -56,10 +56,11 @@ def test_the_per_row_mask_becomes_per_row_lengths():
     module, counters = run_pipeline(RaggedStep(), inputs(), "inplace-state-writes,raise-patterns")
     assert counters["raise.attention.decode"] == counters["raise.attention.decode.per_row"] == 1
     (attention,) = [op for op in module.walk() if isinstance(op, DecodeAttentionOp)]
-    # lengths = _to_copy(add(pos, 1)) [B] int32: no expand of one shared length
-    cast = attention.lengths.owner
-    assert cast.target.data == "aten._to_copy.default" and attention.lengths.type.get_shape() == (3,)
-    assert cast.inputs[0].owner.target.data == "aten.add.Tensor"
+    # lengths = add(pos, 1) [B] in pos's int64 (no cast: the kernels read either width), no
+    # expand of one shared length
+    plus_one = attention.lengths.owner
+    assert plus_one.target.data == "aten.add.Tensor" and attention.lengths.type.get_shape() == (3,)
+    assert str(attention.lengths.type.element_type) == "i64" and plus_one.inputs[0] is module.body.block.first_op.body.block.args[5]
 
 
 def test_per_row_writes_become_one_region_with_the_rows_inside():
