@@ -164,12 +164,14 @@ def _also_used_elsewhere(model, embedding, param) -> bool:
 
 
 def build_summary(out: Path) -> dict:
-    """What a row keeps of out/build.json: the build's seconds, by step, and what its end-to-end
-    check judged against (a 32-layer b32 build streams its float64 reference: session 10)."""
+    """What a row keeps of out/build.json: the build's seconds, by step, what its end-to-end
+    check judged against (a 32-layer b32 build streams its float64 reference: session 10), and
+    the ops it left to PyTorch between its kernels (launches a step beside coopt's)."""
     record = json.loads((out / "build.json").read_text())
     check = record.get("end_to_end") or {}
     return {"seconds": record.get("seconds"), "step_seconds": record.get("step_seconds"),
-            "reference_precision": check.get("reference_precision"), "check_max_abs_err": check.get("max_abs_err")}
+            "reference_precision": check.get("reference_precision"), "check_max_abs_err": check.get("max_abs_err"),
+            "unfused_ops": record.get("unfused_ops")}
 
 
 def run_case(case: str, args, save=lambda row: None) -> dict:
