@@ -5,6 +5,7 @@ and whether prefetching the next GEMV's weights into L2 while the attention runs
     python bench/attention_sweep.py --cases b1-2048 --sample 0 --advised 4
     python bench/attention_sweep.py --prefetch-only       # only the L2 prefetch experiment
     python bench/attention_sweep.py --list                # the points, no GPU needed
+    python bench/attention_sweep.py --latency b1-2048-rope  # fixed cost vs streaming of the first points
 
 Cases (Llama-3-8B attention: 32 query heads over 8 kv heads, D 128, bf16 query; `length` valid
 keys of a `cache`-position static cache): b1-2048, b1-2048-rope (the query's rotary embedding in
@@ -25,6 +26,16 @@ residual) in one CUDA graph, the o GEMV on its own weights per layer, three ways
 other; with a second stream that prefetches the layer's o weights into L2 (prefetch.global.L2)
 while its attention runs; and the prefetch alone. The GEMV point and the attention point are the
 advisor's first.
+
+Latency (`--latency CASE`): at batch 1 the attention reads 8.4 MB in ~10 µs (a floor of 2), and
+no point of its space is faster (session 6). Which part is fixed cost and which is streaming?
+The advisor's first points are timed at valid lengths from 1 to the whole cache, each length
+over the same rotation of cache copies (5 GB of them: DRAM-resident from 128 keys on at a
+4096-position cache), beside an empty
+one-program Triton kernel (what a launch costs inside a graph). A least-squares line through
+the lengths of 512 keys and more gives the fixed cost (its intercept) and the streaming
+bandwidth (its slope); the intercept less the empty launch is what the kernel's own latencies
+(the length load, q and its rotary rows, the first tiles, the splits' meeting) add.
 """
 
 from __future__ import annotations
@@ -304,6 +315,67 @@ def prefetch_experiment(work_dir: Path, rows: list, layers: int = 8) -> None:
         rows.append({"experiment": "l2-prefetch", "mode": mode, "layers": layers, "us": ms * 1e3})
 
 
+LATENCY_LENGTHS = (1, 128, 512, 1024, 2048, 4096)
+LATENCY_BYTES = 5e9  # the rotation's cache copies: 300 at b1 / 4096 positions, DRAM-resident from 128 keys on
+
+
+def fit_latency(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(intercept us, bandwidth TB/s) of the least-squares line us = a + bytes / bw through
+    (bytes, us) points; NaN bandwidth when the slope is not positive."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var  # us per byte
+    return mean_y - slope * mean_x, (1e-6 / slope if slope > 0 else float("nan"))  # 1 / slope bytes a us = 1e-6 / slope TB/s
+
+
+@triton.jit
+def _empty_kernel(ptr):
+    tl.store(ptr + tl.program_id(0), 0)
+
+
+def latency_experiment(args, work_dir: Path, rows: list) -> None:
+    """The advisor's first `--advised` points (at most 3) of one case at growing valid lengths,
+    and an empty launch: fixed cost against streaming."""
+    import torch
+
+    from coopt.runtime.kernel_loader import load_module_from_file
+    from coopt.templates.decode_attention import DecodeAttentionFamily, kv_bytes_read
+
+    case = args.latency
+    batch, _, cache = CASES[case][:3]
+    family = DecodeAttentionFamily()
+    region = make_region(*CASES[case])
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    empty_us = graph_ms(lambda: _empty_kernel[(1,)](flag), [[]], rep=30) * 1e3
+    print(f"\nlatency of {case} (cache {cache}): an empty launch in a graph {empty_us:.2f} us", flush=True)
+    rows.append({"experiment": "latency", "case": case, "empty_launch_us": empty_us})
+    base = make_inputs(region, cache)
+    cache_bytes = sum(t.numel() * t.element_size() for t in base[1:3])
+    copies = [base] + [[t.clone() for t in base] for _ in range(max(8, min(300, int(LATENCY_BYTES // cache_bytes))) - 1)]
+    lengths = [n for n in LATENCY_LENGTHS if n <= cache] + ([cache] if cache not in LATENCY_LENGTHS else [])
+    for rank, params in enumerate(advised(region, family)[:min(args.advised, 3)]):
+        path = work_dir / f"latency_{case}_{rank}.py"
+        path.write_text(family.render(region, params))
+        run = load_module_from_file(str(path)).run
+        points = []
+        for length in lengths:
+            for inputs in copies:  # the length is data: the same kernel, fewer keys
+                inputs[3].fill_(length)
+            expected = reference(region, *copies[0])
+            err = (run(*copies[0])[0].float() - expected).abs().max().item()
+            us = graph_ms(run, copies, rep=30) * 1e3
+            points.append((kv_bytes_read(region, [length] * batch), us))
+            print(f"  #{rank + 1} {label(params):36s} length {length:6d}: {us:7.2f} us  err {err:.1e}", flush=True)
+        intercept, bandwidth = fit_latency([p for p, n in zip(points, lengths) if n >= 512])
+        print(f"  #{rank + 1} fixed {intercept:.2f} us ({intercept - empty_us:.2f} over an empty launch), "
+              f"streaming at {bandwidth:.2f} TB/s", flush=True)
+        rows.append({"experiment": "latency", "case": case, "params": params, "advised_rank": rank + 1,
+                     "points": [{"length": n, "bytes": b, "us": us} for n, (b, us) in zip(lengths, points)],
+                     "fixed_us": intercept, "tb_per_s": bandwidth})
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma list of: " + ",".join(CASES))
@@ -314,11 +386,15 @@ def parse_args():
     parser.add_argument("--jobs", type=int, default=16, help="parallel compile processes")
     parser.add_argument("--json", type=Path, default=None, help="write every measurement here")
     parser.add_argument("--list", action="store_true", help="print the points per case and exit (no GPU needed)")
+    parser.add_argument("--latency", default=None, metavar="CASE",
+                        help="only the latency experiment on CASE (unpaged, bf16 or fp8): fixed cost against streaming")
     args = parser.parse_args()
     args.cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    if args.latency is not None and (args.latency not in CASES or len(CASES[args.latency]) > 5):
+        parser.error(f"--latency takes an unpaged case: {', '.join(c for c in CASES if len(CASES[c]) <= 5)}")
     return args
 
 
@@ -335,6 +411,9 @@ def main() -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="coopt_attention_"))
     rows: list = []
     try:
+        if args.latency is not None:
+            latency_experiment(args, work_dir, rows)
+            return 0
         if not args.prefetch_only:
             sweep(args, work_dir, rows)
         if not args.no_prefetch:

@@ -26,6 +26,7 @@
 #                                        # paged bf16 / static / paged fp8, 8 layers, 4 GiB of KV (~6-8 min)
 #   bash bench/gpu_session.sh accuracy-smooth   # the harness: bf16, per-head, smoothed K, smoothed K and V only
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
+#   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
 #                                        # every file comes back in $OUT/parallel.tar.gz (session 3: two
 #                                        # jobs sharing the host's CPUs overran their limits; pick steps
@@ -174,6 +175,9 @@ case "${1:-}" in
     layers32-b32-coopt)  # issue 3: coopt alone at 32 layers, b32 / 2048 (eager and reduce-overhead: layers32-rest)
         step 560 decode python bench/decode.py --layers 32 --cases 32:2048:4096 --modes coopt --prefill 0 \
             --agreement-steps 0 --out "$OUT/decode_32layers_b32_coopt.json" --build-dir /tmp/coopt-32-b32
+        ;;
+    attention-latency)  # issue 3: b1 decode attention timed at growing lengths beside an empty launch (bench/NOTES-decode.md)
+        step 240 latency python bench/attention_sweep.py --latency b1-2048-rope --advised 3 --json "$OUT/attention_latency.json"
         ;;
     kv-probe)  # issue 4: which fp8 KV quantization reaches the top-1 target (eager, the harness's model; ~1-2 min)
         step 200 kv-probe python bench/fp8_kv_probe.py --device cuda --out "$OUT/fp8_kv_probe.json"

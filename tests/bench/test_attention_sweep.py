@@ -85,3 +85,27 @@ def test_gemm_sample_is_the_advisors_gemv_points_then_a_seeded_draw():
     assert points[:3] == advised_points(region, 3) and len(points) == 9
     assert all(p["GEMV"] and MatmulEpilogueFamily().check(region, p, H200) is None for p in points)
     assert select_points(region, args) == points  # the same draw every run
+
+
+def test_latency_fit_recovers_a_fixed_cost_and_a_bandwidth():
+    from attention_sweep import fit_latency
+
+    # 3 us fixed, 2 TB/s (2e6 bytes a us): exact points give the line back
+    points = [(b, 3.0 + b / 2e6) for b in (2e6, 4e6, 8.4e6, 16.8e6)]
+    intercept, bandwidth = fit_latency(points)
+    assert intercept == pytest.approx(3.0) and bandwidth == pytest.approx(2.0)
+    # time that does not grow with bytes has no bandwidth to report
+    assert fit_latency([(1e6, 5.0), (2e6, 5.0)])[1] != fit_latency([(1e6, 5.0), (2e6, 5.0)])[1]  # NaN
+
+
+def test_latency_takes_only_unpaged_cases(monkeypatch, capsys):
+    import sys
+
+    from attention_sweep import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["attention_sweep.py", "--latency", "b32-2048-paged16"])
+    with pytest.raises(SystemExit):
+        parse_args()
+    assert "--latency takes an unpaged case" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["attention_sweep.py", "--latency", "b1-2048-rope"])
+    assert parse_args().latency == "b1-2048-rope"
