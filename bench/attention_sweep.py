@@ -31,8 +31,8 @@ Latency (`--latency CASE`): at batch 1 the attention reads 8.4 MB in ~10 µs (a 
 no point of its space is faster (session 6). Which part is fixed cost and which is streaming?
 The advisor's first points are timed at valid lengths from 1 to the whole cache, each length
 over the same rotation of cache copies (5 GB of them: DRAM-resident from 128 keys on at a
-4096-position cache), beside an empty
-one-program Triton kernel (what a launch costs inside a graph). A least-squares line through
+4096-position cache), beside an empty one-program Triton kernel (what a launch costs inside a
+graph). A least-squares line through
 the lengths of 512 keys and more gives the fixed cost (its intercept) and the streaming
 bandwidth (its slope); the intercept less the empty launch is what the kernel's own latencies
 (the length load, q and its rotary rows, the first tiles, the splits' meeting) add.
@@ -353,7 +353,8 @@ def latency_experiment(args, work_dir: Path, rows: list) -> None:
     rows.append({"experiment": "latency", "case": case, "empty_launch_us": empty_us})
     base = make_inputs(region, cache)
     cache_bytes = sum(t.numel() * t.element_size() for t in base[1:3])
-    copies = [base] + [[t.clone() for t in base] for _ in range(max(8, min(300, int(LATENCY_BYTES // cache_bytes))) - 1)]
+    count = max(8, min(300, int(LATENCY_BYTES // cache_bytes)))
+    copies = [base] + [[t.clone() for t in base] for _ in range(count - 1)]
     lengths = [n for n in LATENCY_LENGTHS if n <= cache] + ([cache] if cache not in LATENCY_LENGTHS else [])
     for rank, params in enumerate(advised(region, family)[:min(args.advised, 3)]):
         path = work_dir / f"latency_{case}_{rank}.py"

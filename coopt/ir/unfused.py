@@ -39,11 +39,11 @@ def unfused_ops(module: ModuleOp) -> dict[str, int]:
     inside = {id(op) for kernel in module.walk() if isinstance(kernel, KernelOp) for op in kernel.walk()}
     counts: Counter[str] = Counter()
     for op in module.walk():
-        if id(op) in inside or isinstance(op, (ModuleOp, *_NOT_COUNTED)) or not op.results and not isinstance(op, _WRITES):
-            continue  # the module, functions, returns: no results, nothing to launch
-        if isinstance(op, (AtenOp, StateUpdateOp)):
-            if op.target.data not in VIEW_TARGETS:
-                counts[op.target.data] += 1
-        elif op.name.startswith("coopt."):
-            counts[op.name] += 1
+        if id(op) in inside or isinstance(op, (ModuleOp, *_NOT_COUNTED)):
+            continue
+        if not op.results and not isinstance(op, _WRITES):
+            continue  # functions, returns: nothing to launch
+        target = op.target.data if isinstance(op, (AtenOp, StateUpdateOp)) else op.name
+        if target.startswith(("aten.", "coopt.")) and target not in VIEW_TARGETS:
+            counts[target] += 1
     return dict(sorted(counts.items()))
