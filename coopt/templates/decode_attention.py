@@ -23,9 +23,8 @@ two, 16..256); inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D] (pa
 sequences), lengths [B] int32 or int64, page_table [B, max_pages] int32, then k_scale, v_scale when attrs
 has "kv_scale" (per-tensor [1], per-head [Hkv], or per-token scale pools [N_pages, Hkv, P] paged
 like the caches: a row's scale at the same page and row). Position p of sequence b is row p % P
-of page page_table[b, p // P]; of the slots past cdiv(lengths[b], P) only a split's first tile's
-may be read (its rows are then discarded), lengths are clamped to max_pages * P and page ids into
-[0, N_pages). The kernel is the same
+of page page_table[b, p // P]; slots of page_table past cdiv(lengths[b], P) are never read,
+lengths are clamped to max_pages * P and page ids into [0, N_pages). The kernel is the same
 loop with page table lookups: one per tile where BLOCK_N divides P, one per key row (a gather
 from the table row, L1-resident) where a tile covers BLOCK_N / P whole pages, so small pages
 (16 positions: 4 KiB K tiles at D 128) do not force small tiles (both are powers of two: a tile
@@ -40,14 +39,10 @@ rounded to q's dtype for tl.dot), so the step has no rope kernel for q.
 Kernel (flash-decoding's two stages in one launch):
     split    grid (B * Hkv, SPLIT_KV): one program per (sequence, kv head, split). Its rows are
              the H // Hkv query heads sharing that kv head (GQA packing: each K/V block is read
-             once for the whole group). Split s takes the BLOCK_N tiles s, s + SPLIT_KV,
-             s + 2 SPLIT_KV, ... of the sequence's valid keys 0 .. lengths[b] - 1 and runs an
-             online softmax over them in fp32. Its first tile starts at s * BLOCK_N whatever the
-             length, so it is loaded before the length arrives (inside the cache; rows at or past
-             lengths[b] are then discarded, V's zeroed, so cache contents there never reach the
-             output, not even as NaN); later tiles load only rows below lengths[b]. A split whose
-             first tile starts past the length stores nothing. With SPLIT_KV = 1 it normalises
-             and writes the output itself.
+             once for the whole group). It takes an equal BLOCK_N-aligned share of the
+             sequence's valid keys 0 .. lengths[b] - 1 and runs an online softmax over it in
+             fp32; positions past lengths[b] are never loaded, and a split whose share is empty
+             loads nothing. With SPLIT_KV = 1 it normalises and writes the output itself.
     merge    only when SPLIT_KV > 1, in the same launch: each split stores its fp32 partials
              (acc, max, sum) and counts itself in on a counter per (sequence, kv head); the last
              to arrive merges the splits that saw keys, in split order, and writes the output

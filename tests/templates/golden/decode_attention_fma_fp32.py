@@ -62,10 +62,11 @@ def _decode_split_kernel(
 
     batch = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
-    # Split s takes tiles s, s + SPLIT_KV, s + 2 * SPLIT_KV, ... of the valid keys: where its first
-    # tile starts does not depend on the length, so that tile is loaded before the length arrives
-    # (below), and every split takes an equal share (to one tile) at any length.
-    split = tl.program_id(1)
+    # Clamped to [0, S_max]: a length outside the schema must not read outside the cache.
+    # through its stride: a decode step's lengths are expand(input_pos + 1), a stride-0 view
+    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + batch * stride_len).to(tl.int32), 0), max_length)
+    start = 0
+    end = length
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -73,52 +74,24 @@ def _decode_split_kernel(
     head_ok = offs_h < GROUP
     # int64 base offsets: a KV cache may hold more than 2**31 elements.
     batch = batch.to(tl.int64)
-    k_base = k_ptr + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = v_ptr + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
-    # The first tile, loaded without waiting for the length: its K/V rows, the length and the
-    # query are in flight together (three round trips to memory that would otherwise follow one
-    # another). Only its rows inside the cache are read; rows at or past the length are
-    # discarded once the length is known (a split whose first tile starts there saw no key).
-    block_start = split * BLOCK_N
-    keys = block_start + offs_n
-    k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                mask=(keys < max_length)[:, None], other=0.0)
-    v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                mask=(keys < max_length)[:, None], other=0.0)
-
-    # Clamped to [0, S_max]: a length outside the schema must not read outside the cache.
-    # through its stride: a decode step's lengths are expand(input_pos + 1), a stride-0 view
-    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + batch * stride_len).to(tl.int32), 0), max_length)
     q_rows = q_ptr + batch * stride_qb + head[:, None] * stride_qh
     q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)
     q = q.to(tl.float32)
+    k_base = k_ptr + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
 
     # Online softmax in base 2 with fp32 statistics; m_i starts finite so masked keys give p = 0.
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    key_ok = keys < length
-    v = tl.where(key_ok[:, None], v, 0.0)
-    # [BLOCK_H, BLOCK_N, BLOCK_D] products on CUDA cores: no padding of the head group.
-    scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-    scores = tl.where(key_ok[None, :], scores * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.exp2(scores - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-    m_i = m_new
-
-    # The split's other tiles, SPLIT_KV tiles apart; tl.range's num_stages pipelines the K/V loads
-    # even where no tl.dot consumes them.
-    for block_start in tl.range(split * BLOCK_N + SPLIT_KV * BLOCK_N, length, SPLIT_KV * BLOCK_N, num_stages=NUM_STAGES):
+    # tl.range's num_stages pipelines the K/V loads even where no tl.dot consumes them.
+    for block_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         keys = block_start + offs_n
+        key_ok = keys < end
         k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=(keys < length)[:, None], other=0.0)
+                    mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=(keys < length)[:, None], other=0.0)
-
-        key_ok = keys < length
+                    mask=key_ok[:, None], other=0.0)
         # [BLOCK_H, BLOCK_N, BLOCK_D] products on CUDA cores: no padding of the head group.
         scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
         scores = tl.where(key_ok[None, :], scores * qk_scale, float("-inf"))
@@ -128,7 +101,6 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
         m_i = m_new
-
     if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
         tl.extra.cuda.gdc_launch_dependents()
     # A length of 0 (outside the schema) leaves l_i == 0: zeros, not NaN.
