@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Programmatic dependent launch (sm_90+), opt-in with COOPT_PDL=1: launched with launch_pdl, this
+# Programmatic dependent launch (sm_90+), opt-in with COOPT_PDL=1 (or a list of kernel kinds naming
+# decode_attention): launched with launch_pdl, this
 # module's kernels are scheduled while the previous kernel of the stream drains and wait for its
 # writes (gdc_wait) before their first memory access. Off by default: in a whole CUDA-graph
 # replayed Llama-3-8B decode step (8 layers, b1, H200) it measured 1463 µs with PDL against 1268
@@ -21,7 +22,7 @@ import triton.language as tl
 PDL = (
     torch.cuda.is_available()
     and os.environ.get("TRITON_INTERPRET") != "1"
-    and os.environ.get("COOPT_PDL", "0") == "1"
+    and (os.environ.get("COOPT_PDL", "0") == "1" or "decode_attention" in os.environ.get("COOPT_PDL", "").split(","))
     and torch.cuda.get_device_capability()[0] >= 9
 )
 PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
