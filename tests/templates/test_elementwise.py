@@ -212,16 +212,38 @@ def test_golden_rendering(golden):
     golden("elementwise_scale_shift.py", FAMILY.render(SCALE_SHIFT, {"BLOCK": 1024, "num_warps": 4}))
 
 
-def test_programmatic_dependent_launch_only_on_hopper_gpus(load_candidate):
-    """Every template shares the PDL switch (triton/_pdl.j2): on an sm_90+ GPU kernels are
-    launched with launch_pdl and wait for the previous kernel first (the sm_90 compile tests
-    check the wait); in Triton's interpreter, which has no such launch, it must be off."""
+def test_programmatic_dependent_launch_only_on_hopper_gpus(load_candidate, monkeypatch):
+    """Every template shares the PDL switch (triton/_pdl.j2): asked for (COOPT_PDL=1), on an
+    sm_90+ GPU kernels are launched with launch_pdl and wait for the previous kernel first (the
+    sm_90 compile tests check the wait); in Triton's interpreter, which has no such launch, it
+    must be off."""
+    monkeypatch.setenv("COOPT_PDL", "1")
     summary = region([(4, 8)], [["y", "silu", ["in0"]]], ["y"])
     module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]))
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
     assert module.PDL is hopper and module.PDL_LAUNCH == ({"launch_pdl": True} if hopper else {})
     (y,) = module.run(on_test_device([torch.ones(4, 8)])[0])
     assert torch.allclose(y.float().cpu(), torch.nn.functional.silu(torch.ones(4, 8)))
+
+
+@pytest.mark.parametrize("setting, launched", [
+    (None, False), ("0", False), ("1", True), ("elementwise", True), ("kv_write,elementwise", True),
+    ("decode_attention,gemv", False), ("elementwise_x", False),
+])
+def test_pdl_is_opt_in_per_kernel_kind(load_candidate, monkeypatch, setting, launched):
+    """COOPT_PDL=1 launches every kernel with PDL; a comma list of kinds only the kernels of
+    those kinds (bench/RESULTS.md session 12 measured the decode step's boundaries one kind at a
+    time). Decided when the module is imported, so it is imported here as on an sm_90 GPU."""
+    if setting is None:
+        monkeypatch.delenv("COOPT_PDL", raising=False)
+    else:
+        monkeypatch.setenv("COOPT_PDL", setting)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    summary = region([(4, 8)], [["y", "silu", ["in0"]]], ["y"])
+    module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]), stem=f"pdl_{setting}")
+    assert module.PDL is launched and module.PDL_LAUNCH == ({"launch_pdl": True} if launched else {})
 
 
 def test_offsets_past_2_31_switch_the_kernel_to_int64_indices(load_candidate, assert_close):
