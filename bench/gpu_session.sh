@@ -27,6 +27,7 @@
 #   bash bench/gpu_session.sh accuracy-smooth   # the harness: bf16, per-head, smoothed K, smoothed K and V only
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
+#   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
 #                                        # every file comes back in $OUT/parallel.tar.gz (session 3: two
 #                                        # jobs sharing the host's CPUs overran their limits; pick steps
@@ -175,6 +176,17 @@ case "${1:-}" in
     layers32-b32-coopt)  # issue 3: coopt alone at 32 layers, b32 / 2048 (eager and reduce-overhead: layers32-rest)
         step 560 decode python bench/decode.py --layers 32 --cases 32:2048:4096 --modes coopt --prefill 0 \
             --agreement-steps 0 --out "$OUT/decode_32layers_b32_coopt.json" --build-dir /tmp/coopt-32-b32
+        ;;
+    pdl-kinds-b32)  # issue 3: b32 / 2048 profiled with PDL off, for the GEMVs (and their norm row kernels) only, off again
+        # (session 12: COOPT_PDL=gemv replayed 1775.6 us against bench/decode.py's 1789 with PDL off, not in one process;
+        # at b1 no kind gained; a b32 profile needs more than 45 s)
+        step 200 decode python bench/decode.py --cases 32:2048:4096 --modes coopt --prefill 0 --agreement-steps 0 \
+            --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
+        for run in 1 2 3; do
+            pdl=$([ "$run" = 2 ] && echo gemv || echo 0)
+            COOPT_PDL=$pdl step 100 "profile_b32_$run" python bench/profile_step.py /tmp/coopt-decode/b32-pos2048 \
+                --batch 32 --out "$OUT/profile_b32_$run.json"
+        done
         ;;
     attention-latency)  # issue 3: b1 decode attention timed at growing lengths beside an empty launch (bench/NOTES-decode.md)
         step 240 latency python bench/attention_sweep.py --latency b1-2048-rope --advised 3 --json "$OUT/attention_latency.json"
