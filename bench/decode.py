@@ -35,7 +35,8 @@ def parse_args():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--cases", default="1:2048:4096,1:32768:32832,32:2048:4096")
     parser.add_argument("--modes", default="eager,max-autotune-no-cudagraphs,reduce-overhead,coopt,coopt-fp8",
-                        help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor")
+                        help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor; "
+                             "coopt-fold: the default pipeline plus fuse-kv-write-attention (not yet in the default)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -206,14 +207,17 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         record("eager", lambda: model(*inputs), 0.0)
     if "reduce-overhead" in modes:
         compiled_variant("reduce-overhead")
-    for mode, kv_cache in (("coopt", "none"), ("coopt-fp8", "fp8")):
+    from coopt.passes.registry import DEFAULT_PIPELINE, FOLDED_KV_WRITE_PIPELINE
+
+    for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
+                                     ("coopt-fold", "none", FOLDED_KV_WRITE_PIPELINE)):
         if mode not in modes:
             continue
-        suffix = "-fp8" if kv_cache == "fp8" else ""
+        suffix = mode[len("coopt"):]
         out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-decode-"))) / f"b{batch}-pos{pos}{suffix}"
         start = time.monotonic()
-        coopt.Pipeline(top_k=args.top_k, kv_cache=kv_cache).build(model, inputs, out, force=True,
-                                                                  progress=build_progress())
+        coopt.Pipeline(pipeline, top_k=args.top_k, kv_cache=kv_cache).build(model, inputs, out, force=True,
+                                                                            progress=build_progress())
         built = coopt.load(out)
         step = GraphedStep(built, inputs, check=False)  # the bench times the replay, not the value check
         record(mode, lambda: step(*inputs), time.monotonic() - start)

@@ -28,6 +28,8 @@
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
+#   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt against coopt-fold (kv_write folded into the decode
+#                                        # attention), b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
 #                                        # every file comes back in $OUT/parallel.tar.gz (session 3: two
 #                                        # jobs sharing the host's CPUs overran their limits; pick steps
@@ -176,6 +178,13 @@ case "${1:-}" in
     layers32-b32-coopt)  # issue 3: coopt alone at 32 layers, b32 / 2048 (eager and reduce-overhead: layers32-rest)
         step 560 decode python bench/decode.py --layers 32 --cases 32:2048:4096 --modes coopt --prefill 0 \
             --agreement-steps 0 --out "$OUT/decode_32layers_b32_coopt.json" --build-dir /tmp/coopt-32-b32
+        ;;
+    fold-b1|fold-b32)  # issue 3: the default build against the one with fuse-kv-write-attention, same run (~5 min each)
+        case=$([ "$1" = fold-b1 ] && echo 1:2048:4096 || echo 32:2048:4096)
+        step 420 "$1" python bench/decode.py --cases "$case" --modes coopt,coopt-fold --prefill 0 --agreement-steps 16 \
+            --out "$OUT/$1.json" --build-dir /tmp/coopt-decode
+        [ "$1" = fold-b1 ] && step 120 pytest-fold python -m pytest -q -p no:cacheprovider \
+            tests/templates/test_decode_attention_kv_write.py tests/passes/test_fuse_kv_write_attention.py
         ;;
     pdl-kinds-b32)  # issue 3: b32 / 2048 profiled with PDL off, for the GEMVs (and their norm row kernels) only, off again
         # (session 12: COOPT_PDL=gemv replayed 1775.6 us against bench/decode.py's 1789 with PDL off, not in one process;

@@ -116,9 +116,11 @@ def _weight_root(value: SSAValue) -> WeightOp | None:
     value = _source(value)
     while not isinstance(value.owner, WeightOp):
         op = value.owner
-        if isinstance(op, KernelOp) and op.family_attrs.get("inplace"):
-            # an in-place region's result i is its input inplace[i] after the write (a kv_write)
-            value = _source(op.inputs[op.family_attrs["inplace"][value.index]])
+        inplace = op.family_attrs.get("inplace") if isinstance(op, KernelOp) else None
+        if inplace and value.index < len(inplace):
+            # an in-place region's result i is its input inplace[i] after the write (a kv_write;
+            # a decode attention with the write folded in returns its output after them)
+            value = _source(op.inputs[inplace[value.index]])
             continue
         if not (isinstance(op, StateUpdateOp) or _call_target(op) in _VIEW_OF) or not op.inputs:
             return None

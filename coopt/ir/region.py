@@ -191,3 +191,10 @@ class RegionSummary:
     def key(self) -> str:
         """Stable text key (for caches): the summary as canonical JSON."""
         return json.dumps(self.to_json(), sort_keys=True)
+
+
+def kv_write_inputs(region: RegionSummary) -> int | None:
+    """Index of the positions of the cache write a decode_attention region has folded in
+    (attrs "kv_write", from fuse-kv-write-attention; k_new, v_new and K's cos, sin follow), else None."""
+    folded = region.attrs.get("kv_write") if region.family == "decode_attention" else None
+    return folded["positions_input"] if isinstance(folded, dict) else None

@@ -20,6 +20,7 @@ _BUILTIN = {
     "fuse-norm-residual": "coopt.passes.fuse_norm_residual:FuseNormResidual",
     "fuse-attention": "coopt.passes.fuse_attention:FuseAttention",
     "fuse-kv-write": "coopt.passes.fuse_kv_write:FuseKvWrite",
+    "fuse-kv-write-attention": "coopt.passes.fuse_kv_write_attention:FuseKvWriteAttention",
     "fuse-rope": "coopt.passes.fuse_rope:FuseRope",
     "fuse-linear-epilogue": "coopt.passes.fuse_linear_epilogue:FuseLinearEpilogue",
     "fuse-elementwise": "coopt.passes.fuse_elementwise:FuseElementwise",
@@ -36,6 +37,10 @@ _BUILTIN = {
 # KV-cache writes take K's rope into their region before fuse-rope gives every remaining rope a
 # region of its own.
 DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-decode-gemv,fuse-norm-residual,fuse-attention,fuse-kv-write,fuse-rope,fuse-linear-epilogue,fuse-elementwise"
+# The default with fuse-kv-write-attention after fuse-kv-write (the write folded into the decode
+# attention): CPU-verified, not yet timed on a GPU, so not the default yet (bench/decode.py mode
+# coopt-fold measures it)
+FOLDED_KV_WRITE_PIPELINE = DEFAULT_PIPELINE.replace("fuse-kv-write,", "fuse-kv-write,fuse-kv-write-attention,")
 
 
 def _load(ref: str):

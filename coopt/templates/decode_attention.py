@@ -36,6 +36,15 @@ rotary embedding and two inputs cos, sin (broadcastable to q, in q's dtype) foll
 page table, before any scales; the kernel rotates q as it loads it (rotate-half form, fp32,
 rounded to q's dtype for tl.dot), so the step has no rope kernel for q.
 
+The step's cache write folded in (attrs "kv_write": {"positions_input": i, "rope": bool}, from
+fuse-kv-write-attention): unpaged caches in q's dtype; inputs i, i + 1, i + 2 are positions [1]
+(one for every sequence), k_new and v_new [B, Hkv, 1, D], then with "rope" K's cos and sin
+(broadcastable to k_new) at "rope_tables_input": i + 3, or 4 where they are the query's; outputs the two caches written in place (attrs "inplace" [1, 2]) and
+then the attention's output. The region is index_put_ of rope(k_new) / v_new at the position,
+then the attention over the written caches: the kernel's last split writes the row, and every split
+takes that row from registers where its tile holds the position (its load may predate the
+write). One launch and one round trip through memory a layer less than kv_write then attention.
+
 Kernel (flash-decoding's two stages in one launch):
     split    grid (B * Hkv, SPLIT_KV): one program per (sequence, kv head, split). Its rows are
              the H // Hkv query heads sharing that kv head (GQA packing: each K/V block is read
@@ -120,7 +129,7 @@ from __future__ import annotations
 
 import math
 
-from coopt.ir.region import DTYPE_BYTES, RegionSummary
+from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs
 from coopt.targets import Target
 from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE, kv_cache_problem, kv_scale, page_size, paged_problem, paged_schema_ok
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
@@ -179,6 +188,13 @@ def scales_at(region: RegionSummary) -> int:
     return 4 + (page_size(region) is not None) + 2 * bool(region.attrs.get("rope"))
 
 
+def kv_write_rope(region: RegionSummary) -> int | None:
+    """Index of K's cos (sin follows) when the folded write rotates K: after v_new, or the
+    query's own tables (4) when they are the same values; else None."""
+    folded = region.attrs.get("kv_write")
+    return folded.get("rope_tables_input") if isinstance(folded, dict) and folded.get("rope") else None
+
+
 def kv_bytes_read(region: RegionSummary, lengths) -> int:
     """Bytes the kernel must read from the caches for these valid lengths: K and V rows (1 byte
     an element in fp8), and with per-token scales one fp32 K and one V scale per row."""
@@ -208,11 +224,16 @@ class DecodeAttentionFamily(TemplateFamily):
 
     def matches(self, region: RegionSummary) -> bool:
         first_scale = scales_at(region)
-        if (region.family != self.name or len(region.inputs) not in (first_scale, first_scale + 2)
-                or len(region.outputs) != 1):
+        written = kv_write_inputs(region)
+        if written:  # the step's cache write folded in: its inputs last, the written caches first out
+            if not self._kv_write_ok(region):
+                return False
+        elif len(region.inputs) not in (first_scale, first_scale + 2) or len(region.outputs) != 1:
+            return False
+        if region.family != self.name:
             return False
         q, k, v, lengths = region.inputs[:4]
-        if any(len(s.shape) != 4 for s in (q, k, v, region.outputs[0])) or len(lengths.shape) != 1:
+        if any(len(s.shape) != 4 for s in (q, k, v, region.outputs[-1])) or len(lengths.shape) != 1:
             return False
         head_dim = q.shape[3]
         heads, kv_heads = region.attrs.get("num_heads"), region.attrs.get("num_kv_heads")
@@ -223,9 +244,9 @@ class DecodeAttentionFamily(TemplateFamily):
             and k.shape[3] == v.shape[3] == head_dim
             and isinstance(heads, int) and isinstance(kv_heads, int)
             and kv_heads >= 1 and heads % kv_heads == 0
-            and all(s.dtype in _TL_DTYPE for s in (q, region.outputs[0]))
+            and all(s.dtype in _TL_DTYPE for s in (q, region.outputs[-1]))
             # k, v in q's dtype, or an fp8 cache with its scales (inputs 4, 5; 5, 6 when paged)
-            and kv_cache_problem(region, first_scale) is None
+            and (written is not None or kv_cache_problem(region, first_scale) is None)  # (_kv_write_ok checked it)
             and (rope_at(region) is None or self._rope_ok(region))
             and (page_size(region) is None or paged_schema_ok(region))
             and q.shape[1] == heads and k.shape[1] == kv_heads
@@ -234,6 +255,34 @@ class DecodeAttentionFamily(TemplateFamily):
             and region.attrs.get("lengths_input") == 3
             and list(region.attrs.get("lengths_bound") or ()) == [1, 2]
         )
+
+    @staticmethod
+    def _kv_write_ok(region: RegionSummary) -> bool:
+        """The folded write (fuse-kv-write-attention): unpaged caches in q's dtype (no fp8), one
+        position for all sequences, k_new / v_new [B, Hkv, 1, D] in the caches' dtype, K's rotary
+        tables broadcastable to k_new; outputs the two caches written in place, then the output."""
+        at = kv_write_inputs(region)
+        q, k, v = region.inputs[:3]
+        tables = kv_write_rope(region)
+        own_tables = tables is not None and tables == at + 3
+        if (page_size(region) is not None or kv_scale(region) is not None or at != scales_at(region)
+                or len(region.inputs) != at + 3 + 2 * own_tables or len(region.outputs) != 3
+                or list(region.attrs.get("inplace") or ()) != [1, 2]
+                or (region.attrs["kv_write"].get("rope") and tables not in (at + 3, rope_at(region)))):
+            return False
+        positions, k_new, v_new = region.inputs[at:at + 3]
+        if list(positions.shape) != [1] or positions.dtype not in ("int32", "int64"):
+            return False
+        if any(len(t.shape) != 4 or t.dtype != k.dtype or tuple(t.shape[1:]) != (k.shape[1], 1, k.shape[3])
+               for t in (k_new, v_new)):
+            return False
+        if k.dtype != q.dtype or v.dtype != k.dtype or [o.dtype for o in region.outputs[:2]] != [k.dtype, v.dtype]:
+            return False
+        for table in (region.inputs[tables:tables + 2] if tables is not None else ()):
+            if len(table.shape) > 4 or table.dtype != k.dtype or any(
+                    d != 1 and d != full for d, full in zip(list(table.shape)[::-1], list(k_new.shape)[::-1])):
+                return False
+        return True
 
     @staticmethod
     def _rope_ok(region: RegionSummary) -> bool:
@@ -262,7 +311,8 @@ class DecodeAttentionFamily(TemplateFamily):
         return space
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        problem = kv_cache_problem(region, scales_at(region)) or paged_problem(region)
+        folded = kv_write_inputs(region) is not None  # a bf16 / fp32 unpaged cache (_kv_write_ok)
+        problem = (None if folded else kv_cache_problem(region, scales_at(region))) or paged_problem(region)
         if problem is not None:
             return problem
         space = self.param_space(region, target)
@@ -341,6 +391,9 @@ class DecodeAttentionFamily(TemplateFamily):
             # (e4m3 is exact in bf16 / fp16), fp32 for multiply and sum
             tile_tl_dtype=("tl.float16" if params.get("TILE_FP16") else _TL_DTYPE[region.inputs[0].dtype])
             if params["USE_DOT"] else "tl.float32",
-            out_tl_dtype=_TL_DTYPE[region.outputs[0].dtype],
-            out_torch_dtype=_TORCH_DTYPE[region.outputs[0].dtype],
+            out_tl_dtype=_TL_DTYPE[region.outputs[-1].dtype],
+            out_torch_dtype=_TORCH_DTYPE[region.outputs[-1].dtype],
+            kv_write=kv_write_inputs(region) is not None,
+            kv_rope=kv_write_rope(region) is not None,
+            kv_own_tables=kv_write_rope(region) is not None and kv_write_rope(region) == kv_write_inputs(region) + 3,
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from coopt.ir.region import DTYPE_BYTES, RegionSummary
+from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs
 
 # Rotation: at most this many input sets, and together at most this many bytes. do_bench already
 # flushes L2 between runs on a GPU, so rotation is a second line of defence, not worth GBs.
@@ -85,6 +85,11 @@ def make_inputs(region: RegionSummary, dims: dict[str, int], *, device: str = "c
             else:
                 length = region.attrs.get("example_length", bound)
                 tensor = torch.full(shape, length, dtype=dtype, device=device)
+        elif index == kv_write_inputs(region):
+            # the write folded into a decode attention: the step's position, the last key it attends
+            source, dim = region.attrs["lengths_bound"]
+            length = region.attrs.get("example_length", region.inputs[source].concrete(dims)[dim])
+            tensor = torch.full(shape, length - 1, dtype=dtype, device=device)
         elif region.family == "kv_write" and index == 2:
             # a step's cache positions: distinct and inside the cache (a prompt written from 0)
             tensor = (torch.arange(shape[0], device=device) % region.inputs[0].concrete(dims)[2]).to(dtype)
@@ -105,3 +110,4 @@ def make_input_sets(
 ) -> list[list]:
     """`n_sets` independent input sets (seeds seed, seed+1, ...) for rotation between timed runs."""
     return [make_inputs(region, dims, device=device, seed=seed + i) for i in range(n_sets)]
+

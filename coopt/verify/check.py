@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from coopt.ir.region import RegionSummary
+from coopt.ir.region import RegionSummary, kv_write_inputs
 from coopt.runtime.kernel_loader import load_module_from_file
 from coopt.verify.strategies import Example, distinct_written_pages, make_inputs
 from coopt.verify.tolerances import FAMILY_SLACK, compare
@@ -83,24 +83,27 @@ def run_upcast(reference: ModuleType, inputs: list[torch.Tensor], keep=frozenset
 
 
 def cache_write_inputs(region: RegionSummary, inputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
-    """A kv_write region's positions (input 2) as a real step has them: distinct cache
+    """A kv_write region's positions (input 2; a decode attention's with the write folded in:
+    attrs kv_write's positions_input) as a real step has them: distinct cache
     positions in [0, S_max), drawn from `seed` (random small integers could repeat a position,
     whose write order is unspecified, or leave the cache). A paged write's S_max is what its page
     table addresses (max_pages x P: positions cross pages), and every entry it then writes through
     gets a page of its own (`distinct_written_pages`). Other regions' inputs are returned as they
     are."""
-    if region.family != "kv_write" or len(inputs) < 3:
+    at = 2 if region.family == "kv_write" else kv_write_inputs(region)
+    if at is None or len(inputs) <= at:
         return inputs
     size, table_at = region.attrs.get("page_size"), region.attrs.get("page_table_input")
     paged = bool(size) and table_at is not None
-    positions, s_max = inputs[2], inputs[table_at].shape[1] * size if paged else inputs[0].shape[2]
+    cache = inputs[region.attrs["inplace"][0]]
+    positions, s_max = inputs[at], inputs[table_at].shape[1] * size if paged else cache.shape[2]
     count = positions.numel()
     generator = torch.Generator().manual_seed(seed)
     drawn = torch.randperm(s_max, generator=generator)[:count] if count <= s_max else torch.arange(count) % s_max
-    inputs = [*inputs[:2], drawn.to(positions.dtype).to(positions.device).reshape(positions.shape), *inputs[3:]]
+    inputs = [*inputs[:at], drawn.to(positions.dtype).to(positions.device).reshape(positions.shape), *inputs[at + 1:]]
     if paged:
         pages = inputs[region.attrs.get("pool_input", 0)].shape[0]
-        table = distinct_written_pages(inputs[table_at].cpu(), inputs[2].cpu(), size, pages, seed,
+        table = distinct_written_pages(inputs[table_at].cpu(), inputs[at].cpu(), size, pages, seed,
                                        per_row=region.attrs.get("positions") == "per-row")
         inputs[table_at] = table.to(inputs[table_at].dtype).to(inputs[table_at].device)
     return inputs

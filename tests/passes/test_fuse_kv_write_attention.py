@@ -1,0 +1,116 @@
+"""fuse-kv-write-attention: a decode step's kv_write region and the decode attention reading the
+caches it wrote become one decode_attention region (the write folded in); the built step still
+matches eager, caches included; what it cannot take is left alone and counted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_decode_attention_raise import DecodeStep, RopedDecodeStep, TwoLayerDecodeStep, inputs, rotate_half
+
+import coopt
+from coopt.passes.registry import FOLDED_KV_WRITE_PIPELINE as FOLD
+from pass_helpers import kernels, run_pipeline
+
+
+class RopedKeyStep(RopedDecodeStep):
+    """K rotated before its cache write too, as a Llama layer does (q's rope inside the attention)."""
+
+    def forward(self, q, k, v, input_pos):
+        cos, sin = self.cos[input_pos], self.sin[input_pos]
+        return super().forward(q, k * cos + rotate_half(k) * sin, v, input_pos)
+
+
+class SharedTablesStep(DecodeStep):
+    """q and K rotated by the same gathered cos, sin (one gather, as the Llama model does)."""
+
+    def __init__(self):
+        super().__init__()
+        angles = torch.arange(32)[:, None] * torch.rand(16, generator=torch.Generator().manual_seed(2))
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def forward(self, q, k, v, input_pos):
+        cos, sin = self.cos[input_pos], self.sin[input_pos]
+        rope = lambda x: x * cos + rotate_half(x) * sin  # noqa: E731
+        return super().forward(rope(q), rope(k), v, input_pos)
+
+
+def families(module) -> list[str]:
+    return [k.family.data for k in kernels(module)]
+
+
+def test_the_write_and_the_attention_become_one_region():
+    module, counters = run_pipeline(RopedKeyStep(), inputs(5), FOLD)
+    assert counters["fuse.kv_write_attention"] == 1 and "kv_write" not in families(module)
+    (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    attrs = region.family_attrs
+    assert attrs["kv_write"] == {"positions_input": 6, "rope": True, "rope_tables_input": 9} and attrs["inplace"] == [1, 2]
+    assert attrs["rope"] is True  # q's rope stays inside too
+    # inputs: q, the caches before the write, lengths, q's cos and sin, then the write's own
+    assert [str(v.type.get_shape()) for v in region.inputs[6:9]] == ["(1,)", "(1, 2, 1, 16)", "(1, 2, 1, 16)"]
+    assert len(region.inputs) == 11 and len(region.results) == 3
+    # without the pass the two regions stay apart
+    module, counters = run_pipeline(RopedKeyStep(), inputs(5))
+    assert "kv_write" in families(module) and not counters["fuse.kv_write_attention"]
+
+
+def test_k_and_q_sharing_their_tables_pass_them_once():
+    module, counters = run_pipeline(SharedTablesStep(), inputs(5), FOLD)
+    (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert counters["fuse.kv_write_attention"] == 1
+    assert region.family_attrs["kv_write"]["rope_tables_input"] == 4 and len(region.inputs) == 9
+    assert len(set(region.inputs)) == len(region.inputs)  # no value twice
+
+
+def test_a_write_without_k_rope_folds_too():
+    module, counters = run_pipeline(DecodeStep(), inputs(5), FOLD)
+    (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert counters["fuse.kv_write_attention"] == 1 and region.family_attrs["kv_write"]["rope"] is False
+    assert len(region.inputs) == 7  # q, k, v, lengths, positions, k, v
+
+
+def test_each_layer_folds_its_own_write():
+    module, counters = run_pipeline(TwoLayerDecodeStep(), inputs(5), FOLD)
+    assert counters["fuse.kv_write_attention"] == 2 and families(module).count("decode_attention") == 2
+
+
+def test_caches_read_elsewhere_keep_their_kv_write():
+    class AlsoReturnsTheCache(DecodeStep):
+        def forward(self, q, k, v, input_pos):
+            return super().forward(q, k, v, input_pos), self.k_cache.sum(-1)
+
+    module, counters = run_pipeline(AlsoReturnsTheCache(), inputs(5), FOLD)
+    assert counters["fuse.kv_write_attention.skipped.read_elsewhere"] == 1 and "kv_write" in families(module)
+
+
+def test_an_fp8_cache_keeps_its_kv_write():
+    fp8 = FOLD.replace("fuse-attention,", "fp8-kv-cache{granularity=per-token,scale-source=dynamic},fuse-attention,")
+    module, counters = run_pipeline(DecodeStep(), inputs(5), fp8)
+    assert counters["fuse.kv_write_attention.skipped.fp8"] == 1 and "kv_write" in families(module)
+
+
+@pytest.mark.parametrize("step_class", [RopedKeyStep, SharedTablesStep])
+def test_built_folded_steps_match_eager_and_write_the_caches(step_class, tmp_path):
+    """The folded kernel (Triton's interpreter here) writes each step's K / V row as eager does
+    and attends over it: three steps, the last at the cache's end."""
+    torch.manual_seed(0)
+    eager = step_class()
+    out = tmp_path / "out"
+    coopt.Pipeline(FOLD, top_k=1).build(step_class(), inputs(3), out)
+    (attention,) = [r for r in json.loads((out / "selection.json").read_text())["regions"].values()
+                    if r["family"] == "decode_attention"]
+    chosen = next(c for c in attention["candidates"] if c["label"] == attention["selected"])
+    assert chosen["verified"] and chosen["family"] == "decode_attention"  # the kernel, not the reference
+    assert not [r for r in json.loads((out / "selection.json").read_text())["regions"].values()
+                if r["family"] == "kv_write"]
+    built = coopt.load(out)
+    built.w_k_cache.copy_(eager.k_cache)
+    built.w_v_cache.copy_(eager.v_cache)
+    for pos in (3, 4, 31):
+        step = inputs(pos)
+        torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(built.w_k_cache, eager.k_cache, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(built.w_v_cache, eager.v_cache, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,142 @@
+"""decode_attention with the step's cache write folded in (attrs "kv_write", from
+fuse-kv-write-attention): the kernel writes rope(k_new) and v_new at the position, leaves every
+other row alone, and attends over the written cache, whichever split holds the position and
+whether the position is inside a sequence's length or past it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_decode_attention import DEVICE, DTYPES, FAMILY, SMALL, SPLIT, check_close, make_inputs, make_region, reference, run_candidate
+from test_decode_attention_rope import rope_tables, rotated, with_rope
+
+from coopt.ir.region import RegionSummary, TensorSpec
+from coopt.targets import H200
+
+
+def folded(region: RegionSummary, k_rope: bool = True, positions: int = 1, shared_tables: bool = False) -> RegionSummary:
+    """`region` (with q's rope) taking the write's positions, k_new, v_new (and K's cos, sin,
+    unless it shares the query's) last, returning the two caches before its output."""
+    q, k, v = region.inputs[:3]
+    batch, kv_heads, _, head_dim = k.shape
+    new = TensorSpec((batch, kv_heads, 1, head_dim), k.dtype)
+    tables = (TensorSpec((1, head_dim), k.dtype),) * 2 if k_rope and not shared_tables else ()
+    at = len(region.inputs)
+    inputs = (*region.inputs, TensorSpec((positions,), "int64"), new, new, *tables)
+    write = {"positions_input": at, "rope": k_rope}
+    if k_rope:
+        write["rope_tables_input"] = 4 if shared_tables else at + 3
+    attrs = {**region.attrs, "kv_write": write, "inplace": [1, 2]}
+    return dataclasses.replace(region, inputs=inputs, outputs=(k, v, *region.outputs), attrs=attrs)
+
+
+def write_inputs(batch, kv_heads, head_dim, dtype, seed=5):
+    """k_new, v_new [B, Hkv, 1, D] as transposed views of a projection's [B, 1, Hkv, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 1, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE).transpose(1, 2)
+            for _ in "kv"]
+
+
+CASES = {
+    # the decode step: every sequence attends up to and including the new row
+    "lengths = position + 1": (45, [46, 46, 46]),
+    # the new row inside one sequence's keys, past another's, the last key of the third
+    "mixed lengths": (32, [80, 17, 33]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("params", [SMALL, SPLIT], ids=["one-split-fma", "four-splits-dot"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kernel_writes_the_row_and_attends_to_it(case, params, dtype, load_candidate):
+    position, lengths = CASES[case]
+    base = with_rope(make_region(3, 4, 2, 80, 64, dtype), (1, 64))
+    region = folded(base)
+    q, k, v, lengths_t = make_inputs(make_region(3, 4, 2, 80, 64, dtype), lengths)
+    cos, sin = rope_tables((1, 64), DTYPES[dtype])
+    k_cos, k_sin = rope_tables((1, 64), DTYPES[dtype], seed=2)
+    k_new, v_new = write_inputs(3, 2, 64, DTYPES[dtype])
+    k_expected, v_expected = k.clone(), v.clone()
+    k_expected[:, :, position] = rotated(k_new.float(), k_cos.float(), k_sin.float())[:, :, 0].to(k.dtype)
+    v_expected[:, :, position] = v_new[:, :, 0]
+    # the row's old contents must reach nothing: NaN there
+    k[:, :, position], v[:, :, position] = float("nan"), float("nan")
+    positions = torch.tensor([position], device=DEVICE)
+    k_out, v_out, out = run_candidate(load_candidate, region, params,
+                                      [q, k, v, lengths_t, cos, sin, positions, k_new, v_new, k_cos, k_sin])
+    assert k_out.data_ptr() == k.data_ptr() and v_out.data_ptr() == v.data_ptr()  # written in place
+    # the new K row: the rope in fp32 then rounded once to the cache's dtype (a bf16 ulp at most
+    # apart, from where the fp32 products are fused)
+    ulp = 1e-5 if dtype == "float32" else 8e-3
+    torch.testing.assert_close(k_out.float(), k_expected.float(), rtol=ulp, atol=ulp)
+    torch.testing.assert_close(v_out, v_expected, rtol=0, atol=0)
+    others = torch.arange(80, device=DEVICE) != position
+    torch.testing.assert_close(k_out[:, :, others], k_expected[:, :, others], rtol=0, atol=0)
+    check_close(out, reference(base, rotated(q, cos, sin), k_expected, v_expected, lengths_t))
+
+
+def test_k_rotated_by_the_querys_tables(load_candidate):
+    """The model gathers cos, sin once for q and k: the region takes them once (two inputs of one
+    value would be drawn apart by verification), and the kernel rotates K by them."""
+    base = with_rope(make_region(2, 8, 2, 64, 64, "float32"), (1, 64))
+    region = folded(base, shared_tables=True)
+    assert len(region.inputs) == 9 and FAMILY.matches(region)
+    q, k, v, lengths = make_inputs(make_region(2, 8, 2, 64, 64, "float32"), [30, 64])
+    cos, sin = rope_tables((1, 64), torch.float32)
+    k_new, v_new = write_inputs(2, 2, 64, torch.float32)
+    k_out, _, out = run_candidate(load_candidate, region, SPLIT,
+                                  [q, k.clone(), v.clone(), lengths, cos, sin, torch.tensor([29], device=DEVICE), k_new, v_new])
+    k[:, :, 29], v[:, :, 29] = rotated(k_new, cos, sin)[:, :, 0], v_new[:, :, 0]
+    torch.testing.assert_close(k_out, k, rtol=1e-5, atol=1e-5)
+    check_close(out, reference(base, rotated(q, cos, sin), k, v, lengths))
+
+
+def test_a_write_without_k_rope(load_candidate):
+    base = with_rope(make_region(2, 8, 2, 64, 64, "float32"), (1, 64))
+    region = folded(base, k_rope=False)
+    q, k, v, lengths = make_inputs(make_region(2, 8, 2, 64, 64, "float32"), [21, 21])
+    cos, sin = rope_tables((1, 64), torch.float32)
+    k_new, v_new = write_inputs(2, 2, 64, torch.float32)
+    _, _, out = run_candidate(load_candidate, region, SPLIT,
+                              [q, k.clone(), v.clone(), lengths, cos, sin, torch.tensor([20], device=DEVICE), k_new, v_new])
+    k[:, :, 20], v[:, :, 20] = k_new[:, :, 0], v_new[:, :, 0]
+    check_close(out, reference(base, rotated(q, cos, sin), k, v, lengths))
+
+
+def test_matches_only_the_plain_folded_form():
+    base = with_rope(make_region(2, 8, 2, 64, 64, "bfloat16"), (1, 64))
+    region = folded(base)
+    assert FAMILY.matches(region) and FAMILY.check(region, SPLIT, H200) is None
+    assert "is_new = keys == new_pos" in FAMILY.render(region, SPLIT)
+    assert not FAMILY.matches(folded(base, positions=2))  # one position per sequence: not this form
+    assert not FAMILY.matches(dataclasses.replace(region, outputs=region.outputs[2:]))  # the caches not returned
+    no_inplace = {k: v for k, v in region.attrs.items() if k != "inplace"}
+    assert not FAMILY.matches(dataclasses.replace(region, attrs=no_inplace))
+
+
+def test_golden_rendering(golden):
+    region = folded(with_rope(make_region(1, 32, 8, 4096, 128, "bfloat16"), (1, 128)))
+    golden("decode_attention_kv_write.py", FAMILY.render(region, {**SPLIT, "BLOCK_N": 128, "SPLIT_KV": 16}))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_folded_kernels_compile_for_hopper(tmp_path):
+    # Llama-3-8B's decode step (32 heads over 8 kv heads, D 128) at the advisor's split points:
+    # the folded write must not stop the K/V loads from pipelining
+    from template_helpers import compile_for_hopper
+
+    base = make_region(2, 32, 8, "S", 128, "bfloat16", dims={"S": (1, 8192)})
+    region = folded(with_rope(base, (1, 128)))
+    q, k, v, lengths = make_inputs(base, [256, 100], {"S": 256})
+    cos, sin = rope_tables((1, 128), torch.bfloat16)
+    k_new, v_new = write_inputs(2, 8, 128, torch.bfloat16)
+    inputs = [q, k, v, lengths, cos, sin, torch.tensor([99], device=DEVICE), k_new, v_new, cos, sin]
+    points = {"split16": {"BLOCK_N": 128, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 4, "num_stages": 2},
+              "fma": {"BLOCK_N": 32, "SPLIT_KV": 1, "USE_DOT": False, "num_warps": 4, "num_stages": 2}}
+    compiled = compile_for_hopper([(label, FAMILY.render(region, params), inputs) for label, params in points.items()],
+                                  tmp_path)
+    for label in points:
+        (kernel,) = compiled[label].values()
+        assert kernel["pdl"] and kernel["pipelined"], label
