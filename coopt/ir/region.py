@@ -66,6 +66,12 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     up to max_pages * P). attention with lengths (a prompt over the cache) takes the same paged
     form: q [B, H, T, D], pools, lengths [T], page_table, [k_scale, v_scale].
 
+    The step's cache write folded in (fuse-kv-write-attention; unpaged, not fp8): attrs add
+    "kv_write": {"positions_input": i, "rope": bool[, "rope_tables_input": j]} and "inplace":
+    [1, 2]; inputs i, i + 1, i + 2 are positions [1], k_new, v_new [B, Hkv, 1, D] (K's cos, sin
+    at j: i + 3, or 4 where the query's serve); outputs k_cache and v_cache after
+    cache[:, :, positions] = rope(k_new) / v_new, then the attention over them.
+
 kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quantization)
     attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",
              "inplace": [input indices written in place]}

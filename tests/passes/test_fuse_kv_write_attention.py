@@ -114,3 +114,6 @@ def test_built_folded_steps_match_eager_and_write_the_caches(step_class, tmp_pat
         torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(built.w_k_cache, eager.k_cache, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(built.w_v_cache, eager.v_cache, rtol=1e-5, atol=1e-5)
+    # the write's bounds still come from the state_update in the folded body: refused at call time
+    with pytest.raises(ValueError, match=r"holds 32, outside \[0, 32\).*'k_cache'"):
+        built.check_call(*inputs(32))
