@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
-from test_decode_attention_raise import DecodeStep, RopedDecodeStep, TwoLayerDecodeStep, inputs, rotate_half
+from test_decode_attention_raise import (DecodeStep, RopedDecodeStep, TwoLayerDecodeStep, build_and_compare, inputs,
+                                         rotate_half)
 
-import coopt
 from coopt.passes.registry import FOLDED_KV_WRITE_PIPELINE as FOLD
 from pass_helpers import kernels, run_pipeline
 
@@ -96,24 +96,13 @@ def test_an_fp8_cache_keeps_its_kv_write():
 def test_built_folded_steps_match_eager_and_write_the_caches(step_class, tmp_path):
     """The folded kernel (Triton's interpreter here) writes each step's K / V row as eager does
     and attends over it: three steps, the last at the cache's end."""
-    torch.manual_seed(0)
-    eager = step_class()
     out = tmp_path / "out"
-    coopt.Pipeline(FOLD, top_k=1).build(step_class(), inputs(3), out)
-    (attention,) = [r for r in json.loads((out / "selection.json").read_text())["regions"].values()
-                    if r["family"] == "decode_attention"]
+    built = build_and_compare(step_class, out, FOLD)
+    regions = json.loads((out / "selection.json").read_text())["regions"].values()
+    (attention,) = [r for r in regions if r["family"] == "decode_attention"]
     chosen = next(c for c in attention["candidates"] if c["label"] == attention["selected"])
     assert chosen["verified"] and chosen["family"] == "decode_attention"  # the kernel, not the reference
-    assert not [r for r in json.loads((out / "selection.json").read_text())["regions"].values()
-                if r["family"] == "kv_write"]
-    built = coopt.load(out)
-    built.w_k_cache.copy_(eager.k_cache)
-    built.w_v_cache.copy_(eager.v_cache)
-    for pos in (3, 4, 31):
-        step = inputs(pos)
-        torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(built.w_k_cache, eager.k_cache, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(built.w_v_cache, eager.v_cache, rtol=1e-5, atol=1e-5)
+    assert not [r for r in regions if r["family"] == "kv_write"]
     # the write's bounds still come from the state_update in the folded body: refused at call time
     with pytest.raises(ValueError, match=r"holds 32, outside \[0, 32\).*'k_cache'"):
         built.check_call(*inputs(32))
