@@ -11,6 +11,7 @@ import torch
 from test_decode_attention_raise import (DecodeStep, RopedDecodeStep, TwoLayerDecodeStep, build_and_compare, inputs,
                                          rotate_half)
 
+import coopt
 from coopt.passes.registry import FOLDED_KV_WRITE_PIPELINE as FOLD
 from pass_helpers import kernels, run_pipeline
 
@@ -36,6 +37,16 @@ class SharedTablesStep(DecodeStep):
         cos, sin = self.cos[input_pos], self.sin[input_pos]
         rope = lambda x: x * cos + rotate_half(x) * sin  # noqa: E731
         return super().forward(rope(q), rope(k), v, input_pos)
+
+
+def assert_folded_kernel_selected(out):
+    """The build's one decode attention runs on its verified kernel (not the reference), and no
+    kv_write region is left."""
+    regions = json.loads((out / "selection.json").read_text())["regions"].values()
+    (attention,) = [r for r in regions if r["family"] == "decode_attention"]
+    chosen = next(c for c in attention["candidates"] if c["label"] == attention["selected"])
+    assert chosen["verified"] and chosen["family"] == "decode_attention"
+    assert not [r for r in regions if r["family"] == "kv_write"]
 
 
 def families(module) -> list[str]:
@@ -98,11 +109,50 @@ def test_built_folded_steps_match_eager_and_write_the_caches(step_class, tmp_pat
     and attends over it: three steps, the last at the cache's end."""
     out = tmp_path / "out"
     built = build_and_compare(step_class, out, FOLD)
-    regions = json.loads((out / "selection.json").read_text())["regions"].values()
-    (attention,) = [r for r in regions if r["family"] == "decode_attention"]
-    chosen = next(c for c in attention["candidates"] if c["label"] == attention["selected"])
-    assert chosen["verified"] and chosen["family"] == "decode_attention"  # the kernel, not the reference
-    assert not [r for r in regions if r["family"] == "kv_write"]
+    assert_folded_kernel_selected(out)
     # the write's bounds still come from the state_update in the folded body: refused at call time
     with pytest.raises(ValueError, match=r"holds 32, outside \[0, 32\).*'k_cache'"):
         built.check_call(*inputs(32))
+
+
+class BatchViewStep(torch.nn.Module):
+    """2 sequences over a cache of 3: writes and attention through cache[:2], the batch views the
+    fold takes inside the region (the kernel indexes the whole cache's first rows)."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(4)
+        self.register_buffer("k_cache", torch.randn(3, 2, 32, 16, generator=gen))
+        self.register_buffer("v_cache", torch.randn(3, 2, 32, 16, generator=gen))
+        self.register_buffer("cache_positions", torch.arange(32))
+
+    def forward(self, q, k, v, input_pos):
+        b = q.shape[0]
+        self.k_cache[:b, :, input_pos] = k
+        self.v_cache[:b, :, input_pos] = v
+        mask = self.cache_positions[None, :] <= input_pos[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, self.k_cache[:b], self.v_cache[:b], attn_mask=mask, enable_gqa=True)
+
+
+def batch_inputs(pos: int):
+    gen = torch.Generator().manual_seed(pos)
+    return (torch.randn(2, 4, 1, 16, generator=gen), torch.randn(2, 2, 1, 16, generator=gen),
+            torch.randn(2, 2, 1, 16, generator=gen), torch.tensor([pos]))
+
+
+def test_a_batch_view_of_a_larger_cache_folds(tmp_path):
+    module, counters = run_pipeline(BatchViewStep(), batch_inputs(5), FOLD)
+    (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert counters["fuse.kv_write_attention"] == 1 and counters["fuse.kv_write.batch_view"] == 1
+    assert region.inputs[1].type.get_shape()[0] == 3 and region.inputs[0].type.get_shape()[0] == 2
+    eager, out = BatchViewStep(), tmp_path / "out"
+    coopt.Pipeline(FOLD, top_k=1).build(BatchViewStep(), batch_inputs(5), out)
+    assert_folded_kernel_selected(out)
+    built = coopt.load(out)
+    for pos in (6, 7, 31):
+        step = batch_inputs(pos)
+        torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
+        # rows 0 and 1 written, row 2 (no sequence this step) untouched
+        torch.testing.assert_close(built.w_k_cache, eager.k_cache, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(built.w_v_cache, eager.v_cache, rtol=1e-5, atol=1e-5)
