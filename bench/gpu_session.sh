@@ -183,8 +183,10 @@ case "${1:-}" in
         case=$([ "$1" = fold-b1 ] && echo 1:2048:4096 || echo 32:2048:4096)
         step 420 "$1" python bench/decode.py --cases "$case" --modes coopt,coopt-fold --prefill 0 --agreement-steps 16 \
             --out "$OUT/$1.json" --build-dir /tmp/coopt-decode
-        [ "$1" = fold-b1 ] && step 120 pytest-fold python -m pytest -q -p no:cacheprovider \
-            tests/templates/test_decode_attention_kv_write.py tests/passes/test_fuse_kv_write_attention.py
+        if [ "$1" = fold-b1 ]; then
+            step 120 pytest-fold python -m pytest -q -p no:cacheprovider \
+                tests/templates/test_decode_attention_kv_write.py tests/passes/test_fuse_kv_write_attention.py
+        fi
         ;;
     pdl-kinds-b32)  # issue 3: b32 / 2048 profiled with PDL off, for the GEMVs (and their norm row kernels) only, off again
         # (session 12: COOPT_PDL=gemv replayed 1775.6 us against bench/decode.py's 1789 with PDL off, not in one process;

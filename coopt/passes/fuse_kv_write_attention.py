@@ -68,7 +68,7 @@ def _fold(attention: KernelOp) -> str | None:
         return "no_write"
     write_attrs = write.family_attrs
     if (write_attrs.get("quant", "none") != "none" or write_attrs.get("page_size") or write_attrs.get("positions")
-            or write_attrs.get("k_offset") or write_attrs.get("v_offset") or len(write.results) != 2):
+            or write_attrs.get("k_offset") or write_attrs.get("v_offset")):
         return "write_form"
     views = k_views + v_views
     readers = {*views, attention}

@@ -225,7 +225,7 @@ class DecodeAttentionFamily(TemplateFamily):
     def matches(self, region: RegionSummary) -> bool:
         first_scale = scales_at(region)
         written = kv_write_inputs(region)
-        if written:  # the step's cache write folded in: its inputs last, the written caches first out
+        if written is not None:  # the step's cache write folded in: its inputs last, the written caches first out
             if not self._kv_write_ok(region):
                 return False
         elif len(region.inputs) not in (first_scale, first_scale + 2) or len(region.outputs) != 1:
@@ -365,6 +365,7 @@ class DecodeAttentionFamily(TemplateFamily):
 
     # -- rendering -------------------------------------------------------------------------
     def render(self, region: RegionSummary, params: dict) -> str:
+        written, k_tables = kv_write_inputs(region), kv_write_rope(region)
         head_dim = region.inputs[0].shape[3]
         scale = region.attrs.get("scale")
         block_d, group_p = self._block_d(region), next_pow2(self._group(region))
@@ -393,7 +394,7 @@ class DecodeAttentionFamily(TemplateFamily):
             if params["USE_DOT"] else "tl.float32",
             out_tl_dtype=_TL_DTYPE[region.outputs[-1].dtype],
             out_torch_dtype=_TORCH_DTYPE[region.outputs[-1].dtype],
-            kv_write=kv_write_inputs(region) is not None,
-            kv_rope=kv_write_rope(region) is not None,
-            kv_own_tables=kv_write_rope(region) is not None and kv_write_rope(region) == kv_write_inputs(region) + 3,
+            kv_write=written is not None,
+            kv_rope=k_tables is not None,
+            kv_own_tables=k_tables is not None and k_tables == written + 3,  # else the query's
         )

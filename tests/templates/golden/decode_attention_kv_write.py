@@ -90,11 +90,12 @@ def _decode_split_kernel(
     batch = batch.to(tl.int64)
     q_rows = q_ptr + batch * stride_qb + head[:, None] * stride_qh
     q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)
-    # The query's rotary embedding in registers (rotate-half form, fp32): q*cos + rotate_half(q)*sin,
-    # where rotate_half(q)[d] is -q[d + D/2] for d < D/2 and q[d - D/2] after.
+    # Rotary embeddings in registers (rotate-half form, fp32): x*cos + rotate_half(x)*sin, where
+    # rotate_half(x)[d] is -x[d + D/2] for d < D/2 and x[d - D/2] after.
     half = HEAD_DIM // 2
     partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
     sign = tl.where(offs_d < half, -1.0, 1.0)
+    # the query's
     q_partner = tl.load(q_rows + partner[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)
     cos = tl.load(cos_ptr + batch * stride_cb + head[:, None] * stride_ch + offs_d[None, :] * stride_cd,
                   mask=head_ok[:, None], other=0.0)
@@ -114,14 +115,12 @@ def _decode_split_kernel(
     d_ok = offs_d < HEAD_DIM
     kn_row = knew_ptr + batch * stride_knb + kv_head.to(tl.int64) * stride_knh
     k_new = tl.load(kn_row + offs_d * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
-    k_half = HEAD_DIM // 2
-    k_partner = tl.load(kn_row + tl.where(offs_d < k_half, offs_d + k_half, offs_d - k_half) * stride_knd,
-                        mask=d_ok, other=0.0).to(tl.float32)
+    k_partner = tl.load(kn_row + partner * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
     k_cos = tl.load(kcos_ptr + batch * stride_kcb + kv_head.to(tl.int64) * stride_kch + offs_d * stride_kcd,
                     mask=d_ok, other=0.0).to(tl.float32)
     k_sin = tl.load(ksin_ptr + batch * stride_ksb2 + kv_head.to(tl.int64) * stride_ksh2 + offs_d * stride_ksd2,
                     mask=d_ok, other=0.0).to(tl.float32)
-    k_new = k_new * k_cos + tl.where(offs_d < k_half, -1.0, 1.0) * k_partner * k_sin
+    k_new = k_new * k_cos + sign * k_partner * k_sin
     k_new = k_new.to(k_ptr.dtype.element_ty)
     v_new = tl.load(vnew_ptr + batch * stride_vnb + kv_head.to(tl.int64) * stride_vnh + offs_d * stride_vnd,
                     mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
