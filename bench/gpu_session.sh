@@ -27,6 +27,7 @@
 #   bash bench/gpu_session.sh accuracy-smooth   # the harness: bf16, per-head, smoothed K, smoothed K and V only
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
+#   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (default, folded) profiled kernel by kernel (~6 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt against coopt-fold (kv_write folded into the decode
 #                                        # attention), b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
@@ -187,6 +188,15 @@ case "${1:-}" in
             step 120 pytest-fold python -m pytest -q -p no:cacheprovider \
                 tests/templates/test_decode_attention_kv_write.py tests/passes/test_fuse_kv_write_attention.py
         fi
+        ;;
+    fold-profile-b1)  # issue 3: why the fold timed the same as the default (session 13): both builds profiled kernel by kernel
+        step 300 decode python bench/decode.py --cases 1:2048:4096 --modes coopt,coopt-fold --prefill 0 --agreement-steps 0 \
+            --out "$OUT/fold-decode.json" --build-dir /tmp/coopt-decode
+        for build in b1-pos2048 b1-pos2048-fold; do
+            step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-decode/$build" --batch 1 --out "$OUT/profile_$build.json"
+        done
+        reports reports_fold coopt-decode
+        step 100 pytest-fold python -m pytest -q -p no:cacheprovider tests/passes/test_fuse_kv_write_attention.py -k built
         ;;
     pdl-kinds-b32)  # issue 3: b32 / 2048 profiled with PDL off, for the GEMVs (and their norm row kernels) only, off again
         # (session 12: COOPT_PDL=gemv replayed 1775.6 us against bench/decode.py's 1789 with PDL off, not in one process;

@@ -53,13 +53,14 @@ def build_and_compare(step_class, out, pipeline=DEFAULT_PIPELINE):
     """Build `step_class()` (top-1 advice: the kernels), give it eager's caches, compare steps
     and the caches they wrote; returns the loaded build."""
     torch.manual_seed(0)
-    eager = step_class()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where coopt.load puts the build
+    eager = step_class().to(device)
     coopt.Pipeline(pipeline, top_k=1).build(step_class(), inputs(3), out)
     built = coopt.load(out)
     built.w_k_cache.copy_(eager.k_cache)
     built.w_v_cache.copy_(eager.v_cache)
     for pos in (3, 4, 31):
-        step = inputs(pos)
+        step = [x.to(device) for x in inputs(pos)]
         torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(built.w_k_cache, eager.k_cache, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(built.w_v_cache, eager.v_cache, rtol=1e-5, atol=1e-5)

@@ -40,12 +40,14 @@ class SharedTablesStep(DecodeStep):
 
 
 def assert_folded_kernel_selected(out):
-    """The build's one decode attention runs on its verified kernel (not the reference), and no
-    kv_write region is left."""
-    regions = json.loads((out / "selection.json").read_text())["regions"].values()
+    """The build's one decode attention has a verified kernel, the one it runs unless a GPU
+    measured the reference faster (these steps are tiny), and no kv_write region is left."""
+    selection = json.loads((out / "selection.json").read_text())
+    regions = selection["regions"].values()
     (attention,) = [r for r in regions if r["family"] == "decode_attention"]
-    chosen = next(c for c in attention["candidates"] if c["label"] == attention["selected"])
-    assert chosen["verified"] and chosen["family"] == "decode_attention"
+    (kernel,) = [c for c in attention["candidates"] if c["family"] == "decode_attention"]
+    assert kernel["verified"]
+    assert attention["selected"] == kernel["label"] or selection["measured"]
     assert not [r for r in regions if r["family"] == "kv_write"]
 
 
@@ -112,7 +114,7 @@ def test_built_folded_steps_match_eager_and_write_the_caches(step_class, tmp_pat
     assert_folded_kernel_selected(out)
     # the write's bounds still come from the state_update in the folded body: refused at call time
     with pytest.raises(ValueError, match=r"holds 32, outside \[0, 32\).*'k_cache'"):
-        built.check_call(*inputs(32))
+        built.check_call(*[x.to(built.w_k_cache.device) for x in inputs(32)])
 
 
 class BatchViewStep(torch.nn.Module):
@@ -146,12 +148,13 @@ def test_a_batch_view_of_a_larger_cache_folds(tmp_path):
     (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
     assert counters["fuse.kv_write_attention"] == 1 and counters["fuse.kv_write.batch_view"] == 1
     assert region.inputs[1].type.get_shape()[0] == 3 and region.inputs[0].type.get_shape()[0] == 2
-    eager, out = BatchViewStep(), tmp_path / "out"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where coopt.load puts the build
+    eager, out = BatchViewStep().to(device), tmp_path / "out"
     coopt.Pipeline(FOLD, top_k=1).build(BatchViewStep(), batch_inputs(5), out)
     assert_folded_kernel_selected(out)
     built = coopt.load(out)
     for pos in (6, 7, 31):
-        step = batch_inputs(pos)
+        step = [x.to(device) for x in batch_inputs(pos)]
         torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
         # rows 0 and 1 written, row 2 (no sequence this step) untouched
         torch.testing.assert_close(built.w_k_cache, eager.k_cache, rtol=1e-5, atol=1e-5)
