@@ -190,7 +190,7 @@ case "${1:-}" in
         fi
         ;;
     fold-profile-b1)  # issue 3: why the fold timed the same as the default (session 13): both builds profiled kernel by kernel
-        step 300 decode python bench/decode.py --cases 1:2048:4096 --modes coopt,coopt-fold --prefill 0 --agreement-steps 0 \
+        step 330 decode python bench/decode.py --cases 1:2048:4096 --modes coopt,coopt-fold --prefill 0 --agreement-steps 16 \
             --out "$OUT/fold-decode.json" --build-dir /tmp/coopt-decode
         for build in b1-pos2048 b1-pos2048-fold; do
             step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-decode/$build" --batch 1 --out "$OUT/profile_$build.json"
