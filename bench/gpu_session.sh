@@ -187,6 +187,9 @@ case "${1:-}" in
         if [ "$1" = fold-b1 ]; then
             step 120 pytest-fold python -m pytest -q -p no:cacheprovider \
                 tests/templates/test_decode_attention_kv_write.py tests/passes/test_fuse_kv_write_attention.py
+        else  # the tiny fp32 steps built on the GPU, folded and not (session 13: the folded kernel failed its check there)
+            step 100 pytest-built python -m pytest -q -p no:cacheprovider tests/passes/test_decode_attention_raise.py \
+                tests/passes/test_fuse_kv_write_attention.py -k "built and not batch"
         fi
         ;;
     fold-profile-b1)  # issue 3: why the fold timed the same as the default (session 13): both builds profiled kernel by kernel
