@@ -204,3 +204,18 @@ def kv_write_inputs(region: RegionSummary) -> int | None:
     (attrs "kv_write", from fuse-kv-write-attention; k_new, v_new and K's cos, sin follow), else None."""
     folded = region.attrs.get("kv_write") if region.family == "decode_attention" else None
     return folded["positions_input"] if isinstance(folded, dict) else None
+
+
+def rope_at(region: RegionSummary) -> int | None:
+    """Index of the query's cos (sin follows) in a decode_attention region that rotates its
+    query (attrs "rope"): after the lengths and, paged, the page table; else None."""
+    if region.family != "decode_attention" or not region.attrs.get("rope"):
+        return None
+    return 4 if region.attrs.get("page_size") is None else 5
+
+
+def kv_write_rope(region: RegionSummary) -> int | None:
+    """Index of K's cos (sin follows) when a decode_attention region's folded write rotates K:
+    after v_new, or the query's own tables (4) when they are the same values; else None."""
+    folded = region.attrs.get("kv_write") if region.family == "decode_attention" else None
+    return folded.get("rope_tables_input") if isinstance(folded, dict) and folded.get("rope") else None

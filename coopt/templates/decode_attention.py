@@ -129,7 +129,7 @@ from __future__ import annotations
 
 import math
 
-from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs
+from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs, kv_write_rope, rope_at
 from coopt.targets import Target
 from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE, kv_cache_problem, kv_scale, page_size, paged_problem, paged_schema_ok
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
@@ -156,13 +156,6 @@ _MAX_FP8_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "bf16/fp16 8 warps": 64, "fp
 _MIN_TILE_BYTES_PER_THREAD = 16
 
 
-def rope_at(region: RegionSummary) -> int | None:
-    """Index of cos (sin follows) when the region rotates its query (attrs "rope"), else None."""
-    if not region.attrs.get("rope"):
-        return None
-    return 4 if page_size(region) is None else 5
-
-
 def _fp16_tiles_problem(region: RegionSummary) -> str | None:
     """Why TILE_FP16 does not apply to `region` (None: it does). It widens e4m3 K/V tiles to
     fp16, which sm_89+ converts two values an instruction (e4m3 -> bf16 takes several: the H200
@@ -186,13 +179,6 @@ _MAX_MERGE_VALUES_PER_THREAD = 128
 def scales_at(region: RegionSummary) -> int:
     """Index of k_scale (when fp8): after the lengths, the page table and the rope tables."""
     return 4 + (page_size(region) is not None) + 2 * bool(region.attrs.get("rope"))
-
-
-def kv_write_rope(region: RegionSummary) -> int | None:
-    """Index of K's cos (sin follows) when the folded write rotates K: after v_new, or the
-    query's own tables (4) when they are the same values; else None."""
-    folded = region.attrs.get("kv_write")
-    return folded.get("rope_tables_input") if isinstance(folded, dict) and folded.get("rope") else None
 
 
 def kv_bytes_read(region: RegionSummary, lengths) -> int:

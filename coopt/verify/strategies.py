@@ -28,6 +28,13 @@ their lengths and index bounds count positions through the table (max_pages * P)
 pool's page dim. A paged write (an in-place region with an index input) then gets a page of its
 own for every table entry it writes through (`distinct_written_pages`), however small the pool.
 
+Rotary tables a decode attention applies itself (`rotary_tables`: the query's cos, sin and a
+folded write's K tables) are cos and sin of one uniform angle per element, whatever the
+magnitude, as every rotary table is: at magnitude 30 random tables would rotate q and K into
+values of 900 and scores of ~1e6, where one ulp of a product moves the softmax more than the
+fp32 floor allows, eager fp32 included (session 13: a folded write's check failed on the H200 at
+2.4e-3 of S against the floor's 1e-5). A rotation keeps the data's magnitude.
+
 fp8 (an fp8 KV cache, docs/kv-cache.md): a quantizer fills the format's range, so fp8 inputs
 are N(0, 1) * max / 4 whatever the magnitude (every exponent of e4m3, subnormals included),
 with outliers at exactly +-max (448 for e4m3) and, in half the examples, one all-zero head
@@ -52,7 +59,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from coopt.ir.region import RegionSummary
+from coopt.ir.region import RegionSummary, kv_write_rope, rope_at
 from coopt.verify.profiles import Profile, resolve_profile  # noqa: F401  (doctest)
 from coopt.verify.tolerances import torch_dtype
 
@@ -221,11 +228,18 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
     dims = example.dim_values()
     scales = scale_inputs(region)
     fp8_spread = _fp8_spread(region)
+    rotary = rotary_tables(region)
+    sines = {}  # sin's index -> the sine of the angles drawn for its cos
     tensors = []
     for index, spec in enumerate(region.inputs):
         shape = spec.concrete(dims)
         dtype = torch_dtype(spec.dtype)
-        if index in scales and dtype.is_floating_point:
+        if index in sines:
+            tensor = sines.pop(index).to(dtype)
+        elif index in rotary and dtype.is_floating_point:
+            angles = torch.rand(shape, generator=generator, dtype=torch.float32, device=device) * (2 * torch.pi)
+            tensor, sines[index + 1] = angles.cos().to(dtype), angles.sin()
+        elif index in scales and dtype.is_floating_point:
             # positive, within a factor of two of magnitude / spread: dequantized values of the
             # example's magnitude
             factor = torch.exp2(torch.rand(shape, generator=generator, device=device) * 2 - 1)
@@ -289,6 +303,19 @@ def distinct_written_pages(table: torch.Tensor, positions: torch.Tensor, page_si
     for page, (b, c) in zip(pages.tolist(), entries):
         table[b, c] = page
     return table
+
+
+def rotary_tables(region: RegionSummary) -> tuple[int, ...]:
+    """Indices of the cos inputs (each sin follows it) of the rotary tables a decode_attention
+    region applies: the query's (attrs "rope") and a folded write's own K tables.
+
+        >>> rotary_tables(RegionSummary("r", "decode_attention", (), (), {"rope": True, "page_size": 16}))
+        (5,)
+        >>> rotary_tables(RegionSummary("r", "decode_attention", (), (), {"rope": True,
+        ...     "kv_write": {"positions_input": 6, "rope": True, "rope_tables_input": 9}}))
+        (4, 9)
+    """
+    return tuple(sorted({i for i in (rope_at(region), kv_write_rope(region)) if i is not None}))
 
 
 def scale_inputs(region: RegionSummary) -> tuple[int, ...]:

@@ -199,3 +199,25 @@ def test_paged_writes_get_pages_of_their_own_in_a_small_pool(per_row, pages, tok
         written = [int(table[b, c]) for b, c in (enumerate(columns) if per_row else
                                                  {(b, c) for b in range(4) for c in columns})]
         assert len(written) == len(set(written)), (seed, table.tolist(), positions.tolist())
+
+
+def test_rotary_tables_are_cos_and_sin_of_one_angle_at_every_magnitude():
+    """A decode attention's rotary tables (the query's and a folded write's K tables) stay on the
+    unit circle whatever the example's magnitude; the data around them scale with it."""
+    q = TensorSpec((1, 4, 1, 16), "float32")
+    cache = TensorSpec((1, 2, 32, 16), "float32")
+    table, row = TensorSpec((1, 16), "float32"), TensorSpec((1, 2, 1, 16), "float32")
+    pos = TensorSpec((1,), "int64")
+    region = RegionSummary("r", "decode_attention", (q, cache, cache, pos, table, table, pos, row, row, table, table),
+                           (cache, cache, q), {"rope": True, "lengths_input": 3, "lengths_bound": [1, 2],
+                           "kv_write": {"positions_input": 6, "rope": True, "rope_tables_input": 9}})
+    assert strategies.rotary_tables(region) == (4, 9)
+    for magnitude in strategies.MAGNITUDES:
+        inputs = make_inputs(region, Example((), seed=3, magnitude=magnitude))
+        for cos, sin in ((inputs[4], inputs[5]), (inputs[9], inputs[10])):
+            torch.testing.assert_close(cos ** 2 + sin ** 2, torch.ones_like(cos))
+            assert float(sin.abs().max()) > 0.5  # drawn, not a constant
+        assert not torch.equal(inputs[4], inputs[9])  # each pair its own angles
+        assert float(inputs[0].abs().max()) > magnitude  # q: N(0, 1) * magnitude as before
+    unroped = RegionSummary("r", "decode_attention", (), (), {"lengths_input": 3})
+    assert strategies.rotary_tables(unroped) == ()
