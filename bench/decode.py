@@ -36,7 +36,8 @@ def parse_args():
     parser.add_argument("--cases", default="1:2048:4096,1:32768:32832,32:2048:4096")
     parser.add_argument("--modes", default="eager,max-autotune-no-cudagraphs,reduce-overhead,coopt,coopt-fp8",
                         help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor; "
-                             "coopt-fold: the default pipeline plus fuse-kv-write-attention (not yet in the default)")
+                             "coopt-unfolded: the default pipeline without fuse-kv-write-attention (kv_write a kernel of "
+                             "its own)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -207,10 +208,10 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         record("eager", lambda: model(*inputs), 0.0)
     if "reduce-overhead" in modes:
         compiled_variant("reduce-overhead")
-    from coopt.passes.registry import DEFAULT_PIPELINE, FOLDED_KV_WRITE_PIPELINE
+    from coopt.passes.registry import DEFAULT_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
 
     for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
-                                     ("coopt-fold", "none", FOLDED_KV_WRITE_PIPELINE)):
+                                     ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE)):
         if mode not in modes:
             continue
         suffix = mode[len("coopt"):]

@@ -27,10 +27,10 @@
 #   bash bench/gpu_session.sh accuracy-smooth   # the harness: bf16, per-head, smoothed K, smoothed K and V only
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
-#   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (default, folded) profiled kernel by kernel (~6 min)
+#   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
-#   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt against coopt-fold (kv_write folded into the decode
-#                                        # attention), b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
+#   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
+#                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
 #                                        # every file comes back in $OUT/parallel.tar.gz (session 3: two
 #                                        # jobs sharing the host's CPUs overran their limits; pick steps
@@ -180,9 +180,9 @@ case "${1:-}" in
         step 560 decode python bench/decode.py --layers 32 --cases 32:2048:4096 --modes coopt --prefill 0 \
             --agreement-steps 0 --out "$OUT/decode_32layers_b32_coopt.json" --build-dir /tmp/coopt-32-b32
         ;;
-    fold-b1|fold-b32)  # issue 3: the default build against the one with fuse-kv-write-attention, same run (~5 min each)
+    fold-b1|fold-b32)  # issue 3: the default build (kv_write folded) against the one without the fold, same run (~5 min each)
         case=$([ "$1" = fold-b1 ] && echo 1:2048:4096 || echo 32:2048:4096)
-        step 420 "$1" python bench/decode.py --cases "$case" --modes coopt,coopt-fold --prefill 0 --agreement-steps 16 \
+        step 420 "$1" python bench/decode.py --cases "$case" --modes coopt,coopt-unfolded --prefill 0 --agreement-steps 16 \
             --out "$OUT/$1.json" --build-dir /tmp/coopt-decode
         if [ "$1" = fold-b1 ]; then
             step 120 pytest-fold python -m pytest -q -p no:cacheprovider \
@@ -192,10 +192,10 @@ case "${1:-}" in
                 tests/passes/test_fuse_kv_write_attention.py -k "built and not batch"
         fi
         ;;
-    fold-profile-b1)  # issue 3: why the fold timed the same as the default (session 13): both builds profiled kernel by kernel
-        step 330 decode python bench/decode.py --cases 1:2048:4096 --modes coopt,coopt-fold --prefill 0 --agreement-steps 16 \
+    fold-profile-b1)  # issue 3: both b1 builds (kv_write folded, not) profiled kernel by kernel (session 13)
+        step 330 decode python bench/decode.py --cases 1:2048:4096 --modes coopt,coopt-unfolded --prefill 0 --agreement-steps 16 \
             --out "$OUT/fold-decode.json" --build-dir /tmp/coopt-decode
-        for build in b1-pos2048 b1-pos2048-fold; do
+        for build in b1-pos2048 b1-pos2048-unfolded; do
             step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-decode/$build" --batch 1 --out "$OUT/profile_$build.json"
         done
         reports reports_fold coopt-decode

@@ -20,8 +20,10 @@ attention (`paged`, `fp8`), caches not written by a kv_write just before (`no_wr
 of another form (`write_form`), written caches read elsewhere too (`read_elsewhere`), and a
 group that cannot be outlined in place (`order`).
 
-Not in the default pipeline until measured on the GPU: `registry.FOLDED_KV_WRITE_PIPELINE` is the
-default with it after fuse-kv-write (bench/decode.py mode coopt-fold).
+In the default pipeline since session 13 (bench/RESULTS.md: -6 µs a step at b1 / 2048, -3.5 at
+b32, with the new row masked out of the key loop and added after it);
+`registry.UNFOLDED_KV_WRITE_PIPELINE` is the default without it (bench/decode.py mode
+coopt-unfolded).
 """
 
 from __future__ import annotations
@@ -87,12 +89,66 @@ def _fold(attention: KernelOp) -> str | None:
         folded["rope_tables_input"] = 4 if shared else len(attention.inputs) + 3
         written_inputs += [] if shared else tables
     inputs = [attention.inputs[0], *caches, *attention.inputs[3:], *written_inputs]
+    gathers = _own_gathers(inputs, _table_indices(attrs, folded), written_inputs[0], (write, attention))
+    if gathers:  # the tables whole, read at the position in the kernel (their gathers in its body)
+        folded["gathered_tables"] = True
+        count("fuse.kv_write_attention.gathered_tables")
+        inputs = [gathers[v].inputs[0] if v in gathers else v for v in inputs]
+        own = folded.get("rope_tables_input")
+        if own not in (None, 4) and attrs.get("rope") and inputs[own:own + 2] == inputs[4:6]:
+            # K's rows were gathered from the query's tables apart: one table, one input (a value
+            # as two inputs would be drawn apart by verification and read as one by the reference)
+            del inputs[own:own + 2]
+            folded["rope_tables_input"] = 4
     write_ops, written = _inline(write)
     attention_ops, (out,) = _inline(attention)
-    outline([*write_ops, *views, *attention_ops], "decode_attention",
+    outline([*gathers.values(), *write_ops, *views, *attention_ops], "decode_attention",
             {**attrs, "kv_write": folded, "inplace": [1, 2]},
             inputs=inputs, outputs=[*written, out])
     return None
+
+
+def _table_indices(attrs: dict, folded: dict) -> list[int]:
+    """Indices (in the folded region's inputs) of every rotary table: the query's cos, sin (4, 5)
+    and K's own after v_new."""
+    starts = {4} if attrs.get("rope") else set()
+    if folded.get("rope"):
+        starts.add(folded["rope_tables_input"])
+    return [i for start in sorted(starts) for i in (start, start + 1)]
+
+
+def _own_gathers(inputs: list[SSAValue], tables: list[int], positions: SSAValue,
+                 kernels: tuple[KernelOp, ...]) -> dict[SSAValue, Operation]:
+    """Where every rotary table input is a row gather `table[positions]` of a [S, D] table by the
+    write's own positions (a Llama step gathers cos and sin once for all its layers): a clone of
+    each gather, before the first kernel, that the kernels now read instead ({the clone's
+    result: the clone}, to go into the region); else {} and nothing changed. The region then
+    takes the whole tables and reads their row itself: the step's 2 gather launches go."""
+    if not tables or not all(_row_gather_of(inputs[i], positions) for i in tables):
+        return {}
+    clones: dict[SSAValue, Operation] = {}
+    for original in dict.fromkeys(inputs[i] for i in tables):
+        clone = original.owner.clone()
+        Rewriter.insert_op(clone, InsertPoint.before(kernels[0]))
+        for kernel in kernels:
+            kernel.operands = [clone.results[0] if v is original else v for v in kernel.operands]
+        clones[original] = clone
+        if not list(original.uses):  # the last layer's fold takes the step's own gather
+            original.owner.detach()
+            original.owner.erase()
+    for i in tables:
+        inputs[i] = clones[inputs[i]].results[0]
+    return {clone.results[0]: clone for clone in clones.values()}
+
+
+def _row_gather_of(value: SSAValue, positions: SSAValue) -> bool:
+    """Whether `value` is aten.index(table, [positions]) of a [S, D] table."""
+    op = value.owner
+    if not (isinstance(op, AtenOp) and aten_target(op) == "aten.index.Tensor" and len(op.inputs) == 2):
+        return False
+    table = op.inputs[0]
+    return (op.inputs[1] is positions and len(table.type.get_shape()) == 2
+            and literal_arg(op, 1, "indices", None) == [{"$t": 1}])
 
 
 def _written_by(value: SSAValue) -> tuple[SSAValue | None, list[Operation]]:

@@ -191,6 +191,18 @@ def kv_bytes_read(region: RegionSummary, lengths) -> int:
     return sum(int(n) for n in lengths) * kv_heads * 2 * row_bytes
 
 
+def _gathered(region: RegionSummary) -> bool:
+    """Whether the rotary tables are whole tables the kernel reads at the folded write's
+    position (attrs kv_write "gathered_tables", fuse-kv-write-attention), not gathered rows."""
+    folded = region.attrs.get("kv_write")
+    return isinstance(folded, dict) and bool(folded.get("gathered_tables"))
+
+
+def _whole_table_ok(table, head_dim: int) -> bool:
+    """A whole rotary table: [S, D], S a static size >= 1."""
+    return len(table.shape) == 2 and isinstance(table.shape[0], int) and table.shape[0] >= 1 and table.shape[1] == head_dim
+
+
 class DecodeAttentionFamily(TemplateFamily):
     name = "decode_attention"
 
@@ -265,21 +277,27 @@ class DecodeAttentionFamily(TemplateFamily):
         if k.dtype != q.dtype or v.dtype != k.dtype or [o.dtype for o in region.outputs[:2]] != [k.dtype, v.dtype]:
             return False
         for table in (region.inputs[tables:tables + 2] if tables is not None else ()):
-            if len(table.shape) > 4 or table.dtype != k.dtype or any(
-                    d != 1 and d != full for d, full in zip(list(table.shape)[::-1], list(k_new.shape)[::-1])):
+            if table.dtype != k.dtype or not (_whole_table_ok(table, k.shape[3]) if _gathered(region) else (
+                    len(table.shape) <= 4 and all(d == 1 or d == full for d, full in
+                                                  zip(list(table.shape)[::-1], list(k_new.shape)[::-1])))):
                 return False
         return True
 
     @staticmethod
     def _rope_ok(region: RegionSummary) -> bool:
-        """cos and sin broadcast to q [B, H, 1, D] (rank <= 4, each dim 1 or q's), an even D."""
+        """cos and sin broadcast to q [B, H, 1, D] (rank <= 4, each dim 1 or q's), or whole
+        tables [S, D] read at the folded write's position (attrs kv_write "gathered_tables");
+        an even D."""
         q = region.inputs[0]
         at = rope_at(region)
         for table in region.inputs[at:at + 2]:
             dims_ = list(table.shape)
-            if len(dims_) > 4 or table.dtype != q.dtype:
+            if table.dtype != q.dtype:
                 return False
-            if any(d != 1 and d != full for d, full in zip(dims_[::-1], list(q.shape)[::-1])):
+            if _gathered(region):
+                if not _whole_table_ok(table, q.shape[3]):
+                    return False
+            elif len(dims_) > 4 or any(d != 1 and d != full for d, full in zip(dims_[::-1], list(q.shape)[::-1])):
                 return False
         return q.shape[3] % 2 == 0
 
@@ -383,4 +401,5 @@ class DecodeAttentionFamily(TemplateFamily):
             kv_write=written is not None,
             kv_rope=k_tables is not None,
             kv_own_tables=k_tables is not None and k_tables == written + 3,  # else the query's
+            gathered=_gathered(region),
         )

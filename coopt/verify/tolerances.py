@@ -98,8 +98,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 # error e in a logit of size L into a relative error of about e in the probabilities while e
 # itself grows with L, so at the fuzzer's large magnitudes (logits ~1e3) a flash kernel, which
 # sums q·k in another order and rescales online, lands a few times over the fp32 floor while
-# being as right as eager (measured on the H200: 1.6e-5 of S against the 1e-5 floor).
-FAMILY_SLACK = {"attention": 8.0}
+# being as right as eager (measured on the H200: 1.6e-5 of S against the 1e-5 floor). Decode
+# attention is the same computation split over the keys (flash decoding), merged in a second
+# rescale: a folded cache write's kernel measured 5.2e-5 of S at magnitude 30 on the H200
+# (session 13, fp32, rotary tables on the unit circle).
+FAMILY_SLACK = {"attention": 8.0, "decode_attention": 8.0}
 
 
 def tolerance_for(dtype: str | torch.dtype) -> Tolerance:

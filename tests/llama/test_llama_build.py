@@ -53,37 +53,48 @@ def test_cli_build_of_the_tiny_decode_step_matches_eager(built_dir):
                                eager.model.layers[1].attention.k_cache, rtol=1e-5, atol=1e-5)
 
 
-def test_each_layer_writes_its_cache_in_one_kv_write_region_with_k_rope(built_dir):
-    """fuse-kv-write: per layer one kv_write region (K's rope absorbed) in both entries, each
-    verified and selected; the positions still bound by the cache at call time."""
+def test_each_layer_writes_its_cache_in_one_region_with_k_rope(built_dir):
+    """fuse-kv-write: per layer one kv_write region (K's rope absorbed) in both entries; in the
+    decode step fuse-kv-write-attention folds each into its layer's decode attention, the
+    rotary tables read whole at the position there. Each verified and selected; the positions
+    still bound by the cache at call time."""
     for entry in (built_dir, built_dir / "entries" / "prefill"):
+        decode_step = entry == built_dir
         counters = json.loads((entry / "build.json").read_text())["counters"]
         assert counters["fuse.kv_write"] == counters["fuse.kv_write.rope"] == 2, counters
+        assert counters.get("fuse.kv_write_attention", 0) == counters.get("fuse.kv_write_attention.gathered_tables", 0) \
+            == 2 * decode_step
         selection = json.loads((entry / "selection.json").read_text())["regions"]
         writes = [r for r in selection.values() if r["family"] == "kv_write"]
-        assert len(writes) == 2 and all(r["summary"]["attrs"] == {"rope": True, "quant": "none", "inplace": [0, 1]}
-                                        for r in writes)
+        attentions = [r for r in selection.values() if r["family"] == "decode_attention"]
+        if decode_step:
+            assert not writes and len(attentions) == 2
+            assert all(r["summary"]["attrs"]["kv_write"] == {"positions_input": 6, "rope": True, "rope_tables_input": 4,
+                                                               "gathered_tables": True}
+                       and r["summary"]["attrs"]["inplace"] == [1, 2] for r in attentions)
+        else:
+            assert len(writes) == 2 and all(r["summary"]["attrs"] == {"rope": True, "quant": "none", "inplace": [0, 1]}
+                                            for r in writes)
         # q's rope: inside the decode attention in the decode step, its own region in the prefill
-        decode_step = entry == built_dir
         assert sum(r["family"] == "rope" for r in selection.values()) == (0 if decode_step else 2)
-        assert all(r["summary"]["attrs"].get("rope") is True for r in selection.values()
-                   if r["family"] == "decode_attention") and counters.get("fuse.decode_attention.rope", 0) == 2 * decode_step
-        chosen = [next(c for c in r["candidates"] if c["label"] == r["selected"]) for r in writes]
-        assert all(c["verified"] and c["family"] == "kv_write" for c in chosen)
+        assert all(r["summary"]["attrs"].get("rope") is True for r in attentions) \
+            and counters.get("fuse.decode_attention.rope", 0) == 2 * decode_step
+        chosen = [next(c for c in r["candidates"] if c["label"] == r["selected"]) for r in writes + attentions]
+        assert all(c["verified"] and c["family"] in ("kv_write", "decode_attention") for c in chosen)
     built = coopt.load(built_dir)
     with pytest.raises(ValueError, match="outside the KV cache"):
         built.check_call(torch.tensor([[1]]), torch.tensor([128]))
 
 
 def test_report_lists_the_ops_left_to_pytorch_between_the_kernels(built_dir):
-    """What no region took, each a PyTorch launch of its own: the token embedding, the rotary
-    rows gathered for the positions (cos and sin), the lengths (positions + 1); views launch
-    nothing and are not listed. build.json keeps the counts, the report prints them."""
+    """What no region took, each a PyTorch launch of its own: the token embedding and the lengths
+    (positions + 1; the rotary rows are read inside the decode attentions); views launch nothing
+    and are not listed. build.json keeps the counts, the report prints them."""
     build = json.loads((built_dir / "build.json").read_text())
-    assert build["unfused_ops"] == {"aten.add.Tensor": 1, "aten.embedding.default": 1, "aten.index.Tensor": 2}
+    assert build["unfused_ops"] == {"aten.add.Tensor": 1, "aten.embedding.default": 1}
     report = (built_dir / "report.md").read_text()
-    assert "Outside every region, 4 ops a call run through PyTorch" in report
-    assert "- `aten.index.Tensor` ×2" in report and "aten.reshape" not in report.split("## Regions")[0]
+    assert "Outside every region, 2 ops a call run through PyTorch" in report
+    assert "- `aten.embedding.default` ×1" in report and "aten.reshape" not in report.split("## Regions")[0]
 
 
 def test_prefill_entry_shares_weights_and_cache_with_the_decode_step(built_dir):

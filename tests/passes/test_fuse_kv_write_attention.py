@@ -12,7 +12,8 @@ from test_decode_attention_raise import (DecodeStep, RopedDecodeStep, TwoLayerDe
                                          rotate_half)
 
 import coopt
-from coopt.passes.registry import FOLDED_KV_WRITE_PIPELINE as FOLD
+from coopt.ir.dialect import KernelOp
+from coopt.passes.registry import DEFAULT_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
 from pass_helpers import kernels, run_pipeline
 
 
@@ -21,6 +22,20 @@ class RopedKeyStep(RopedDecodeStep):
 
     def forward(self, q, k, v, input_pos):
         cos, sin = self.cos[input_pos], self.sin[input_pos]
+        return super().forward(q, k * cos + rotate_half(k) * sin, v, input_pos)
+
+
+class OwnKeyTablesStep(RopedDecodeStep):
+    """K rotated by tables of its own (not the query's), gathered at the same position."""
+
+    def __init__(self):
+        super().__init__()
+        angles = torch.arange(32)[:, None] * torch.rand(16, generator=torch.Generator().manual_seed(3))
+        self.register_buffer("k_cos", angles.cos())
+        self.register_buffer("k_sin", angles.sin())
+
+    def forward(self, q, k, v, input_pos):
+        cos, sin = self.k_cos[input_pos], self.k_sin[input_pos]
         return super().forward(q, k * cos + rotate_half(k) * sin, v, input_pos)
 
 
@@ -56,22 +71,57 @@ def families(module) -> list[str]:
 
 
 def test_the_write_and_the_attention_become_one_region():
-    module, counters = run_pipeline(RopedKeyStep(), inputs(5), FOLD)
+    module, counters = run_pipeline(OwnKeyTablesStep(), inputs(5), DEFAULT_PIPELINE)
     assert counters["fuse.kv_write_attention"] == 1 and "kv_write" not in families(module)
     (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
     attrs = region.family_attrs
-    assert attrs["kv_write"] == {"positions_input": 6, "rope": True, "rope_tables_input": 9} and attrs["inplace"] == [1, 2]
+    assert attrs["kv_write"] == {"positions_input": 6, "rope": True, "rope_tables_input": 9,
+                                 "gathered_tables": True} and attrs["inplace"] == [1, 2]
     assert attrs["rope"] is True  # q's rope stays inside too
-    # inputs: q, the caches before the write, lengths, q's cos and sin, then the write's own
+    # inputs: q, the caches before the write, lengths, q's cos and sin, then the write's own;
+    # the tables whole (cos[input_pos] gathered inside), the step's gathers gone
     assert [str(v.type.get_shape()) for v in region.inputs[6:9]] == ["(1,)", "(1, 2, 1, 16)", "(1, 2, 1, 16)"]
-    assert len(region.inputs) == 11 and len(region.results) == 3
+    assert [str(region.inputs[i].type.get_shape()) for i in (4, 5, 9, 10)] == ["(32, 16)"] * 4
+    assert len(region.inputs) == 11 and len(set(region.inputs)) == 11 and len(region.results) == 3
+    assert counters["fuse.kv_write_attention.gathered_tables"] == 1 and not unfused_gathers(module)
     # without the pass the two regions stay apart
-    module, counters = run_pipeline(RopedKeyStep(), inputs(5))
+    module, counters = run_pipeline(OwnKeyTablesStep(), inputs(5), UNFOLDED_KV_WRITE_PIPELINE)
     assert "kv_write" in families(module) and not counters["fuse.kv_write_attention"]
 
 
+def test_k_rows_gathered_apart_from_the_querys_tables_share_them():
+    """q and K each gather cos[input_pos] from the same tables: once whole, one input."""
+    module, counters = run_pipeline(RopedKeyStep(), inputs(5), DEFAULT_PIPELINE)
+    (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert region.family_attrs["kv_write"] == {"positions_input": 6, "rope": True, "rope_tables_input": 4,
+                                               "gathered_tables": True}
+    assert len(region.inputs) == 9 and len(set(region.inputs)) == 9 and not unfused_gathers(module)
+
+
+def unfused_gathers(module) -> list:
+    """aten.index ops left outside every region."""
+    return [op for op in module.walk() if not isinstance(op.parent_op(), KernelOp)
+            and "aten.index.Tensor" in str(getattr(op, "target", ""))]
+
+
+class TablesAtAnotherRow(RopedKeyStep):
+    """Rotary rows gathered at input_pos - 1, not at the written position: left as rows."""
+
+    def forward(self, q, k, v, input_pos):
+        cos, sin = self.cos[input_pos - 1], self.sin[input_pos - 1]
+        rope = lambda x: x * cos + rotate_half(x) * sin  # noqa: E731
+        return DecodeStep.forward(self, rope(q), rope(k), v, input_pos)
+
+
+def test_tables_gathered_elsewhere_stay_rows():
+    module, counters = run_pipeline(TablesAtAnotherRow(), inputs(5), DEFAULT_PIPELINE)
+    (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert counters["fuse.kv_write_attention"] == 1 and "gathered_tables" not in region.family_attrs["kv_write"]
+    assert str(region.inputs[4].type.get_shape()) == "(1, 16)" and unfused_gathers(module)
+
+
 def test_k_and_q_sharing_their_tables_pass_them_once():
-    module, counters = run_pipeline(SharedTablesStep(), inputs(5), FOLD)
+    module, counters = run_pipeline(SharedTablesStep(), inputs(5), DEFAULT_PIPELINE)
     (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
     assert counters["fuse.kv_write_attention"] == 1
     assert region.family_attrs["kv_write"]["rope_tables_input"] == 4 and len(region.inputs) == 9
@@ -79,14 +129,14 @@ def test_k_and_q_sharing_their_tables_pass_them_once():
 
 
 def test_a_write_without_k_rope_folds_too():
-    module, counters = run_pipeline(DecodeStep(), inputs(5), FOLD)
+    module, counters = run_pipeline(DecodeStep(), inputs(5), DEFAULT_PIPELINE)
     (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
     assert counters["fuse.kv_write_attention"] == 1 and region.family_attrs["kv_write"]["rope"] is False
     assert len(region.inputs) == 7  # q, k, v, lengths, positions, k, v
 
 
 def test_each_layer_folds_its_own_write():
-    module, counters = run_pipeline(TwoLayerDecodeStep(), inputs(5), FOLD)
+    module, counters = run_pipeline(TwoLayerDecodeStep(), inputs(5), DEFAULT_PIPELINE)
     assert counters["fuse.kv_write_attention"] == 2 and families(module).count("decode_attention") == 2
 
 
@@ -95,22 +145,22 @@ def test_caches_read_elsewhere_keep_their_kv_write():
         def forward(self, q, k, v, input_pos):
             return super().forward(q, k, v, input_pos), self.k_cache.sum(-1)
 
-    module, counters = run_pipeline(AlsoReturnsTheCache(), inputs(5), FOLD)
+    module, counters = run_pipeline(AlsoReturnsTheCache(), inputs(5), DEFAULT_PIPELINE)
     assert counters["fuse.kv_write_attention.skipped.read_elsewhere"] == 1 and "kv_write" in families(module)
 
 
 def test_an_fp8_cache_keeps_its_kv_write():
-    fp8 = FOLD.replace("fuse-attention,", "fp8-kv-cache{granularity=per-token,scale-source=dynamic},fuse-attention,")
+    fp8 = DEFAULT_PIPELINE.replace("fuse-attention,", "fp8-kv-cache{granularity=per-token,scale-source=dynamic},fuse-attention,")
     module, counters = run_pipeline(DecodeStep(), inputs(5), fp8)
     assert counters["fuse.kv_write_attention.skipped.fp8"] == 1 and "kv_write" in families(module)
 
 
-@pytest.mark.parametrize("step_class", [RopedKeyStep, SharedTablesStep])
+@pytest.mark.parametrize("step_class", [RopedKeyStep, OwnKeyTablesStep, SharedTablesStep, TablesAtAnotherRow])
 def test_built_folded_steps_match_eager_and_write_the_caches(step_class, tmp_path):
     """The folded kernel (Triton's interpreter here) writes each step's K / V row as eager does
     and attends over it: three steps, the last at the cache's end."""
     out = tmp_path / "out"
-    built = build_and_compare(step_class, out, FOLD)
+    built = build_and_compare(step_class, out, DEFAULT_PIPELINE)
     assert_folded_kernel_selected(out)
     # the write's bounds still come from the state_update in the folded body: refused at call time
     with pytest.raises(ValueError, match=r"holds 32, outside \[0, 32\).*'k_cache'"):
@@ -144,13 +194,13 @@ def batch_inputs(pos: int):
 
 
 def test_a_batch_view_of_a_larger_cache_folds(tmp_path):
-    module, counters = run_pipeline(BatchViewStep(), batch_inputs(5), FOLD)
+    module, counters = run_pipeline(BatchViewStep(), batch_inputs(5), DEFAULT_PIPELINE)
     (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
     assert counters["fuse.kv_write_attention"] == 1 and counters["fuse.kv_write.batch_view"] == 1
     assert region.inputs[1].type.get_shape()[0] == 3 and region.inputs[0].type.get_shape()[0] == 2
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where coopt.load puts the build
     eager, out = BatchViewStep().to(device), tmp_path / "out"
-    coopt.Pipeline(FOLD, top_k=1).build(BatchViewStep(), batch_inputs(5), out)
+    coopt.Pipeline(DEFAULT_PIPELINE, top_k=1).build(BatchViewStep(), batch_inputs(5), out)
     assert_folded_kernel_selected(out)
     built = coopt.load(out)
     for pos in (6, 7, 31):

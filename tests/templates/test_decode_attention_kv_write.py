@@ -117,7 +117,8 @@ def test_matches_only_the_plain_folded_form():
 
 
 def test_golden_rendering(golden):
-    region = folded(with_rope(make_region(1, 32, 8, 4096, 128, "bfloat16"), (1, 128)))
+    # a Llama-3-8B layer's: K rotated by the query's tables, read whole at the position
+    region = gathered(folded(with_rope(make_region(1, 32, 8, 4096, 128, "bfloat16"), (1, 128)), shared_tables=True), 4096)
     golden("decode_attention_kv_write.py", FAMILY.render(region, {**SPLIT, "BLOCK_N": 128, "SPLIT_KV": 16}))
 
 
@@ -135,8 +136,53 @@ def test_folded_kernels_compile_for_hopper(tmp_path):
     inputs = [q, k, v, lengths, cos, sin, torch.tensor([99], device=DEVICE), k_new, v_new, cos, sin]
     points = {"split16": {"BLOCK_N": 128, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 4, "num_stages": 2},
               "fma": {"BLOCK_N": 32, "SPLIT_KV": 1, "USE_DOT": False, "num_warps": 4, "num_stages": 2}}
-    compiled = compile_for_hopper([(label, FAMILY.render(region, params), inputs) for label, params in points.items()],
-                                  tmp_path)
-    for label in points:
+    # and the Llama form: K rotated by the query's tables, read whole at the position
+    llama = gathered(folded(with_rope(base, (1, 128)), shared_tables=True), 4096)
+    tables = rope_tables((4096, 128), torch.bfloat16)
+    llama_inputs = [q, k, v, lengths, *tables, torch.tensor([99], device=DEVICE), k_new, v_new]
+    compiled = compile_for_hopper([(label, FAMILY.render(region, params), inputs) for label, params in points.items()]
+                                  + [(f"gathered-{label}", FAMILY.render(llama, params), llama_inputs)
+                                     for label, params in points.items()], tmp_path)
+    for label in compiled:
         (kernel,) = compiled[label].values()
         assert kernel["pdl"] and kernel["pipelined"], label
+    assert len(compiled) == 4
+
+
+def gathered(region: RegionSummary, rows: int) -> RegionSummary:
+    """`region` (folded) taking its rotary tables whole ([rows, D]) and reading their row at the
+    write's position itself (attrs kv_write "gathered_tables")."""
+    head_dim = region.inputs[0].shape[3]
+    write = region.attrs["kv_write"]
+    tables = {4, 5} | ({write["rope_tables_input"], write["rope_tables_input"] + 1} if write.get("rope") else set())
+    inputs = tuple(TensorSpec((rows, head_dim), s.dtype) if i in tables else s for i, s in enumerate(region.inputs))
+    return dataclasses.replace(region, inputs=inputs, attrs={**region.attrs, "kv_write": {**write, "gathered_tables": True}})
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-k-tables", "shared-tables"])
+@pytest.mark.parametrize("params", [SMALL, SPLIT], ids=["one-split-fma", "four-splits-dot"])
+def test_whole_tables_are_read_at_the_position(shared, params, load_candidate):
+    """A Llama step's cos[pos], sin[pos] gathers taken into the kernel: q and K rotated by row
+    `position` of the whole tables, as the gathered rows would rotate them."""
+    base = with_rope(make_region(3, 4, 2, 80, 64, "float32"), (1, 64))
+    region = gathered(folded(base, shared_tables=shared), rows=96)
+    assert FAMILY.matches(region) and FAMILY.check(region, params, H200) is None
+    q, k, v, lengths = make_inputs(make_region(3, 4, 2, 80, 64, "float32"), [46, 12, 46])
+    cos, sin = rope_tables((96, 64), torch.float32)
+    k_cos, k_sin = (cos, sin) if shared else rope_tables((96, 64), torch.float32, seed=2)
+    k_new, v_new = write_inputs(3, 2, 64, torch.float32)
+    tables = [] if shared else [k_cos, k_sin]
+    k_out, v_out, out = run_candidate(load_candidate, region, params, [q, k.clone(), v.clone(), lengths, cos, sin,
+                                      torch.tensor([45], device=DEVICE), k_new, v_new, *tables])
+    row = slice(45, 46)
+    k[:, :, 45], v[:, :, 45] = rotated(k_new, k_cos[row], k_sin[row])[:, :, 0], v_new[:, :, 0]
+    torch.testing.assert_close(k_out, k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_out, v, rtol=0, atol=0)
+    check_close(out, reference(base, rotated(q, cos[row], sin[row]), k, v, lengths))
+
+
+def test_whole_tables_need_the_head_dim():
+    base = with_rope(make_region(1, 4, 2, 32, 64, "float32"), (1, 64))
+    region = gathered(folded(base), rows=32)
+    bad = dataclasses.replace(region, inputs=(*region.inputs[:4], TensorSpec((32, 32), "float32"), *region.inputs[5:]))
+    assert FAMILY.matches(region) and not FAMILY.matches(bad)

@@ -7,6 +7,7 @@ num_warps=2 num_stages=3.
 The query arrives before its rotary embedding, which is applied as it is loaded (cos, sin inputs).
 The step's new K/V row is written here too (kv_write folded in): K after its rotary embedding and V at
 positions[b] of the caches; the split whose keys hold that position attends to it from registers.
+The rotary tables arrive whole ([S, D]): the kernel reads their row positions[0] itself.
 """
 
 import os
@@ -55,7 +56,7 @@ def _decode_split_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     cos_ptr, stride_cb, stride_ch, stride_cd, sin_ptr, stride_sb, stride_sh, stride_sd,
-    pos_ptr, stride_pos, knew_ptr, stride_knb, stride_knh, stride_knd, vnew_ptr, stride_vnb, stride_vnh, stride_vnd,
+    pos_ptr, stride_pos, table_rows, knew_ptr, stride_knb, stride_knh, stride_knd, vnew_ptr, stride_vnb, stride_vnh, stride_vnd,
     kcos_ptr, stride_kcb, stride_kch, stride_kcd, ksin_ptr, stride_ksb2, stride_ksh2, stride_ksd2,
     stride_ob, stride_oh, stride_od,
     qk_scale,
@@ -81,6 +82,10 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(length, SPLIT_KV), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, length)
+    new_pos = tl.load(pos_ptr + batch * stride_pos).to(tl.int64)  # the step's new row (below)
+    # the rotary tables' row for it, clamped into the tables (a bad position must not read
+    # outside them; the program refuses it at call time)
+    table_row = tl.minimum(tl.maximum(new_pos, 0), table_rows - 1)
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -97,9 +102,9 @@ def _decode_split_kernel(
     sign = tl.where(offs_d < half, -1.0, 1.0)
     # the query's
     q_partner = tl.load(q_rows + partner[None, :] * stride_qd, mask=head_ok[:, None], other=0.0)
-    cos = tl.load(cos_ptr + batch * stride_cb + head[:, None] * stride_ch + offs_d[None, :] * stride_cd,
+    cos = tl.load(cos_ptr + table_row * stride_cb + head[:, None] * stride_ch + offs_d[None, :] * stride_cd,
                   mask=head_ok[:, None], other=0.0)
-    sin = tl.load(sin_ptr + batch * stride_sb + head[:, None] * stride_sh + offs_d[None, :] * stride_sd,
+    sin = tl.load(sin_ptr + table_row * stride_sb + head[:, None] * stride_sh + offs_d[None, :] * stride_sd,
                   mask=head_ok[:, None], other=0.0)
     q = q.to(tl.float32) * cos.to(tl.float32) + sign[None, :] * q_partner.to(tl.float32) * sin.to(tl.float32)
     q = q.to(tl.bfloat16)  # tl.dot's operands in q's dtype, as the unfused rope stores it
@@ -112,14 +117,13 @@ def _decode_split_kernel(
     # split whose range holds it adds it from registers after the loop, so the loop stays the
     # plain kernel's (the tile-by-tile select this replaced measured 9.6 µs a launch against the
     # plain kernel's 7.6, session 13, b1 / 2048 on the H200).
-    new_pos = tl.load(pos_ptr + batch * stride_pos).to(tl.int64)
     d_ok = offs_d < HEAD_DIM
     kn_row = knew_ptr + batch * stride_knb + kv_head.to(tl.int64) * stride_knh
     k_new = tl.load(kn_row + offs_d * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
     k_partner = tl.load(kn_row + partner * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
-    k_cos = tl.load(kcos_ptr + batch * stride_kcb + kv_head.to(tl.int64) * stride_kch + offs_d * stride_kcd,
+    k_cos = tl.load(kcos_ptr + table_row * stride_kcb + kv_head.to(tl.int64) * stride_kch + offs_d * stride_kcd,
                     mask=d_ok, other=0.0).to(tl.float32)
-    k_sin = tl.load(ksin_ptr + batch * stride_ksb2 + kv_head.to(tl.int64) * stride_ksh2 + offs_d * stride_ksd2,
+    k_sin = tl.load(ksin_ptr + table_row * stride_ksb2 + kv_head.to(tl.int64) * stride_ksh2 + offs_d * stride_ksd2,
                     mask=d_ok, other=0.0).to(tl.float32)
     k_new = k_new * k_cos + sign * k_partner * k_sin
     k_new = k_new.to(k_ptr.dtype.element_ty)
@@ -233,16 +237,20 @@ def _workspace(device, partial_elements, counters):
 
 
 
-def run(q, k_cache, v_cache, lengths, cos, sin, positions, k_new, v_new, k_cos, k_sin):
+def run(q, k_cache, v_cache, lengths, cos, sin, positions, k_new, v_new):
     batch, num_heads, _, head_dim = q.shape
-    cos, sin = cos.expand(q.shape), sin.expand(q.shape)  # broadcast views: stride 0 where shared
+    k_cos, k_sin = cos, sin  # the query's tables rotate K too
+    # whole tables [S, D]: the kernel reads row positions[0] (as the batch stride), any head
+    table_rows = cos.shape[0]
+    assert sin.shape == cos.shape and cos.shape[1] == head_dim, "cos, sin [S, D]"
+    cos, sin = cos[:, None, None, :].expand(-1, num_heads, 1, -1), sin[:, None, None, :].expand(-1, num_heads, 1, -1)
     max_length = k_cache.shape[2]
     out = torch.empty((batch, num_heads, 1, head_dim), device=q.device, dtype=torch.bfloat16)
     # the caches come back written (in place), then the attention's output
     assert k_new.shape == v_new.shape == (batch, k_cache.shape[1], 1, head_dim), "k_new, v_new [B, Hkv, 1, D]"
     # one position for every sequence (stride 0), or one each
     stride_pos = 0 if positions.numel() == 1 else positions.stride(0)
-    k_cos, k_sin = k_cos.expand(k_new.shape), k_sin.expand(k_new.shape)
+    k_cos, k_sin = (t[:, None, None, :].expand(-1, k_new.shape[1], 1, -1) for t in (k_cos, k_sin))  # [S, D] -> rows
     if out.numel() == 0:
         return (k_cache, v_cache, out)
     # partials [parts, BLOCK_D] then m [parts] then l [parts]; one counter per (sequence, kv head)
@@ -254,7 +262,7 @@ def run(q, k_cache, v_cache, lengths, cos, sin, positions, k_new, v_new, k_cos, 
         lengths.stride(0),
         q.stride(0), q.stride(1), q.stride(3), *k_cache.stride(), *v_cache.stride(),
         cos, cos.stride(0), cos.stride(1), cos.stride(3), sin, sin.stride(0), sin.stride(1), sin.stride(3),
-        positions, stride_pos, k_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
+        positions, stride_pos, table_rows, k_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
         v_new, v_new.stride(0), v_new.stride(1), v_new.stride(3),
         k_cos, k_cos.stride(0), k_cos.stride(1), k_cos.stride(3), k_sin, k_sin.stride(0), k_sin.stride(1), k_sin.stride(3),
         out.stride(0), out.stride(1), out.stride(3),
