@@ -70,7 +70,9 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     "kv_write": {"positions_input": i, "rope": bool[, "rope_tables_input": j]} and "inplace":
     [1, 2]; inputs i, i + 1, i + 2 are positions [1], k_new, v_new [B, Hkv, 1, D] (K's cos, sin
     at j: i + 3, or 4 where the query's serve); outputs k_cache and v_cache after
-    cache[:, :, positions] = rope(k_new) / v_new, then the attention over them.
+    cache[:, :, positions] = rope(k_new) / v_new, then the attention over them. With
+    "gathered_tables": true in "kv_write", every rotary table (the query's and K's) is a whole
+    table [S, D] (S >= S_max) whose row positions[0] the region uses.
 
 kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quantization)
     attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",

@@ -15,6 +15,15 @@ query's (attrs kv_write's "rope_tables_input" says where they are); outputs the 
 caches written in place (attrs "inplace" [1, 2]) and the attention's output. Its body is the two
 bodies in order, so the reference writes then attends as before.
 
+Rotary tables read whole: where every table the region takes (the query's cos, sin and K's own)
+is a row gather `table[positions]` of a [S, D] table (S at least the cache's length) by the
+write's own positions, as a Llama step gathers cos and sin once for all its layers, the region
+takes the tables themselves with a clone of each gather in its body (attrs kv_write
+"gathered_tables"); the kernel reads their row at the position, and the step's gathers, left
+without readers, go (two launches a step). K's rows gathered from the query's tables apart
+become the query's inputs (`rope_tables_input` 4). Counted `fuse.kv_write_attention.gathered_tables`.
+Not yet timed on the GPU (the 2 launches are ~5 µs of a b1 step with their gaps).
+
 Left alone, each with a counter `fuse.kv_write_attention.skipped.<why>`: a paged or fp8
 attention (`paged`, `fp8`), caches not written by a kv_write just before (`no_write`), a write
 of another form (`write_form`), written caches read elsewhere too (`read_elsewhere`), and a
@@ -89,7 +98,8 @@ def _fold(attention: KernelOp) -> str | None:
         folded["rope_tables_input"] = 4 if shared else len(attention.inputs) + 3
         written_inputs += [] if shared else tables
     inputs = [attention.inputs[0], *caches, *attention.inputs[3:], *written_inputs]
-    gathers = _own_gathers(inputs, _table_indices(attrs, folded), written_inputs[0], (write, attention))
+    gathers = _own_gathers(inputs, _table_indices(attrs, folded), written_inputs[0], (write, attention),
+                           rows=caches[0].type.get_shape()[2])
     if gathers:  # the tables whole, read at the position in the kernel (their gathers in its body)
         folded["gathered_tables"] = True
         count("fuse.kv_write_attention.gathered_tables")
@@ -118,13 +128,14 @@ def _table_indices(attrs: dict, folded: dict) -> list[int]:
 
 
 def _own_gathers(inputs: list[SSAValue], tables: list[int], positions: SSAValue,
-                 kernels: tuple[KernelOp, ...]) -> dict[SSAValue, Operation]:
+                 kernels: tuple[KernelOp, ...], rows: int) -> dict[SSAValue, Operation]:
     """Where every rotary table input is a row gather `table[positions]` of a [S, D] table by the
-    write's own positions (a Llama step gathers cos and sin once for all its layers): a clone of
+    write's own positions, S >= `rows` (the cache's: every position the write takes has its
+    row; a Llama step gathers cos and sin once for all its layers): a clone of
     each gather, before the first kernel, that the kernels now read instead ({the clone's
     result: the clone}, to go into the region); else {} and nothing changed. The region then
     takes the whole tables and reads their row itself: the step's 2 gather launches go."""
-    if not tables or not all(_row_gather_of(inputs[i], positions) for i in tables):
+    if not tables or not all(_row_gather_of(inputs[i], positions, rows) for i in tables):
         return {}
     clones: dict[SSAValue, Operation] = {}
     for original in dict.fromkeys(inputs[i] for i in tables):
@@ -141,13 +152,14 @@ def _own_gathers(inputs: list[SSAValue], tables: list[int], positions: SSAValue,
     return {clone.results[0]: clone for clone in clones.values()}
 
 
-def _row_gather_of(value: SSAValue, positions: SSAValue) -> bool:
-    """Whether `value` is aten.index(table, [positions]) of a [S, D] table."""
+def _row_gather_of(value: SSAValue, positions: SSAValue, rows: int) -> bool:
+    """Whether `value` is aten.index(table, [positions]) of a [S, D] table, S >= rows."""
     op = value.owner
     if not (isinstance(op, AtenOp) and aten_target(op) == "aten.index.Tensor" and len(op.inputs) == 2):
         return False
     table = op.inputs[0]
-    return (op.inputs[1] is positions and len(table.type.get_shape()) == 2
+    shape = table.type.get_shape()
+    return (op.inputs[1] is positions and len(shape) == 2 and isinstance(shape[0], int) and shape[0] >= rows
             and literal_arg(op, 1, "indices", None) == [{"$t": 1}])
 
 

@@ -76,14 +76,20 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotary_tables(seed: int = 2, rows: int = 32, dim: int = 16):
+    """cos, sin [rows, dim] of random frequencies (position x frequency angles)."""
+    angles = torch.arange(rows)[:, None] * torch.rand(dim, generator=torch.Generator().manual_seed(seed))
+    return angles.cos(), angles.sin()
+
+
 class RopedDecodeStep(DecodeStep):
     """The query rotated (RoPE at input_pos) before the decode attention, as a Llama layer does."""
 
     def __init__(self, also_return_q=False):
         super().__init__()
-        angles = torch.arange(32)[:, None] * torch.rand(16, generator=torch.Generator().manual_seed(2))
-        self.register_buffer("cos", angles.cos())
-        self.register_buffer("sin", angles.sin())
+        cos, sin = rotary_tables()
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
         self.also_return_q = also_return_q
 
     def forward(self, q, k, v, input_pos):
