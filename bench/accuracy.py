@@ -63,7 +63,8 @@ EVAL_BATCH = 8  # windows per call; a build's static batch
 # Issue 4's targets for fp8 KV with per-head scales, judged for every per-head configuration
 PER_HEAD_TARGETS = {"perplexity_change": ("<=", 0.005), "top1_agreement": (">=", 0.99)}
 TARGETS = {name: PER_HEAD_TARGETS for name in ("coopt fp8 KV per-head", "coopt fp8 KV per-head, smoothed K",
-                                               "coopt fp8 KV per-head, smoothed K and V")}
+                                               "coopt fp8 KV per-head, smoothed K and V",
+                                               "coopt fp8 V per-head (K bf16)")}
 
 
 def lossy(name: str) -> bool:
@@ -114,14 +115,15 @@ def fp8_rounded_weights(model, run):
 
 
 def coopt_build(granularity: str | None, headroom: float | None = None, smooth_k: bool = False,
-                smooth_v: bool = False):
+                smooth_v: bool = False, values_only: bool = False):
     """The trained model built by coopt in bf16: lossless, or with
-    fp8-kv-cache{granularity[, headroom][, smooth-k][, smooth-v]}."""
+    fp8-kv-cache{granularity[, headroom][, smooth-k][, smooth-v][, values-only]}."""
     def configure(model, run):
-        pipeline = (builds.fp8_kv_pipeline(granularity, run.base_pipeline, headroom, smooth_k, smooth_v) if granularity
-                    else run.base_pipeline)
+        pipeline = (builds.fp8_kv_pipeline(granularity, run.base_pipeline, headroom, smooth_k, smooth_v, values_only)
+                    if granularity else run.base_pipeline)
         out = run.build_dir / ((f"fp8-{granularity}" + (f"-headroom{headroom:g}" if headroom else "")
-                                + ("-smooth-k" if smooth_k else "") + ("-smooth-v" if smooth_v else ""))
+                                + ("-smooth-k" if smooth_k else "") + ("-smooth-v" if smooth_v else "")
+                                + ("-values-only" if values_only else ""))
                                if granularity else "bf16")
         print(f"  building {out} ({pipeline})", flush=True)
         return builds.build_candidate(model, out, pipeline, run.setting, run.calibration, progress=build_progress())
@@ -143,6 +145,9 @@ CONFIGURATIONS = {
     # values less their means too, added back after attention (session 9: smoothed K alone 98.93 % top-1)
     "coopt fp8 KV per-head, smoothed K and V": coopt_build("per-head", smooth_k=True, smooth_v=True),
     "coopt fp8 KV per-token": coopt_build("per-token"),
+    # the keys in bf16, the values in fp8 (3/4 of the bf16 cache): the only rounding measured over
+    # 99 % top-1 on the harness model (session 11's probe, eager: 99.13 %)
+    "coopt fp8 V per-head (K bf16)": coopt_build("per-head", values_only=True),
 }
 
 

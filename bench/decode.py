@@ -37,7 +37,7 @@ def parse_args():
     parser.add_argument("--modes", default="eager,max-autotune-no-cudagraphs,reduce-overhead,coopt,coopt-fp8",
                         help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor; "
                              "coopt-unfolded: the default pipeline without fuse-kv-write-attention (kv_write a kernel of "
-                             "its own)")
+                             "its own); coopt-fp8-values: fp8-kv-cache{values-only} (V in fp8, K in bf16)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -135,10 +135,11 @@ def run_prefill(args, save=lambda row: None) -> dict:
     return row
 
 
-def floor_ms(model, batch: int, pos: int, kv_element_bytes: int | None = None) -> float:
+def floor_ms(model, batch: int, pos: int, kv_element_bytes: int | None = None, values_only: bool = False) -> float:
     """Bytes one decode step must read over the copy bandwidth: every weight once, except
     embedding tables (only the `batch` looked-up rows), plus the valid K/V of every layer (at
-    `kv_element_bytes` per element when given: 1 for an fp8 cache)."""
+    `kv_element_bytes` per element when given: 1 for an fp8 cache; with `values_only` the keys
+    at their own size)."""
     import torch
 
     seen: set[int] = set()
@@ -156,7 +157,8 @@ def floor_ms(model, batch: int, pos: int, kv_element_bytes: int | None = None) -
     for name, buffer in model.named_buffers():
         if name.endswith(("k_cache", "v_cache")):  # [B, Hkv, S_max, D]: the valid part is read
             b, hkv, _, d = buffer.shape
-            kv += batch * hkv * (pos + 1) * d * (kv_element_bytes or buffer.element_size())
+            own = values_only and name.endswith("k_cache")
+            kv += batch * hkv * (pos + 1) * d * ((None if own else kv_element_bytes) or buffer.element_size())
     return (weights + kv) / COPY_BANDWIDTH * 1e3
 
 
@@ -208,10 +210,12 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         record("eager", lambda: model(*inputs), 0.0)
     if "reduce-overhead" in modes:
         compiled_variant("reduce-overhead")
+    from coopt.accuracy.builds import fp8_kv_pipeline
     from coopt.passes.registry import DEFAULT_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
 
     for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
-                                     ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE)):
+                                     ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE),
+                                     ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True))):
         if mode not in modes:
             continue
         suffix = mode[len("coopt"):]
@@ -228,6 +232,10 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
             row["fp8_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1)
             print(f"  {mode}: {row['fp8_floor_ms'] / row['ms'][mode]:.0%} of its fp8 floor "
                   f"({row['fp8_floor_ms']:.3f} ms)", flush=True)
+        if mode == "coopt-fp8-values":  # its own floor: bf16 keys, fp8 values
+            row["fp8_values_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1, values_only=True)
+            print(f"  {mode}: {row['fp8_values_floor_ms'] / row['ms'][mode]:.0%} of its floor "
+                  f"({row['fp8_values_floor_ms']:.3f} ms)", flush=True)
         if args.agreement_steps:  # accuracy of the build: logits and top-1 vs eager in fp32
             import copy
 

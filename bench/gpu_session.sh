@@ -28,6 +28,7 @@
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
 #   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
+#   bash bench/gpu_session.sh fp8-values / accuracy-values  # values-only fp8 KV: latency at b32 / 2048, accuracy
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
@@ -200,6 +201,15 @@ case "${1:-}" in
         done
         reports reports_fold coopt-decode
         step 100 pytest-fold python -m pytest -q -p no:cacheprovider tests/passes/test_fuse_kv_write_attention.py -k built
+        ;;
+    fp8-values)  # issue 4: fp8-kv-cache{values-only} (V fp8, K bf16) against both caches fp8, b32 at 2048 (~6 min)
+        step 560 fp8-values python bench/decode.py --cases 32:2048:4096 --modes coopt-fp8,coopt-fp8-values --prefill 0 \
+            --agreement-steps 8 --out "$OUT/fp8_values.json" --build-dir /tmp/coopt-decode
+        ;;
+    accuracy-values)  # issue 4: the harness with the bf16 baseline, --kv-cache fp8 and values-only (~5 min)
+        step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --windows 128 \
+            --only "coopt bf16,coopt fp8 KV per-head, smoothed K,coopt fp8 V per-head (K bf16)" \
+            --out "$OUT/accuracy_values.json"
         ;;
     pdl-kinds-b32)  # issue 3: b32 / 2048 profiled with PDL off, for the GEMVs (and their norm row kernels) only, off again
         # (session 12: COOPT_PDL=gemv replayed 1775.6 us against bench/decode.py's 1789 with PDL off, not in one process;

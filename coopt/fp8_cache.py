@@ -119,6 +119,8 @@ def fp8_weights(record: dict, state: dict) -> dict[str, torch.Tensor]:
             tensors[offsets[cache_ref]] = offset
             cache = cache.float() - offset
         tensors[cache_ref] = quantize(cache, scale, granularity)
+    for cache_ref, scale_ref in record.get("unit_scales", {}).items():  # values-only: keys as they are, scale 1
+        tensors[scale_ref] = torch.tensor(record["scales"][scale_ref], dtype=torch.float32, device=state[cache_ref].device)
     for output_ref, of in record.get("output_offsets", {}).items():  # smooth-v: added to attention outputs
         offset = tensors[of["offset"]].repeat_interleave(of["repeat"], dim=1)  # [1, H, 1, D]
         tensors[output_ref] = offset.to(getattr(torch, of["dtype"]))
@@ -126,9 +128,11 @@ def fp8_weights(record: dict, state: dict) -> dict[str, torch.Tensor]:
 
 
 def kv_cache_bytes(record: dict, state: dict) -> dict:
-    """Bytes of the KV caches as the model had them and as stored in fp8 with their scales."""
-    before = sum(state[c].numel() * state[c].element_size() for c in record["caches"])
-    after = 0
+    """Bytes of the KV caches as the model had them and as stored in fp8 with their scales (with
+    values-only, the key caches at their own size in both, plus their unit scales after)."""
+    kept = record.get("unit_scales", {})
+    before = sum(state[c].numel() * state[c].element_size() for c in [*record["caches"], *kept])
+    after = sum(state[c].numel() * state[c].element_size() + 4 * len(record["scales"][s]) for c, s in kept.items())
     for cache_ref, scale_ref in record["caches"].items():
         cache = state[cache_ref]  # one byte an element in fp8, plus its fp32 scales
         scales = cache[..., 0].numel() if record["granularity"] == "per-token" else torch.tensor(record["scales"][scale_ref]).numel()

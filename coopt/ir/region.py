@@ -53,8 +53,10 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
 
     fp8 cache (fp8-kv-cache pass, docs/kv-cache.md): k_cache / v_cache float8_e4m3fn and two
     more inputs k_scale, v_scale (fp32: [1] per-tensor, [Hkv] per-head, [B, Hkv, S_max]
-    per-token), attrs "kv_scale": that granularity; the cache is read as k * k_scale. The same
-    holds for attention with lengths (a prompt over an fp8 cache).
+    per-token), attrs "kv_scale": that granularity; the cache is read as k * k_scale. With
+    per-tensor / per-head scales k_cache may stay in q's dtype beside an fp8 v_cache
+    (fp8-kv-cache's values-only; its k_scale ones). The same holds for attention with lengths
+    (a prompt over an fp8 cache).
 
     Paged KV (coopt/runtime/paged.py): attrs add "page_size": P (a power of two, 16..256);
     inputs q [B, H, 1, D], k_pages / v_pages [N_pages, Hkv, P, D], lengths [B] int32 or int64,
@@ -86,8 +88,9 @@ kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quanti
     [B, Hkv, 1, D], cache[b, :, positions[b]] = quant(rope(k[b, :, 0])). Paged (attrs
     "page_size": P, "page_table_input": last, "pool_input": 0): k_cache / v_cache are pools
     [N, Hkv, P, D] and a last input page_table [B, max_pages] int32 says where position p of
-    sequence b goes (row p % P of page page_table[b, p // P]). docs/kv-cache.md has the whole
-    contract.
+    sequence b goes (row p % P of page page_table[b, p // P]). Values only (attrs "values_only":
+    true, fp8-kv-cache's values-only, quant per-tensor / per-head): k_cache in k's dtype, written
+    unquantized, and V's scale the one scale input. docs/kv-cache.md has the whole contract.
 
 rope (rotary embedding, rotate-half form)
     attrs = {}

@@ -119,9 +119,13 @@ class FuseKvWrite(CooptPass):
             inputs += [k.rope.cos, k.rope.sin]
         attrs = {
             "rope": k.rope is not None,
-            "quant": k.quantize.granularity.data if k.quantize is not None else "none",
+            "quant": v.quantize.granularity.data if v.quantize is not None else "none",
             "inplace": [0, 1],
         }
+        if k.quantize is None and v.quantize is not None:  # values-only: V's scale alone
+            attrs["values_only"] = True
+            inputs.append(v.quantize.scale)
+            count("fuse.kv_write.values_only")
         if k.scales is not None:  # per-token: the scale buffers, written in place beside the caches
             inputs += [k.scales.buffer, v.scales.buffer]
             outputs += [k.scales.update.results[0], v.scales.update.results[0]]

@@ -301,11 +301,15 @@ def pair(first: Write, second: Write) -> tuple[Write, Write] | str:
     """(k, v) of two writes of one step, or why they are not one."""
     if first.cache is second.cache or dims(first.cache) != dims(second.cache):
         return "pair"
-    if first.cache.type.element_type != second.cache.type.element_type:
+    k, v = (second, first) if second.rope is not None else (first, second)
+    # fp8-kv-cache{values-only}: the keys kept in their dtype, the values quantized (calibrated scales)
+    values_only = (k.quantize is None and v.quantize is not None and v.scales is None
+                   and v.quantize.granularity.data in ("per-tensor", "per-head"))
+    if first.cache.type.element_type != second.cache.type.element_type and not values_only:
         return "pair"
-    if (first.quantize is None) != (second.quantize is None) or (
+    if not values_only and ((first.quantize is None) != (second.quantize is None) or (
         first.quantize is not None and first.quantize.granularity.data != second.quantize.granularity.data
-    ):
+    )):
         return "quant_mismatch"
     if first.rope is not None and second.rope is not None:
         return "two_ropes"
@@ -316,4 +320,4 @@ def pair(first: Write, second: Write) -> tuple[Write, Write] | str:
     if first.paged is not None and (first.paged.table is not second.paged.table
                                     or first.paged.page_size != second.paged.page_size):
         return "pair"
-    return (second, first) if second.rope is not None else (first, second)
+    return k, v

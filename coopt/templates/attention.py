@@ -103,7 +103,9 @@ def kv_cache_problem(region: RegionSummary, scales_at: int) -> str | None:
 
     A plain cache: k, v in q's dtype and no input from `scales_at` on. An fp8 cache (attrs
     "kv_scale"): k, v float8_e4m3fn, then exactly k_scale, v_scale, fp32, shaped by the
-    granularity ([1], [Hkv] or k's [B, Hkv, S]).
+    granularity ([1], [Hkv] or k's [B, Hkv, S]). With per-tensor or per-head scales k may stay in
+    q's dtype beside an fp8 v (fp8-kv-cache values-only: k_scale ones): the kernels widen k to
+    their tile dtype as they would an fp8 tile, a no-op or exact.
     """
     q, k, v = region.inputs[:3]
     granularity = kv_scale(region)
@@ -115,14 +117,22 @@ def kv_cache_problem(region: RegionSummary, scales_at: int) -> str | None:
         return f"kv_scale {granularity!r} is none of {', '.join(KV_SCALES)}"
     if len(region.inputs) != scales_at + 2:
         return f"an fp8 cache needs inputs k_scale, v_scale (got {len(region.inputs)} inputs)"
-    if not k.dtype == v.dtype == FP8_CACHE_DTYPE:
-        return f"kv_scale needs {FP8_CACHE_DTYPE} k / v, got {k.dtype} / {v.dtype}"
+    if v.dtype != FP8_CACHE_DTYPE or k.dtype not in (FP8_CACHE_DTYPE, q.dtype):
+        return f"kv_scale needs {FP8_CACHE_DTYPE} v and an {FP8_CACHE_DTYPE} k or one in q's dtype, got {k.dtype} / {v.dtype}"
+    if k.dtype != FP8_CACHE_DTYPE and granularity == "per-token":
+        return "a k in q's dtype beside an fp8 v (values-only) goes with per-tensor or per-head scales"
     for name, scale, cache in (("k_scale", region.inputs[scales_at], k), ("v_scale", region.inputs[scales_at + 1], v)):
         if scale.dtype != "float32":
             return f"{name} is {scale.dtype}, expected float32"
         if tuple(scale.shape) != _scale_shape(granularity, cache):
             return f"{name} shape {tuple(scale.shape)} is not {granularity} {_scale_shape(granularity, cache)}"
     return None
+
+
+def kv_element_bytes(region: RegionSummary) -> int:
+    """Bytes of the larger of a K and a V element (1 for an fp8 cache; a values-only cache keeps
+    K in q's dtype): what a tile of either takes in shared memory at most."""
+    return max(DTYPE_BYTES[region.inputs[1].dtype], DTYPE_BYTES[region.inputs[2].dtype])
 
 
 # Paged KV (paged-kv, docs/kv-cache.md): pools of pages of P positions read through a page table.
@@ -227,7 +237,7 @@ class AttentionFamily(TemplateFamily):
         bm, bn, warps, stages = params["BLOCK_M"], params["BLOCK_N"], params["num_warps"], params["num_stages"]
         block_d = max(16, next_pow2(self._head_dim(region)))
         q_elem = DTYPE_BYTES[region.inputs[0].dtype]
-        kv_elem = DTYPE_BYTES[region.inputs[1].dtype]  # 1 for an fp8 cache
+        kv_elem = kv_element_bytes(region)
         if params["PACK_GQA"] and self._group(region) == 1:
             return "PACK_GQA needs grouped kv heads (num_heads > num_kv_heads)"
         smem = bm * block_d * q_elem + 2 * bn * block_d * stages * kv_elem

@@ -131,7 +131,8 @@ import math
 
 from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs, kv_write_rope, rope_at
 from coopt.targets import Target
-from coopt.templates.attention import _TL_DTYPE, _TORCH_DTYPE, kv_cache_problem, kv_scale, page_size, paged_problem, paged_schema_ok
+from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE, kv_cache_problem, kv_element_bytes, kv_scale,
+                                       page_size, paged_problem, paged_schema_ok)
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 # knobs some regions' spaces add, and their value where a point leaves them out
@@ -164,6 +165,8 @@ def _fp16_tiles_problem(region: RegionSummary) -> str | None:
     Per-token V scales weigh P itself (small scales would leave fp16's range): not with those."""
     if kv_scale(region) not in ("per-tensor", "per-head"):
         return "TILE_FP16 is for fp8 caches with per-tensor or per-head scales"
+    if region.inputs[1].dtype != FP8_CACHE_DTYPE:
+        return "TILE_FP16 widens e4m3 K tiles (keys kept in bf16 would be rounded to fp16)"
     if region.inputs[0].dtype != "bfloat16":
         return "TILE_FP16 is for a bf16 query (fp16 tiles are q's dtype already; fp32 keeps fp32)"
     return None
@@ -183,12 +186,13 @@ def scales_at(region: RegionSummary) -> int:
 
 def kv_bytes_read(region: RegionSummary, lengths) -> int:
     """Bytes the kernel must read from the caches for these valid lengths: K and V rows (1 byte
-    an element in fp8), and with per-token scales one fp32 K and one V scale per row."""
+    an element in fp8; a values-only cache keeps K in q's dtype), and with per-token scales one
+    fp32 K and one V scale per row."""
     _, kv_heads, _, head_dim = region.inputs[1].shape
-    row_bytes = head_dim * DTYPE_BYTES[region.inputs[1].dtype]
+    row_bytes = head_dim * (DTYPE_BYTES[region.inputs[1].dtype] + DTYPE_BYTES[region.inputs[2].dtype])
     if kv_scale(region) == "per-token":
-        row_bytes += DTYPE_BYTES[region.inputs[scales_at(region)].dtype]
-    return sum(int(n) for n in lengths) * kv_heads * 2 * row_bytes
+        row_bytes += 2 * DTYPE_BYTES[region.inputs[scales_at(region)].dtype]
+    return sum(int(n) for n in lengths) * kv_heads * row_bytes
 
 
 def _gathered(region: RegionSummary) -> bool:
@@ -330,7 +334,7 @@ class DecodeAttentionFamily(TemplateFamily):
             if problem:
                 return problem
         block_d, block_h = self._block_d(region), self.block_h(region, use_dot)
-        elem = DTYPE_BYTES[region.inputs[1].dtype]  # K/V: 1 for an fp8 cache
+        elem = kv_element_bytes(region)  # K/V: 1 for an fp8 cache
         q_elem = DTYPE_BYTES[region.inputs[0].dtype]
         fp8 = kv_scale(region) is not None
         threads = 32 * warps

@@ -13,6 +13,10 @@ Region schema (coopt.ir.region, docs/kv-cache.md):
     Per row ("positions": "per-row", a ragged decode step): positions [B], k, v [B, Hkv, 1, D]:
     cache[b, :, positions[b]] = quant(rope(k[b, :, 0])), each sequence at its own position.
 
+    Values only (fp8-kv-cache's values-only; attrs "values_only": true, quant per-tensor or
+    per-head): k_cache stays in k's dtype, v_cache float8_e4m3fn, and one scale input, v_scale:
+    cache[..] = rope(k) for K, quant(v) for V.
+
     Paged (paged-kv; attrs "page_size": P, "page_table_input": last, "pool_input": 0): k_cache,
     v_cache are page pools [N_pages, Hkv, P, D] and a last input page_table [B, max_pages] int32;
     position p of sequence b is row p % P of page page_table[b, p // P] (per row or per token as
@@ -79,7 +83,12 @@ class KvWriteFamily(TemplateFamily):
         offsets = [attrs.get("k_offset", False), attrs.get("v_offset", False)]
         if any(not isinstance(o, bool) or (o and quant not in ("per-tensor", "per-head")) for o in offsets):
             return False
-        want_inputs = 5 + 2 * rope + 2 * (quant != "none") + sum(offsets) + paged
+        # values-only: K kept in its dtype (no K scale, no K offset), V quantized
+        values_only = attrs.get("values_only", False)
+        if not isinstance(values_only, bool) or (values_only and (quant not in ("per-tensor", "per-head") or offsets[0])):
+            return False
+        scales = (2 - values_only) * (quant != "none")
+        want_inputs = 5 + 2 * rope + scales + sum(offsets) + paged
         inplace = [0, 1, 5 + 2 * rope, 6 + 2 * rope] if quant == "per-token" else [0, 1]
         if len(region.inputs) != want_inputs or list(attrs.get("inplace") or ()) != inplace:
             return False
@@ -101,7 +110,8 @@ class KvWriteFamily(TemplateFamily):
         if quant == "per-token" and any(s.shape != k_cache.shape[:3] for s in region.inputs[5 + 2 * rope:7 + 2 * rope]):
             return False
         # the offsets [1, Hkv, 1, D] fp32 (K's, then V's), after the scales
-        if any(s.shape != (1, k_cache.shape[1], 1, k_cache.shape[3]) for s in region.inputs[7 + 2 * rope:7 + 2 * rope + sum(offsets)]):
+        first_offset = 5 + 2 * rope + scales
+        if any(s.shape != (1, k_cache.shape[1], 1, k_cache.shape[3]) for s in region.inputs[first_offset:first_offset + sum(offsets)]):
             return False
         return (
             isinstance(head_dim, int) and 1 <= head_dim <= MAX_HEAD_DIM
@@ -111,7 +121,7 @@ class KvWriteFamily(TemplateFamily):
             and k.shape[2] == v.shape[2] == indexed[1] and positions.shape[0] == indexed[0]
             and positions.dtype in ("int32", "int64")
             and k.dtype in FLOAT_DTYPES and v.dtype == k.dtype
-            and k_cache.dtype == v_cache.dtype == cache_dtype
+            and k_cache.dtype == (k.dtype if values_only else cache_dtype) and v_cache.dtype == cache_dtype
             and all(len(s.shape) <= 4 and s.dtype in FLOAT_DTYPES for s in region.inputs[5:5 + 2 * rope])
             and all(s.dtype == "float32" for s in region.inputs[5 + 2 * rope:len(region.inputs) - paged])
             and [o.dtype for o in region.outputs] == [region.inputs[i].dtype for i in inplace]
@@ -157,6 +167,7 @@ class KvWriteFamily(TemplateFamily):
             quant=attrs["quant"],
             per_row=attrs.get("positions") == "per-row",
             k_offset=bool(attrs.get("k_offset", False)),
+            values_only=bool(attrs.get("values_only", False)),
             v_offset=bool(attrs.get("v_offset", False)),
             page_size=attrs.get("page_size") or 0,
             headroom=repr(float(attrs.get("headroom", 1.0))),

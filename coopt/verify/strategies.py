@@ -334,13 +334,16 @@ def scale_inputs(region: RegionSummary) -> tuple[int, ...]:
         (5, 6)
         >>> scale_inputs(RegionSummary("w", "kv_write", (), (), {"rope": True, "quant": "per-token"}))
         (7, 8)
+        >>> scale_inputs(RegionSummary("w", "kv_write", (), (), {"rope": True, "quant": "per-head", "values_only": True}))
+        (7,)
     """
     if region.attrs.get("kv_scale") is not None:
         first = 4 + (region.attrs.get("page_size") is not None) + 2 * bool(region.attrs.get("rope"))
         return (first, first + 1)
     if region.family == "kv_write" and region.attrs.get("quant", "none") != "none":
         first = 7 if region.attrs.get("rope") else 5
-        return (first, first + 1)
+        # values-only: V's scale alone (the keys stay in their dtype)
+        return (first,) if region.attrs.get("values_only") else (first, first + 1)
     return ()
 
 

@@ -26,7 +26,8 @@ def measured(corpus, trained, tmp_path_factory):
     root = tmp_path_factory.mktemp("accuracy_builds")
     calibration = builds.calibration_inputs(corpus.train, SETTING)
     pipelines = {"bf16": builds.REFERENCE_PIPELINE,
-                 **{g: builds.fp8_kv_pipeline(g, builds.REFERENCE_PIPELINE) for g in GRANULARITIES}}
+                 **{g: builds.fp8_kv_pipeline(g, builds.REFERENCE_PIPELINE) for g in GRANULARITIES},
+                 "values-only": builds.fp8_kv_pipeline("per-head", builds.REFERENCE_PIPELINE, values_only=True)}
     reference = metrics.model_logits_fn(model)
     results = {}
     for name, pipeline in pipelines.items():
@@ -85,6 +86,22 @@ def test_fp8_builds_store_fp8_caches_and_count_their_bytes(measured, trained):
         assert candidate.details["kv_bytes_per_token"] == pytest.approx(per_token + scales[granularity])
         assert candidate.details["build_accuracy"]["passes"][0]["knobs"]["granularity"] == granularity
         assert candidate.model.state_tensor("layers.0.attention.k_cache").dtype == torch.float8_e4m3fn
+
+
+def test_values_only_keeps_the_keys_in_bf16_and_costs_less_than_both_in_fp8(measured, trained):
+    """fp8-kv-cache{values-only}: 3/4 of the bf16 cache's bytes (plus both caches' per-head
+    scales), the keys stored as bf16, and less KL to the fp32 model than rounding both caches."""
+    model, _ = trained
+    args = model.args
+    slots = SETTING.batch * SETTING.max_seq
+    per_cache = args.n_layers * args.n_kv_heads * args.head_dim  # elements of K (or V) per cached token
+    candidate, report = measured["values-only"]
+    scales = args.n_layers * 2 * args.n_kv_heads * 4 / slots
+    assert candidate.details["kv_bytes_per_token"] == pytest.approx(2 * per_cache + per_cache + scales)
+    assert candidate.model.state_tensor("layers.0.attention.k_cache").dtype == torch.bfloat16
+    assert candidate.model.state_tensor("layers.0.attention.v_cache").dtype == torch.float8_e4m3fn
+    assert candidate.details["build_accuracy"]["passes"][0]["knobs"]["values-only"] is True
+    assert measured["bf16"][1].kl_mean < report.kl_mean < measured["per-head"][1].kl_mean
 
 
 def test_logits_come_from_the_built_prefill_through_its_fp8_cache(corpus, trained, measured):

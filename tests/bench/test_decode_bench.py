@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import decode
+import pytest
 
 
 def test_a_row_keeps_the_builds_seconds_and_its_checks_reference(tmp_path):
@@ -22,3 +23,23 @@ def test_a_build_without_an_end_to_end_record_says_so(tmp_path):
     (tmp_path / "build.json").write_text(json.dumps({"seconds": 2.0, "end_to_end": None}))
     summary = decode.build_summary(tmp_path)
     assert summary["seconds"] == 2.0 and summary["reference_precision"] is None and summary["step_seconds"] is None
+
+
+def test_the_values_only_floor_reads_bf16_keys_and_fp8_values():
+    """A model with two 1-element weights and bf16 caches [2, 2, 8, 4]: at position 3 with batch 2
+    each cache's valid part is 2 x 2 x 4 x 4 elements (64)."""
+    import torch
+
+    class Caches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(1, 1, bias=False)
+            self.register_buffer("k_cache", torch.zeros(2, 2, 8, 4, dtype=torch.bfloat16))
+            self.register_buffer("v_cache", torch.zeros(2, 2, 8, 4, dtype=torch.bfloat16))
+
+    model = Caches()
+    to_bytes = decode.COPY_BANDWIDTH / 1e3
+    weights = 4
+    assert decode.floor_ms(model, 2, 3) * to_bytes == pytest.approx(weights + 2 * 64 * 2)
+    assert decode.floor_ms(model, 2, 3, kv_element_bytes=1) * to_bytes == pytest.approx(weights + 2 * 64)
+    assert decode.floor_ms(model, 2, 3, kv_element_bytes=1, values_only=True) * to_bytes == pytest.approx(weights + 64 * 2 + 64)

@@ -135,6 +135,8 @@ def test_regions_carry_the_scales():
     ("headroom=0.5", "headroom=0.5"),
     ("granularity=per-token,scale-source=dynamic,smooth-k=true", "smooth-k needs calibrated scales"),
     ("granularity=per-token,scale-source=dynamic,smooth-v=true", "smooth-v needs calibrated scales"),
+    ("granularity=per-token,scale-source=dynamic,values-only=true", "values-only keeps the keys"),
+    ("values-only=true,smooth-k=true", "not with scale-source=dynamic or smooth-k"),
 ])
 def test_illegal_knob_combinations_are_pipeline_errors_naming_the_knob(knobs, culprit):
     with pytest.raises(ConfigError, match="fp8-kv-cache") as error:
@@ -334,3 +336,54 @@ def test_fuse_kv_write_takes_a_value_centring_alone():
     (kernel,) = [k for k in ops(module, KernelOp) if k.family.data == "kv_write"]
     assert "k_offset" not in kernel.family_attrs and kernel.family_attrs["v_offset"] is True
     assert kernel.inputs[-1].owner.ref.data == "v_cache.offset" and counters["fuse.kv_write.smooth_v"] == 1
+
+
+def test_values_only_keeps_the_keys_and_reads_them_with_unit_scales():
+    module, counters, model = run(RAISE + ",fp8-kv-cache{values-only=true}")
+    types = weight_types(module)
+    assert types["k_cache"] == "tensor<1x2x32x16xf32>" and types["v_cache"] == "tensor<1x2x32x16xf8E4M3FN>"
+    assert types["k_cache.scale"] == types["v_cache.scale"] == "tensor<2xf32>"
+    (quantized,) = ops(module, QuantizeFp8Op)  # only the value write
+    (attention,) = ops(module, DecodeAttentionOp)
+    assert attention.k_scale.owner.ref.data == "k_cache.scale" and "f32" in str(attention.k.type)
+    record = json.loads(module.attributes[FP8_ATTR].data)
+    assert record["caches"] == {"v_cache": "v_cache.scale"} and record["unit_scales"] == {"k_cache": "k_cache.scale"}
+    assert record["scales"]["k_cache.scale"] == [1.0, 1.0]
+    assert counters["fp8_kv_cache.buffers"] == 1 and counters["fp8_kv_cache.unit_scales"] == 1
+
+
+def test_values_only_build_matches_eager_within_the_values_rounding(tmp_path):
+    """Built (the write and the attention on kernels that take bf16 / fp32 keys beside fp8
+    values) and run over three steps: the key cache holds eager's keys exactly, the value cache
+    e4m3 values of eager's, and the output differs from eager by no more than the same build
+    with both caches in fp8."""
+    errors = {}
+    for name, knobs in (("both", ""), ("values", "{values-only=true}")):
+        torch.manual_seed(0)
+        eager, build_model = DecodeStep(), DecodeStep()
+        build_model.load_state_dict(eager.state_dict())
+        pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{knobs},fuse-attention,fuse-kv-write"
+        coopt.Pipeline(pipeline, top_k=1).build(build_model, step(3), tmp_path / name,
+                                                calibration_inputs=[step(p) for p in (1, 2, 3)])
+        built = coopt.load(tmp_path / name)
+        errors[name] = 0.0
+        for pos in (4, 9, 17):
+            inputs = step(pos, torch.Generator().manual_seed(100 + pos))
+            out, expected = built(*inputs), eager(*inputs)
+            errors[name] = max(errors[name], float((out - expected).abs().max()))
+        if name == "values":
+            # the write and the attention each one verified kernel (mixed K / V dtypes)
+            regions = json.loads((tmp_path / name / "selection.json").read_text())["regions"].values()
+            assert sorted(r["family"] for r in regions) == ["decode_attention", "kv_write"]
+            (write,) = [r for r in regions if r["family"] == "kv_write"]
+            assert write["summary"]["attrs"]["values_only"] is True
+            assert all(r["selected"] != "reference" for r in regions)
+            accuracy = json.loads((tmp_path / name / "build.json").read_text())["accuracy"]["kv_cache_bytes"]
+            keys, values = eager.k_cache.numel() * 4, eager.v_cache.numel() * 4
+            assert accuracy["before"] == keys + values and accuracy["after"] == keys + 4 * 2 + values // 4 + 4 * 2
+            assert torch.equal(built.state_tensor("k_cache"), eager.k_cache)  # the keys untouched, new rows too
+            stored = built.state_tensor("v_cache")
+            assert stored.dtype == torch.float8_e4m3fn
+            scale = built.state_tensor("v_cache.scale")[None, :, None, None]
+            torch.testing.assert_close(stored.float() * scale, eager.v_cache, rtol=0.07, atol=1e-6 + float(scale.max()) / 8)
+    assert 0 < errors["values"] <= errors["both"], errors

@@ -7,6 +7,7 @@ causal mask (SDPA's is_causal aligns top-left when Sq != Sk).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -411,3 +412,20 @@ def test_fp8_query_lengths_compile_for_hopper(compile_for_sm90):
         assert FAMILY.check(region, point, H200) is None
         jobs.append((granularity, FAMILY.render(region, point), inputs, "_attention_kernel"))
     compile_for_sm90(jobs)
+
+
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
+@pytest.mark.parametrize("params", [SMALL, {**SMALL, "PACK_GQA": True, "SPLIT_KV": 2}], ids=["plain", "packed-split"])
+def test_keys_in_the_query_dtype_beside_fp8_values(params, granularity, load_candidate):
+    """fp8-kv-cache{values-only}: a prompt over bf16 keys and fp8 values (K scale ones in a build;
+    any positive scale here)."""
+    base = fp8_lengths_region(2, 4, 2, 5, 70, 32, granularity)
+    region = dataclasses.replace(base, inputs=(base.inputs[0], TensorSpec(base.inputs[1].shape, "bfloat16"), *base.inputs[2:]))
+    q, k, v, lengths, k_scale, v_scale = make_fp8_inputs(base, [1, 70, 16, 33, 17], seed=6)
+    k = torch.randn(k.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
+    assert FAMILY.matches(region) and FAMILY.check(region, params, H200) is None
+    (out,) = run_candidate(load_candidate, region, params, [q, k, v, lengths, k_scale, v_scale])
+    check_close(out, fp8_reference(region, q, k, v, lengths, k_scale, v_scale))
+    per_token = fp8_lengths_region(2, 4, 2, 5, 70, 32, "per-token")
+    assert not FAMILY.matches(dataclasses.replace(
+        per_token, inputs=(per_token.inputs[0], TensorSpec(per_token.inputs[1].shape, "bfloat16"), *per_token.inputs[2:])))

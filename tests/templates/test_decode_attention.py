@@ -7,6 +7,7 @@ repeated for GQA; one test also checks it against SDPA with a padding mask.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -827,3 +828,35 @@ def test_paged_heuristic_tiles_as_without_pages(size):
 def test_paged_bandwidth_model_counts_the_same_bytes():
     paged = paged_region(2, 32, 8, 4096, 16, 2048, 128, "bfloat16")
     assert kv_bytes_read(paged, [32768, 1]) == kv_bytes_read(make_region(2, 32, 8, 32768, 128, "bfloat16"), [32768, 1])
+
+
+def values_only(region: RegionSummary, inputs: list, seed: int = 7) -> tuple[RegionSummary, list]:
+    """fp8-kv-cache{values-only}'s form of an fp8 region: K in q's dtype (N(0, 1) keys, like a
+    dequantized fp8 cache's), V still fp8; the scales as they were (the kernel takes any K scale)."""
+    q = region.inputs[0]
+    keys = TensorSpec(region.inputs[1].shape, q.dtype)
+    region = dataclasses.replace(region, inputs=(q, keys, *region.inputs[2:]))
+    k = torch.randn(inputs[1].shape, generator=torch.Generator().manual_seed(seed)).to(DTYPES[q.dtype]).to(DEVICE)
+    return region, [inputs[0], k, *inputs[2:]]
+
+
+@pytest.mark.parametrize("params", [FP8_FMA, FP8_DOT], ids=["fma", "dot-four-splits"])
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_keys_in_the_query_dtype_beside_fp8_values(dtype, granularity, params, load_candidate):
+    base = fp8_region(3, 8, 2, 80, 64, granularity, dtype)
+    region, inputs = values_only(base, make_fp8_inputs(base, FP8_LENGTHS["mixed"], seed=5))
+    assert FAMILY.matches(region) and FAMILY.check(region, params, H200) is None
+    (out,) = run_candidate(load_candidate, region, params, inputs)
+    assert out.dtype == DTYPES[dtype]
+    check_close(out, fp8_reference(region, *inputs))
+
+
+def test_keys_in_the_query_dtype_take_no_fp16_tiles_and_no_per_token_scales():
+    region, _ = values_only(fp8_region(1, 32, 8, 4096, 128, "per-head"), [None, torch.empty(1, 8, 4096, 128)])
+    assert "TILE_FP16" not in FAMILY.param_space(region, H200)
+    assert "keys kept in bf16" in FAMILY.check(region, {**FP8_DOT, "BLOCK_N": 64, "TILE_FP16": True}, H200)
+    per_token, _ = values_only(fp8_region(1, 32, 8, 4096, 128, "per-token"), [None, torch.empty(1, 8, 4096, 128)])
+    assert not FAMILY.matches(per_token)
+    # what the kernel must read: bf16 keys and fp8 values, 3 bytes a (row, channel)
+    assert kv_bytes_read(region, [2048]) == 2048 * 8 * 128 * 3

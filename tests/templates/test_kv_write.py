@@ -3,6 +3,8 @@ torch reference that rounds to float8_e4m3fn correctly (torch's own cast), in pl
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from template_helpers import on_test_device
@@ -230,3 +232,32 @@ def test_compiles_for_hopper(compile_for_sm90):
         jobs.append((quant + ("-smooth-kv" if offset else ""), FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]),
                      inputs, "kv_write_kernel"))
     compile_for_sm90(jobs)
+
+
+@pytest.mark.parametrize("quant", ["per-tensor", "per-head"])
+@pytest.mark.parametrize("rope_on", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_values_only_stores_keys_as_they_are_and_quantizes_the_values(load_candidate, quant, rope_on, dtype):
+    """fp8-kv-cache{values-only}: K rows (roped) stored in the key cache's own dtype as the
+    unfused ops store them, V rows rounded to e4m3 with V's scale, the one scale input."""
+    both = region(2, 2, 8, 2, 3, 32, rope=rope_on, quant=quant, dtype=dtype)
+    key_cache = TensorSpec(both.inputs[0].shape, dtype)
+    inputs_spec = (key_cache, *both.inputs[1:-2], both.inputs[-1])  # K's scale dropped
+    summary = RegionSummary("kv", "kv_write", inputs_spec, (key_cache, both.inputs[1]),
+                            {**both.attrs, "values_only": True})
+    assert FAMILY.matches(summary)
+    inputs = make_inputs(both, [1, 6, 2], seed=7, magnitude=30.0)
+    inputs[0] = torch.randn(key_cache.shape, generator=torch.Generator().manual_seed(8)).to(getattr(torch, dtype))
+    del inputs[-2]  # K's scale
+    module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]))
+    k_out, v_out = module.run(*on_test_device([t.clone() for t in inputs]))
+    k_cache, v_cache, positions, k, v, *extra = inputs
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k[:, :, positions] = rope(k, extra[0], extra[1]) if rope_on else k
+    expected_v[:, :, positions] = quantize(v, extra[-1], quant)
+    assert k_out.dtype == getattr(torch, dtype) and v_out.dtype == FP8
+    # (the fused rope rounds its fp32 result once, the unfused one after each op: an ulp apart)
+    torch.testing.assert_close(k_out.cpu().float(), expected_k.float(), rtol=2e-6 if dtype == "float32" else 8e-3, atol=1e-5)
+    assert torch.equal(v_out.cpu().float(), expected_v.float())
+    # the K offset and per-token scales are the both-fp8 form's only
+    assert not FAMILY.matches(dataclasses.replace(summary, attrs={**summary.attrs, "quant": "per-token"}))
