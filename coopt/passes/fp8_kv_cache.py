@@ -25,6 +25,10 @@ Where the scales come from (`scale-source`):
   positions]) stores each row's [B, Hkv] scales the same way; paged-kv pages the scale buffers
   like their caches.
 
+values-only (calibration only): only the caches read as V are retyped and quantized; each key
+cache keeps its dtype and gets a scale weight of ones, so its attentions still take two scales
+(k * 1.0 is exact) and fuse-kv-write pairs its plain write with the quantized V write.
+
 The pass touches no data: it records in the module attribute `coopt.fp8_kv_cache` (JSON
 {"granularity", "headroom", "caches": {cache ref: scale ref}, "scales": {scale ref: [values]}
 (calibration only), with smooth-k "offsets": {cache ref: offset ref} and "offset_values":

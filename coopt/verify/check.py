@@ -21,7 +21,7 @@ import torch
 from coopt.ir.region import RegionSummary, kv_write_inputs
 from coopt.runtime.kernel_loader import load_module_from_file
 from coopt.verify.strategies import Example, distinct_written_pages, make_inputs
-from coopt.verify.tolerances import FAMILY_SLACK, compare
+from coopt.verify.tolerances import compare, family_slack
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def _compare_outputs(region, example, outputs, ref_hi, ref_native) -> ExampleOut
                            f"{ref_hi[i].device.type}")
         native = ref_native[i] if ref_native is not None and len(ref_native) > i else None
         verdict = compare(output, ref_hi[i], native, dtype=spec.dtype,
-                          shape=spec.concrete(dims), slack=FAMILY_SLACK.get(region.family, 1.0))
+                          shape=spec.concrete(dims), slack=family_slack(region.family, spec.dtype))
         max_abs = _nanmax(max_abs, verdict.max_abs_err)
         max_rel = _nanmax(max_rel, verdict.max_rel_err)
         if not verdict.ok:
