@@ -165,6 +165,11 @@ def test_kv_cache_option_inserts_the_pass_after_raise_patterns():
     assert coopt.Pipeline(kv_cache="bf16").pipeline_text == coopt.Pipeline().pipeline_text
     with pytest.raises(ConfigError, match="raise-patterns"):
         coopt.Pipeline("fuse-elementwise", kv_cache="fp8")
+    values = coopt.Pipeline("inplace-state-writes,raise-patterns,fuse-attention", kv_cache="fp8-values")
+    assert values.pipeline_text == "inplace-state-writes,raise-patterns,fp8-kv-cache{values-only=true},fuse-attention"
+    assert values.passes[2].values_only is True
+    with pytest.raises(ConfigError, match="choices: none, bf16, fp8, fp8-values"):
+        coopt.Pipeline(kv_cache="fp4")
 
 
 def test_per_token_build_writes_quantized_rows_and_their_scales(tmp_path):
