@@ -103,7 +103,6 @@ def _fold(attention: KernelOp) -> str | None:
     if gathers:  # the tables whole, read at the position in the kernel (their gathers in its body)
         folded["gathered_tables"] = True
         count("fuse.kv_write_attention.gathered_tables")
-        inputs = [gathers[v].inputs[0] if v in gathers else v for v in inputs]
         own = folded.get("rope_tables_input")
         if own not in (None, 4) and attrs.get("rope") and inputs[own:own + 2] == inputs[4:6]:
             # K's rows were gathered from the query's tables apart: one table, one input (a value
@@ -112,7 +111,7 @@ def _fold(attention: KernelOp) -> str | None:
             folded["rope_tables_input"] = 4
     write_ops, written = _inline(write)
     attention_ops, (out,) = _inline(attention)
-    outline([*gathers.values(), *write_ops, *views, *attention_ops], "decode_attention",
+    outline([*gathers, *write_ops, *views, *attention_ops], "decode_attention",
             {**attrs, "kv_write": folded, "inplace": [1, 2]},
             inputs=inputs, outputs=[*written, out])
     return None
@@ -128,15 +127,15 @@ def _table_indices(attrs: dict, folded: dict) -> list[int]:
 
 
 def _own_gathers(inputs: list[SSAValue], tables: list[int], positions: SSAValue,
-                 kernels: tuple[KernelOp, ...], rows: int) -> dict[SSAValue, Operation]:
+                 kernels: tuple[KernelOp, ...], rows: int) -> list[Operation]:
     """Where every rotary table input is a row gather `table[positions]` of a [S, D] table by the
     write's own positions, S >= `rows` (the cache's: every position the write takes has its
-    row; a Llama step gathers cos and sin once for all its layers): a clone of
-    each gather, before the first kernel, that the kernels now read instead ({the clone's
-    result: the clone}, to go into the region); else {} and nothing changed. The region then
-    takes the whole tables and reads their row itself: the step's 2 gather launches go."""
+    row; a Llama step gathers cos and sin once for all its layers): a clone of each gather,
+    before the first kernel, that the kernels now read instead (the clones, to go into the
+    region), and `inputs` holding the tables themselves; else [] and nothing changed. The region
+    then reads the tables' row itself: the step's 2 gather launches go."""
     if not tables or not all(_row_gather_of(inputs[i], positions, rows) for i in tables):
-        return {}
+        return []
     clones: dict[SSAValue, Operation] = {}
     for original in dict.fromkeys(inputs[i] for i in tables):
         clone = original.owner.clone()
@@ -148,8 +147,8 @@ def _own_gathers(inputs: list[SSAValue], tables: list[int], positions: SSAValue,
             original.owner.detach()
             original.owner.erase()
     for i in tables:
-        inputs[i] = clones[inputs[i]].results[0]
-    return {clone.results[0]: clone for clone in clones.values()}
+        inputs[i] = clones[inputs[i]].inputs[0]  # the table the clone gathers from
+    return list(clones.values())
 
 
 def _row_gather_of(value: SSAValue, positions: SSAValue, rows: int) -> bool:

@@ -206,9 +206,16 @@ def _gathered(region: RegionSummary) -> bool:
     return isinstance(folded, dict) and bool(folded.get("gathered_tables"))
 
 
-def _whole_table_ok(table, head_dim: int) -> bool:
-    """A whole rotary table: [S, D], S a static size >= 1."""
-    return len(table.shape) == 2 and isinstance(table.shape[0], int) and table.shape[0] >= 1 and table.shape[1] == head_dim
+def _table_ok(region: RegionSummary, table, rotated) -> bool:
+    """A rotary table for the `rotated` input (q, or the folded write's k_new): in its dtype, and
+    either a whole table [S, D] (S a static size >= 1) read at the write's position
+    (`_gathered`) or rows that broadcast to it (rank <= 4, each dim 1 or the input's)."""
+    shape, full = list(table.shape), list(rotated.shape)
+    if table.dtype != rotated.dtype:
+        return False
+    if _gathered(region):
+        return len(shape) == 2 and isinstance(shape[0], int) and shape[0] >= 1 and shape[1] == full[3]
+    return len(shape) <= 4 and all(d == 1 or d == f for d, f in zip(shape[::-1], full[::-1]))
 
 
 class DecodeAttentionFamily(TemplateFamily):
@@ -284,12 +291,7 @@ class DecodeAttentionFamily(TemplateFamily):
             return False
         if k.dtype != q.dtype or v.dtype != k.dtype or [o.dtype for o in region.outputs[:2]] != [k.dtype, v.dtype]:
             return False
-        for table in (region.inputs[tables:tables + 2] if tables is not None else ()):
-            if table.dtype != k.dtype or not (_whole_table_ok(table, k.shape[3]) if _gathered(region) else (
-                    len(table.shape) <= 4 and all(d == 1 or d == full for d, full in
-                                                  zip(list(table.shape)[::-1], list(k_new.shape)[::-1])))):
-                return False
-        return True
+        return all(_table_ok(region, table, k_new) for table in (region.inputs[tables:tables + 2] if tables is not None else ()))
 
     @staticmethod
     def _rope_ok(region: RegionSummary) -> bool:
@@ -298,16 +300,7 @@ class DecodeAttentionFamily(TemplateFamily):
         an even D."""
         q = region.inputs[0]
         at = rope_at(region)
-        for table in region.inputs[at:at + 2]:
-            dims_ = list(table.shape)
-            if table.dtype != q.dtype:
-                return False
-            if _gathered(region):
-                if not _whole_table_ok(table, q.shape[3]):
-                    return False
-            elif len(dims_) > 4 or any(d != 1 and d != full for d, full in zip(dims_[::-1], list(q.shape)[::-1])):
-                return False
-        return q.shape[3] % 2 == 0
+        return all(_table_ok(region, table, q) for table in region.inputs[at:at + 2]) and q.shape[3] % 2 == 0
 
     # -- the space -----------------------------------------------------------------------
     def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:

@@ -237,20 +237,25 @@ def _workspace(device, partial_elements, counters):
 
 
 
+def _table_rows(table, heads):
+    """A whole table [S, D] as [S, heads, 1, D] (stride 0 over the heads): the kernel reads row
+    positions[0] through the batch stride, the same row for every head."""
+    return table[:, None, None, :].expand(-1, heads, 1, -1)
+
+
 def run(q, k_cache, v_cache, lengths, cos, sin, positions, k_new, v_new):
     batch, num_heads, _, head_dim = q.shape
     k_cos, k_sin = cos, sin  # the query's tables rotate K too
-    # whole tables [S, D]: the kernel reads row positions[0] (as the batch stride), any head
     table_rows = cos.shape[0]
     assert sin.shape == cos.shape and cos.shape[1] == head_dim, "cos, sin [S, D]"
-    cos, sin = cos[:, None, None, :].expand(-1, num_heads, 1, -1), sin[:, None, None, :].expand(-1, num_heads, 1, -1)
+    cos, sin = _table_rows(cos, num_heads), _table_rows(sin, num_heads)
     max_length = k_cache.shape[2]
     out = torch.empty((batch, num_heads, 1, head_dim), device=q.device, dtype=torch.bfloat16)
     # the caches come back written (in place), then the attention's output
     assert k_new.shape == v_new.shape == (batch, k_cache.shape[1], 1, head_dim), "k_new, v_new [B, Hkv, 1, D]"
     # one position for every sequence (stride 0), or one each
     stride_pos = 0 if positions.numel() == 1 else positions.stride(0)
-    k_cos, k_sin = (t[:, None, None, :].expand(-1, k_new.shape[1], 1, -1) for t in (k_cos, k_sin))  # [S, D] -> rows
+    k_cos, k_sin = _table_rows(k_cos, k_new.shape[1]), _table_rows(k_sin, k_new.shape[1])
     if out.numel() == 0:
         return (k_cache, v_cache, out)
     # partials [parts, BLOCK_D] then m [parts] then l [parts]; one counter per (sequence, kv head)
