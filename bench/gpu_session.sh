@@ -204,6 +204,11 @@ case "${1:-}" in
         reports reports_fold coopt-decode
         step 100 pytest-fold python -m pytest -q -p no:cacheprovider tests/passes/test_fuse_kv_write_attention.py -k built
         ;;
+    fold-tests)  # the folded steps' GPU tests, stopping at the first failure with its traceback (session 14: two
+        # failed on the H200 without a trace inside fold-profile-b1's limit)
+        step 150 pytest-fold python -m pytest -x -q -p no:cacheprovider --tb=short \
+            tests/passes/test_fuse_kv_write_attention.py -k "built and RopedKey"
+        ;;
     fp8-values)  # issue 4: fp8-kv-cache{values-only} (V fp8, K bf16) against both caches fp8, b32 at 2048 (~6 min)
         step 560 fp8-values python bench/decode.py --cases 32:2048:4096 --modes coopt-fp8,coopt-fp8-values --prefill 0 \
             --agreement-steps 8 --out "$OUT/fp8_values.json" --build-dir /tmp/coopt-decode
@@ -228,12 +233,12 @@ case "${1:-}" in
                 --batch 32 --out "$OUT/profile_b32_$run.json"
         done
         ;;
-    pdl-prefetch-b1)  # issue 3: b1 / 2048 replayed with PDL off, for the GEMVs, and for the GEMVs and the decode
+    pdl-prefetch-b1)  # issue 3: b1 / 2048 replayed with PDL off and for the GEMVs and the decode
         # attention (which then prefetches its first K/V tiles into L2 before gdc_wait), twice each (session 14)
         step 200 decode python bench/decode.py --cases 1:2048:4096 --modes coopt --prefill 0 --agreement-steps 0 \
             --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
         run=0
-        for pdl in 0 gemv gemv,decode_attention 0 gemv gemv,decode_attention; do
+        for pdl in 0 gemv,decode_attention 0 gemv,decode_attention; do
             run=$((run + 1))
             COOPT_PDL=$pdl step 60 "profile_b1_${run}_${pdl/,/+}" python bench/profile_step.py /tmp/coopt-decode/b1-pos2048 \
                 --batch 1 --out "$OUT/profile_b1_${run}.json"
