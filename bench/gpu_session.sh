@@ -30,7 +30,6 @@
 #   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
 #   bash bench/gpu_session.sh fp8-values / accuracy-values  # values-only fp8 KV: latency at b32 / 2048, accuracy
 #   bash bench/gpu_session.sh swap-ab   # decode attention: advised points against their SWAP_AB twins (~4 min)
-#   bash bench/gpu_session.sh pdl-prefetch-b1  # b1 / 2048 replayed with PDL off / GEMVs / GEMVs + attention prefetch (~5 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
@@ -231,17 +230,6 @@ case "${1:-}" in
             pdl=$([ "$run" = 2 ] && echo gemv || echo 0)
             COOPT_PDL=$pdl step 100 "profile_b32_$run" python bench/profile_step.py /tmp/coopt-decode/b32-pos2048 \
                 --batch 32 --out "$OUT/profile_b32_$run.json"
-        done
-        ;;
-    pdl-prefetch-b1)  # issue 3: b1 / 2048 replayed with PDL off and for the GEMVs and the decode
-        # attention (which then prefetches its first K/V tiles into L2 before gdc_wait), twice each (session 14)
-        step 200 decode python bench/decode.py --cases 1:2048:4096 --modes coopt --prefill 0 --agreement-steps 0 \
-            --out "$OUT/decode.json" --build-dir /tmp/coopt-decode
-        run=0
-        for pdl in 0 gemv,decode_attention 0 gemv,decode_attention; do
-            run=$((run + 1))
-            COOPT_PDL=$pdl step 60 "profile_b1_${run}_${pdl/,/+}" python bench/profile_step.py /tmp/coopt-decode/b1-pos2048 \
-                --batch 1 --out "$OUT/profile_b1_${run}.json"
         done
         ;;
     attention-latency)  # issue 3: b1 decode attention timed at growing lengths beside an empty launch (bench/NOTES-decode.md)

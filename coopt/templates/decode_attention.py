@@ -157,10 +157,6 @@ _MAX_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "fp32": 64}
 # widened fp8 tiles spills from 26 values on (BLOCK_N 32 at 8 warps, BLOCK_N 16 at 4: 255
 # registers, ~150 spill instructions); BLOCK_N 16 at 8 warps (17 values) fits in 165-181.
 _MAX_FP8_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "bf16/fp16 8 warps": 64, "fp32": 24}
-# K and V tiles of its split a program pulls into L2 before gdc_wait when launched with PDL
-# (templates/triton/decode_attention.py.j2, prefetch_kv): at b1 / 2048 a split holds 1-3 tiles;
-# at b32 more would run ahead of the stream into L2 (50 MB) for nothing.
-_PREFETCH_TILES = 2
 # Every thread should load at least one 16-byte vector of each K tile; fewer leaves warps idle.
 _MIN_TILE_BYTES_PER_THREAD = 16
 
@@ -385,8 +381,6 @@ class DecodeAttentionFamily(TemplateFamily):
         scale = region.attrs.get("scale")
         block_d, group_p = self._block_d(region), next_pow2(self._group(region))
         merged_values = group_p * params["SPLIT_KV"] * block_d  # the last split's partials
-        # one L2 prefetch per 128-byte line of a K / V row (the wider of the two element sizes)
-        run_elements = 128 // max(DTYPE_BYTES[region.inputs[i].dtype] for i in (1, 2))
         return render_template(
             "triton/decode_attention.py.j2",
             region_name=region.name,
@@ -415,9 +409,4 @@ class DecodeAttentionFamily(TemplateFamily):
             kv_rope=k_tables is not None,
             kv_own_tables=k_tables is not None and k_tables == written + 3,  # else the query's
             gathered=_gathered(region),
-            # with PDL only: the split's first K/V tiles pulled into L2 before gdc_wait (unpaged)
-            prefetch=page_size(region) is None,
-            prefetch_tiles=_PREFETCH_TILES,
-            prefetch_runs=next_pow2(-(-head_dim // run_elements)),
-            prefetch_run_elements=run_elements,
         )

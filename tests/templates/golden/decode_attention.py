@@ -45,15 +45,6 @@ UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    # one L2 prefetch per pointer (sm_90 PTX), for what a kernel reads before gdc_wait: data no
-    # kernel of the step writes (weights, cache rows of earlier steps); its dummy result keeps the
-    # asm in the program
-    return tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, arrivals_ptr, max_length,
     stride_len,
@@ -70,22 +61,6 @@ def _decode_split_kernel(
 ):
     """One program: the GROUP query heads of one (sequence, kv head) over one split of its keys
     (with SPLIT_KV > 1 the last split of the (sequence, kv head) to finish merges them all)."""
-    if PDL:
-        pf_batch = (tl.program_id(0) // NUM_KV_HEADS).to(tl.int64)
-        pf_head = (tl.program_id(0) % NUM_KV_HEADS).to(tl.int64)
-        pf_length = tl.minimum(tl.maximum(tl.load(lengths_ptr + pf_batch * stride_len).to(tl.int32), 1), max_length)
-        pf_chunk = tl.cdiv(tl.cdiv(pf_length, SPLIT_KV), BLOCK_N) * BLOCK_N
-        pf_start = tl.minimum(tl.program_id(1) * pf_chunk, pf_length)
-        pf_end = tl.minimum(pf_start + tl.minimum(pf_chunk, 2 * BLOCK_N), pf_length)
-        pf_k = k_ptr + pf_batch * stride_kb + pf_head * stride_kh
-        pf_v = v_ptr + pf_batch * stride_vb + pf_head * stride_vh
-        # one prefetch per 128-byte line of each row (2 a row of 128 elements)
-        pf_runs = tl.minimum(tl.arange(0, 2) * 64, HEAD_DIM - 1)
-        for block_start in range(pf_start, pf_end, BLOCK_N):
-            pf_keys = tl.minimum(block_start + tl.arange(0, BLOCK_N), pf_end - 1)
-            _prefetch_l2(pf_k + pf_keys[:, None] * stride_ks + pf_runs[None, :] * stride_kd)
-            _prefetch_l2(pf_v + pf_keys[:, None] * stride_vs + pf_runs[None, :] * stride_vd)
-
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
 

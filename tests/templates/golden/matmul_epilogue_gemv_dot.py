@@ -55,9 +55,7 @@ def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, in0_ptr, out0_ptr, stride_in0
 
 @triton.jit
 def _prefetch_l2(ptrs):
-    # one L2 prefetch per pointer (sm_90 PTX), for what a kernel reads before gdc_wait: data no
-    # kernel of the step writes (weights, cache rows of earlier steps); its dummy result keeps the
-    # asm in the program
+    # one L2 prefetch per pointer (sm_90 PTX); its dummy result keeps the asm in the program
     return tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
