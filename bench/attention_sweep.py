@@ -173,18 +173,14 @@ def select_points(region, family, args) -> list[dict]:
     # paged: the advisor's first points among tiles of one page or less (what builds chose
     # before a tile could cover pages) join the sample
     within_page = [p for p in ranked if page and p["BLOCK_N"] <= page and p not in first][:2]
-    # --swap-ab: each advised point's transposed twin (SWAP_AB, where the family allows it)
-    legal = family.legal_points(region, H200)
-    twins = [twin for p in first for twin in [{**p, "SWAP_AB": True}] if args.swap_ab and not p.get("SWAP_AB")
-             and twin in legal and twin not in first]
-    rest = [p for p in legal if p not in first and p not in within_page and p not in twins]
-    return first + twins + within_page + random.Random(0).sample(rest, min(args.sample, len(rest)))
+    rest = [p for p in family.legal_points(region, H200) if p not in first and p not in within_page]
+    return first + within_page + random.Random(0).sample(rest, min(args.sample, len(rest)))
 
 
 def label(params: dict) -> str:
     text = (f"n{params['BLOCK_N']} split{params['SPLIT_KV']} {'dot' if params['USE_DOT'] else 'fma'} "
             f"w{params['num_warps']} s{params['num_stages']}")
-    return text + (" fp16-tiles" if params.get("TILE_FP16") else "") + (" swap-ab" if params.get("SWAP_AB") else "")
+    return text + (" fp16-tiles" if params.get("TILE_FP16") else "")
 
 
 def _warm(job) -> str | None:
@@ -246,10 +242,8 @@ def sweep(args, work_dir: Path, rows: list) -> None:
             results.append((ms, rank, params, err))
         for ms, rank, params, err in sorted(results, key=lambda r: r[0]):
             page = region.attrs.get("page_size")
-            twins = 2 * args.advised if args.swap_ab else args.advised  # the twins follow the advised points
             tag = (f"advised #{rank + 1}" if rank < args.advised
-                   else "swap twin" if params.get("SWAP_AB") and rank < twins
-                   else "1-page tile" if page and params["BLOCK_N"] <= page and rank < twins + 2 else "sampled")
+                   else "1-page tile" if page and params["BLOCK_N"] <= page and rank < args.advised + 2 else "sampled")
             print(f"  {label(params):40s} {ms * 1e3:7.1f} us {traffic / ms / 1e9:6.2f} TB/s  {tag:11s} err {err:.1e}",
                   flush=True)
             rows.append({"case": case, "params": params, "advised_rank": rank + 1 if rank < args.advised else None,
@@ -388,8 +382,6 @@ def parse_args():
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma list of: " + ",".join(CASES))
     parser.add_argument("--advised", type=int, default=8, help="the heuristic advisor's first N points per case")
     parser.add_argument("--sample", type=int, default=32, help="a seeded random sample of this many other legal points")
-    parser.add_argument("--swap-ab", action="store_true",
-                        help="also each advised point with SWAP_AB (the dots transposed: wgmma at M = BLOCK_N)")
     parser.add_argument("--prefetch-only", action="store_true", help="only the L2 prefetch experiment")
     parser.add_argument("--no-prefetch", action="store_true", help="skip the L2 prefetch experiment")
     parser.add_argument("--jobs", type=int, default=16, help="parallel compile processes")

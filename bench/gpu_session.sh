@@ -29,7 +29,6 @@
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
 #   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
 #   bash bench/gpu_session.sh fp8-values / accuracy-values  # values-only fp8 KV: latency at b32 / 2048, accuracy
-#   bash bench/gpu_session.sh swap-ab   # decode attention: advised points against their SWAP_AB twins (~4 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
@@ -216,10 +215,6 @@ case "${1:-}" in
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --windows 128 \
             --only "coopt bf16,coopt fp8 KV per-head, smoothed K,coopt fp8 V per-head (K bf16)" \
             --out "$OUT/accuracy_values.json"
-        ;;
-    swap-ab)  # issues 3, 4: decode attention's advised points against their SWAP_AB twins (wgmma at M = BLOCK_N), ~4 min
-        step 500 swap-ab python bench/attention_sweep.py --cases b1-2048-rope,b32-2048,b1-32768-fp8,b32-2048-fp8 \
-            --advised 4 --sample 0 --swap-ab --no-prefetch --json "$OUT/swap_ab.json"
         ;;
     pdl-kinds-b32)  # issue 3: b32 / 2048 profiled with PDL off, for the GEMVs (and their norm row kernels) only, off again
         # (session 12: COOPT_PDL=gemv replayed 1775.6 us against bench/decode.py's 1789 with PDL off, not in one process;

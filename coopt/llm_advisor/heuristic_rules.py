@@ -444,10 +444,6 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
         # the bf16 form is ranked right behind so that measurement compares the two.
         if tile_fp16 and not knob(point, ("TILE_FP16",)):
             c += 0.03
-        # the transposed dots (wgmma at M = BLOCK_N) are not yet timed: behind the untransposed
-        # points a build measures, until bench/attention_sweep.py --swap-ab has compared them
-        if knob(point, ("SWAP_AB",)):
-            c += 1.5
         c += _log_gap(knob(point, WARPS), warps_t)
         stages = knob(point, STAGES)
         c += 0.5 * _stages_gap(stages, *stages_range)

@@ -79,10 +79,6 @@ Knobs (explicit lists, pruned by `check`):
                  multiply and sum on CUDA cores (no padding: best for small groups and fp32)
     TILE_FP16    (fp8 cache with per-tensor / per-head scales, bf16 q) widen the e4m3 tiles to
                  fp16 and run both dots in fp16, q shifted by a power of two (_fp16_tiles_problem)
-    SWAP_AB      (USE_DOT) the dots transposed: K @ q^T and V^T @ P^T, so the K / V tile (BLOCK_N
-                 rows: 64 or more) is the dot's M and its register operand, the padded head group
-                 (16) its N; what Hopper's wgmma wants (M >= 64, the widened fp8 tile from
-                 registers) where q @ K^T gives it M = 16. Not yet timed on the GPU.
     num_warps, num_stages  launch options (stages pipeline the K/V loads)
 
 Example (one decode step of a 32-head model with 8 kv heads, cache of 4096 positions):
@@ -140,7 +136,7 @@ from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE,
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 # knobs some regions' spaces add, and their value where a point leaves them out
-OPTIONAL_KNOBS = {"TILE_FP16": False, "SWAP_AB": False}
+OPTIONAL_KNOBS = {"TILE_FP16": False}
 _MAX_HEAD_DIM = 256
 # Register budgets per thread, from ptxas -v for sm_90 (triton 3.9) over BLOCK_N x D x group x
 # warps: multiply-and-sum materialises the [group, BLOCK_N, D] products in fp32, and up to 32 per
@@ -313,8 +309,6 @@ class DecodeAttentionFamily(TemplateFamily):
         }
         if _fp16_tiles_problem(region) is None:  # an fp8 cache read by a bf16 query
             space["TILE_FP16"] = [False, True]
-        if region.inputs[0].dtype != "float32":  # fp32 dots run in ieee precision, untransposed
-            space["SWAP_AB"] = [False, True]
         return space
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
@@ -332,10 +326,6 @@ class DecodeAttentionFamily(TemplateFamily):
             problem = _fp16_tiles_problem(region) or (None if use_dot else "TILE_FP16 widens fp8 tiles for tl.dot (USE_DOT=True)")
             if problem:
                 return problem
-        if params.get("SWAP_AB") and not use_dot:
-            return "SWAP_AB transposes the dots (USE_DOT=True)"
-        if params.get("SWAP_AB") and bn < 64:
-            return f"SWAP_AB makes BLOCK_N the dots' M: {bn} < 64 (a warpgroup's smallest)"
         block_d, block_h = self._block_d(region), self.block_h(region, use_dot)
         elem = kv_element_bytes(region)  # K/V: 1 for an fp8 cache
         q_elem = DTYPE_BYTES[region.inputs[0].dtype]

@@ -22,25 +22,18 @@ FAMILY = DecodeAttentionFamily()
 def test_points_are_legal_advised_first_and_distinct(case):
     region = make_region(*CASES[case])
     assert FAMILY.matches(region)
-    args = argparse.Namespace(advised=3, sample=5, swap_ab=False)
+    args = argparse.Namespace(advised=3, sample=5)
     points = select_points(region, FAMILY, args)
     page = region.attrs.get("page_size")
     count = 8 + (2 if page else 0)  # paged: the advisor's first two tiles of one page or less join
     assert len(points) == count and len({tuple(sorted(p.items())) for p in points}) == count
     assert all(FAMILY.check(region, p, H200) is None for p in points)
-    again = select_points(region, FAMILY, argparse.Namespace(advised=3, sample=0, swap_ab=False))
+    again = select_points(region, FAMILY, argparse.Namespace(advised=3, sample=0))
     assert points[:len(again)] == again  # the advisor's first, then the seeded sample
     if page:
         assert all(p["BLOCK_N"] <= page for p in again[3:]) and any(p["BLOCK_N"] > page for p in again[:3])
     if CASES[case][3]:  # the fp8 case offers the fp16-widened tiles
-        assert any(p.get("TILE_FP16") for p in select_points(region, FAMILY, argparse.Namespace(advised=8, sample=0,
-                                                                                               swap_ab=False)))
-    # --swap-ab: each advised point's transposed twin right after the advised points, where legal
-    twinned = select_points(region, FAMILY, argparse.Namespace(advised=3, sample=0, swap_ab=True))
-    twins = [p for p in twinned if p.get("SWAP_AB")]
-    assert twinned[:3] == again[:3] and twinned[3:3 + len(twins)] == twins and twinned[3 + len(twins):] == again[3:]
-    assert all({**t, "SWAP_AB": False} in again[:3] and FAMILY.check(region, t, H200) is None for t in twins)
-    assert bool(twins) == any(p["USE_DOT"] and p["BLOCK_N"] >= 64 for p in again[:3])
+        assert any(p.get("TILE_FP16") for p in select_points(region, FAMILY, argparse.Namespace(advised=8, sample=0)))
 
 
 def test_reference_is_attention_over_the_valid_keys():
