@@ -30,6 +30,7 @@
 #   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
 #   bash bench/gpu_session.sh fp8-values / accuracy-values  # values-only fp8 KV: latency at b32 / 2048, accuracy
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
+#   bash bench/gpu_session.sh fold-tests  # the folded fp32 steps' GPU tests, first failure with its traceback (~1 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
@@ -204,7 +205,7 @@ case "${1:-}" in
         ;;
     fold-tests)  # the folded steps' GPU tests, stopping at the first failure with its traceback (session 14: two
         # failed on the H200 without a trace inside fold-profile-b1's limit)
-        step 150 pytest-fold python -m pytest -x -q -p no:cacheprovider --tb=short \
+        step 150 pytest-fold python -m pytest -x -q -p no:cacheprovider -p no:logging --tb=short \
             tests/passes/test_fuse_kv_write_attention.py -k "built and RopedKey"
         ;;
     fp8-values)  # issue 4: fp8-kv-cache{values-only} (V fp8, K bf16) against both caches fp8, b32 at 2048 (~6 min)
