@@ -22,7 +22,8 @@ takes the tables themselves with a clone of each gather in its body (attrs kv_wr
 "gathered_tables"); the kernel reads their row at the position, and the step's gathers, left
 without readers, go (two launches a step). K's rows gathered from the query's tables apart
 become the query's inputs (`rope_tables_input` 4). Counted `fuse.kv_write_attention.gathered_tables`.
-Not yet timed on the GPU (the 2 launches are ~5 µs of a b1 step with their gaps).
+Measured on the H200: -11 µs a b1 / 2048 step with the fold against the unfolded default
+(bench/RESULTS.md session 14).
 
 Left alone, each with a counter `fuse.kv_write_attention.skipped.<why>`: a paged or fp8
 attention (`paged`, `fp8`), caches not written by a kv_write just before (`no_write`), a write
