@@ -39,7 +39,8 @@ def check_example(
     example: Example,
     device: str | torch.device,
 ) -> ExampleOutcome:
-    """Run reference (float64 and native) and candidate on the example's inputs and compare.
+    """Run reference (float64, native, and native on the inputs one float32 ulp away) and
+    candidate on the example's inputs and compare (verify/tolerances.py has the rule).
 
     An in-place region (attrs "inplace": a KV-cache write) writes its inputs: every run gets its
     own copies, and its outputs are the whole written buffers, so positions it must not touch
@@ -54,12 +55,41 @@ def check_example(
             ref_native = _as_outputs(reference.run(*_clones(inputs)))
         except Exception:  # noqa: BLE001 - eager may lack a kernel (fp8): judge by the floor
             ref_native = None
+        ref_near = _run_near(reference, inputs, example.seed) if ref_native is not None else None
         try:
             outputs = candidate.run(*_clones(inputs))
             _synchronize(device)  # GPU faults surface asynchronously: attribute them here
         except (Exception, SystemExit) as error:  # noqa: BLE001 - candidate errors are verdicts
             return _failed(f"candidate raised {one_line(error)}")
-    return _compare_outputs(region, example, outputs, ref_hi, ref_native)
+    return _compare_outputs(region, example, outputs, ref_hi, ref_native, ref_near)
+
+
+def nudged(inputs: list[torch.Tensor], seed: int) -> list[torch.Tensor] | None:
+    """Copies of `inputs` with every float32 element moved one ulp up or down (a coin per
+    element, from `seed`); None when no input is float32. Other inputs are copied unchanged."""
+    if not any(t.dtype == torch.float32 for t in inputs):
+        return None
+    generator = torch.Generator().manual_seed(seed)
+    moved = []
+    for t in _clones(inputs):
+        if t.dtype == torch.float32:
+            up = torch.rand(t.shape, generator=generator) < 0.5
+            toward = torch.where(up, torch.tensor(float("inf")), torch.tensor(float("-inf"))).to(t.device)
+            t = torch.nextafter(t, toward)
+        moved.append(t)
+    return moved
+
+
+def _run_near(reference: ModuleType, inputs: list[torch.Tensor], seed: int) -> tuple[torch.Tensor, ...] | None:
+    """The reference in native precision on the inputs one float32 ulp away (`nudged`), for the
+    native test (verify/tolerances.py); None without float32 inputs or where it raises."""
+    moved = nudged(inputs, seed)
+    if moved is None:
+        return None
+    try:
+        return _as_outputs(reference.run(*moved))
+    except Exception:  # noqa: BLE001 - judged by ref_native and the floor alone
+        return None
 
 
 def load_module(path: str | Path) -> ModuleType | str:
@@ -116,7 +146,7 @@ def _fp8_written(region: RegionSummary) -> frozenset[int]:
                      and region.inputs[i].dtype.startswith("float8"))
 
 
-def _compare_outputs(region, example, outputs, ref_hi, ref_native) -> ExampleOutcome:
+def _compare_outputs(region, example, outputs, ref_hi, ref_native, ref_near=None) -> ExampleOutcome:
     if not isinstance(outputs, (tuple, list)):
         return _failed(f"run() returned {type(outputs).__name__}, expected a tuple of tensors")
     if len(outputs) != len(region.outputs):
@@ -131,8 +161,9 @@ def _compare_outputs(region, example, outputs, ref_hi, ref_native) -> ExampleOut
             return _failed(f"output {i}: on {output.device.type}, expected "
                            f"{ref_hi[i].device.type}")
         native = ref_native[i] if ref_native is not None and len(ref_native) > i else None
-        verdict = compare(output, ref_hi[i], native, dtype=spec.dtype,
-                          shape=spec.concrete(dims), slack=family_slack(region.family, spec.dtype))
+        near = ref_near[i] if ref_near is not None and len(ref_near) > i else None
+        verdict = compare(output, ref_hi[i], native, dtype=spec.dtype, shape=spec.concrete(dims),
+                          slack=family_slack(region.family, spec.dtype), ref_near=near)
         max_abs = _nanmax(max_abs, verdict.max_abs_err)
         max_rel = _nanmax(max_rel, verdict.max_rel_err)
         if not verdict.ok:

@@ -199,3 +199,28 @@ def test_after_a_lost_cuda_context_no_further_examples_run(tmp_path, mul_add_ref
     assert not result.ok
     assert result.failure.endswith("(CUDA context lost: no further examples run)")
     assert result.examples == 1
+
+
+# An output that turns on the last bit of x: eager is exact on the drawn inputs, but one input
+# ulp away (every element's last bit flipped) it is 1e-3 off, as far as the candidate.
+LAST_BIT_REFERENCE = """
+    import torch
+
+    def run(x, y):
+        return (x * y + 1e-3 * (x.float().view(torch.int32) & 1).to(x.dtype),)
+"""
+OTHER_LAST_BIT = """
+    import torch
+
+    def run(x, y):
+        return (x * y + 1e-3 * (1 - (x.float().view(torch.int32) & 1)).to(x.dtype),)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eager_one_input_ulp_away_bounds_fp32_candidates_only(tmp_path, dtype):
+    # fp32 inputs: the candidate is within what eager gives one ulp away, and passes; bf16
+    # inputs are not moved (their floor is already eager-sized), so the same candidate fails
+    reference = write_module(tmp_path / "kernels", "reference", LAST_BIT_REFERENCE)
+    result = _verify(tmp_path, reference, OTHER_LAST_BIT, region=vector_region(dtype))
+    assert result.ok == (dtype == "float32"), result.failure

@@ -97,6 +97,19 @@ def test_native_test_rescues_what_the_floor_rejects():
     assert not verdict.ok and "4x eager bfloat16 error" in verdict.reason
 
 
+def test_eager_one_ulp_away_rescues_an_ill_conditioned_fp32_output():
+    # eager exact on the drawn inputs by luck (native error 0), but one input ulp away it is
+    # 3e-4 off: a kernel 2e-4 off is as right as fp32 allows there, one 2e-3 off is not
+    hi = torch.linspace(-1, 1, 101, dtype=torch.float64)
+    native = hi.float()
+    near = (hi + 3e-4).float()
+    kernel = (hi + 2e-4).float()
+    assert not compare(kernel, hi, native, dtype="float32").ok  # the floor alone: 1e-5 of S
+    assert compare(kernel, hi, native, dtype="float32", ref_near=near).ok
+    verdict = compare((hi + 2e-3).float(), hi, native, dtype="float32", ref_near=near)
+    assert not verdict.ok and "4x eager float32 error 0.0003" in verdict.reason
+
+
 def test_integer_outputs_must_be_exact():
     hi = torch.tensor([1, 2, 3], dtype=torch.float64)
     assert compare(torch.tensor([1, 2, 3]), hi, None, dtype="int64").ok
