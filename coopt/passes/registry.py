@@ -23,6 +23,7 @@ _BUILTIN = {
     "fuse-kv-write-attention": "coopt.passes.fuse_kv_write_attention:FuseKvWriteAttention",
     "fuse-rope": "coopt.passes.fuse_rope:FuseRope",
     "fuse-linear-epilogue": "coopt.passes.fuse_linear_epilogue:FuseLinearEpilogue",
+    "fuse-norm-statistics": "coopt.passes.fuse_norm_statistics:FuseNormStatistics",
     "fuse-elementwise": "coopt.passes.fuse_elementwise:FuseElementwise",
     "chunked-prefill": "coopt.passes.chunked_prefill:ChunkedPrefill",
     "paged-kv": "coopt.passes.paged_kv:PagedKv",
