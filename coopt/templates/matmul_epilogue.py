@@ -57,7 +57,8 @@ Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows 
                                rows on the narrow side (on sm_90 a wgmma instead of mma on
                                rows padded to 16), transposed back before the epilogue.
 
-Fused forms of the GEMV kernel (attrs "prologue" / "glu", regions of fuse-decode-gemv): only
+Fused forms of the GEMV kernel (attrs "prologue" / "glu" / "row_squares", regions of
+fuse-decode-gemv and fuse-norm-statistics): only
 GEMV points are legal for them, so such a region exists only where M is decode-sized.
     RMSNorm prologue           inputs a, b, [bias], g [K]: the K loop sums each row's squares
                                (fp32) and multiplies x by g on load; 1/rms(row) scales the fp32
@@ -70,6 +71,20 @@ GEMV points are legal for them, so such a region exists only where M is decode-s
                                the plain GEMV (one program per row writes the normed rows in
                                a's dtype): on tl.dot tiles the in-loop prologue measured 2x
                                slower than eager norm + cuBLAS at 32 rows on the H200.
+    Row statistics             attrs "row_squares" {"chunk": C, "weight_input": i, "output": o}
+    (producer of a norm's      (fuse-norm-statistics): inputs ..., g [N] last (i); outputs ...,
+    input)                     hg = h * g [..., N] in h's dtype, sq [N / C, M] fp32, h being
+                               output o as rounded to its dtype. The epilogue (direct and the
+                               split-K last arriver alike) stores hg and the tile's chunk sums
+                               of h^2: BLOCK_N must be a multiple of C (check()), so every
+                               chunk sum has one writer (no atomics, no meeting).
+    RMSNorm statistics         prologue {"kind": "rms_norm_stats", "eps", "squares_input": j}:
+    prologue (consumer)        inputs a = hg, b, [bias], sq [K / C, M] fp32 (j), extras. Each
+                               program adds its rows' chunk sums in chunk order (fp32) once at
+                               its start, after the PDL wait, independent of the weight stream;
+                               rsqrt(sum / K + eps) scales the fp32 accumulator where the
+                               in-loop norm's 1/rms does (before bias, GLU and the epilogue).
+                               No NORM_FIRST, no work in the K loop.
     GLU epilogue               b = [gate | up] halves of 2N rows: each program streams the same
                                BLOCK_N rows of both (two slabs a K step, counted twice in the
                                register and shared-memory checks) into acc and acc_hi, which the

@@ -12,7 +12,7 @@ from coopt.codegen.torch_lines import reference_module_source
 from coopt.ir.dialect import RMSNormOp
 from coopt.passes.registry import DEFAULT_PIPELINE
 
-WITH_STATS = DEFAULT_PIPELINE + ",fuse-norm-statistics"
+WITH_STATS = DEFAULT_PIPELINE  # fuse-norm-statistics is in the default pipeline
 WIDTH = 64  # one chunk of the default 64 columns
 
 
@@ -103,3 +103,8 @@ def test_built_decoder_with_statistics_matches_eager(tmp_path):
     fresh = torch.randn(3, 1, WIDTH)
     with torch.no_grad():
         torch.testing.assert_close(coopt.load(tmp_path / "out", device="cpu")(fresh), model(fresh), rtol=1e-4, atol=1e-4)
+
+
+def test_default_pipeline_runs_it_after_every_gemv_region_exists():
+    order = DEFAULT_PIPELINE.split(",")
+    assert order.index("fuse-decode-gemv") < order.index("fuse-linear-epilogue") < order.index("fuse-norm-statistics")

@@ -383,6 +383,20 @@ def test_fused_gemv_points_compile_for_hopper(tmp_path):
     assert_gemv_points_compile(FAMILY, HOPPER_CASES, make_inputs, tmp_path, H200)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_norm_statistics_points_compile_for_hopper(tmp_path):
+    # a b32 Llama-3-8B step's o + residual (row statistics) and gate|up (statistics prologue,
+    # SwiGLU): the advisor's kinds of points, swapped tl.dot tiles and split K among them
+    cases = {
+        "row_squares_rows32": (producer_region(32, 512, 4096), [
+            {**gemv(32, 64, 256, stages=2), "SWAP_AB": True}, gemv(16, 128, 128, split=2, stages=3)]),
+        "row_squares_rows1": (producer_region(1, 512, 4096), [gemv(1, 64, 128, stages=3)]),
+        "stats_gate_up_rows32": (consumer_region(32, 512, 4096, glu=True), [
+            {**gemv(32, 64, 256, stages=2), "SWAP_AB": True}, gemv(16, 32, 512, split=2, stages=3)]),
+    }
+    assert_gemv_points_compile(FAMILY, cases, make_inputs, tmp_path, H200)
+
+
 # -- norm statistics (fuse-norm-statistics): the producer writes h * g and chunk sums of h^2, ----
 # -- the consumer's norm scales by rsqrt(their total / K + eps) -----------------------------------
 
