@@ -358,6 +358,16 @@ def test_golden_rendering_norm_glu(golden):
     golden("matmul_epilogue_gemv_swap_glu_dot.py", FAMILY.render(region, swap))
 
 
+def test_golden_rendering_norm_statistics(golden):
+    # a b32 step's o + residual storing the row statistics (split K: the last arriver stores
+    # them), and the gate|up reading them (SwiGLU, swapped tl.dot tiles)
+    producer, consumer = producer_region(32, 512, 256), consumer_region(32, 256, 512, glu=True)
+    split, swap = gemv(16, 64, 64, split=2, stages=2), {**gemv(32, 64, 128, stages=2), "SWAP_AB": True}
+    assert FAMILY.check(producer, split, H200) is None and FAMILY.check(consumer, swap, H200) is None
+    golden("matmul_epilogue_gemv_row_squares_split.py", FAMILY.render(producer, split))
+    golden("matmul_epilogue_gemv_norm_stats_glu_swap.py", FAMILY.render(consumer, swap))
+
+
 # -- Hopper compilation (no GPU needed) -------------------------------------------------------
 
 # The heuristic's first picks for a Llama-3-8B decode step's q|k|v (norm) and gate|up (norm + GLU),
