@@ -358,6 +358,22 @@ def test_golden_rendering_norm_glu(golden):
     golden("matmul_epilogue_gemv_swap_glu_dot.py", FAMILY.render(region, swap))
 
 
+def test_heuristic_ranks_the_same_tiles_first_for_the_statistics_forms():
+    from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
+
+    def first(region):
+        legal = tuple(FAMILY.legal_points(region, H200))
+        request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
+        return HeuristicAdvisor().advise(request).ranked[0]
+
+    # b32 Llama-3-8B: the o + residual GEMV's first pick is already 64 wide, so the row
+    # statistics' BLOCK_N constraint leaves it as it was; q|k|v's is the NORM_FIRST one's tiles
+    plain_o = fused_region((32,), 4096, 4096, "bfloat16", norm=False, extras=[(32, 4096)], epilogue=RESIDUAL, outputs=["y"])
+    assert first(producer_region(32, 4096, 4096)) == first(plain_o)
+    stats_qkv, norm_qkv = first(consumer_region(32, 6144, 4096)), first(fused_region((32,), 6144, 4096, "bfloat16"))
+    assert norm_qkv["NORM_FIRST"] and stats_qkv == {k: v for k, v in norm_qkv.items() if k != "NORM_FIRST"}
+
+
 def test_golden_rendering_norm_statistics(golden):
     # a b32 step's o + residual storing the row statistics (split K: the last arriver stores
     # them), and the gate|up reading them (SwiGLU, swapped tl.dot tiles)
@@ -399,8 +415,9 @@ def test_norm_statistics_points_compile_for_hopper(tmp_path):
     # SwiGLU): the advisor's kinds of points, swapped tl.dot tiles and split K among them
     cases = {
         "row_squares_rows32": (producer_region(32, 512, 4096), [
-            {**gemv(32, 64, 256, stages=2), "SWAP_AB": True}, gemv(16, 128, 128, split=2, stages=3)]),
+            {**gemv(32, 64, 256, split=2, stages=3), "SWAP_AB": True}, gemv(16, 128, 128, split=2, stages=3)]),
         "row_squares_rows1": (producer_region(1, 512, 4096), [gemv(1, 64, 128, stages=3)]),
+        "stats_qkv_rows32": (consumer_region(32, 512, 4096), [{**gemv(32, 64, 256, stages=4), "SWAP_AB": True}]),
         "stats_gate_up_rows32": (consumer_region(32, 512, 4096, glu=True), [
             {**gemv(32, 64, 256, stages=2), "SWAP_AB": True}, gemv(16, 32, 512, split=2, stages=3)]),
     }
