@@ -154,7 +154,7 @@ def _aten(target: str, args: list, inputs: list, type_: TensorType, kwargs: dict
 def _row_squares_ops(h: SSAValue, g: SSAValue, chunk: int, row_dim) -> list[Operation]:
     """hg = h * g, then sq = (h.float() ** 2) summed over chunks of columns, as [N / chunk, M]."""
     shape, f32 = dims(h), Float32Type()
-    width, chunks = shape[-1], shape[-1] // chunk
+    chunks = shape[-1] // chunk  # a whole number: _fuse checked the width
     hg = ElementwiseOp("mul", [0, 1], [h, g], h.type)
     h32 = _aten("aten._to_copy.default", [{"$t": 0}], [h], _tensor(f32, shape), {"dtype": {"$dtype": "float32"}})
     squares = _aten("aten.mul.Tensor", [{"$t": 0}, {"$t": 0}], [h32.results[0]], _tensor(f32, shape))
@@ -162,7 +162,6 @@ def _row_squares_ops(h: SSAValue, g: SSAValue, chunk: int, row_dim) -> list[Oper
                     _tensor(f32, [row_dim, chunks, chunk]))
     sums = _aten("aten.sum.dim_IntList", [{"$t": 0}, [-1]], [chunked.results[0]], _tensor(f32, [row_dim, chunks]))
     sq = _aten("aten.permute.default", [{"$t": 0}, [1, 0]], [sums.results[0]], _tensor(f32, [chunks, row_dim]))
-    assert width == chunks * chunk
     return [hg, h32, squares, chunked, sums, sq]
 
 
