@@ -26,8 +26,9 @@ inlined and outlined again, coopt/ir/outline.py):
 Counted `fuse.norm_statistics`; left alone, `fuse.norm_statistics.skipped.<why>`: too few rows
 (`rows`), a's producer not a matmul_epilogue region (`producer`, e.g. the embedding before the
 first layer), a width that is no multiple of the chunk or leading dims whose row count is not a
-single symbol (`shape`), a norm without weight (`no_weight`), a g that is already an input of P or
-not defined before it (`order`). Templates: coopt/templates/matmul_epilogue.py (GEMV points only).
+single symbol (`shape`), a norm without weight (`no_weight`), a g of another dtype than h
+(`dtype`), a g that is already an input of P or not defined before it (`order`).
+Templates: coopt/templates/matmul_epilogue.py (GEMV points only).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ class FuseNormStatistics(CooptPass):
         if not attrs["prologue"].get("has_weight"):
             return "no_weight"
         g = consumer.inputs[2 + int(bool(attrs.get("has_bias")))]
-        if g in producer.inputs or not _defined_before(g, producer):
+        if g.type.element_type != h.type.element_type:
+            return "dtype"  # hg = h * g is kept in h's dtype, as the norm's output was in g's
+        if g in producer.inputs or not _make_available(g, producer):
             return "order"
         hg, sq = self._add_row_squares(producer, h, g, row_dim)
         _scale_by_statistics(consumer, hg, sq)
@@ -121,8 +124,9 @@ def _row_dim(lead: list):
     return symbols[0] if len(symbols) == 1 and all(d == 1 for d in lead if isinstance(d, int)) else None
 
 
-def _defined_before(value: SSAValue, kernel: KernelOp) -> bool:
-    """Whether `value` is available where `kernel` is; a model weight defined later is moved up."""
+def _make_available(value: SSAValue, kernel: KernelOp) -> bool:
+    """Whether `value` is available where `kernel` is, once a model weight defined later (a
+    WeightOp reads nothing) has been moved up before it."""
     owner = value.owner
     if not isinstance(owner, Operation):
         return True  # a block argument (a model input)
