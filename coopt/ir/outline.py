@@ -1,4 +1,4 @@
-"""Outline a group of ops into a `coopt.kernel` region (what every fusion pass does last)."""
+"""Outline a group of ops into a `coopt.kernel` region (what every fusion pass does last), and inline one back."""
 
 from __future__ import annotations
 
@@ -91,3 +91,23 @@ def outline(
 
 def set_attrs(kernel: KernelOp, attrs: dict) -> None:
     kernel.properties["attrs"] = StringAttr(json.dumps(attrs, sort_keys=True))
+
+
+def inline(kernel: KernelOp) -> tuple[list[Operation], list[SSAValue]]:
+    """Replace `kernel` by clones of its body's ops in its place; (the clones, what it yielded)."""
+    mapping: dict[SSAValue, SSAValue] = dict(zip(kernel.body.block.args, kernel.inputs))
+    clones: list[Operation] = []
+    yielded: list[SSAValue] = []
+    for inner in kernel.body.block.ops:
+        if isinstance(inner, YieldOp):
+            yielded = [mapping[v] for v in inner.values]
+            continue
+        clone = inner.clone(value_mapper=mapping)
+        Rewriter.insert_op(clone, InsertPoint.before(kernel))
+        mapping.update(zip(inner.results, clone.results))
+        clones.append(clone)
+    for old, new in zip(kernel.results, yielded):
+        old.replace_all_uses_with(new)
+    kernel.detach()
+    kernel.erase()
+    return clones, yielded

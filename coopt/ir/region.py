@@ -31,6 +31,13 @@ matmul_epilogue (C = A @ B' (+ bias) then an elementwise epilogue)
     "glu": true means b holds two halves (2N rows for "nk", 2N columns for "kn") and the
     program reads "acc" = a @ first half and "acc_hi" = a @ second half (SwiGLU:
     silu(acc) * acc_hi); no bias then. Output [..., N].
+    Norm statistics (fuse-norm-statistics, GEMV only): "prologue": {"kind": "rms_norm_stats",
+    "eps": float, "squares_input": j} means a is h * g already and input j (where g was) is
+    sq [K / C, M] fp32, chunk sums of h^2: the product is scaled per row by
+    rsqrt(sum(sq, 0) / K + eps). "row_squares": {"chunk": C, "weight_input": i, "output": o}
+    means the region also takes g [N] as its last input (i) and returns two more outputs
+    after its own: hg = h * g (h = output o, in its dtype) and sq [N / C, M] fp32, the sums
+    of h^2 (h rounded to its dtype) over each C columns of each row.
 
 attention (softmax(q k^T * scale [+ causal mask]) v)
     attrs = {"causal": bool, "scale": float, "num_heads": int, "num_kv_heads": int,

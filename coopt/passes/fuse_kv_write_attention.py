@@ -45,8 +45,8 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from coopt.ir.dialect import AtenOp, KernelOp, YieldOp
-from coopt.ir.outline import can_outline, outline
+from coopt.ir.dialect import AtenOp, KernelOp
+from coopt.ir.outline import can_outline, inline, outline
 from coopt.passes.base import CooptPass, aten_target, literal_arg
 from coopt.passes.stats import count
 
@@ -110,8 +110,8 @@ def _fold(attention: KernelOp) -> str | None:
             # as two inputs would be drawn apart by verification and read as one by the reference)
             del inputs[own:own + 2]
             folded["rope_tables_input"] = 4
-    write_ops, written = _inline(write)
-    attention_ops, (out,) = _inline(attention)
+    write_ops, written = inline(write)
+    attention_ops, (out,) = inline(attention)
     outline([*gathers, *write_ops, *views, *attention_ops], "decode_attention",
             {**attrs, "kv_write": folded, "inplace": [1, 2]},
             inputs=inputs, outputs=[*written, out])
@@ -177,23 +177,3 @@ def _written_by(value: SSAValue) -> tuple[SSAValue | None, list[Operation]]:
         views.append(view)
         value = view.inputs[0]
     return value, views
-
-
-def _inline(kernel: KernelOp) -> tuple[list[Operation], list[SSAValue]]:
-    """Replace `kernel` by clones of its body's ops in its place; (the clones, what it yielded)."""
-    mapping: dict[SSAValue, SSAValue] = dict(zip(kernel.body.block.args, kernel.inputs))
-    clones: list[Operation] = []
-    yielded: list[SSAValue] = []
-    for inner in kernel.body.block.ops:
-        if isinstance(inner, YieldOp):
-            yielded = [mapping[v] for v in inner.values]
-            continue
-        clone = inner.clone(value_mapper=mapping)
-        Rewriter.insert_op(clone, InsertPoint.before(kernel))
-        mapping.update(zip(inner.results, clone.results))
-        clones.append(clone)
-    for old, new in zip(kernel.results, yielded):
-        old.replace_all_uses_with(new)
-    kernel.detach()
-    kernel.erase()
-    return clones, yielded

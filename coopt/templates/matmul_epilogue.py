@@ -57,7 +57,8 @@ Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows 
                                rows on the narrow side (on sm_90 a wgmma instead of mma on
                                rows padded to 16), transposed back before the epilogue.
 
-Fused forms of the GEMV kernel (attrs "prologue" / "glu", regions of fuse-decode-gemv): only
+Fused forms of the GEMV kernel (attrs "prologue" / "glu" / "row_squares", regions of
+fuse-decode-gemv and fuse-norm-statistics): only
 GEMV points are legal for them, so such a region exists only where M is decode-sized.
     RMSNorm prologue           inputs a, b, [bias], g [K]: the K loop sums each row's squares
                                (fp32) and multiplies x by g on load; 1/rms(row) scales the fp32
@@ -70,6 +71,20 @@ GEMV points are legal for them, so such a region exists only where M is decode-s
                                the plain GEMV (one program per row writes the normed rows in
                                a's dtype): on tl.dot tiles the in-loop prologue measured 2x
                                slower than eager norm + cuBLAS at 32 rows on the H200.
+    Row statistics             attrs "row_squares" {"chunk": C, "weight_input": i, "output": o}
+    (producer of a norm's      (fuse-norm-statistics): inputs ..., g [N] last (i); outputs ...,
+    input)                     hg = h * g [..., N] in h's dtype, sq [N / C, M] fp32, h being
+                               output o as rounded to its dtype. The epilogue (direct and the
+                               split-K last arriver alike) stores hg and the tile's chunk sums
+                               of h^2: BLOCK_N must be a multiple of C (check()), so every
+                               chunk sum has one writer (no atomics, no meeting).
+    RMSNorm statistics         prologue {"kind": "rms_norm_stats", "eps", "squares_input": j}:
+    prologue (consumer)        inputs a = hg, b, [bias], sq [K / C, M] fp32 (j), extras. Each
+                               program adds its rows' chunk sums in chunk order (fp32) once at
+                               its start, after the PDL wait, independent of the weight stream;
+                               rsqrt(sum / K + eps) scales the fp32 accumulator where the
+                               in-loop norm's 1/rms does (before bias, GLU and the epilogue).
+                               No NORM_FIRST, no work in the K loop.
     GLU epilogue               b = [gate | up] halves of 2N rows: each program streams the same
                                BLOCK_N rows of both (two slabs a K step, counted twice in the
                                register and shared-memory checks) into acc and acc_hi, which the
@@ -152,30 +167,51 @@ def _norm_prologue(region: RegionSummary) -> dict | None:
     return prologue if isinstance(prologue, dict) and prologue.get("kind") == "rms_norm" else None
 
 
+def _stats_prologue(region: RegionSummary) -> dict | None:
+    """attrs["prologue"] when the norm takes its rows' sums of squares from the producer
+    (fuse-norm-statistics: a is h * g already, the chunk sums an input), else None."""
+    prologue = region.attrs.get("prologue")
+    return prologue if isinstance(prologue, dict) and prologue.get("kind") == "rms_norm_stats" else None
+
+
+def _row_squares(region: RegionSummary) -> dict | None:
+    """attrs["row_squares"]: the region also writes h * g and h's chunk sums of squares."""
+    stats = region.attrs.get("row_squares")
+    return stats if isinstance(stats, dict) else None
+
+
 def _inline_norm(region: RegionSummary, params: dict) -> dict | None:
     """The norm prologue the GEMV kernel applies itself (None with NORM_FIRST: a kernel before it does)."""
     return None if params.get("NORM_FIRST") else _norm_prologue(region)
 
 
-def _n_extra(region: RegionSummary) -> int:
-    """How many extra epilogue inputs follow a, b, [bias] and [the norm weight]."""
+def _first_extra(region: RegionSummary) -> int:
+    """Index of the first extra epilogue input: after a, b, [bias], [the norm weight] and [the
+    sums of squares of a statistics prologue]."""
     norm = _norm_prologue(region)
-    fixed = 2 + int(bool(region.attrs.get("has_bias"))) + int(bool(norm and norm.get("has_weight")))
-    return len(region.inputs) - fixed
+    return (2 + int(bool(region.attrs.get("has_bias"))) + int(bool(norm and norm.get("has_weight")))
+            + int(_stats_prologue(region) is not None))
+
+
+def _n_extra(region: RegionSummary) -> int:
+    """How many extra epilogue inputs there are (the row statistics' norm weight comes last)."""
+    return len(region.inputs) - _first_extra(region) - int(_row_squares(region) is not None)
 
 
 def _loaded_extras(region: RegionSummary) -> list[TensorSpec]:
     """The extra epilogue inputs that the epilogue program reads (in0, in1, ...)."""
-    n_extra = _n_extra(region)
+    first, n_extra = _first_extra(region), _n_extra(region)
     used = {a for _, _, args in region.attrs.get("epilogue", []) for a in args if isinstance(a, str)}
     used |= set(region.attrs.get("outputs", []))
-    return [spec for i, spec in enumerate(region.inputs[len(region.inputs) - n_extra:]) if f"in{i}" in used]
+    return [spec for i, spec in enumerate(region.inputs[first:first + n_extra]) if f"in{i}" in used]
 
 
 def _gemv_only(region: RegionSummary) -> str | None:
-    """What only the GEMV kernel implements (a norm prologue, a GLU epilogue), or None."""
+    """What only the GEMV kernel implements (a norm prologue, a GLU epilogue, row statistics), or None."""
     parts = [what for what, on in (("the RMSNorm prologue", _norm_prologue(region)),
-                                   ("the GLU epilogue", region.attrs.get("glu"))) if on]
+                                   ("the RMSNorm statistics prologue", _stats_prologue(region)),
+                                   ("the GLU epilogue", region.attrs.get("glu")),
+                                   ("the row statistics outputs", _row_squares(region))) if on]
     return " and ".join(parts) or None
 
 
@@ -206,8 +242,12 @@ class MatmulEpilogueFamily(TemplateFamily):
             return False
         n_extra = _n_extra(region)
         dtypes_ok = all(s.dtype in _TL_DTYPE for s in (*region.inputs, *region.outputs))
-        if region.attrs.get("prologue") is not None and _norm_prologue(region) is None:
+        if region.attrs.get("prologue") is not None and _norm_prologue(region) is None \
+                and _stats_prologue(region) is None:
             return False  # a prologue this family does not know
+        row_squares = _row_squares(region)
+        if row_squares is not None and not self._row_squares_fit(region, row_squares):
+            return False
         if region.attrs.get("glu"):
             # b holds both halves ([2N, K] "nk", [K, 2N] "kn"); no bias (the merged gate|up has none)
             n_b = b.shape[0] if region.attrs["b_layout"] == "nk" else b.shape[1]
@@ -215,7 +255,18 @@ class MatmulEpilogueFamily(TemplateFamily):
             static = isinstance(n_b, int) and isinstance(width, int)
             if region.attrs.get("has_bias") or not (static and n_b == 2 * width):
                 return False
-        return n_extra >= 0 and dtypes_ok and len(region.outputs) == len(region.attrs.get("outputs", []))
+        n_outputs = len(region.attrs.get("outputs", [])) + (2 if row_squares is not None else 0)
+        return n_extra >= 0 and dtypes_ok and len(region.outputs) == n_outputs
+
+    @staticmethod
+    def _row_squares_fit(region: RegionSummary, row_squares: dict) -> bool:
+        """The weight is the last input, [N]; N a static multiple of the chunk; h (the output
+        it names) stays in its dtype; sq is fp32."""
+        width = region.outputs[0].shape[-1] if region.outputs and region.outputs[0].shape else None
+        chunk, which = row_squares.get("chunk"), row_squares.get("output", 0)
+        return (isinstance(width, int) and isinstance(chunk, int) and chunk > 0 and width % chunk == 0
+                and row_squares.get("weight_input") == len(region.inputs) - 1
+                and which < len(region.attrs.get("outputs", [])) and region.outputs[-1].dtype == "float32")
 
     @staticmethod
     def _planned_m(region: RegionSummary) -> int | None:
@@ -268,6 +319,10 @@ class MatmulEpilogueFamily(TemplateFamily):
             return "NORM_FIRST runs a region's RMSNorm prologue ahead of the GEMV kernel (GEMV=True and a norm prologue)"
         if knobs["SWAP_AB"] and not (knobs["GEMV"] and params["BLOCK_M"] >= 16 and params["BLOCK_N"] >= 64):
             return "SWAP_AB puts a GEMV's weight slab on the tensor cores' 64-row side (GEMV=True, BLOCK_M >= 16, BLOCK_N >= 64)"
+        row_squares = _row_squares(region)
+        if row_squares is not None and params["BLOCK_N"] % row_squares["chunk"]:
+            # a program's output tile holds whole chunks: each chunk sum has one writer
+            return f"row statistics in chunks of {row_squares['chunk']} columns need BLOCK_N a multiple of it"
         if knobs["GEMV"]:
             return self._check_gemv(region, params, target)
         return self._check_tiles(region, params, target)
@@ -442,7 +497,8 @@ class MatmulEpilogueFamily(TemplateFamily):
         params = {**VARIANT_DEFAULTS, **params}
         if _gemv_only(region) and not params["GEMV"]:
             raise ValueError(f"{_gemv_only(region)} run in the GEMV kernel only (GEMV=True)")
-        norm = _norm_prologue(region)
+        norm = _norm_prologue(region) or _stats_prologue(region)
+        row_squares = _row_squares(region)
         glu = bool(attrs.get("glu"))
         extras = [f"in{i}" for i in range(_n_extra(region))]
         program = attrs.get("epilogue", [])
@@ -459,7 +515,9 @@ class MatmulEpilogueFamily(TemplateFamily):
             params=params,
             b_layout=attrs["b_layout"],
             has_bias=has_bias,
-            norm=norm and {"eps": float(norm["eps"]), "has_weight": bool(norm.get("has_weight"))},
+            norm=norm and {"eps": float(norm["eps"]), "has_weight": bool(norm.get("has_weight")),
+                           "stats": norm["kind"] == "rms_norm_stats"},
+            row_squares=row_squares and self._row_squares_render(row_squares, outputs),
             glu=glu,
             extras=extras,
             loaded_extras=[e for e in extras if e in used],
@@ -467,3 +525,10 @@ class MatmulEpilogueFamily(TemplateFamily):
             outputs=outputs,
             ieee_dot=self._ieee_dot(region),
         )
+
+    @staticmethod
+    def _row_squares_render(row_squares: dict, outputs: list[dict]) -> dict:
+        """The template's view of attrs["row_squares"]: the chunk and h, the output it is about."""
+        h = outputs[row_squares.get("output", 0)]
+        return {"chunk": int(row_squares["chunk"]), "value": h["value"], "tl_dtype": h["tl_dtype"],
+                "torch_dtype": h["torch_dtype"]}

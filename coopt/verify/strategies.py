@@ -28,6 +28,11 @@ their lengths and index bounds count positions through the table (max_pages * P)
 pool's page dim. A paged write (an in-place region with an index input) then gets a page of its
 own for every table entry it writes through (`distinct_written_pages`), however small the pool.
 
+Sums of squares (a matmul_epilogue whose prologue is "rms_norm_stats", fuse-norm-statistics:
+input `squares_input`, sq [C, M] fp32, C chunks of K / C columns of each row's h^2) are positive,
+(K / C) * magnitude^2 within a factor of two: the chunk sums of rows of the example's magnitude,
+so that rsqrt(sum / K + eps) is defined and the normed product has the example's magnitude too.
+
 Rotary tables a decode attention applies itself (`rotary_tables`: the query's cos, sin and a
 folded write's K tables) are cos and sin of one uniform angle per element, whatever the
 magnitude, as every rotary table is: at magnitude 30 random tables would rotate q and K into
@@ -227,6 +232,7 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
     generator = torch.Generator(device=device).manual_seed(example.seed)
     dims = example.dim_values()
     scales = scale_inputs(region)
+    squares_at = squares_input(region)
     fp8_spread = _fp8_spread(region)
     rotary = rotary_tables(region)
     sines = {}  # sin's index -> the sine of the angles drawn for its cos
@@ -239,6 +245,12 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
         elif index in rotary and dtype.is_floating_point:
             angles = torch.rand(shape, generator=generator, dtype=torch.float32, device=device) * (2 * torch.pi)
             tensor, sines[index + 1] = angles.cos().to(dtype), angles.sin()
+        elif index == squares_at and dtype.is_floating_point:
+            # each chunk's sum of h^2 for rows of the example's magnitude: positive, about
+            # (K / C) * magnitude^2
+            chunk_width = region.inputs[0].concrete(dims)[-1] / max(shape[0], 1)
+            factor = torch.exp2(torch.rand(shape, generator=generator, device=device) * 2 - 1)
+            tensor = (factor * (chunk_width * example.magnitude ** 2)).to(dtype)
         elif index in scales and dtype.is_floating_point:
             # positive, within a factor of two of magnitude / spread: dequantized values of the
             # example's magnitude
@@ -316,6 +328,20 @@ def rotary_tables(region: RegionSummary) -> tuple[int, ...]:
         (4, 9)
     """
     return tuple(sorted({i for i in (rope_at(region), kv_write_rope(region)) if i is not None}))
+
+
+def squares_input(region: RegionSummary) -> int | None:
+    """The index of the sums of squares a statistics norm prologue reads, or None.
+
+        >>> squares_input(RegionSummary("r", "matmul_epilogue", (), (), {"prologue": {"kind": "rms_norm_stats", "squares_input": 2}}))
+        2
+        >>> squares_input(RegionSummary("r", "matmul_epilogue", (), (), {"prologue": {"kind": "rms_norm"}})) is None
+        True
+    """
+    prologue = region.attrs.get("prologue")
+    if region.family == "matmul_epilogue" and isinstance(prologue, dict) and prologue.get("kind") == "rms_norm_stats":
+        return prologue.get("squares_input")
+    return None
 
 
 def scale_inputs(region: RegionSummary) -> tuple[int, ...]:

@@ -358,6 +358,32 @@ def test_golden_rendering_norm_glu(golden):
     golden("matmul_epilogue_gemv_swap_glu_dot.py", FAMILY.render(region, swap))
 
 
+def test_heuristic_ranks_the_same_tiles_first_for_the_statistics_forms():
+    from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
+
+    def first(region):
+        legal = tuple(FAMILY.legal_points(region, H200))
+        request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
+        return HeuristicAdvisor().advise(request).ranked[0]
+
+    # b32 Llama-3-8B: the o + residual GEMV's first pick is already 64 wide, so the row
+    # statistics' BLOCK_N constraint leaves it as it was; q|k|v's is the NORM_FIRST one's tiles
+    plain_o = fused_region((32,), 4096, 4096, "bfloat16", norm=False, extras=[(32, 4096)], epilogue=RESIDUAL, outputs=["y"])
+    assert first(producer_region(32, 4096, 4096)) == first(plain_o)
+    stats_qkv, norm_qkv = first(consumer_region(32, 6144, 4096)), first(fused_region((32,), 6144, 4096, "bfloat16"))
+    assert norm_qkv["NORM_FIRST"] and stats_qkv == {k: v for k, v in norm_qkv.items() if k != "NORM_FIRST"}
+
+
+def test_golden_rendering_norm_statistics(golden):
+    # a b32 step's o + residual storing the row statistics (split K: the last arriver stores
+    # them), and the gate|up reading them (SwiGLU, swapped tl.dot tiles)
+    producer, consumer = producer_region(32, 512, 256), consumer_region(32, 256, 512, glu=True)
+    split, swap = gemv(16, 64, 64, split=2, stages=2), {**gemv(32, 64, 128, stages=2), "SWAP_AB": True}
+    assert FAMILY.check(producer, split, H200) is None and FAMILY.check(consumer, swap, H200) is None
+    golden("matmul_epilogue_gemv_row_squares_split.py", FAMILY.render(producer, split))
+    golden("matmul_epilogue_gemv_norm_stats_glu_swap.py", FAMILY.render(consumer, swap))
+
+
 # -- Hopper compilation (no GPU needed) -------------------------------------------------------
 
 # The heuristic's first picks for a Llama-3-8B decode step's q|k|v (norm) and gate|up (norm + GLU),
@@ -381,3 +407,132 @@ HOPPER_CASES = {
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
 def test_fused_gemv_points_compile_for_hopper(tmp_path):
     assert_gemv_points_compile(FAMILY, HOPPER_CASES, make_inputs, tmp_path, H200)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_norm_statistics_points_compile_for_hopper(tmp_path):
+    # a b32 Llama-3-8B step's o + residual (row statistics) and gate|up (statistics prologue,
+    # SwiGLU): the advisor's kinds of points, swapped tl.dot tiles and split K among them
+    cases = {
+        "row_squares_rows32": (producer_region(32, 512, 4096), [
+            {**gemv(32, 64, 256, split=2, stages=3), "SWAP_AB": True}, gemv(16, 128, 128, split=2, stages=3)]),
+        "row_squares_rows1": (producer_region(1, 512, 4096), [gemv(1, 64, 128, stages=3)]),
+        "stats_qkv_rows32": (consumer_region(32, 512, 4096), [{**gemv(32, 64, 256, stages=4), "SWAP_AB": True}]),
+        "stats_gate_up_rows32": (consumer_region(32, 512, 4096, glu=True), [
+            {**gemv(32, 64, 256, stages=2), "SWAP_AB": True}, gemv(16, 32, 512, split=2, stages=3)]),
+    }
+    assert_gemv_points_compile(FAMILY, cases, make_inputs, tmp_path, H200)
+
+
+# -- norm statistics (fuse-norm-statistics): the producer writes h * g and chunk sums of h^2, ----
+# -- the consumer's norm scales by rsqrt(their total / K + eps) -----------------------------------
+
+CHUNK = 64
+RESIDUAL = [["y", "add", ["acc", "in0"]]]
+# BLOCK_N a multiple of the chunk; K = 301 leaves masked K tails; N = 192 = 3 chunks, so a
+# 128-wide tile's second chunk lies past N
+STATS_POINTS = {
+    "fma": gemv(1, 64, 128, stages=4),
+    "fma_split": gemv(1, 64, 32, split=4),
+    "dot": gemv(16, 64, 128, stages=2),
+    "dot_split": gemv(16, 128, 32, split=4),
+    "dot32_split": gemv(32, 64, 64, split=2, stages=2),
+    "swap": {**gemv(16, 64, 128, stages=2), "SWAP_AB": True},
+}
+
+
+def producer_region(m, n, k, dtype="bfloat16") -> RegionSummary:
+    """h = a @ b^T + residual, plus h * g and sq [n / 64, m] (inputs a, b, residual, g)."""
+    inputs = (TensorSpec((m, k), dtype), TensorSpec((n, k), dtype), TensorSpec((m, n), dtype), TensorSpec((n,), dtype))
+    outputs = (TensorSpec((m, n), dtype), TensorSpec((m, n), dtype), TensorSpec((n // CHUNK, m), "float32"))
+    attrs = {"b_layout": "nk", "has_bias": False, "epilogue": RESIDUAL, "outputs": ["y"],
+             "row_squares": {"chunk": CHUNK, "weight_input": 3, "output": 0}}
+    return RegionSummary("producer", "matmul_epilogue", inputs, outputs, attrs)
+
+
+def consumer_region(m, n, k, dtype="bfloat16", *, glu=False) -> RegionSummary:
+    """(hg @ b^T) * rsqrt(sum_c sq[c] / k + eps) [then SwiGLU] (inputs hg, b, sq)."""
+    region = fused_region((m,), n, k, dtype, norm=False, glu=glu)
+    inputs = (*region.inputs[:2], TensorSpec((k // CHUNK, m), "float32"))
+    attrs = {**region.attrs, "prologue": {"kind": "rms_norm_stats", "eps": EPS, "squares_input": 2}}
+    return RegionSummary("consumer", "matmul_epilogue", inputs, region.outputs, attrs)
+
+
+def chunk_squares(h: torch.Tensor) -> torch.Tensor:
+    """[K / 64, M] float64 sums of h^2 (h as it is, i.e. rounded to its dtype) over 64-column chunks."""
+    rows = h.double().reshape(-1, h.shape[-1])
+    return rows.pow(2).reshape(rows.shape[0], -1, CHUNK).sum(-1).T
+
+
+def _stats_cases():
+    for m in (1, 3, 17, 32):
+        for point in sorted(STATS_POINTS):
+            bm = STATS_POINTS[point]["BLOCK_M"]
+            if (bm > 1 or m <= 4) and (bm <= 16 or m > 16):  # BLOCK_M=1: at most 4 rows; 32: no more than M
+                yield m, point
+
+
+@pytest.mark.parametrize("m,point", list(_stats_cases()))
+def test_row_squares_outputs_match_torch_on_the_rounded_h(m, point, load_candidate):
+    region = producer_region(m, 192, 301)
+    inputs = make_inputs(region, 30.0, seed=10)
+    a, b, residual, g = inputs
+    h, hg, sq = run_candidate(load_candidate, region, STATS_POINTS[point], inputs, stem=f"rowsq_{point}_{m}")
+    check_close(h, a.double() @ b.double().T + residual.double())
+    # hg and sq come from h as stored: h * g rounded once (an ulp apart at most, the
+    # interpreter truncating), the chunk sums in fp32
+    torch.testing.assert_close(hg.float(), (h.float() * g.float()).to(hg.dtype).float(), rtol=8e-3, atol=0)
+    assert sq.shape == (3, m) and sq.dtype == torch.float32
+    torch.testing.assert_close(sq.double(), chunk_squares(h).to(sq.device), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("m,point", list(_stats_cases()))
+@pytest.mark.parametrize("glu", [False, True])
+def test_rms_norm_stats_prologue_matches_torch(m, point, glu, load_candidate):
+    region = consumer_region(m, 96, 320, glu=glu)
+    gen = torch.Generator().manual_seed(11)
+    h = (torch.randn((m, 320), generator=gen) * 1e3).to(torch.bfloat16)
+    g = torch.randn((320,), generator=gen).to(torch.bfloat16)
+    b = torch.randn(tuple(region.inputs[1].shape), generator=gen).to(torch.bfloat16)
+    hg = (h.float() * g.float()).to(torch.bfloat16)
+    sq = chunk_squares(h).float()
+    (out,) = run_candidate(load_candidate, region, STATS_POINTS[point], [hg, b, sq], stem=f"stats_{point}_{m}_{glu}")
+    product = hg.double() @ b.double().T * torch.rsqrt(sq.double().sum(0) / 320 + EPS)[:, None]
+    if glu:
+        product = torch.nn.functional.silu(product[:, :96]) * product[:, 96:]
+    check_close(out, product)
+    # what it stands for: the RMSNorm of h (times g) before the GEMV, up to hg's rounding
+    normed = fused_region((m,), 96, 320, "bfloat16", glu=glu)
+    check_close(out, reference(normed, [h, b, g])[0])
+
+
+def test_producer_feeds_consumer_like_the_norm_it_replaces(load_candidate):
+    producer, consumer = producer_region(5, 128, 301), consumer_region(5, 64, 128, glu=True)
+    p_inputs = make_inputs(producer, 1.0, seed=12)
+    h, hg, sq = run_candidate(load_candidate, producer, STATS_POINTS["dot_split"], p_inputs, stem="chain_p")
+    w = make_inputs(consumer, seed=13)[1]
+    (out,) = run_candidate(load_candidate, consumer, STATS_POINTS["dot"], [hg, w, sq], stem="chain_c")
+    check_close(out, reference(fused_region((5,), 64, 128, "bfloat16", glu=True), [h, w, p_inputs[3]])[0])
+
+
+def test_norm_statistics_forms_are_gemv_only_with_whole_chunks():
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    for region in (producer_region(32, 4096, 4096), consumer_region(32, 4096, 4096)):
+        assert FAMILY.matches(region)
+        assert "GEMV kernel only" in FAMILY.check(region, tile, H200)
+        with pytest.raises(ValueError, match="GEMV kernel only"):
+            FAMILY.render(region, tile)
+        points = FAMILY.legal_points(region, H200)
+        assert points and all(p["GEMV"] and not p.get("NORM_FIRST") for p in points)
+    producer = producer_region(32, 4096, 4096)
+    assert "multiple of it" in FAMILY.check(producer, gemv(16, 32, 128), H200)
+    assert "multiple of it" in FAMILY.check(producer, gemv(1, 16, 256), H200)
+    assert FAMILY.check(producer, gemv(16, 64, 128), H200) is None
+    assert all(p["BLOCK_N"] % CHUNK == 0 for p in FAMILY.legal_points(producer, H200))
+    consumer = consumer_region(32, 4096, 4096)
+    assert "NORM_FIRST" not in FAMILY.param_space(consumer, H200)
+    assert "NORM_FIRST" in FAMILY.check(consumer, {**gemv(16, 32, 128), "NORM_FIRST": True}, H200)
+    # malformed: N not a multiple of the chunk, or the weight not the last input
+    assert not FAMILY.matches(producer_region(32, 100, 64))
+    moved = RegionSummary(**{**producer.__dict__, "attrs": {**producer.attrs, "row_squares": {"chunk": 64, "weight_input": 2}}})
+    assert not FAMILY.matches(moved)

@@ -221,3 +221,23 @@ def test_rotary_tables_are_cos_and_sin_of_one_angle_at_every_magnitude():
         assert float(inputs[0].abs().max()) > magnitude  # q: N(0, 1) * magnitude as before
     unroped = RegionSummary("r", "decode_attention", (), (), {"lengths_input": 3})
     assert strategies.rotary_tables(unroped) == ()
+
+
+# -- norm statistics (fuse-norm-statistics): chunk sums of squares are positive -------------------
+
+def test_sums_of_squares_of_a_statistics_norm_are_positive():
+    region = RegionSummary(
+        "qkv", "matmul_epilogue",
+        (TensorSpec(("B", 256), "bfloat16"), TensorSpec((96, 256), "bfloat16"), TensorSpec((4, "B"), "float32")),
+        (TensorSpec(("B", 96), "bfloat16"),),
+        attrs={"b_layout": "nk", "has_bias": False, "epilogue": [], "outputs": ["acc"],
+               "prologue": {"kind": "rms_norm_stats", "eps": 1e-5, "squares_input": 2}},
+        dims={"B": (1, 32)})
+    assert strategies.squares_input(region) == 2
+    for seed, magnitude in ((0, 1.0), (1, 1e-3), (2, 30.0), (3, 1e3)):
+        hg, _, sq = make_inputs(region, Example((("B", 5),), seed, magnitude))
+        assert sq.shape == (4, 5) and (sq > 0).all()
+        # rows of the example's magnitude: each chunk of 64 columns sums ~64 * magnitude^2
+        per_element = sq / 64 / magnitude**2
+        assert per_element.min() >= 0.5 and per_element.max() <= 2.0
+        assert (hg < 0).any()  # the activation stays a normal draw
