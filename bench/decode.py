@@ -37,7 +37,8 @@ def parse_args():
     parser.add_argument("--modes", default="eager,max-autotune-no-cudagraphs,reduce-overhead,coopt,coopt-fp8",
                         help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor; "
                              "coopt-unfolded: the default pipeline without fuse-kv-write-attention (kv_write a kernel of "
-                             "its own); coopt-fp8-values: fp8-kv-cache{values-only} (V in fp8, K in bf16)")
+                             "its own); coopt-fp8-values: fp8-kv-cache{values-only} (V in fp8, K in bf16); "
+                             "coopt-normstats: the default and fuse-norm-statistics (batched norms from the GEMV before)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -211,10 +212,11 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
     if "reduce-overhead" in modes:
         compiled_variant("reduce-overhead")
     from coopt.accuracy.builds import fp8_kv_pipeline
-    from coopt.passes.registry import DEFAULT_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
+    from coopt.passes.registry import DEFAULT_PIPELINE, NORM_STATISTICS_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
 
     for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
                                      ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE),
+                                     ("coopt-normstats", "none", NORM_STATISTICS_PIPELINE),
                                      ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True))):
         if mode not in modes:
             continue
