@@ -1,6 +1,6 @@
 """Hugging Face-format checkpoint directories for the Llama tests, written with safetensors and
 a name table of their own (independent of the model file's); `llama_env`, the model file's
-settings for a module-scoped build."""
+settings for a module-scoped build; `assert_steps_match_eager`, a build against its eager model file."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 MODEL_PATH = Path(__file__).resolve().parents[2] / "examples" / "llama" / "model.py"
 
@@ -101,3 +102,14 @@ def write_hf_checkpoint(directory: Path, model, architecture: str = "LlamaForCau
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     return directory
+
+
+def assert_steps_match_eager(built, eager, steps: int = 2) -> None:
+    """`steps` decode steps of the loaded build against the eager model file it was built from
+    (same weights and cache history), each step's tokens derived from the last ones."""
+    tokens, input_pos = eager.example_inputs
+    with torch.no_grad():
+        for step in range(steps):
+            position = input_pos + step
+            torch.testing.assert_close(built(tokens, position), eager.model(tokens, position), rtol=1e-4, atol=1e-4)
+            tokens = (tokens * 7 + 3) % eager.model.args.vocab_size

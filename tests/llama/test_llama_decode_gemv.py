@@ -9,11 +9,10 @@ Without a GPU the kernels run in Triton's interpreter (about a minute here).
 from __future__ import annotations
 
 import pytest
-import torch
 
 import coopt
 from coopt.frontend.model_file import load_model_file
-from llama_helpers import MODEL_PATH
+from llama_helpers import MODEL_PATH, assert_steps_match_eager
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +47,4 @@ def test_norms_and_swiglu_fuse_into_the_decode_gemvs(decode_build):
 
 def test_built_decode_step_matches_eager(decode_build):
     _, out, eager = decode_build
-    built = coopt.load(out)
-    tokens, input_pos = eager.example_inputs
-    with torch.no_grad():
-        for step in range(2):
-            position = input_pos + step
-            torch.testing.assert_close(built(tokens, position), eager.model(tokens, position), rtol=1e-4, atol=1e-4)
-            tokens = (tokens * 7 + 3) % eager.model.args.vocab_size
+    assert_steps_match_eager(coopt.load(out), eager)

@@ -141,18 +141,22 @@ def test_default_pipeline_order():
 
 class DecoderBlock(torch.nn.Module):
     """Two pre-norm residual blocks of a Llama-style decoder (attention left out): each norm feeds
-    one merged projection, the MLP is SwiGLU, the residual stream runs through both."""
+    one merged projection, the MLP is SwiGLU, the residual stream runs through both. Hidden size
+    `width`, MLP size `ffn`, weights N(0, 1) / `weight_scale`; the final norm's weight is ones
+    unless `random_out_norm`."""
 
-    def __init__(self):
+    def __init__(self, width: int = 16, ffn: int = 40, weight_scale: float = 4.0, random_out_norm: bool = False):
         super().__init__()
         gen = torch.Generator().manual_seed(0)
         for i in range(2):
-            self.register_parameter(f"g_attn{i}", torch.nn.Parameter(1 + 0.1 * torch.randn(16, generator=gen)))
-            self.register_parameter(f"g_mlp{i}", torch.nn.Parameter(1 + 0.1 * torch.randn(16, generator=gen)))
-            for name, shape in (("wq", (16, 16)), ("wv", (16, 16)), ("wo", (16, 16)), ("gate", (40, 16)), ("up", (40, 16)), ("down", (16, 40))):
-                self.register_parameter(f"{name}{i}", torch.nn.Parameter(torch.randn(shape, generator=gen) / 4))
-        self.g_out = torch.nn.Parameter(torch.ones(16))
-        self.lm_head = torch.nn.Parameter(torch.randn(32, 16, generator=gen) / 4)
+            self.register_parameter(f"g_attn{i}", torch.nn.Parameter(1 + 0.1 * torch.randn(width, generator=gen)))
+            self.register_parameter(f"g_mlp{i}", torch.nn.Parameter(1 + 0.1 * torch.randn(width, generator=gen)))
+            for name, shape in (("wq", (width, width)), ("wv", (width, width)), ("wo", (width, width)),
+                                ("gate", (ffn, width)), ("up", (ffn, width)), ("down", (width, ffn))):
+                self.register_parameter(f"{name}{i}", torch.nn.Parameter(torch.randn(shape, generator=gen) / weight_scale))
+        g_out = 1 + 0.1 * torch.randn(width, generator=gen) if random_out_norm else torch.ones(width)
+        self.g_out = torch.nn.Parameter(g_out)
+        self.lm_head = torch.nn.Parameter(torch.randn(32, width, generator=gen) / weight_scale)
 
     def forward(self, x):
         p = dict(self.named_parameters())

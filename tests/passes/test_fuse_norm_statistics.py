@@ -3,9 +3,9 @@
 model still matches eager."""
 
 import torch
-import torch.nn.functional as F
 
 from pass_helpers import kernels, run_pipeline
+from test_fuse_decode_gemv import DecoderBlock
 
 import coopt
 from coopt.codegen.torch_lines import reference_module_source
@@ -16,34 +16,10 @@ WITH_STATS = NORM_STATISTICS_PIPELINE  # the default and fuse-norm-statistics (n
 WIDTH = 64  # one chunk of the default 64 columns
 
 
-def rms_norm(h, g):
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * g
-
-
-class TwoLayerDecoder(torch.nn.Module):
-    """Two pre-norm residual blocks of a Llama-style decode step (attention left out: q * v
-    stands for it), SwiGLU MLPs, a final norm and lm_head; hidden size 64."""
-
-    def __init__(self):
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        for i in range(2):
-            self.register_parameter(f"g_attn{i}", torch.nn.Parameter(1 + 0.1 * torch.randn(WIDTH, generator=gen)))
-            self.register_parameter(f"g_mlp{i}", torch.nn.Parameter(1 + 0.1 * torch.randn(WIDTH, generator=gen)))
-            for name, shape in (("wq", (WIDTH, WIDTH)), ("wv", (WIDTH, WIDTH)), ("wo", (WIDTH, WIDTH)),
-                                ("gate", (96, WIDTH)), ("up", (96, WIDTH)), ("down", (WIDTH, 96))):
-                self.register_parameter(f"{name}{i}", torch.nn.Parameter(torch.randn(shape, generator=gen) / 8))
-        self.g_out = torch.nn.Parameter(1 + 0.1 * torch.randn(WIDTH, generator=gen))
-        self.lm_head = torch.nn.Parameter(torch.randn(32, WIDTH, generator=gen) / 8)
-
-    def forward(self, x):
-        p = dict(self.named_parameters())
-        for i in range(2):
-            h = rms_norm(x, p[f"g_attn{i}"])
-            x = x + F.linear(F.linear(h, p[f"wq{i}"]) * F.linear(h, p[f"wv{i}"]), p[f"wo{i}"])
-            h = rms_norm(x, p[f"g_mlp{i}"])
-            x = x + F.linear(F.silu(F.linear(h, p[f"gate{i}"])) * F.linear(h, p[f"up{i}"]), p[f"down{i}"])
-        return F.linear(rms_norm(x, self.g_out), self.lm_head)
+def TwoLayerDecoder() -> DecoderBlock:
+    """fuse-decode-gemv's two-block decoder (q * v stands for attention, SwiGLU MLPs, a final norm
+    and lm_head) at hidden size 64, every norm weight random."""
+    return DecoderBlock(width=WIDTH, ffn=96, weight_scale=8.0, random_out_norm=True)
 
 
 def step(batch):
