@@ -42,6 +42,12 @@ def same_shape(a: SSAValue, b: SSAValue) -> bool:
     return a.type.get_shape() == b.type.get_shape() and a.type.encoding == b.type.encoding
 
 
+def aten_op(target: str, args: list, inputs: list, type_: TensorType, kwargs: dict | None = None) -> AtenOp:
+    """A new `coopt.aten` op of one result (args in the importer's encoding: {"$t": i} is input
+    i), not yet inserted."""
+    return AtenOp(target, {"args": args, "kwargs": kwargs or {}}, inputs, [type_])
+
+
 def aten_target(op) -> str | None:
     return op.target.data if isinstance(op, AtenOp) else None
 

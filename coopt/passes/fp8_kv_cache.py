@@ -60,7 +60,7 @@ from coopt.ir.dialect import (
     WeightOp,
 )
 from coopt.ir.summary import dtype_name
-from coopt.passes.base import CooptPass, aten_target, literal_arg
+from coopt.passes.base import CooptPass, aten_op, aten_target, literal_arg
 from coopt.passes.stats import count
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -473,7 +473,7 @@ def _scale_type(type_: TensorType) -> TensorType:
 
 
 def _aten(target: str, args: list, inputs: list, type_: TensorType, kwargs: dict | None = None, before: Operation = None) -> SSAValue:
-    op = AtenOp(target, {"args": args, "kwargs": kwargs or {}}, inputs, [type_])
+    op = aten_op(target, args, inputs, type_, kwargs)
     Rewriter.insert_op(op, InsertPoint.before(before))
     return op.results[0]
 

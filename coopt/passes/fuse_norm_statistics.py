@@ -36,16 +36,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xdsl.context import Context
-from xdsl.dialects.builtin import ArrayAttr, Float32Type, ModuleOp, StringAttr, TensorType
+from xdsl.dialects.builtin import Float32Type, ModuleOp
 from xdsl.ir import Operation, SSAValue
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from coopt.ir.dialect import AtenOp, ElementwiseOp, KernelOp, LinearOp, RMSNormOp, WeightOp
+from coopt.ir.dialect import ElementwiseOp, KernelOp, LinearOp, RMSNormOp, WeightOp
 from coopt.ir.outline import inline, outline
 from coopt.ir.summary import dtype_name, symbol_table
-from coopt.passes.base import CooptPass
+from coopt.passes.base import CooptPass, aten_op
 from coopt.passes.fuse_decode_gemv import row_bound
-from coopt.passes.shapes import dims
+from coopt.passes.shapes import dims, typed
 from coopt.passes.stats import count
 
 
@@ -143,29 +143,17 @@ def _make_available(value: SSAValue, kernel: KernelOp) -> bool:
     return False
 
 
-def _tensor(element, shape: list) -> TensorType:
-    """A tensor type of ints and symbol names (the encoding keeps the names)."""
-    static = [d if isinstance(d, int) else -1 for d in shape]
-    if all(isinstance(d, int) for d in shape):
-        return TensorType(element, static)
-    return TensorType(element, static, ArrayAttr([StringAttr("" if isinstance(d, int) else d) for d in shape]))
-
-
-def _aten(target: str, args: list, inputs: list, type_: TensorType, kwargs: dict | None = None) -> AtenOp:
-    return AtenOp(target, {"args": args, "kwargs": kwargs or {}}, inputs, [type_])
-
-
 def _row_squares_ops(h: SSAValue, g: SSAValue, chunk: int, row_dim) -> list[Operation]:
     """hg = h * g, then sq = (h.float() ** 2) summed over chunks of columns, as [N / chunk, M]."""
     shape, f32 = dims(h), Float32Type()
     chunks = shape[-1] // chunk  # a whole number: _fuse checked the width
     hg = ElementwiseOp("mul", [0, 1], [h, g], h.type)
-    h32 = _aten("aten._to_copy.default", [{"$t": 0}], [h], _tensor(f32, shape), {"dtype": {"$dtype": "float32"}})
-    squares = _aten("aten.mul.Tensor", [{"$t": 0}, {"$t": 0}], [h32.results[0]], _tensor(f32, shape))
-    chunked = _aten("aten.reshape.default", [{"$t": 0}, [-1, chunks, chunk]], [squares.results[0]],
-                    _tensor(f32, [row_dim, chunks, chunk]))
-    sums = _aten("aten.sum.dim_IntList", [{"$t": 0}, [-1]], [chunked.results[0]], _tensor(f32, [row_dim, chunks]))
-    sq = _aten("aten.permute.default", [{"$t": 0}, [1, 0]], [sums.results[0]], _tensor(f32, [chunks, row_dim]))
+    h32 = aten_op("aten._to_copy.default", [{"$t": 0}], [h], typed(f32, shape), {"dtype": {"$dtype": "float32"}})
+    squares = aten_op("aten.mul.Tensor", [{"$t": 0}, {"$t": 0}], [h32.results[0]], typed(f32, shape))
+    chunked = aten_op("aten.reshape.default", [{"$t": 0}, [-1, chunks, chunk]], [squares.results[0]],
+                    typed(f32, [row_dim, chunks, chunk]))
+    sums = aten_op("aten.sum.dim_IntList", [{"$t": 0}, [-1]], [chunked.results[0]], typed(f32, [row_dim, chunks]))
+    sq = aten_op("aten.permute.default", [{"$t": 0}, [1, 0]], [sums.results[0]], typed(f32, [chunks, row_dim]))
     return [hg, h32, squares, chunked, sums, sq]
 
 
@@ -183,8 +171,8 @@ def _scale_by_statistics(consumer: KernelOp, hg: SSAValue, sq: SSAValue) -> None
         Rewriter.insert_op(new, InsertPoint.before(linear))
     linear.operands = [hg, *linear.operands[1:]]
     out = linear.result
-    scaled = ElementwiseOp("mul", [0, 1], [out, scale_ops[-1].results[0]], _tensor(Float32Type(), dims(out)))
-    back = _aten("aten._to_copy.default", [{"$t": 0}], [scaled.results[0]], out.type,
+    scaled = ElementwiseOp("mul", [0, 1], [out, scale_ops[-1].results[0]], typed(Float32Type(), dims(out)))
+    back = aten_op("aten._to_copy.default", [{"$t": 0}], [scaled.results[0]], out.type,
                  {"dtype": {"$dtype": dtype_name(out)}})
     Rewriter.insert_op(scaled, InsertPoint.after(linear))
     Rewriter.insert_op(back, InsertPoint.after(scaled))
@@ -204,10 +192,10 @@ def _scale_by_statistics(consumer: KernelOp, hg: SSAValue, sq: SSAValue) -> None
 def _rstd_ops(sq: SSAValue, lead: list, width: int, eps: float) -> list[Operation]:
     """rsqrt(sum(sq, 0) / K + eps), shaped [*lead, 1] to scale the linear's rows."""
     f32, rows = Float32Type(), dims(sq)[1]
-    total = _aten("aten.sum.dim_IntList", [{"$t": 0}, [0]], [sq], _tensor(f32, [rows]))
-    mean = ElementwiseOp("div", [0, {"$f": float(width)}], [total.results[0]], _tensor(f32, [rows]))
-    shifted = ElementwiseOp("add", [0, {"$f": float(eps)}], [mean.results[0]], _tensor(f32, [rows]))
-    rstd = ElementwiseOp("rsqrt", [0], [shifted.results[0]], _tensor(f32, [rows]))
+    total = aten_op("aten.sum.dim_IntList", [{"$t": 0}, [0]], [sq], typed(f32, [rows]))
+    mean = ElementwiseOp("div", [0, {"$f": float(width)}], [total.results[0]], typed(f32, [rows]))
+    shifted = ElementwiseOp("add", [0, {"$f": float(eps)}], [mean.results[0]], typed(f32, [rows]))
+    rstd = ElementwiseOp("rsqrt", [0], [shifted.results[0]], typed(f32, [rows]))
     view = [d if isinstance(d, int) else -1 for d in lead]
-    shaped = _aten("aten.reshape.default", [{"$t": 0}, [*view, 1]], [rstd.results[0]], _tensor(f32, [*lead, 1]))
+    shaped = aten_op("aten.reshape.default", [{"$t": 0}, [*view, 1]], [rstd.results[0]], typed(f32, [*lead, 1]))
     return [total, mean, shifted, rstd, shaped]

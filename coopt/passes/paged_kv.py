@@ -51,14 +51,14 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import DYNAMIC_INDEX, ArrayAttr, FunctionType, ModuleOp, StringAttr, TensorType, i32
+from xdsl.dialects.builtin import FunctionType, ModuleOp, StringAttr, TensorType, i32
 from xdsl.ir import Operation, SSAValue
 from xdsl.rewriter import InsertPoint, Rewriter
 
 from coopt.errors import ConfigError
-from coopt.ir.dialect import AtenOp, CacheAttentionOp, DecodeAttentionOp, KernelOp, StateUpdateOp, WeightOp
-from coopt.passes.base import CooptPass, aten_target, literal_arg, tensor_arg
-from coopt.passes.shapes import dims
+from coopt.ir.dialect import CacheAttentionOp, DecodeAttentionOp, KernelOp, StateUpdateOp, WeightOp
+from coopt.passes.base import CooptPass, aten_op, aten_target, literal_arg, tensor_arg
+from coopt.passes.shapes import dims, typed
 from coopt.passes.stats import count
 from coopt.runtime.pages import PAGE_SIZES
 
@@ -253,16 +253,8 @@ def _positions_input(caches: list[_Cache]) -> int | None:
 # -- building the IR -----------------------------------------------------------------------------
 
 
-def _typed(element, shape: list) -> TensorType:
-    """A tensor type from dims (ints, or symbol names for dynamic dims)."""
-    sizes = [d if isinstance(d, int) else DYNAMIC_INDEX for d in shape]
-    if all(isinstance(d, int) for d in shape):
-        return TensorType(element, sizes)
-    return TensorType(element, sizes, ArrayAttr([StringAttr("" if isinstance(d, int) else d) for d in shape]))
-
-
 def _aten(target: str, args: list, inputs: list, type_: TensorType, before: Operation, kwargs: dict | None = None) -> SSAValue:
-    op = AtenOp(target, {"args": args, "kwargs": kwargs or {}}, inputs, [type_])
+    op = aten_op(target, args, inputs, type_, kwargs)
     Rewriter.insert_op(op, InsertPoint.before(before))
     return op.results[0]
 
@@ -308,17 +300,17 @@ def _paged_write(cache: _Cache, pool: SSAValue, table: SSAValue, size: int) -> S
     value = cache.value
     if cache.rows is not None:  # row b's page: page_table[b, positions[b] // P]
         page_ids = _aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}, {"$t": 2}]],
-                         [table, cache.rows.results[0], page_index], _typed(i32, position_dims), update)
+                         [table, cache.rows.results[0], page_index], typed(i32, position_dims), update)
     else:  # token t of every row b: page_table[b, positions[t] // P], the value as [B, T, Hkv, D]
         batch = dims(table)[0]
         page_ids = _aten("aten.index.Tensor", [{"$t": 0}, [None, {"$t": 1}]], [table, page_index],
-                         _typed(i32, [batch, *position_dims]), update)
+                         typed(i32, [batch, *position_dims]), update)
         if len(dims(value)) == len(cache.shape) - 1:  # a batch-1 export writes [Hkv, T, D]
             value = _aten("aten.unsqueeze.default", [{"$t": 0}, 0], [value],
-                          _typed(value.type.element_type, [1, *dims(value)]), update)
+                          typed(value.type.element_type, [1, *dims(value)]), update)
         order = _TOKENS_FIRST[:len(dims(value))]  # (scales: [B, Hkv, T] -> [B, T, Hkv])
         value = _aten("aten.permute.default", [{"$t": 0}, order], [value],
-                      _typed(value.type.element_type, [dims(value)[i] for i in order]), update)
+                      typed(value.type.element_type, [dims(value)[i] for i in order]), update)
     call = {"args": [{"$t": 0}, [{"$t": 1}, None, {"$t": 2}], {"$t": 3}], "kwargs": {}}
     paged = StateUpdateOp(cache.ref, "aten.index_put_.default", call, [pool, page_ids, slots, value], pool.type)
     Rewriter.insert_op(paged, InsertPoint.before(update))
@@ -334,11 +326,11 @@ def paged_view(pool: SSAValue, table: SSAValue, size: int, before: Operation) ->
     element = pool.type.element_type
     gathered_shape = [batch, max_pages, heads, size, *head_dim]
     order = _PAGES_IN_ORDER[:len(gathered_shape)]
-    gathered = _aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}]], [pool, table], _typed(element, gathered_shape), before)
+    gathered = _aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}]], [pool, table], typed(element, gathered_shape), before)
     ordered = _aten("aten.permute.default", [{"$t": 0}, order], [gathered],
-                    _typed(element, [gathered_shape[i] for i in order]), before)
+                    typed(element, [gathered_shape[i] for i in order]), before)
     return _aten("aten.reshape.default", [{"$t": 0}, [batch, heads, max_pages * size, *head_dim]], [ordered],
-                 _typed(element, [batch, heads, max_pages * size, *head_dim]), before)
+                 typed(element, [batch, heads, max_pages * size, *head_dim]), before)
 
 
 # -- recognising what the pass built (for the fusion passes) -------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xdsl.dialects.builtin import DYNAMIC_INDEX
+from xdsl.dialects.builtin import DYNAMIC_INDEX, ArrayAttr, StringAttr, TensorType
 from xdsl.ir import SSAValue
 
 
@@ -19,3 +19,11 @@ def broadcasts_to(value: SSAValue, target: SSAValue) -> bool:
     if len(small) > len(big):
         return False
     return all(s == 1 or s == b for s, b in zip(reversed(small), reversed(big)))
+
+
+def typed(element, shape: list) -> TensorType:
+    """A tensor type from dims (ints, or symbol names for dynamic dims, kept in its encoding)."""
+    sizes = [d if isinstance(d, int) else DYNAMIC_INDEX for d in shape]
+    if all(isinstance(d, int) for d in shape):
+        return TensorType(element, sizes)
+    return TensorType(element, sizes, ArrayAttr([StringAttr("" if isinstance(d, int) else d) for d in shape]))
