@@ -80,8 +80,9 @@ GEMV points are legal for them, so such a region exists only where M is decode-s
                                chunk sum has one writer (no atomics, no meeting).
     RMSNorm statistics         prologue {"kind": "rms_norm_stats", "eps", "squares_input": j}:
     prologue (consumer)        inputs a = hg, b, [bias], sq [K / C, M] fp32 (j), extras. Each
-                               program adds its rows' chunk sums in chunk order (fp32) once at
-                               its start, after the PDL wait, independent of the weight stream;
+                               program sums its rows' chunk sums (fp32; up to 64 chunks a load,
+                               all loads of an unrolled sweep in flight together) once at its
+                               start, after the PDL wait, independent of the weight stream;
                                rsqrt(sum / K + eps) scales the fp32 accumulator where the
                                in-loop norm's 1/rms does (before bias, GLU and the epilogue).
                                No NORM_FIRST, no work in the K loop.
@@ -516,7 +517,7 @@ class MatmulEpilogueFamily(TemplateFamily):
             b_layout=attrs["b_layout"],
             has_bias=has_bias,
             norm=norm and {"eps": float(norm["eps"]), "has_weight": bool(norm.get("has_weight")),
-                           "stats": norm["kind"] == "rms_norm_stats"},
+                           "stats": norm["kind"] == "rms_norm_stats", **self._stats_render(region, norm)},
             row_squares=row_squares and self._row_squares_render(row_squares, outputs),
             glu=glu,
             extras=extras,
@@ -525,6 +526,17 @@ class MatmulEpilogueFamily(TemplateFamily):
             outputs=outputs,
             ieee_dot=self._ieee_dot(region),
         )
+
+    @staticmethod
+    def _stats_render(region: RegionSummary, norm: dict) -> dict:
+        """A statistics prologue's chunk count (static: K is a weight dim) and the chunks loaded
+        at once (a power of two, at most 64 x the row tile in registers)."""
+        if norm["kind"] != "rms_norm_stats":
+            return {}
+        chunks = region.inputs[norm["squares_input"]].shape[0]
+        if not isinstance(chunks, int):
+            raise ValueError(f"{region.name}: the sums of squares need a static chunk count, got {chunks!r}")
+        return {"chunks": chunks, "chunks_at_once": min(next_pow2(chunks), 64)}
 
     @staticmethod
     def _row_squares_render(row_squares: dict, outputs: list[dict]) -> dict:

@@ -506,6 +506,20 @@ def test_rms_norm_stats_prologue_matches_torch(m, point, glu, load_candidate):
     check_close(out, reference(normed, [h, b, g])[0])
 
 
+@pytest.mark.parametrize("point", ["fma", "dot"])
+def test_more_chunks_than_one_load_holds(point, load_candidate):
+    # 67 chunks (K 4288): a sweep of two loads of 64, the second 3 chunks and 61 masked
+    m, k = (3, 4288) if point == "fma" else (17, 4288)
+    region = consumer_region(m, 64, k)
+    gen = torch.Generator().manual_seed(14)
+    hg = torch.randn((m, k), generator=gen).to(torch.bfloat16)
+    b = torch.randn((64, k), generator=gen).to(torch.bfloat16)
+    sq = torch.rand((k // CHUNK, m), generator=gen) * 64
+    sq[64:] *= 1000  # most of each row's mass in the second load: a sweep that stopped at 64 is far off
+    (out,) = run_candidate(load_candidate, region, STATS_POINTS[point], [hg, b, sq], stem=f"stats_long_{point}")
+    check_close(out, hg.double() @ b.double().T * torch.rsqrt(sq.double().sum(0) / k + EPS)[:, None])
+
+
 def test_producer_feeds_consumer_like_the_norm_it_replaces(load_candidate):
     producer, consumer = producer_region(5, 128, 301), consumer_region(5, 64, 128, glu=True)
     p_inputs = make_inputs(producer, 1.0, seed=12)

@@ -92,12 +92,16 @@ def _gemv_kernel(
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
 
-    # 1 / rms of the tile's rows from the producer's chunk sums of squares, added in chunk order
-    # (fp32): loaded once, ahead of the weight stream, which they do not touch.
+    # 1 / rms of the tile's rows from the producer's 8 chunk sums of squares (fp32), ahead of
+    # the weight stream, which they do not touch: 8 chunks a load in an unrolled sweep, so
+    # the loads go out together (a loop adding one chunk at a time would wait for each in turn).
     stats_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     stats_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for chunk in range(0, n_chunks):
-        stats_sum += tl.load(stats_ptr + chunk * stride_sq_c + stats_rows * stride_sq_m, mask=stats_rows < M, other=0.0)
+    for first in tl.static_range(0, 8, 8):
+        chunk_ids = first + tl.arange(0, 8)
+        stats = tl.load(stats_ptr + chunk_ids[:, None] * stride_sq_c + stats_rows[None, :] * stride_sq_m,
+                        mask=(chunk_ids < n_chunks)[:, None] & (stats_rows < M)[None, :], other=0.0)
+        stats_sum += tl.sum(stats, axis=0)
     rstd = tl.rsqrt(stats_sum / K + 1e-05)
     # Activation rows past M are masked, not wrapped: padding M up to the tl.dot minimum of 16
     # rows then costs no memory traffic.
