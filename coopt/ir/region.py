@@ -218,6 +218,25 @@ def kv_write_inputs(region: RegionSummary) -> int | None:
     return folded["positions_input"] if isinstance(folded, dict) else None
 
 
+def gemv_prologue(region: RegionSummary, kind: str) -> dict | None:
+    """A matmul_epilogue region's attrs["prologue"] when it is of `kind` ("rms_norm": the
+    GEMV normalizes a's rows itself; "rms_norm_stats": a is h * g and the rows' sums of
+    squares are an input), else None."""
+    prologue = region.attrs.get("prologue") if region.family == "matmul_epilogue" else None
+    return prologue if isinstance(prologue, dict) and prologue.get("kind") == kind else None
+
+
+def squares_input(region: RegionSummary) -> int | None:
+    """Index of the sums of squares a "rms_norm_stats" prologue reads, else None.
+
+        >>> squares_input(RegionSummary("r", "matmul_epilogue", (), (), {"prologue": {"kind": "rms_norm_stats", "squares_input": 2}}))
+        2
+        >>> squares_input(RegionSummary("r", "matmul_epilogue", (), (), {"prologue": {"kind": "rms_norm"}})) is None
+        True
+    """
+    return (gemv_prologue(region, "rms_norm_stats") or {}).get("squares_input")
+
+
 def rope_at(region: RegionSummary) -> int | None:
     """Index of the query's cos (sin follows) in a decode_attention region that rotates its
     query (attrs "rope"): after the lengths and, paged, the page table; else None."""

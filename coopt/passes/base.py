@@ -8,6 +8,7 @@ from typing import ClassVar
 from xdsl.dialects.builtin import DYNAMIC_INDEX, TensorType
 from xdsl.ir import SSAValue
 from xdsl.passes import ModulePass
+from xdsl.rewriter import InsertPoint, Rewriter
 
 from coopt.ir.dialect import AtenOp
 
@@ -46,6 +47,13 @@ def aten_op(target: str, args: list, inputs: list, type_: TensorType, kwargs: di
     """A new `coopt.aten` op of one result (args in the importer's encoding: {"$t": i} is input
     i), not yet inserted."""
     return AtenOp(target, {"args": args, "kwargs": kwargs or {}}, inputs, [type_])
+
+
+def insert_aten(target: str, args: list, inputs: list, type_: TensorType, before, kwargs: dict | None = None) -> SSAValue:
+    """`aten_op` inserted before the op `before`; its result."""
+    op = aten_op(target, args, inputs, type_, kwargs)
+    Rewriter.insert_op(op, InsertPoint.before(before))
+    return op.results[0]
 
 
 def aten_target(op) -> str | None:

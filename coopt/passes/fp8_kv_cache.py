@@ -60,7 +60,7 @@ from coopt.ir.dialect import (
     WeightOp,
 )
 from coopt.ir.summary import dtype_name
-from coopt.passes.base import CooptPass, aten_op, aten_target, literal_arg
+from coopt.passes.base import CooptPass, aten_target, insert_aten, literal_arg
 from coopt.passes.stats import count
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -214,7 +214,7 @@ class Fp8KvCache(CooptPass):
                     x = _row_as_rank4(member)
                     scales = row_scales(x, self.headroom, member)  # [B, Hkv, 1]
                     b, heads, _ = scales.type.get_shape()
-                    rows = _aten("aten.select.int", [{"$t": 0}, 2, 0], [scales], _tensor(f32, [b, heads], None),
+                    rows = insert_aten("aten.select.int", [{"$t": 0}, 2, 0], [scales], _tensor(f32, [b, heads], None),
                                  before=member)
                     self._mirror(member, rows, mirror)
                     _quantize_per_row(member, scales, self.granularity, x)
@@ -357,7 +357,7 @@ def _row_as_rank4(write: Operation) -> SSAValue:
     if aten_target(select) == "aten.select.int" and literal_arg(select, 1) == 2 and literal_arg(select, 2) == 0:
         return select.inputs[0]
     b, heads, head_dim = value.type.get_shape()
-    return _aten("aten.unsqueeze.default", [{"$t": 0}, 2], [value], TensorType(value.type.element_type, [b, heads, 1, head_dim]),
+    return insert_aten("aten.unsqueeze.default", [{"$t": 0}, 2], [value], TensorType(value.type.element_type, [b, heads, 1, head_dim]),
                  before=write)
 
 
@@ -372,7 +372,7 @@ def _quantize_per_row(write: Operation, scale: SSAValue, granularity: str, x: SS
     x = _centred(x if x is not None else _row_as_rank4(write), offset, write)
     quantized = QuantizeFp8Op(x, scale, granularity, _fp8(x.type))
     Rewriter.insert_op(quantized, InsertPoint.before(write))
-    rows = _aten("aten.select.int", [{"$t": 0}, 2, 0], [quantized.result], _fp8(value.type), before=write)
+    rows = insert_aten("aten.select.int", [{"$t": 0}, 2, 0], [quantized.result], _fp8(value.type), before=write)
     write.operands[index] = rows
     if select is not None and isinstance(select, Operation) and not select.results[0].uses \
             and aten_target(select) == "aten.select.int":
@@ -390,7 +390,7 @@ def _centred(x: SSAValue, offset: SSAValue | None, before: Operation) -> SSAValu
     """x - offset (fp32, x's shape) for smoothed keys, else x."""
     if offset is None:
         return x
-    return _aten("aten.sub.Tensor", [{"$t": 0}, {"$t": 1}], [x, offset],
+    return insert_aten("aten.sub.Tensor", [{"$t": 0}, {"$t": 1}], [x, offset],
                  _tensor(f32, x.type.get_shape(), _names(x.type)), before=before)
 
 
@@ -472,12 +472,6 @@ def _scale_type(type_: TensorType) -> TensorType:
     return _tensor(f32, type_.get_shape()[:-1], names[:-1] if names else None)
 
 
-def _aten(target: str, args: list, inputs: list, type_: TensorType, kwargs: dict | None = None, before: Operation = None) -> SSAValue:
-    op = aten_op(target, args, inputs, type_, kwargs)
-    Rewriter.insert_op(op, InsertPoint.before(before))
-    return op.results[0]
-
-
 def _rank4(value: SSAValue, before: Operation) -> SSAValue:
     """The written value as [B, Hkv, T, D]: index_put broadcasts a value without the batch dim
     (export drops a size-1 batch), quantize_fp8 and the kv_write family take rank 4."""
@@ -485,7 +479,7 @@ def _rank4(value: SSAValue, before: Operation) -> SSAValue:
         t = value.type
         names = _names(t)
         new_type = _tensor(t.element_type, [1, *t.get_shape()], ["", *names] if names else None)
-        value = _aten("aten.unsqueeze.default", [{"$t": 0}, 0], [value], new_type, before=before)
+        value = insert_aten("aten.unsqueeze.default", [{"$t": 0}, 0], [value], new_type, before=before)
     return value
 
 
@@ -494,12 +488,12 @@ def row_scales(x: SSAValue, headroom: float, before: Operation) -> SSAValue:
     cast to fp32 only for 16-bit x); `read_row_scales` recognises it."""
     rows = _scale_type(x.type)
     same_dtype = _tensor(x.type.element_type, rows.get_shape(), _names(rows))
-    magnitude = _aten("aten.abs.default", [{"$t": 0}], [x], x.type, before=before)
-    absmax = _aten("aten.amax.default", [{"$t": 0}, [-1]], [magnitude], same_dtype, before=before)
+    magnitude = insert_aten("aten.abs.default", [{"$t": 0}], [x], x.type, before=before)
+    absmax = insert_aten("aten.amax.default", [{"$t": 0}, [-1]], [magnitude], same_dtype, before=before)
     as_fp32 = absmax if x.type.element_type == f32 else \
-        _aten("aten._to_copy.default", [{"$t": 0}], [absmax], rows, {"dtype": {"$dtype": "float32"}}, before=before)
-    floored = _aten("aten.clamp_min.default", [{"$t": 0}, SCALE_FLOOR], [as_fp32], rows, before=before)
-    return _aten("aten.mul.Tensor", [{"$t": 0}, float(headroom) / FP8_MAX], [floored], rows, before=before)
+        insert_aten("aten._to_copy.default", [{"$t": 0}], [absmax], rows, before=before, kwargs={"dtype": {"$dtype": "float32"}})
+    floored = insert_aten("aten.clamp_min.default", [{"$t": 0}, SCALE_FLOOR], [as_fp32], rows, before=before)
+    return insert_aten("aten.mul.Tensor", [{"$t": 0}, float(headroom) / FP8_MAX], [floored], rows, before=before)
 
 
 @dataclass

@@ -57,7 +57,7 @@ from xdsl.rewriter import InsertPoint, Rewriter
 
 from coopt.errors import ConfigError
 from coopt.ir.dialect import CacheAttentionOp, DecodeAttentionOp, KernelOp, StateUpdateOp, WeightOp
-from coopt.passes.base import CooptPass, aten_op, aten_target, literal_arg, tensor_arg
+from coopt.passes.base import CooptPass, aten_target, insert_aten, literal_arg, tensor_arg
 from coopt.passes.shapes import dims, typed
 from coopt.passes.stats import count
 from coopt.runtime.pages import PAGE_SIZES
@@ -253,12 +253,6 @@ def _positions_input(caches: list[_Cache]) -> int | None:
 # -- building the IR -----------------------------------------------------------------------------
 
 
-def _aten(target: str, args: list, inputs: list, type_: TensorType, before: Operation, kwargs: dict | None = None) -> SSAValue:
-    op = aten_op(target, args, inputs, type_, kwargs)
-    Rewriter.insert_op(op, InsertPoint.before(before))
-    return op.results[0]
-
-
 def _add_input(fn: func.FuncOp, type_: TensorType):
     block = fn.body.block
     arg = block.insert_arg(type_, len(block.args))
@@ -295,21 +289,21 @@ def _paged_write(cache: _Cache, pool: SSAValue, table: SSAValue, size: int) -> S
     the pool after it."""
     update, positions = cache.update, cache.positions
     position_dims = dims(positions)
-    page_index = _aten("aten.floor_divide.Scalar", [{"$t": 0}, size], [positions], positions.type, update)
-    slots = _aten("aten.remainder.Scalar", [{"$t": 0}, size], [positions], positions.type, update)
+    page_index = insert_aten("aten.floor_divide.Scalar", [{"$t": 0}, size], [positions], positions.type, update)
+    slots = insert_aten("aten.remainder.Scalar", [{"$t": 0}, size], [positions], positions.type, update)
     value = cache.value
     if cache.rows is not None:  # row b's page: page_table[b, positions[b] // P]
-        page_ids = _aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}, {"$t": 2}]],
+        page_ids = insert_aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}, {"$t": 2}]],
                          [table, cache.rows.results[0], page_index], typed(i32, position_dims), update)
     else:  # token t of every row b: page_table[b, positions[t] // P], the value as [B, T, Hkv, D]
         batch = dims(table)[0]
-        page_ids = _aten("aten.index.Tensor", [{"$t": 0}, [None, {"$t": 1}]], [table, page_index],
+        page_ids = insert_aten("aten.index.Tensor", [{"$t": 0}, [None, {"$t": 1}]], [table, page_index],
                          typed(i32, [batch, *position_dims]), update)
         if len(dims(value)) == len(cache.shape) - 1:  # a batch-1 export writes [Hkv, T, D]
-            value = _aten("aten.unsqueeze.default", [{"$t": 0}, 0], [value],
+            value = insert_aten("aten.unsqueeze.default", [{"$t": 0}, 0], [value],
                           typed(value.type.element_type, [1, *dims(value)]), update)
         order = _TOKENS_FIRST[:len(dims(value))]  # (scales: [B, Hkv, T] -> [B, T, Hkv])
-        value = _aten("aten.permute.default", [{"$t": 0}, order], [value],
+        value = insert_aten("aten.permute.default", [{"$t": 0}, order], [value],
                       typed(value.type.element_type, [dims(value)[i] for i in order]), update)
     call = {"args": [{"$t": 0}, [{"$t": 1}, None, {"$t": 2}], {"$t": 3}], "kwargs": {}}
     paged = StateUpdateOp(cache.ref, "aten.index_put_.default", call, [pool, page_ids, slots, value], pool.type)
@@ -326,10 +320,10 @@ def paged_view(pool: SSAValue, table: SSAValue, size: int, before: Operation) ->
     element = pool.type.element_type
     gathered_shape = [batch, max_pages, heads, size, *head_dim]
     order = _PAGES_IN_ORDER[:len(gathered_shape)]
-    gathered = _aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}]], [pool, table], typed(element, gathered_shape), before)
-    ordered = _aten("aten.permute.default", [{"$t": 0}, order], [gathered],
+    gathered = insert_aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}]], [pool, table], typed(element, gathered_shape), before)
+    ordered = insert_aten("aten.permute.default", [{"$t": 0}, order], [gathered],
                     typed(element, [gathered_shape[i] for i in order]), before)
-    return _aten("aten.reshape.default", [{"$t": 0}, [batch, heads, max_pages * size, *head_dim]], [ordered],
+    return insert_aten("aten.reshape.default", [{"$t": 0}, [batch, heads, max_pages * size, *head_dim]], [ordered],
                  typed(element, [batch, heads, max_pages * size, *head_dim]), before)
 
 

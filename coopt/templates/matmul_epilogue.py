@@ -124,7 +124,7 @@ from __future__ import annotations
 
 import math
 
-from coopt.ir.region import DTYPE_BYTES, RegionSummary, TensorSpec
+from coopt.ir.region import DTYPE_BYTES, RegionSummary, TensorSpec, gemv_prologue
 from coopt.targets import Target
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 from coopt.templates.ewprogram import render_program
@@ -163,16 +163,14 @@ _TILE_LOOP_SMEM_SLACK = 2048
 
 
 def _norm_prologue(region: RegionSummary) -> dict | None:
-    """attrs["prologue"] when it is an RMSNorm of a's rows (the only prologue there is), else None."""
-    prologue = region.attrs.get("prologue")
-    return prologue if isinstance(prologue, dict) and prologue.get("kind") == "rms_norm" else None
+    """attrs["prologue"] when it is an RMSNorm of a's rows, else None."""
+    return gemv_prologue(region, "rms_norm")
 
 
 def _stats_prologue(region: RegionSummary) -> dict | None:
     """attrs["prologue"] when the norm takes its rows' sums of squares from the producer
     (fuse-norm-statistics: a is h * g already, the chunk sums an input), else None."""
-    prologue = region.attrs.get("prologue")
-    return prologue if isinstance(prologue, dict) and prologue.get("kind") == "rms_norm_stats" else None
+    return gemv_prologue(region, "rms_norm_stats")
 
 
 def _row_squares(region: RegionSummary) -> dict | None:

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from coopt.ir.region import RegionSummary, kv_write_rope, rope_at
+from coopt.ir.region import RegionSummary, kv_write_rope, rope_at, squares_input
 from coopt.verify.profiles import Profile, resolve_profile  # noqa: F401  (doctest)
 from coopt.verify.tolerances import torch_dtype
 
@@ -328,20 +328,6 @@ def rotary_tables(region: RegionSummary) -> tuple[int, ...]:
         (4, 9)
     """
     return tuple(sorted({i for i in (rope_at(region), kv_write_rope(region)) if i is not None}))
-
-
-def squares_input(region: RegionSummary) -> int | None:
-    """The index of the sums of squares a statistics norm prologue reads, or None.
-
-        >>> squares_input(RegionSummary("r", "matmul_epilogue", (), (), {"prologue": {"kind": "rms_norm_stats", "squares_input": 2}}))
-        2
-        >>> squares_input(RegionSummary("r", "matmul_epilogue", (), (), {"prologue": {"kind": "rms_norm"}})) is None
-        True
-    """
-    prologue = region.attrs.get("prologue")
-    if region.family == "matmul_epilogue" and isinstance(prologue, dict) and prologue.get("kind") == "rms_norm_stats":
-        return prologue.get("squares_input")
-    return None
 
 
 def scale_inputs(region: RegionSummary) -> tuple[int, ...]:
