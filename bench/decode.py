@@ -38,7 +38,7 @@ def parse_args():
                         help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor; "
                              "coopt-unfolded: the default pipeline without fuse-kv-write-attention (kv_write a kernel of "
                              "its own); coopt-fp8-values: fp8-kv-cache{values-only} (V in fp8, K in bf16); "
-                             "coopt-normstats: the default and fuse-norm-statistics (batched norms from the GEMV before)")
+                             "coopt-rownorms: the default without fuse-norm-statistics (each batched norm a row kernel)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -212,11 +212,11 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
     if "reduce-overhead" in modes:
         compiled_variant("reduce-overhead")
     from coopt.accuracy.builds import fp8_kv_pipeline
-    from coopt.passes.registry import DEFAULT_PIPELINE, NORM_STATISTICS_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
+    from coopt.passes.registry import DEFAULT_PIPELINE, ROW_NORMS_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
 
     for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
                                      ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE),
-                                     ("coopt-normstats", "none", NORM_STATISTICS_PIPELINE),
+                                     ("coopt-rownorms", "none", ROW_NORMS_PIPELINE),
                                      ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True))):
         if mode not in modes:
             continue

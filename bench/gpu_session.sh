@@ -29,7 +29,7 @@
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
 #   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
 #   bash bench/gpu_session.sh fp8-values / accuracy-values  # values-only fp8 KV: latency at b32 / 2048, accuracy
-#   bash bench/gpu_session.sh normstats-b32  # b32 / 2048: default against default + fuse-norm-statistics, profiled (~9 min)
+#   bash bench/gpu_session.sh normstats-b32  # b32 / 2048: default against default without fuse-norm-statistics, profiled (~9 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh fold-tests  # the folded fp32 steps' GPU tests, first failure with its traceback (~1 min)
@@ -214,11 +214,11 @@ case "${1:-}" in
         step 560 fp8-values python bench/decode.py --cases 32:2048:4096 --modes coopt-fp8,coopt-fp8-values --prefill 0 \
             --agreement-steps 8 --out "$OUT/fp8_values.json" --build-dir /tmp/coopt-decode
         ;;
-    normstats-b32)  # issue 3: b32 / 2048, the default against the default + fuse-norm-statistics in one call, each
-        # step profiled kernel by kernel (session 14: written, CPU-tested)
-        step 420 decode python bench/decode.py --cases 32:2048:4096 --modes coopt,coopt-normstats --prefill 0 \
+    normstats-b32)  # issue 3: b32 / 2048, the default against the default without fuse-norm-statistics in one call,
+        # each step profiled kernel by kernel (session 15: 1765.9 us replayed with them, 1780.2 without)
+        step 420 decode python bench/decode.py --cases 32:2048:4096 --modes coopt,coopt-rownorms --prefill 0 \
             --agreement-steps 16 --out "$OUT/normstats-decode.json" --build-dir /tmp/coopt-decode
-        for build in b32-pos2048 b32-pos2048-normstats; do
+        for build in b32-pos2048 b32-pos2048-rownorms; do
             step 100 "profile_$build" python bench/profile_step.py "/tmp/coopt-decode/$build" --batch 32 --out "$OUT/profile_$build.json"
         done
         ;;

@@ -36,13 +36,14 @@ _BUILTIN = {
 # its own; the residual add it leaves becomes the previous GEMV's epilogue), then the big regions
 # (norms, attention, GEMM epilogues) before plain elementwise chains take what is left. The
 # KV-cache writes take K's rope into their region before fuse-rope gives every remaining rope a
-# region of its own.
-DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-decode-gemv,fuse-norm-residual,fuse-attention,fuse-kv-write,fuse-kv-write-attention,fuse-rope,fuse-linear-epilogue,fuse-elementwise"
-# The default with a batched step's norm GEMVs taking their rows' statistics from the GEMV before
-# them (fuse-norm-statistics, once fuse-linear-epilogue has made the o / down projections +
-# residual; batch 1 keeps the in-loop norm). Not the default until timed against it on the GPU
-# (bench/decode.py mode coopt-normstats; `bash bench/gpu_session.sh normstats-b32`).
-NORM_STATISTICS_PIPELINE = DEFAULT_PIPELINE.replace("fuse-linear-epilogue,", "fuse-linear-epilogue,fuse-norm-statistics,")
+# region of its own. A batched step's norm GEMVs take their rows' statistics from the o / down
+# projection + residual before them once fuse-linear-epilogue has made those regions.
+DEFAULT_PIPELINE = "inplace-state-writes,raise-patterns,fuse-parallel-linears,fuse-decode-gemv,fuse-norm-residual,fuse-attention,fuse-kv-write,fuse-kv-write-attention,fuse-rope,fuse-linear-epilogue,fuse-norm-statistics,fuse-elementwise"
+# The default without fuse-norm-statistics: a batched step's norms each a row kernel of their own
+# (or in their GEMV's loop), as before session 15; what the statistics are measured against
+# (bench/decode.py mode coopt-rownorms; bench/RESULTS.md session 15: b32 / 2048 replayed in 1765.9
+# us with them against 1780.2 without, 44 kernels a step against 60).
+ROW_NORMS_PIPELINE = DEFAULT_PIPELINE.replace("fuse-norm-statistics,", "")
 # The default without fuse-kv-write-attention (a step's kv_write a kernel of its own, as before
 # session 13): what the fold is measured against (bench/decode.py mode coopt-unfolded;
 # bench/RESULTS.md session 13: the fold 0.2-0.6 % faster at b1 and b32)

@@ -74,9 +74,10 @@ EXPECTED_PATTERNS = {
     "mlp": {"fuse.matmul_epilogue": 2},
     "minigpt_block": {"raise.attention.explicit.causal": 1, "fuse.row_reduction.layer_norm+residual": 1, "fuse.attention": 1},
     # 2 x 16 tokens = 32 rows: both norms are GEMV prologues (fuse-decode-gemv), the residual add
-    # before the second one an epilogue of the o-projection
+    # before the second one an epilogue of the o-projection, which also gives that norm its rows'
+    # statistics (fuse-norm-statistics; the first norm's input is the layer's input)
     "llama_layer": {"raise.rms_norm.explicit": 2, "raise.swiglu": 1, "fuse.attention.gqa": 1, "fuse.decode_gemv.norm_prologue": 2,
-                    "fuse.decode_gemv.glu.silu": 1, "raise.rope": 2, "fuse.rope": 2, "fuse.parallel_linears": 2},
+                    "fuse.norm_statistics": 1, "fuse.decode_gemv.glu.silu": 1, "raise.rope": 2, "fuse.rope": 2, "fuse.parallel_linears": 2},
 }
 
 

@@ -1,4 +1,5 @@
-"""The tiny Llama's decode step through fuse-decode-gemv: both RMSNorms of every layer and the
+"""The tiny Llama's decode step through fuse-decode-gemv (the default without fuse-norm-statistics:
+the in-loop norm form, the default's at batch 1, at 3 rows): both RMSNorms of every layer and the
 final one become GEMV prologues, SwiGLU the gate|up GEMV's epilogue, the residual adds the o and
 down GEMVs' epilogues; every fused region is verified against its reference and selected, and
 the built step reproduces eager (a batch of 3, two steps: the second reads what the first wrote).
@@ -12,6 +13,7 @@ import pytest
 
 import coopt
 from coopt.frontend.model_file import load_model_file
+from coopt.passes.registry import ROW_NORMS_PIPELINE
 from llama_helpers import MODEL_PATH, assert_steps_match_eager
 
 
@@ -21,7 +23,7 @@ def decode_build(tmp_path_factory):
         env.setenv("COOPT_LLAMA_BATCH", "3")  # M = 3 rows: the multiply-and-sum GEMV still applies
         loaded = load_model_file(MODEL_PATH)
         out = tmp_path_factory.mktemp("llama_gemv") / "out"
-        result = coopt.Pipeline(top_k=2).build(loaded.model, loaded.example_inputs, out, model_path=loaded.path)
+        result = coopt.Pipeline(ROW_NORMS_PIPELINE, top_k=2).build(loaded.model, loaded.example_inputs, out, model_path=loaded.path)
         eager = load_model_file(MODEL_PATH)  # same seeds: the weights and cache history of the build
     return result, out, eager
 

@@ -1,4 +1,4 @@
-"""The tiny Llama's batched decode step with fuse-norm-statistics added to the default pipeline: every
+"""The tiny Llama's batched decode step through the default pipeline (fuse-norm-statistics in it): every
 RMSNorm whose input is the previous GEMV's output (o or down projection + residual) takes that
 GEMV's row statistics (h * g and chunk sums of h^2) instead of normalizing the rows itself; every
 region is verified on a GEMV kernel and the built step reproduces eager (a batch of 3, two steps).
@@ -12,10 +12,10 @@ import pytest
 
 import coopt
 from coopt.frontend.model_file import load_model_file
-from coopt.passes.registry import NORM_STATISTICS_PIPELINE
+from coopt.passes.registry import DEFAULT_PIPELINE
 from llama_helpers import MODEL_PATH, assert_steps_match_eager, llama_env
 
-WITH_STATS = NORM_STATISTICS_PIPELINE  # the default and fuse-norm-statistics
+WITH_STATS = DEFAULT_PIPELINE  # fuse-norm-statistics in it since session 15
 
 
 @pytest.fixture(scope="module")

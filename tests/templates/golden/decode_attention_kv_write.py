@@ -114,7 +114,7 @@ def _decode_split_kernel(
     # cache's dtype as the unfused write stores them. No split reads its position from the cache
     # (a split may run before the write lands; in Triton's interpreter, which runs the programs one
     # after another, the splits before the last always would): the key loop masks it out, and the
-    # split whose range holds it adds it from registers after the loop, so the loop stays the
+    # split whose range holds it starts its softmax from it (registers), so the loop stays the
     # plain kernel's (the tile-by-tile select this replaced measured 9.6 µs a launch against the
     # plain kernel's 7.6, session 13, b1 / 2048 on the H200).
     d_ok = offs_d < HEAD_DIM
@@ -131,13 +131,23 @@ def _decode_split_kernel(
                     mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
 
     # Online softmax in base 2 with fp32 statistics; m_i starts finite so masked keys give p = 0.
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    # The split whose range holds the new row starts from it (its score the running maximum, p = 1,
+    # exact in every dtype); the others start empty. Taking it first, not after the loop: a merge
+    # after the loop mixed the loop's statistics across layouts, and on the H200 the copies of m_i
+    # the compiler keeps for different columns could differ by an ulp, scaling half of a head's
+    # output by 2^(ulp of the score) (0.26 of S at the fuzzer's magnitude 1000, 3e-4 at 30; the
+    # interpreter never showed it). Started here, each statistic comes out of the loop as the plain
+    # kernel's does (session 15, 32 examples a magnitude on the H200: 0 failures, 18 before).
+    holds_new = (new_pos >= start) & (new_pos < end)
+    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
+    taken = tl.where(holds_new, 1.0, 0.0)
+    m_i = tl.where(holds_new, s_new * qk_scale, -1.0e30)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + taken
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32) + taken * v_new.to(tl.float32)[None, :]
     # tl.range's num_stages pipelines the K/V loads even where no tl.dot consumes them.
     for block_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         keys = block_start + offs_n
-        key_ok = (keys < end) & (keys != new_pos)  # the new row comes from registers, after the loop
+        key_ok = (keys < end) & (keys != new_pos)  # the new row came from registers, before the loop
         k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                     mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :] * stride_vd,
@@ -158,18 +168,6 @@ def _decode_split_kernel(
         m_i = m_new
     if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
         tl.extra.cuda.gdc_launch_dependents()
-    # The new row as one more key of the split whose range holds it (the others add p = 0):
-    # scores and probabilities rounded as the loop's dots round them.
-    holds_new = (new_pos >= start) & (new_pos < end)
-    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
-    s_new = tl.where(holds_new, s_new * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, s_new)
-    p_new = tl.exp2(s_new - m_new)
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + p_new
-    p_new = p_new.to(v_ptr.dtype.element_ty).to(tl.float32)
-    acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-    m_i = m_new
     # The last split writes the row at its position (outside the cache: not written). (A scalar
     # condition folded into the bound, not and-ed with d_ok: the interpreter rejects the int32
     # mask that would make.)
