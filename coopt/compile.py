@@ -29,6 +29,8 @@ from coopt.passes.chunked_prefill import fit_example_inputs, prefill_chunk
 from coopt.passes.paged_kv import PAGE_TABLE, paged_record
 from coopt.passes.stats import collect_counters
 from coopt.targets import Target
+from coopt.tune.launch import choose_pdl, pdl_capable
+from coopt.verify.check import one_line
 
 
 @dataclass
@@ -170,6 +172,8 @@ class BuildResult:
     prefill_chunk: int | None = None  # chunked-prefill's chunk, when the entry's pipeline ran it
     # ops outside every region that launch work of their own (PyTorch's kernels between coopt's)
     unfused_ops: dict = field(default_factory=dict)
+    # a graph-replayed step's measured launch choice: {"pdl": kinds, "step_ms": {...}} (tune/launch.py)
+    launch: dict | None = None
 
     def to_json(self) -> dict:
         return {
@@ -322,10 +326,17 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
                                measured=measured, stateful=_is_stateful(module), cuda_graphs=graphs, warnings=warnings,
                                write_selection=lambda: write_selection(out, regions, measured), adapt=adapt)
 
+    # 8b. launch: a graph-replayed step on sm_90+ is timed with its GEMVs launched with PDL and
+    #     without, and the faster kept (selection.json "pdl"): whether PDL pays is the whole step's
+    launch = None
+    if graphs and measured and e2e.get("ok") and pdl_capable():
+        progress("launch", "the step with and without PDL")
+        launch = _choose_launch(out, example_inputs, regions, measured, warnings)
+
     # 9. record: report for people, manifest for tools, advice for replay
     result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings, graphs,
                          kv_calibration=kv_calibration, accuracy=accuracy, prefill_chunk=prefill_chunk(module),
-                         unfused_ops=unfused_ops(module))
+                         unfused_ops=unfused_ops(module), launch=launch)
     result.seconds = time.monotonic() - start
     result.step_seconds = progress.totals()
     advice_log.write(out / "advice.json")
@@ -539,9 +550,26 @@ def program_weights(module: ModuleOp, state: dict) -> dict:
     return weights
 
 
-def write_selection(out: Path, regions: list[RegionBuild], measured: bool) -> None:
-    data = {"measured": measured, "regions": {r.summary.name: r.to_json() for r in regions}}
+def write_selection(out: Path, regions: list[RegionBuild], measured: bool, pdl: list[str] | None = None) -> None:
+    """out/selection.json: each region's candidates and the one selected, and (`pdl`) the kinds of
+    kernel launched with PDL, as the build measured them (program.py reads both)."""
+    data = {"measured": measured, "regions": {r.summary.name: r.to_json() for r in regions}, "pdl": list(pdl or ())}
     (out / "selection.json").write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measured: bool, warnings: list[str]) -> dict | None:
+    """Load the emitted build, time its replayed step with and without PDL (tune/launch.py) and
+    record the faster in selection.json; None (and a warning) where timing it failed."""
+    from coopt.runtime.loader import load
+
+    try:
+        with torch.no_grad():
+            launch = choose_pdl(load(out), example_inputs)
+    except Exception as error:  # noqa: BLE001 - launching without PDL is always correct
+        warnings.append(f"the step could not be timed with PDL ({one_line(error)}): launched without it")
+        return None
+    write_selection(out, regions, measured, pdl=launch["pdl"])
+    return launch
 
 
 def _forward_params(model, count: int) -> list[str]:

@@ -32,6 +32,8 @@ def write_build_record(out: Path, config, model_path, result) -> None:
     }
     if result.accuracy is not None:  # a lossy pass ran: its measured cost (docs/contracts.md)
         record["accuracy"] = result.accuracy
+    if result.launch is not None:  # the replayed step timed with and without PDL (tune/launch.py)
+        record["launch"] = result.launch
     (out / "build.json").write_text(json.dumps(record, indent=2, sort_keys=True))
 
 
@@ -46,6 +48,17 @@ def record_entry_points(out: Path, result) -> None:
     }
     path.write_text(json.dumps(record, indent=2, sort_keys=True))
     write_report(out)
+
+
+def _launch_line(launch: dict) -> str:
+    """The replayed step's launch choice: '- launch: PDL for gemv kernels (step 1.7655 ms; without PDL 1.7802)'."""
+    times = launch["step_ms"]
+    kinds = launch["pdl"]
+    others = ", ".join(f"{'without PDL' if k == 'none' else 'PDL for ' + k} {ms:.4f}" for k, ms in times.items()
+                       if k != (",".join(kinds) or "none"))
+    chosen = times[",".join(kinds) or "none"]
+    what = f"PDL for {', '.join(kinds)} kernels" if kinds else "without PDL"
+    return f"- launch: {what}, measured (the replayed step {chosen:.4f} ms; {others or 'no other option applied'})"
 
 
 def _step_times(steps: dict) -> str:
@@ -209,6 +222,8 @@ def write_report(out: Path) -> None:
         lines.append(f"- latency at build time: eager {e2e['eager_ms']:.4f} ms, built {e2e['built_ms']:.4f} ms → {e2e['speedup']:.2f}x")
         if e2e["speedup"] < 1.0:
             lines.append("- the built model was slower than eager end to end: the kernels are the same where regions kept the reference; the difference is the program's own overhead (input checks, pytree) or run-to-run spread")
+    if build.get("launch"):
+        lines.append(_launch_line(build["launch"]))
     if build["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- {w}" for w in build["warnings"]]
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -23,20 +23,32 @@ NUM_STAGES = 4
 # Triton's interpreter computes bf16 tl.dot wrongly: upcast the operands there (never on a GPU).
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Programmatic dependent launch (sm_90+), opt-in with COOPT_PDL=1 (or a list of kernel kinds naming
-# gemv): launched with launch_pdl, this
+# Programmatic dependent launch (sm_90+), where the build measured it faster (selection.json
+# "pdl", applied by program.py through use_pdl) or COOPT_PDL=1 (or a list of kernel kinds naming
+# gemv) says so: launched with launch_pdl, this
 # module's kernels are scheduled while the previous kernel of the stream drains and wait for its
 # writes (gdc_wait) before their first memory access. Off by default: in a whole CUDA-graph
 # replayed Llama-3-8B decode step (8 layers, b1, H200) it measured 1463 µs with PDL against 1268
 # µs without (bench/profile_step.py, bench/RESULTS.md), although a pair of small kernels alone
 # gains from it (bench/pdl_probe.py: 12.6 -> 11.3 µs). Never in Triton's interpreter or before sm_90.
-PDL = (
-    torch.cuda.is_available()
-    and os.environ.get("TRITON_INTERPRET") != "1"
-    and (os.environ.get("COOPT_PDL", "0") == "1" or "gemv" in os.environ.get("COOPT_PDL", "").split(","))
-    and torch.cuda.get_device_capability()[0] >= 9
-)
-PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
+PDL_KIND = "gemv"
+
+
+def _pdl_capable() -> bool:
+    return (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability()[0] >= 9)
+
+
+def use_pdl(on: bool) -> bool:
+    """Launch this module's kernels with PDL (where the GPU can) or without, from the next launch
+    on (a CUDA graph keeps what it captured); whether PDL is now on."""
+    global PDL, PDL_LAUNCH
+    PDL = bool(on) and _pdl_capable()
+    PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
+    return PDL
+
+
+use_pdl(os.environ.get("COOPT_PDL", "0") == "1" or PDL_KIND in os.environ.get("COOPT_PDL", "").split(","))
 
 
 @triton.jit

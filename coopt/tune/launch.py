@@ -1,0 +1,78 @@
+"""How a graph-replayed step launches its kernels: with programmatic dependent launch (PDL) for
+some kinds of kernel, or without, whichever the GPU measured faster for the whole step.
+
+PDL lets a kernel's programs be scheduled while the previous kernel drains (each waits for its
+predecessor's writes before touching memory). Whether that pays is a property of the whole
+step, not of one kernel: a pair of small kernels gains (bench/pdl_probe.py), a whole b1 decode
+step with every kind at once lost 15 % (bench/RESULTS.md, session 5), and the GEMVs alone at
+b32 were a lead (session 12: 1775.6 against 1789 µs, not in one process). So the build times
+the replayed step under each option in `PDL_OPTIONS`, in alternating rounds, and keeps an
+option only where it beats launching without PDL by more than `MIN_GAIN` (run-to-run spread of
+one process is ~0.2 %). The choice goes into selection.json ("pdl": the kinds), which the
+built program.py applies when it loads its kernels.
+
+    >>> choose_pdl(built, inputs)  # doctest: +SKIP
+    {'pdl': ['gemv'], 'step_ms': {'none': 1.7802, 'gemv': 1.7655}, 'timing': '...'}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+# Kernel kinds (the PDL_KIND of a generated module: templates/triton/_pdl.j2) launched with PDL,
+# tried against launching none with it.
+PDL_OPTIONS: tuple[tuple[str, ...], ...] = (("gemv",),)
+MIN_GAIN = 0.005
+
+
+def pdl_capable() -> bool:
+    """PDL needs sm_90 or newer (Hopper); never in Triton's interpreter."""
+    import os
+
+    return (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability()[0] >= 9)
+
+
+def kernel_modules(built) -> list[dict]:
+    """The namespaces of the generated kernel modules a built program runs (those with use_pdl:
+    every template's; references have none)."""
+    spaces = {id(run.__globals__): run.__globals__ for run in built._kernels.values()
+              if "use_pdl" in getattr(run, "__globals__", {})}
+    return list(spaces.values())
+
+
+def set_pdl(built, kinds: Iterable[str]) -> int:
+    """Launch the built program's kernels of `kinds` with PDL and the others without (from their
+    next launch: capture a new graph after this); how many modules now launch with it."""
+    kinds = set(kinds)
+    return sum(bool(space["use_pdl"](space["PDL_KIND"] in kinds)) for space in kernel_modules(built))
+
+
+def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | None = None,
+               graph: Callable | None = None) -> dict:
+    """Time `built`'s step replayed as a CUDA graph launched without PDL and under each option,
+    leave `built` launching the fastest (an option must win by MIN_GAIN), and return
+    {"pdl": kinds, "step_ms": {label: ms}, "timing": how}. `timer` (coopt.tune.interleaved's
+    time_interleaved by default) takes {label: fn}; `graph` (GraphedStep by default) captures
+    the step: both are parameters so that tests can stand in for the GPU."""
+    from coopt.runtime.cuda_graph import GraphedStep
+    from coopt.tune.interleaved import time_interleaved
+
+    timer = timer or time_interleaved
+    graph = graph or (lambda: GraphedStep(built, example_inputs, check=False))
+    steps, kinds_of = {}, {"none": ()}
+    for kinds in ((), *options):
+        label = ",".join(kinds) or "none"
+        if not set_pdl(built, kinds) and kinds:
+            continue  # no kernel of these kinds in the step (or no PDL here): nothing to time
+        step = graph()  # captured with this option's launch attributes
+        steps[label], kinds_of[label] = (lambda s=step: s(*example_inputs)), kinds
+    ms = timer(steps)
+    best = min(ms, key=ms.get)
+    if best != "none" and ms[best] > ms["none"] * (1 - MIN_GAIN):
+        best = "none"
+    set_pdl(built, kinds_of[best])
+    return {"pdl": list(kinds_of[best]), "step_ms": dict(ms),
+            "timing": "the step replayed as a CUDA graph per option, in alternating rounds (median)"}

@@ -1,0 +1,131 @@
+"""The launch choice (coopt/tune/launch.py): a built program launches the kinds of kernel listed in
+selection.json "pdl" with PDL and the others without, COOPT_PDL overriding it; choose_pdl keeps
+an option only where the replayed step measured faster by more than MIN_GAIN. Without a GPU no
+kernel can launch with PDL, so the tests stand in for the device's capability and its timer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_fuse_decode_gemv import DecoderBlock
+
+import coopt
+from coopt.emit.report import write_report
+from coopt.runtime.loader import load
+from coopt.tune import launch
+from coopt.tune.launch import MIN_GAIN, choose_pdl, kernel_modules, set_pdl
+
+
+@pytest.fixture(scope="module")
+def built_dir(tmp_path_factory):
+    """A two-block decoder at 3 rows: its projections are GEMV kernels (PDL kind "gemv"), its
+    residual-free norm a row kernel of another kind."""
+    out = tmp_path_factory.mktemp("launch") / "out"
+    coopt.Pipeline(top_k=1).build(DecoderBlock(width=64, ffn=96).eval(), (torch.randn(3, 1, 64),), out)
+    return out
+
+
+@pytest.fixture
+def capable(monkeypatch):
+    """Every loaded kernel module behaves as on an sm_90 GPU (PDL possible); restored after."""
+    def patch(built):
+        for space in kernel_modules(built):
+            monkeypatch.setitem(space, "_pdl_capable", lambda: True)
+        return built
+    yield patch
+
+
+def pdl_by_kind(built) -> dict[str, set[bool]]:
+    kinds: dict[str, set[bool]] = {}
+    for space in kernel_modules(built):
+        kinds.setdefault(space["PDL_KIND"], set()).add(space["PDL"])
+    return kinds
+
+
+def test_the_build_records_no_pdl_without_a_gpu(built_dir):
+    selection = json.loads((built_dir / "selection.json").read_text())
+    assert selection["pdl"] == []  # nothing measured: launched as before
+    assert "launch" not in json.loads((built_dir / "build.json").read_text())
+
+
+def test_set_pdl_switches_the_named_kinds_only(built_dir, capable, monkeypatch):
+    monkeypatch.delenv("COOPT_PDL", raising=False)
+    built = capable(load(built_dir, device="cpu"))
+    kinds = pdl_by_kind(built)
+    assert "gemv" in kinds and len(kinds) > 1, kinds  # GEMVs and kernels of some other kind
+    gemvs = sum(space["PDL_KIND"] == "gemv" for space in kernel_modules(built))
+    assert set_pdl(built, ["gemv"]) == gemvs
+    assert {kind: on for kind, on in pdl_by_kind(built).items()} == {kind: {kind == "gemv"} for kind in kinds}
+    assert set_pdl(built, []) == 0 and pdl_by_kind(built) == {kind: {False} for kind in kinds}
+
+
+def test_program_applies_selection_pdl_unless_coopt_pdl_is_set(built_dir, capable, monkeypatch, tmp_path):
+    monkeypatch.delenv("COOPT_PDL", raising=False)
+    built = capable(load(built_dir, device="cpu"))  # modules are cached: the patch stays for the reloads below
+    selection = built_dir / "selection.json"
+    original = selection.read_text()
+    try:
+        selection.write_text(json.dumps({**json.loads(original), "pdl": ["gemv"]}))
+        reloaded = load(built_dir, device="cpu")
+        assert pdl_by_kind(reloaded)["gemv"] == {True} and all(
+            on == {False} for kind, on in pdl_by_kind(reloaded).items() if kind != "gemv")
+        monkeypatch.setenv("COOPT_PDL", "0")  # an explicit setting wins over the build's choice
+        set_pdl(reloaded, [])
+        assert pdl_by_kind(load(built_dir, device="cpu"))["gemv"] == {False}
+    finally:
+        selection.write_text(original)
+
+
+@pytest.mark.parametrize("gemv_ms, chosen", [(1.70, ["gemv"]), (1.80 * (1 - MIN_GAIN / 2), []), (1.85, [])])
+def test_choose_pdl_keeps_an_option_only_when_it_wins_by_the_margin(built_dir, capable, gemv_ms, chosen):
+    built = capable(load(built_dir, device="cpu"))
+    captured = []  # the PDL state of the GEMVs when each option's graph was captured
+
+    def graph():
+        captured.append(pdl_by_kind(built)["gemv"])
+        return lambda *inputs: None
+
+    timer = lambda steps: {"none": 1.80, "gemv": gemv_ms}  # noqa: E731 - the GPU's medians
+    launch_choice = choose_pdl(built, (torch.randn(3, 1, 64),), timer=timer, graph=graph)
+    assert captured == [{False}, {True}]  # each option captured with its own launch attributes
+    assert launch_choice["pdl"] == chosen and launch_choice["step_ms"] == {"none": 1.80, "gemv": gemv_ms}
+    assert pdl_by_kind(built)["gemv"] == {bool(chosen)}  # the model is left launching the choice
+
+
+def test_choose_pdl_skips_kinds_the_step_does_not_have(built_dir, capable, monkeypatch):
+    built = capable(load(built_dir, device="cpu"))
+    monkeypatch.setattr(launch, "PDL_OPTIONS", (("no_such_kind",),))
+    timed = []
+    choice = choose_pdl(built, (), options=launch.PDL_OPTIONS, graph=lambda: (lambda *a: None),
+                        timer=lambda steps: timed.append(sorted(steps)) or {k: 1.0 for k in steps})
+    assert timed == [["none"]] and choice["pdl"] == []
+
+
+def test_the_report_states_the_launch_choice(built_dir, tmp_path):
+    record = json.loads((built_dir / "build.json").read_text())
+    try:
+        record["launch"] = {"pdl": ["gemv"], "step_ms": {"none": 1.7802, "gemv": 1.7655}}
+        (built_dir / "build.json").write_text(json.dumps(record))
+        write_report(built_dir)
+        report = (built_dir / "report.md").read_text()
+        assert "- launch: PDL for gemv kernels, measured (the replayed step 1.7655 ms; without PDL 1.7802)" in report
+    finally:
+        del record["launch"]
+        (built_dir / "build.json").write_text(json.dumps(record))
+        write_report(built_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="needs an sm_90+ GPU")
+def test_a_graph_replayed_build_measures_and_records_its_launch(tmp_path):
+    out = tmp_path / "out"
+    coopt.Pipeline(top_k=1, cuda_graphs=True).build(DecoderBlock(width=64, ffn=96).eval(), (torch.randn(3, 1, 64),), out)
+    launch_record = json.loads((out / "build.json").read_text())["launch"]
+    times = launch_record["step_ms"]
+    assert set(times) == {"none", "gemv"}
+    expected = ["gemv"] if times["gemv"] < times["none"] * (1 - MIN_GAIN) else []
+    assert launch_record["pdl"] == expected == json.loads((out / "selection.json").read_text())["pdl"]
+    assert "- launch: " in (out / "report.md").read_text()
