@@ -77,6 +77,30 @@ def test_the_kernel_writes_the_row_and_attends_to_it(case, params, dtype, load_c
     check_close(out, reference(base, rotated(q, cos, sin), k_expected, v_expected, lengths_t))
 
 
+@pytest.mark.parametrize("params", [SMALL, SPLIT], ids=["one-split-fma", "four-splits-dot"])
+@pytest.mark.parametrize("position", [12, 0], ids=["new-row-past-the-key", "new-row-the-only-key"])
+def test_one_valid_key_gives_its_value_row_however_large_the_scores(params, position, load_candidate):
+    """A sequence of length 1 attends to one key: its V row, exactly, whatever the scores (here
+    ~1e6: q and K of magnitude 1000). Session 15: with the new row merged after the key loop, the
+    H200 returned that row with half of each head's columns scaled by 2^(an ulp of the score)
+    (0.77x); Triton's interpreter never showed it. Sequence 1 attends to 13 keys, the new one
+    included when the position is 12."""
+    base = with_rope(make_region(3, 4, 2, 80, 64, "float32"), (1, 64))
+    region = folded(base)
+    q, k, v, lengths = make_inputs(make_region(3, 4, 2, 80, 64, "float32"), [1, 13, 1])
+    q, k = q * 1000, k * 1000
+    cos, sin = rope_tables((1, 64), torch.float32)
+    k_cos, k_sin = rope_tables((1, 64), torch.float32, seed=2)
+    k_new, v_new = (x * 1000 for x in write_inputs(3, 2, 64, torch.float32))
+    k_out, v_out, out = run_candidate(load_candidate, region, params,
+                                      [q, k.clone(), v.clone(), lengths, cos, sin, torch.tensor([position], device=DEVICE),
+                                       k_new, v_new, k_cos, k_sin])
+    only_key = v_out[:, :, 0].repeat_interleave(2, dim=1)  # [B, H, D]: each query head's kv head's row 0
+    for b in (0, 2):
+        torch.testing.assert_close(out[b, :, 0], only_key[b], rtol=1e-6, atol=0)
+    check_close(out[1:2], reference(base, rotated(q, cos, sin), k_out, v_out, lengths)[1:2])
+
+
 def test_k_rotated_by_the_querys_tables(load_candidate):
     """The model gathers cos, sin once for q and k: the region takes them once (two inputs of one
     value would be drawn apart by verification), and the kernel rotates K by them."""
