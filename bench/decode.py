@@ -176,7 +176,7 @@ def build_summary(out: Path) -> dict:
     check = record.get("end_to_end") or {}
     return {"seconds": record.get("seconds"), "step_seconds": record.get("step_seconds"),
             "reference_precision": check.get("reference_precision"), "check_max_abs_err": check.get("max_abs_err"),
-            "unfused_ops": record.get("unfused_ops")}
+            "unfused_ops": record.get("unfused_ops"), "launch": record.get("launch")}
 
 
 def run_case(case: str, args, save=lambda row: None) -> dict:
@@ -230,6 +230,10 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         record(mode, lambda: step(*inputs), time.monotonic() - start)
         row[f"{mode}_report"] = str(out / "report.md")
         row[f"{mode}_build"] = build_summary(out)
+        launch = row[f"{mode}_build"]["launch"]
+        if launch:  # the build's own PDL choice, from its replayed step (coopt/tune/launch.py)
+            print(f"  {mode}: launched with PDL for {launch['pdl'] or 'nothing'} (build's replays, ms: "
+                  + ", ".join(f"{k} {v:.4f}" for k, v in launch["step_ms"].items()) + ")", flush=True)
         if kv_cache == "fp8":  # its own floor: the cache is read at one byte per element (+ per-head scales)
             row["fp8_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1)
             print(f"  {mode}: {row['fp8_floor_ms'] / row['ms'][mode]:.0%} of its fp8 floor "

@@ -33,6 +33,9 @@
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh fold-tests  # the folded fp32 steps' GPU tests, first failure with its traceback (~1 min)
+#   bash bench/gpu_session.sh core-launch  # b1 and b32 at 2048 (coopt; each build times its step with and
+#                                        # without PDL for the GEMVs and keeps the faster), both profiled (~8 min)
+#   bash bench/gpu_session.sh launch-tests  # the GPU tests of session 15: the fold, its one-key exactness, the launch choice (~2 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
@@ -209,6 +212,21 @@ case "${1:-}" in
         # failed on the H200 without a trace inside fold-profile-b1's limit)
         step 150 pytest-fold python -m pytest -x -q -p no:cacheprovider -p no:logging --tb=short \
             tests/passes/test_fuse_kv_write_attention.py -k "built and RopedKey"
+        ;;
+    core-launch)  # issue 3: b1 and b32 at 2048, the default build (which now measures its own PDL choice: step 8b,
+        # coopt/tune/launch.py), then each replayed step profiled kernel by kernel (session 15: written, CPU-tested)
+        step 420 decode python bench/decode.py --cases 1:2048:4096,32:2048:4096 --modes coopt --prefill 0 \
+            --agreement-steps 16 --out "$OUT/core-launch.json" --build-dir /tmp/coopt-decode
+        for build in b1-pos2048 b32-pos2048; do
+            batch=${build%%-*}
+            step 100 "profile_$build" python bench/profile_step.py "/tmp/coopt-decode/$build" --batch "${batch#b}" \
+                --out "$OUT/profile_$build.json"
+        done
+        ;;
+    launch-tests)  # the GPU runs of session 15's tests: the fold (fp32 steps), its one-key exactness, the launch choice
+        step 280 pytest-launch python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+            tests/passes/test_fuse_kv_write_attention.py tests/passes/test_launch_pdl.py \
+            tests/templates/test_decode_attention_kv_write.py
         ;;
     fp8-values)  # issue 4: fp8-kv-cache{values-only} (V fp8, K bf16) against both caches fp8, b32 at 2048 (~6 min)
         step 560 fp8-values python bench/decode.py --cases 32:2048:4096 --modes coopt-fp8,coopt-fp8-values --prefill 0 \

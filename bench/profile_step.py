@@ -65,9 +65,12 @@ def main():
             by_name[e.name][0] += 1
             by_name[e.name][1] += (e.time_range.end - e.time_range.start) / args.steps
             busy += (e.time_range.end - e.time_range.start) / args.steps
-    pdl = os.environ.get("COOPT_PDL", "0")  # "1" every kernel, or the kinds launched with PDL
+    # COOPT_PDL when set ("1" every kernel, or the kinds launched with PDL), else the build's own
+    # measured choice (selection.json "pdl", applied by program.py)
+    pdl = os.environ.get("COOPT_PDL") or ",".join(
+        json.loads((args.build_dir / "selection.json").read_text()).get("pdl", ())) or "0"
     print(f"replay median {ms * 1000:.1f} us (do_bench); profiled: {per_step} kernels a step, span {span:.1f} us, "
-          f"sum of kernel durations {busy:.1f} us (COOPT_PDL={pdl})")
+          f"sum of kernel durations {busy:.1f} us (PDL: {pdl})")
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     for name, (count, us) in rows:
         print(f"  {us:9.1f} us  x{count // args.steps:<3d} {name[:90]}")
