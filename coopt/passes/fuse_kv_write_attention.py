@@ -31,7 +31,9 @@ of another form (`write_form`), written caches read elsewhere too (`read_elsewhe
 group that cannot be outlined in place (`order`).
 
 In the default pipeline since session 13 (bench/RESULTS.md: -6 µs a step at b1 / 2048, -3.5 at
-b32, with the new row masked out of the key loop and added after it);
+b32; the new row is masked out of the key loop and, since session 15, taken before it by the
+split whose range holds it: added after the loop it came out wrong on the H200 at large fp32
+scores);
 `registry.UNFOLDED_KV_WRITE_PIPELINE` is the default without it (bench/decode.py mode
 coopt-unfolded).
 """
