@@ -326,8 +326,8 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
                                measured=measured, stateful=_is_stateful(module), cuda_graphs=graphs, warnings=warnings,
                                write_selection=lambda: write_selection(out, regions, measured), adapt=adapt)
 
-    # 8b. launch: a graph-replayed step on sm_90+ is timed with its GEMVs launched with PDL and
-    #     without, and the faster kept (selection.json "pdl"): whether PDL pays is the whole step's
+    # 8b. launch: a graph-replayed step on sm_90+ is timed with PDL for its GEMVs (and for its GEMVs
+    #     and attentions) and without, and the faster kept (selection.json "pdl"): whether PDL pays is the whole step's
     launch = None
     if graphs and measured and e2e.get("ok") and pdl_capable():
         progress("launch", "the step with and without PDL")

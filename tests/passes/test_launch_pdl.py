@@ -94,13 +94,16 @@ def test_choose_pdl_keeps_an_option_only_when_it_wins_by_the_margin(built_dir, c
     assert pdl_by_kind(built)["gemv"] == {bool(chosen)}  # the model is left launching the choice
 
 
-def test_choose_pdl_skips_kinds_the_step_does_not_have(built_dir, capable, monkeypatch):
+def test_choose_pdl_skips_options_naming_kinds_the_step_does_not_have(built_dir, capable):
+    """The decoder has GEMVs and no decode attention: ("gemv", "decode_attention") would time the
+    GEMV option twice; an unknown kind alone would time the step without PDL twice."""
     built = capable(load(built_dir, device="cpu"))
-    monkeypatch.setattr(launch, "PDL_OPTIONS", (("no_such_kind",),))
     timed = []
-    choice = choose_pdl(built, (), options=launch.PDL_OPTIONS, graph=lambda: (lambda *a: None),
+    choice = choose_pdl(built, (), options=(("no_such_kind",), ("gemv", "decode_attention"), ("gemv",)),
+                        graph=lambda: (lambda *a: None),
                         timer=lambda steps: timed.append(sorted(steps)) or {k: 1.0 for k in steps})
-    assert timed == [["none"]] and choice["pdl"] == []
+    assert timed == [["gemv", "none"]] and choice["pdl"] == []
+    assert ("gemv", "decode_attention") in launch.PDL_OPTIONS  # the default options name it
 
 
 def test_the_report_states_the_launch_choice(built_dir, tmp_path):
