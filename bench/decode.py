@@ -38,7 +38,8 @@ def parse_args():
                         help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor; "
                              "coopt-unfolded: the default pipeline without fuse-kv-write-attention (kv_write a kernel of "
                              "its own); coopt-fp8-values: fp8-kv-cache{values-only} (V in fp8, K in bf16); "
-                             "coopt-rownorms: the default without fuse-norm-statistics (each batched norm a row kernel)")
+                             "coopt-rownorms: the default without fuse-norm-statistics (each batched norm a row kernel); "
+                             "coopt-normstats32: its sums over 32-column chunks (BLOCK_N 32 allowed in the o / down GEMVs)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -217,6 +218,8 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
     for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
                                      ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE),
                                      ("coopt-rownorms", "none", ROW_NORMS_PIPELINE),
+                                     ("coopt-normstats32", "none",
+                                      DEFAULT_PIPELINE.replace("fuse-norm-statistics", "fuse-norm-statistics{chunk=32}")),
                                      ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True))):
         if mode not in modes:
             continue

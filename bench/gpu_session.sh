@@ -35,6 +35,7 @@
 #   bash bench/gpu_session.sh fold-tests  # the folded fp32 steps' GPU tests, first failure with its traceback (~1 min)
 #   bash bench/gpu_session.sh core-launch  # b1 and b32 at 2048 (coopt; each build times its step with and
 #                                        # without PDL for the GEMVs and keeps the faster), both profiled (~8 min)
+#   bash bench/gpu_session.sh normstats-chunk-b32  # b32 / 2048: the norm sums over 64- (default) and 32-column chunks, profiled (~9 min)
 #   bash bench/gpu_session.sh launch-tests  # the GPU tests of session 15: the fold, its one-key exactness, the launch choice (~2 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
@@ -221,6 +222,14 @@ case "${1:-}" in
             batch=${build%%-*}
             step 100 "profile_$build" python bench/profile_step.py "/tmp/coopt-decode/$build" --batch "${batch#b}" \
                 --out "$OUT/profile_$build.json"
+        done
+        ;;
+    normstats-chunk-b32)  # issue 3: b32 / 2048, the norm statistics' sums over 64-column chunks (the default) against
+        # 32 (session 15: with them the 33 GEMVs took 18.8 us more; 64-column chunks need BLOCK_N >= 64 in o / down)
+        step 420 decode python bench/decode.py --cases 32:2048:4096 --modes coopt,coopt-normstats32 --prefill 0 \
+            --agreement-steps 16 --out "$OUT/normstats-chunk.json" --build-dir /tmp/coopt-decode
+        for build in b32-pos2048 b32-pos2048-normstats32; do
+            step 100 "profile_$build" python bench/profile_step.py "/tmp/coopt-decode/$build" --batch 32 --out "$OUT/profile_$build.json"
         done
         ;;
     launch-tests)  # the GPU runs of session 15's tests: the fold (fp32 steps), its one-key exactness, the launch choice

@@ -2,6 +2,7 @@
 (and h * g) from the GEMV region that produced h; batch-1 steps keep the in-loop norm; the built
 model still matches eager."""
 
+import pytest
 import torch
 
 from pass_helpers import kernels, run_pipeline
@@ -64,14 +65,19 @@ def test_widths_off_the_chunk_are_left_alone():
     assert "fuse.norm_statistics" not in counters and counters["fuse.norm_statistics.skipped.shape"] == 4
 
 
-def test_built_decoder_with_statistics_matches_eager(tmp_path):
-    """Every region verified on a GEMV kernel (the interpreter without a GPU), the build matches eager."""
+@pytest.mark.parametrize("chunk", [64, 32])
+def test_built_decoder_with_statistics_matches_eager(chunk, tmp_path):
+    """Every region verified on a GEMV kernel (the interpreter without a GPU), the build matches
+    eager; with 32-column chunks too (two sums a 64-wide row, BLOCK_N 32 legal in the producers:
+    bench/decode.py mode coopt-normstats32)."""
     model = TwoLayerDecoder().eval()
-    result = coopt.Pipeline(WITH_STATS, top_k=1).build(model, (step(3),), tmp_path / "out")
+    pipeline = WITH_STATS.replace("fuse-norm-statistics", f"fuse-norm-statistics{{chunk={chunk}}}")
+    result = coopt.Pipeline(pipeline, top_k=1).build(model, (step(3),), tmp_path / "out")
     assert result.counters["fuse.norm_statistics"] == 4
     stats = [r for r in result.regions if r.summary.attrs.get("row_squares")
              or (r.summary.attrs.get("prologue") or {}).get("kind") == "rms_norm_stats"]
     assert len(stats) == 8
+    assert {r.summary.attrs["row_squares"]["chunk"] for r in stats if r.summary.attrs.get("row_squares")} == {chunk}
     for region in stats:
         chosen = next((c for c in region.candidates if c.label == region.selected), None)
         assert chosen is not None and chosen.verified and chosen.params["GEMV"], (region.summary.name, region.reason)
