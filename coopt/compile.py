@@ -331,7 +331,7 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     launch = None
     if graphs and measured and e2e.get("ok") and pdl_capable():
         progress("launch", "the step with and without PDL")
-        launch = _choose_launch(out, example_inputs, regions, measured, warnings)
+        launch = _choose_launch(out, example_inputs, regions, measured, warnings, adapt)
 
     # 9. record: report for people, manifest for tools, advice for replay
     result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings, graphs,
@@ -557,16 +557,22 @@ def write_selection(out: Path, regions: list[RegionBuild], measured: bool, pdl: 
     (out / "selection.json").write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
-def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measured: bool, warnings: list[str]) -> dict | None:
+def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measured: bool, warnings: list[str],
+                   adapt=None) -> dict | None:
     """Load the emitted build, time its replayed step with and without PDL (tune/launch.py) and
-    record the faster in selection.json; None (and a warning) where timing it failed."""
+    record the faster in selection.json; None (and a warning) where timing it failed. `adapt`
+    (paged-kv: paged_as_static) puts the program behind the example call's signature, as for the
+    end-to-end check."""
     from coopt.runtime.loader import load
 
     try:
+        built = load(out)
         with torch.no_grad():
-            launch = choose_pdl(load(out), example_inputs)
+            launch = choose_pdl(adapt(built) if adapt is not None else built, example_inputs)
     except Exception as error:  # noqa: BLE001 - launching without PDL is always correct
         warnings.append(f"the step could not be timed with PDL ({one_line(error)}): launched without it")
+        return None
+    if launch is None:  # no kernel PDL is tried for: nothing measured, nothing to record
         return None
     write_selection(out, regions, measured, pdl=launch["pdl"])
     return launch

@@ -53,10 +53,11 @@ def set_pdl(built, kinds: Iterable[str]) -> int:
 
 
 def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | None = None,
-               graph: Callable | None = None) -> dict:
+               graph: Callable | None = None) -> dict | None:
     """Time `built`'s step replayed as a CUDA graph launched without PDL and under each option,
     leave `built` launching the fastest (an option must win by MIN_GAIN), and return
-    {"pdl": kinds, "step_ms": {label: ms}, "timing": how}. `timer` (coopt.tune.interleaved's
+    {"pdl": kinds, "step_ms": {label: ms}, "timing": how}; None (launched without PDL, nothing
+    timed) where the step has no kernel of every kind of any option. `timer` (coopt.tune.interleaved's
     time_interleaved by default) takes {label: fn}; `graph` (GraphedStep by default) captures
     the step: both are parameters so that tests can stand in for the GPU."""
     from coopt.runtime.cuda_graph import GraphedStep
@@ -65,8 +66,12 @@ def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | 
     timer = timer or time_interleaved
     graph = graph or (lambda: GraphedStep(built, example_inputs, check=False))
     present = {space["PDL_KIND"] for space in kernel_modules(built)}
+    applicable = [o for o in options if set(o) <= present]  # an option the step lacks a kind of is another's
+    if not applicable:  # a prefill (GEMMs, no GEMV): nothing to choose, nothing timed
+        set_pdl(built, ())
+        return None
     steps, kinds_of = {}, {"none": ()}
-    for kinds in ((), *(o for o in options if set(o) <= present)):  # an option the step lacks a kind of is another's
+    for kinds in ((), *applicable):
         label = ",".join(kinds) or "none"
         if not set_pdl(built, kinds) and kinds:
             continue  # no PDL on this GPU: nothing to time

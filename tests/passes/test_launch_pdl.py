@@ -106,6 +106,15 @@ def test_choose_pdl_skips_options_naming_kinds_the_step_does_not_have(built_dir,
     assert ("gemv", "decode_attention") in launch.PDL_OPTIONS  # the default options name it
 
 
+def test_a_step_without_any_options_kinds_is_not_timed(built_dir, capable):
+    built = capable(load(built_dir, device="cpu"))
+    set_pdl(built, ["gemv"])
+    timed = []
+    assert choose_pdl(built, (), options=(("decode_attention",),), graph=lambda: (lambda *a: None),
+                      timer=lambda steps: timed.append(steps)) is None
+    assert timed == [] and pdl_by_kind(built)["gemv"] == {False}  # left launching without PDL
+
+
 def test_the_report_states_the_launch_choice(built_dir, tmp_path):
     record = json.loads((built_dir / "build.json").read_text())
     try:
