@@ -51,14 +51,14 @@ def record_entry_points(out: Path, result) -> None:
 
 
 def _launch_line(launch: dict) -> str:
-    """The replayed step's launch choice: '- launch: PDL for gemv kernels (step 1.7655 ms; without PDL 1.7802)'."""
-    times = launch["step_ms"]
-    kinds = launch["pdl"]
+    """The replayed step's launch choice, e.g. '- launch: PDL for gemv kernels, measured (the
+    replayed step 1.7655 ms; without PDL 1.7802)'."""
+    times, kinds = launch["step_ms"], launch["pdl"]
+    chosen = ",".join(kinds) or "none"  # the label tune/launch.py timed it under
     others = ", ".join(f"{'without PDL' if k == 'none' else 'PDL for ' + k} {ms:.4f}" for k, ms in times.items()
-                       if k != (",".join(kinds) or "none"))
-    chosen = times[",".join(kinds) or "none"]
+                       if k != chosen)
     what = f"PDL for {', '.join(kinds)} kernels" if kinds else "without PDL"
-    return f"- launch: {what}, measured (the replayed step {chosen:.4f} ms; {others or 'no other option applied'})"
+    return f"- launch: {what}, measured (the replayed step {times[chosen]:.4f} ms; {others or 'no other option applied'})"
 
 
 def _step_times(steps: dict) -> str:

@@ -215,7 +215,7 @@ class Fp8KvCache(CooptPass):
                     scales = row_scales(x, self.headroom, member)  # [B, Hkv, 1]
                     b, heads, _ = scales.type.get_shape()
                     rows = insert_aten("aten.select.int", [{"$t": 0}, 2, 0], [scales], _tensor(f32, [b, heads], None),
-                                 before=member)
+                                       before=member)
                     self._mirror(member, rows, mirror)
                     _quantize_per_row(member, scales, self.granularity, x)
                 else:
@@ -358,7 +358,7 @@ def _row_as_rank4(write: Operation) -> SSAValue:
         return select.inputs[0]
     b, heads, head_dim = value.type.get_shape()
     return insert_aten("aten.unsqueeze.default", [{"$t": 0}, 2], [value], TensorType(value.type.element_type, [b, heads, 1, head_dim]),
-                 before=write)
+                       before=write)
 
 
 def _quantize_per_row(write: Operation, scale: SSAValue, granularity: str, x: SSAValue | None = None,
@@ -391,7 +391,7 @@ def _centred(x: SSAValue, offset: SSAValue | None, before: Operation) -> SSAValu
     if offset is None:
         return x
     return insert_aten("aten.sub.Tensor", [{"$t": 0}, {"$t": 1}], [x, offset],
-                 _tensor(f32, x.type.get_shape(), _names(x.type)), before=before)
+                       _tensor(f32, x.type.get_shape(), _names(x.type)), before=before)
 
 
 def output_offset_ref(cache_ref: str) -> str:

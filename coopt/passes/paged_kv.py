@@ -294,17 +294,17 @@ def _paged_write(cache: _Cache, pool: SSAValue, table: SSAValue, size: int) -> S
     value = cache.value
     if cache.rows is not None:  # row b's page: page_table[b, positions[b] // P]
         page_ids = insert_aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}, {"$t": 2}]],
-                         [table, cache.rows.results[0], page_index], typed(i32, position_dims), update)
+                               [table, cache.rows.results[0], page_index], typed(i32, position_dims), update)
     else:  # token t of every row b: page_table[b, positions[t] // P], the value as [B, T, Hkv, D]
         batch = dims(table)[0]
         page_ids = insert_aten("aten.index.Tensor", [{"$t": 0}, [None, {"$t": 1}]], [table, page_index],
-                         typed(i32, [batch, *position_dims]), update)
+                               typed(i32, [batch, *position_dims]), update)
         if len(dims(value)) == len(cache.shape) - 1:  # a batch-1 export writes [Hkv, T, D]
             value = insert_aten("aten.unsqueeze.default", [{"$t": 0}, 0], [value],
-                          typed(value.type.element_type, [1, *dims(value)]), update)
+                                typed(value.type.element_type, [1, *dims(value)]), update)
         order = _TOKENS_FIRST[:len(dims(value))]  # (scales: [B, Hkv, T] -> [B, T, Hkv])
         value = insert_aten("aten.permute.default", [{"$t": 0}, order], [value],
-                      typed(value.type.element_type, [dims(value)[i] for i in order]), update)
+                            typed(value.type.element_type, [dims(value)[i] for i in order]), update)
     call = {"args": [{"$t": 0}, [{"$t": 1}, None, {"$t": 2}], {"$t": 3}], "kwargs": {}}
     paged = StateUpdateOp(cache.ref, "aten.index_put_.default", call, [pool, page_ids, slots, value], pool.type)
     Rewriter.insert_op(paged, InsertPoint.before(update))
@@ -322,9 +322,9 @@ def paged_view(pool: SSAValue, table: SSAValue, size: int, before: Operation) ->
     order = _PAGES_IN_ORDER[:len(gathered_shape)]
     gathered = insert_aten("aten.index.Tensor", [{"$t": 0}, [{"$t": 1}]], [pool, table], typed(element, gathered_shape), before)
     ordered = insert_aten("aten.permute.default", [{"$t": 0}, order], [gathered],
-                    typed(element, [gathered_shape[i] for i in order]), before)
+                          typed(element, [gathered_shape[i] for i in order]), before)
     return insert_aten("aten.reshape.default", [{"$t": 0}, [batch, heads, max_pages * size, *head_dim]], [ordered],
-                 typed(element, [batch, heads, max_pages * size, *head_dim]), before)
+                       typed(element, [batch, heads, max_pages * size, *head_dim]), before)
 
 
 # -- recognising what the pass built (for the fusion passes) -------------------------------------

@@ -17,6 +17,7 @@ built program.py applies when it loads its kernels.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -30,9 +31,8 @@ MIN_GAIN = 0.005
 
 
 def pdl_capable() -> bool:
-    """PDL needs sm_90 or newer (Hopper); never in Triton's interpreter."""
-    import os
-
+    """PDL needs sm_90 or newer (Hopper); never in Triton's interpreter (the generated modules'
+    `_pdl_capable` is the same test: they must load without coopt)."""
     return (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability()[0] >= 9)
 
