@@ -39,7 +39,9 @@ def parse_args():
                              "coopt-unfolded: the default pipeline without fuse-kv-write-attention (kv_write a kernel of "
                              "its own); coopt-fp8-values: fp8-kv-cache{values-only} (V in fp8, K in bf16); "
                              "coopt-rownorms: the default without fuse-norm-statistics (each batched norm a row kernel); "
-                             "coopt-normstats32: its sums over 32-column chunks (BLOCK_N 32 allowed in the o / down GEMVs)")
+                             "coopt-normstats32: its sums over 32-column chunks (BLOCK_N 32 allowed in the o / down GEMVs); "
+                             "coopt-fp8-unfolded / coopt-fp8-values-unfolded: those fp8 builds without "
+                             "fuse-kv-write-attention")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -220,7 +222,10 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
                                      ("coopt-rownorms", "none", ROW_NORMS_PIPELINE),
                                      ("coopt-normstats32", "none",
                                       DEFAULT_PIPELINE.replace("fuse-norm-statistics", "fuse-norm-statistics{chunk=32}")),
-                                     ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True))):
+                                     ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True)),
+                                     ("coopt-fp8-unfolded", "fp8", UNFOLDED_KV_WRITE_PIPELINE),
+                                     ("coopt-fp8-values-unfolded", "none",
+                                      fp8_kv_pipeline("per-head", UNFOLDED_KV_WRITE_PIPELINE, values_only=True))):
         if mode not in modes:
             continue
         suffix = mode[len("coopt"):]
@@ -241,7 +246,7 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
             row["fp8_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1)
             print(f"  {mode}: {row['fp8_floor_ms'] / row['ms'][mode]:.0%} of its fp8 floor "
                   f"({row['fp8_floor_ms']:.3f} ms)", flush=True)
-        if mode == "coopt-fp8-values":  # its own floor: bf16 keys, fp8 values
+        if mode.startswith("coopt-fp8-values"):  # its own floor: bf16 keys, fp8 values
             row["fp8_values_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1, values_only=True)
             print(f"  {mode}: {row['fp8_values_floor_ms'] / row['ms'][mode]:.0%} of its floor "
                   f"({row['fp8_values_floor_ms']:.3f} ms)", flush=True)

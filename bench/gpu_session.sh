@@ -37,6 +37,8 @@
 #                                        # without PDL for the GEMVs and keeps the faster), both profiled (~8 min)
 #   bash bench/gpu_session.sh normstats-chunk-b32  # b32 / 2048: the norm sums over 64- (default) and 32-column chunks, profiled (~9 min)
 #   bash bench/gpu_session.sh launch-tests  # the GPU tests of session 15: the fold, its one-key exactness, the launch choice (~2 min)
+#   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8
+#                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
@@ -252,6 +254,14 @@ case "${1:-}" in
     fp8-values-b1)  # issue 4: values-only fp8 (V fp8, K bf16) against both caches fp8, b1 at 32768 and 131072 (~8 min)
         step 560 decode python bench/decode.py --cases 1:32768:32832,1:131072:131136 --modes coopt-fp8,coopt-fp8-values \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_values_b1.json" --build-dir /tmp/coopt-fp8
+        ;;
+    fp8-fold-b1)  # issue 4: the fp8 kv_write folded into the decode attention (session 16) against the unfolded
+        # build, both caches fp8 and values-only, b1 at 32768; first the fold's GPU tests
+        step 120 pytest-fp8-fold python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+            tests/templates/test_decode_attention_kv_write_fp8.py
+        step 450 decode python bench/decode.py --cases 1:32768:32832 \
+            --modes coopt-fp8,coopt-fp8-unfolded,coopt-fp8-values,coopt-fp8-values-unfolded \
+            --prefill 0 --agreement-steps 4 --out "$OUT/decode_fp8_fold_b1.json" --build-dir /tmp/coopt-fp8
         ;;
     accuracy-values)  # issue 4: the harness with the bf16 baseline, --kv-cache fp8 and values-only (~5 min)
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --windows 128 \

@@ -245,6 +245,16 @@ def rope_at(region: RegionSummary) -> int | None:
     return 4 if region.attrs.get("page_size") is None else 5
 
 
+def kv_write_offsets(region: RegionSummary) -> tuple[int | None, int | None]:
+    """Indices of K's and V's offsets [1, Hkv, 1, D] when a decode_attention region's folded
+    write stores its fp8 caches centred (smooth-k / smooth-v: attrs kv_write "k_offset_input",
+    "v_offset_input", the last inputs), each None where absent."""
+    folded = region.attrs.get("kv_write") if region.family == "decode_attention" else None
+    if not isinstance(folded, dict):
+        return None, None
+    return folded.get("k_offset_input"), folded.get("v_offset_input")
+
+
 def kv_write_rope(region: RegionSummary) -> int | None:
     """Index of K's cos (sin follows) when a decode_attention region's folded write rotates K:
     after v_new, or the query's own tables (4) when they are the same values; else None."""

@@ -7,8 +7,13 @@ layer at batch 1 and 32).
 Matched: a `coopt.kernel` of family decode_attention whose k and v inputs are the two results of
 one kv_write kernel, directly or through batch views (`aten.slice` of dim 0 from 0: the cache's
 first B rows, which the kernel indexes in the whole cache alike), nothing else reading those
-results. The kv_write must be the plain form: unpaged, no fp8 (quant "none", no offsets), one
-position for every sequence (not per row). Both kernels' bodies are inlined and outlined again
+results. The kv_write must be unpaged with one position for every sequence (not per row), and
+quantize as the attention reads: plain caches (quant "none"), or fp8 ones with per-tensor /
+per-head scales (fp8-kv-cache's calibrated form, values-only included) that are the attention's
+own k_scale / v_scale values (else `scales_differ`: one value, one input); its smooth-k /
+smooth-v offsets become the region's last inputs (attrs kv_write "k_offset_input",
+"v_offset_input") and the kernel quantizes the row as the kv_write template does. Counted
+`fuse.kv_write_attention.fp8`. Both kernels' bodies are inlined and outlined again
 as one region: inputs the attention's (the caches before the write in place of the written
 ones), then the write's positions, k, v and, with K's rope, its cos and sin unless they are the
 query's (attrs kv_write's "rope_tables_input" says where they are); outputs the two
@@ -25,10 +30,11 @@ become the query's inputs (`rope_tables_input` 4). Counted `fuse.kv_write_attent
 Measured on the H200: -11 µs a b1 / 2048 step with the fold against the unfolded default
 (bench/RESULTS.md session 14).
 
-Left alone, each with a counter `fuse.kv_write_attention.skipped.<why>`: a paged or fp8
-attention (`paged`, `fp8`), caches not written by a kv_write just before (`no_write`), a write
-of another form (`write_form`), written caches read elsewhere too (`read_elsewhere`), and a
-group that cannot be outlined in place (`order`).
+Left alone, each with a counter `fuse.kv_write_attention.skipped.<why>`: a paged attention or
+one with per-token fp8 scales, which the write computes and stores (`paged`, `fp8`), caches not
+written by a kv_write just before (`no_write`), a write of another form (`write_form`) or
+quantizing with other scale values (`scales_differ`), written caches read elsewhere too
+(`read_elsewhere`), and a group that cannot be outlined in place (`order`).
 
 In the default pipeline since session 13 (bench/RESULTS.md: -6 µs a step at b1 / 2048, -3.5 at
 b32; the new row is masked out of the key loop and, since session 15, taken before it by the
@@ -71,7 +77,8 @@ def _fold(attention: KernelOp) -> str | None:
     attrs = attention.family_attrs
     if attrs.get("page_size"):
         return "paged"
-    if attrs.get("kv_scale"):
+    granularity = attrs.get("kv_scale")
+    if granularity not in (None, "per-tensor", "per-head"):  # per-token: the write computes and stores scales
         return "fp8"
     if attrs.get("kv_write"):
         return "folded"
@@ -81,16 +88,22 @@ def _fold(attention: KernelOp) -> str | None:
             and k_write is write.results[0] and v_write is not None and v_write is write.results[1]):
         return "no_write"
     write_attrs = write.family_attrs
-    if (write_attrs.get("quant", "none") != "none" or write_attrs.get("page_size") or write_attrs.get("positions")
-            or write_attrs.get("k_offset") or write_attrs.get("v_offset")):
+    if (write_attrs.get("quant", "none") != (granularity or "none") or write_attrs.get("page_size")
+            or write_attrs.get("positions")):
         return "write_form"
+    rope = bool(write_attrs.get("rope"))
+    # an fp8 write quantizes with the attention's own scales (values-only: V's alone), the same
+    # values: the kernel has one k_scale and one v_scale input
+    first_scale, scales = 5 + 2 * rope, 0 if granularity is None else 1 if write_attrs.get("values_only") else 2
+    if list(write.inputs[first_scale:first_scale + scales]) != list(attention.inputs[len(attention.inputs) - scales:]):
+        return "scales_differ"
+    offsets = list(write.inputs[first_scale + scales:])  # smooth-k's / smooth-v's, in that order
     views = k_views + v_views
     readers = {*views, attention}
     if any(use.operation not in readers for result in write.results for use in result.uses):
         return "read_elsewhere"
     if not can_outline([write, *views, attention]):
         return "order"
-    rope = bool(write_attrs.get("rope"))
     caches, written_inputs = list(write.inputs[:2]), list(write.inputs[2:5])
     folded = {"positions_input": len(attention.inputs), "rope": rope}
     if rope:
@@ -112,6 +125,12 @@ def _fold(attention: KernelOp) -> str | None:
             # as two inputs would be drawn apart by verification and read as one by the reference)
             del inputs[own:own + 2]
             folded["rope_tables_input"] = 4
+    if granularity is not None:
+        count("fuse.kv_write_attention.fp8")
+    # the offsets last (after any table dropped above), K's before V's as the write has them
+    named = [knob for knob in ("k_offset", "v_offset") if write_attrs.get(knob)]
+    folded.update({f"{knob}_input": len(inputs) + i for i, knob in enumerate(named)})
+    inputs += offsets
     write_ops, written = inline(write)
     attention_ops, (out,) = inline(attention)
     outline([*gathers, *write_ops, *views, *attention_ops], "decode_attention",

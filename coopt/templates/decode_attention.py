@@ -37,13 +37,20 @@ page table, before any scales; the kernel rotates q as it loads it (rotate-half 
 rounded to q's dtype for tl.dot), so the step has no rope kernel for q.
 
 The step's cache write folded in (attrs "kv_write": {"positions_input": i, "rope": bool}, from
-fuse-kv-write-attention): unpaged caches in q's dtype; inputs i, i + 1, i + 2 are positions [1]
-(one for every sequence), k_new and v_new [B, Hkv, 1, D], then with "rope" K's cos and sin
-(broadcastable to k_new) at "rope_tables_input": i + 3, or 4 where they are the query's; outputs the two caches written in place (attrs "inplace" [1, 2]) and
-then the attention's output. The region is index_put_ of rope(k_new) / v_new at the position,
-then the attention over the written caches: the kernel's last split writes the row, and every split
-takes that row from registers where its tile holds the position (its load may predate the
-write). One launch and one round trip through memory a layer less than kv_write then attention.
+fuse-kv-write-attention): unpaged caches, in q's dtype or fp8 with per-tensor / per-head scales
+(below); inputs i, i + 1, i + 2 are positions [1] (one for every sequence), k_new and v_new
+[B, Hkv, 1, D] in q's dtype, then with "rope" K's cos and sin (broadcastable to k_new) at
+"rope_tables_input": i + 3, or 4 where they are the query's; outputs the two caches written in
+place (attrs "inplace" [1, 2]) and then the attention's output. The region is index_put_ of
+rope(k_new) / v_new at the position, then the attention over the written caches: the kernel's
+last split writes the row, and every split takes that row from registers where its tile holds
+the position (its load may predate the write). One launch and one round trip through memory a
+layer less than kv_write then attention.
+An fp8 cache's write quantizes with the attention's own k_scale / v_scale (i = the scales' index
++ 2), as the kv_write template does: rope(k_new) rounded to k_new's dtype, less K's offset
+[1, Hkv, 1, D] fp32 where the cache is stored centred (smooth-k: attrs kv_write
+"k_offset_input"), over the scale, rounded to e4m3; V likewise ("v_offset_input", smooth-v). The
+offsets are the region's last inputs. A values-only cache (K in q's dtype) stores K unquantized.
 
 Kernel (flash-decoding's two stages in one launch):
     split    grid (B * Hkv, SPLIT_KV): one program per (sequence, kv head, split). Its rows are
@@ -127,9 +134,10 @@ sequence (a tile lies in one page or covers whole pages: BLOCK_N 64 reads 4 page
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs, kv_write_rope, rope_at
+from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope, rope_at
 from coopt.targets import Target
 from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE, kv_cache_problem, kv_element_bytes, kv_scale,
                                        page_size, paged_problem, paged_schema_ok)
@@ -267,25 +275,40 @@ class DecodeAttentionFamily(TemplateFamily):
 
     @staticmethod
     def _kv_write_ok(region: RegionSummary) -> bool:
-        """The folded write (fuse-kv-write-attention): unpaged caches in q's dtype (no fp8), one
-        position for all sequences, k_new / v_new [B, Hkv, 1, D] in the caches' dtype, K's rotary
-        tables broadcastable to k_new; outputs the two caches written in place, then the output."""
+        """The folded write (fuse-kv-write-attention): unpaged caches, in q's dtype or fp8 with
+        per-tensor / per-head scales (the attention's own: the kernel quantizes the row with
+        them), one position for all sequences, k_new / v_new [B, Hkv, 1, D] in q's dtype, K's
+        rotary tables broadcastable to k_new, then the offsets [1, Hkv, 1, D] fp32 of a cache
+        stored centred (smooth-k / smooth-v, fp8 only); outputs the two caches written in place,
+        then the output."""
         at = kv_write_inputs(region)
         q, k, v = region.inputs[:3]
         tables = kv_write_rope(region)
         own_tables = tables is not None and tables == at + 3
-        if (page_size(region) is not None or kv_scale(region) is not None or at != scales_at(region)
-                or len(region.inputs) != at + 3 + 2 * own_tables or len(region.outputs) != 3
+        offsets = [i for i in kv_write_offsets(region) if i is not None]
+        granularity = kv_scale(region)
+        if (page_size(region) is not None or granularity not in (None, "per-tensor", "per-head")
+                or at != scales_at(region) + 2 * (granularity is not None)
+                or kv_cache_problem(dataclasses.replace(region, inputs=region.inputs[:at]), scales_at(region)) is not None
+                or len(region.inputs) != at + 3 + 2 * own_tables + len(offsets) or len(region.outputs) != 3
                 or list(region.attrs.get("inplace") or ()) != [1, 2]
                 or (region.attrs["kv_write"].get("rope") and tables not in (at + 3, rope_at(region)))):
             return False
         positions, k_new, v_new = region.inputs[at:at + 3]
         if list(positions.shape) != [1] or positions.dtype not in ("int32", "int64"):
             return False
-        if any(len(t.shape) != 4 or t.dtype != k.dtype or tuple(t.shape[1:]) != (k.shape[1], 1, k.shape[3])
+        if any(len(t.shape) != 4 or t.dtype != q.dtype or tuple(t.shape[1:]) != (k.shape[1], 1, k.shape[3])
                for t in (k_new, v_new)):
             return False
-        if k.dtype != q.dtype or v.dtype != k.dtype or [o.dtype for o in region.outputs[:2]] != [k.dtype, v.dtype]:
+        if [o.dtype for o in region.outputs[:2]] != [k.dtype, v.dtype]:
+            return False
+        # each offset last, in order, and only for a cache stored in fp8
+        k_offset, v_offset = kv_write_offsets(region)
+        end = len(region.inputs)
+        if offsets != list(range(end - len(offsets), end)) or any(
+                i is not None and (cache.dtype != FP8_CACHE_DTYPE or region.inputs[i].dtype != "float32"
+                                   or tuple(region.inputs[i].shape) != (1, k.shape[1], 1, k.shape[3]))
+                for i, cache in ((k_offset, k), (v_offset, v))):
             return False
         return all(_table_ok(region, table, k_new) for table in (region.inputs[tables:tables + 2] if tables is not None else ()))
 
@@ -396,6 +419,11 @@ class DecodeAttentionFamily(TemplateFamily):
             out_tl_dtype=_TL_DTYPE[region.outputs[-1].dtype],
             out_torch_dtype=_TORCH_DTYPE[region.outputs[-1].dtype],
             kv_write=written is not None,
+            # the folded write quantizes what it stores in an fp8 cache, less a calibrated offset where given
+            k_quant=written is not None and region.inputs[1].dtype == FP8_CACHE_DTYPE,
+            v_quant=written is not None and region.inputs[2].dtype == FP8_CACHE_DTYPE,
+            k_offset=kv_write_offsets(region)[0] is not None,
+            v_offset=kv_write_offsets(region)[1] is not None,
             kv_rope=k_tables is not None,
             kv_own_tables=k_tables is not None and k_tables == written + 3,  # else the query's
             gathered=_gathered(region),

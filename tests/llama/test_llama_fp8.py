@@ -119,16 +119,27 @@ def test_build_json_and_report_state_the_measured_accuracy_cost(built_dir):
     assert json.loads((built_dir / "manifest.json").read_text())["lossy_passes"] == ["fp8-kv-cache"]
 
 
-def test_fp8_writes_are_one_kv_write_with_rope_and_checked_against_the_reference_program(built_dir):
+def test_fp8_writes_are_one_launch_with_rope_and_checked_against_the_reference_program(built_dir):
     """The quantize between K's rope and the cache write (and the unsqueeze the pass adds for a
-    batch-1 export) does not stop fuse-kv-write: one launch per layer rotates, quantizes and
-    writes; and the lossy build's kernels were judged against its own reference program."""
+    batch-1 export) does not stop fuse-kv-write, nor the fp8 caches fuse-kv-write-attention: in
+    the decode step each layer's attention rotates, centres (smooth-k), quantizes and writes the
+    new row itself, one verified launch; the prefill entry keeps one kv_write a layer; and the
+    lossy build's kernels were judged against its own reference program."""
     regions = json.loads((built_dir / "selection.json").read_text())["regions"]
-    writes = [r for r in regions.values() if r["family"] == "kv_write"]
+    assert not [r for r in regions.values() if r["family"] == "kv_write"]
+    attentions = [r for r in regions.values() if r["family"] == "decode_attention"]
+    assert len(attentions) == 2 and all(r["selected"] != "reference" for r in attentions)
+    for region in attentions:
+        attrs, inputs = region["summary"]["attrs"], region["summary"]["inputs"]
+        assert attrs["kv_scale"] == "per-head" and attrs["kv_write"]["rope"]
+        # K's offset the last input, V's none (--kv-cache fp8 centres the keys only)
+        assert attrs["kv_write"]["k_offset_input"] == len(inputs) - 1 and "v_offset_input" not in attrs["kv_write"]
+        assert inputs[1]["dtype"] == inputs[2]["dtype"] == "float8_e4m3fn"
+    prefill = json.loads((built_dir / "entries" / "prefill" / "selection.json").read_text())["regions"]
+    writes = [r for r in prefill.values() if r["family"] == "kv_write"]
     assert len(writes) == 2 and all(r["summary"]["attrs"]["rope"] and r["summary"]["attrs"]["quant"] == "per-head"
-                                    for r in writes)
-    assert all(r["selected"] != "reference" for r in writes)
-    ropes = [r for r in regions.values() if r["family"] == "rope"]
+                                    and r["selected"] != "reference" for r in writes)
+    ropes = [r for r in prefill.values() if r["family"] == "rope"]
     assert all(r["summary"]["inputs"][0]["shape"][1] == 4 for r in ropes)  # only q's (4 heads) remain
     check = json.loads((built_dir / "build.json").read_text())["end_to_end"]["kernels_vs_reference_program"]
     assert check["ok"] and check["max_abs_err"] < 1e-3

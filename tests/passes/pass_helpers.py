@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from xdsl.context import Context
 
+from coopt.fp8_cache import calibrate_kv_absmax, set_calibration
 from coopt.frontend.capture import capture
 from coopt.frontend.importer import import_program
 from coopt.ir.dialect import KernelOp
@@ -11,9 +12,13 @@ from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text
 from coopt.passes.stats import collect_counters
 
 
-def run_pipeline(model, inputs, pipeline: str = DEFAULT_PIPELINE, dynamic_shapes=None):
-    """(module, counters) after `pipeline`; the module is verified after every pass."""
+def run_pipeline(model, inputs, pipeline: str = DEFAULT_PIPELINE, dynamic_shapes=None, calibrate: bool = False):
+    """(module, counters) after `pipeline`; the module is verified after every pass. `calibrate`:
+    the KV caches' ranges recorded on `inputs` first, as a build does for fp8-kv-cache's
+    calibrated scales."""
     result = import_program(capture(model.eval(), tuple(inputs), dynamic_shapes), tuple(inputs))
+    if calibrate:
+        set_calibration(result.module, calibrate_kv_absmax(model, [tuple(inputs)]))
     ctx = Context(allow_unregistered=True)
     with collect_counters() as counters:
         for compiler_pass in parse_pipeline_text(pipeline):

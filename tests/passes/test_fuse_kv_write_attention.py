@@ -10,10 +10,14 @@ import pytest
 import torch
 from test_decode_attention_raise import (DecodeStep, RopedDecodeStep, TwoLayerDecodeStep, build_and_compare, inputs,
                                          rotary_tables, rotate_half)
+from xdsl.context import Context
+from xdsl.rewriter import InsertPoint, Rewriter
 
 import coopt
 from coopt.ir.dialect import KernelOp
+from coopt.passes.fuse_kv_write_attention import FuseKvWriteAttention
 from coopt.passes.registry import DEFAULT_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
+from coopt.passes.stats import collect_counters
 from pass_helpers import kernels, run_pipeline
 
 
@@ -149,10 +153,76 @@ def test_caches_read_elsewhere_keep_their_kv_write():
     assert counters["fuse.kv_write_attention.skipped.read_elsewhere"] == 1 and "kv_write" in families(module)
 
 
-def test_an_fp8_cache_keeps_its_kv_write():
-    fp8 = DEFAULT_PIPELINE.replace("fuse-attention,", "fp8-kv-cache{granularity=per-token,scale-source=dynamic},fuse-attention,")
-    module, counters = run_pipeline(DecodeStep(), inputs(5), fp8)
+def with_fp8(knobs: str, pipeline: str = DEFAULT_PIPELINE) -> str:
+    return pipeline.replace("fuse-attention,", f"fp8-kv-cache{knobs},fuse-attention,")
+
+
+def test_per_token_fp8_scales_keep_their_kv_write():
+    """Per-token scales are computed and stored by the write: not the folded form."""
+    module, counters = run_pipeline(DecodeStep(), inputs(5), with_fp8("{granularity=per-token,scale-source=dynamic}"))
     assert counters["fuse.kv_write_attention.skipped.fp8"] == 1 and "kv_write" in families(module)
+
+
+FP8_KNOBS = {"per-head": "", "per-tensor": "{granularity=per-tensor}", "smooth-k": "{smooth-k=true}",
+             "smooth-k and smooth-v": "{smooth-k=true smooth-v=true}", "values-only": "{values-only=true}"}
+
+
+@pytest.mark.parametrize("knobs", FP8_KNOBS)
+def test_an_fp8_write_with_the_attentions_scales_folds(knobs):
+    """Per-tensor / per-head scales: the write quantizes with the attention's own k_scale /
+    v_scale (one input each) and its offsets (smooth-k / smooth-v) come last."""
+    module, counters = run_pipeline(RopedKeyStep(), inputs(5), with_fp8(FP8_KNOBS[knobs]), calibrate=True)
+    assert counters["fuse.kv_write_attention"] == counters["fuse.kv_write_attention.fp8"] == 1
+    (region,) = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert "kv_write" not in families(module) and len(set(region.inputs)) == len(region.inputs)
+    folded = region.family_attrs["kv_write"]
+    assert folded["positions_input"] == 8  # after q, the caches, lengths, q's tables, the two scales
+    names = [region.inputs[i].owner.ref.data for i in (6, 7)]
+    assert names == ["k_cache.scale", "v_cache.scale"]
+    offsets = {name: folded.get(f"{name}_offset_input") for name in "kv"}
+    centred = {"smooth-k": "k", "smooth-k and smooth-v": "kv"}.get(knobs, "")
+    assert [name for name, at in offsets.items() if at is not None] == list(centred)
+    assert [region.inputs[at].owner.ref.data for at in offsets.values() if at is not None] == \
+        [f"{name}_cache.offset" for name in centred]
+    assert sorted(at for at in offsets.values() if at is not None) == list(range(len(region.inputs) - len(centred), len(region.inputs)))
+
+
+def test_a_write_with_scales_of_its_own_is_left_alone():
+    """One value, one input: a write quantizing with another scale than the attention reads with
+    would need two (and would not be the same cache contract)."""
+    pipeline = with_fp8("", DEFAULT_PIPELINE.split(",fuse-kv-write-attention")[0])
+    module, _ = run_pipeline(RopedKeyStep(), inputs(5), pipeline, calibrate=True)
+    (write,) = [k for k in kernels(module) if k.family.data == "kv_write"]
+    other = write.inputs[7].owner.clone()
+    Rewriter.insert_op(other, InsertPoint.before(write))
+    write.operands = [other.results[0] if i == 7 else v for i, v in enumerate(write.operands)]
+    with collect_counters() as counters:
+        FuseKvWriteAttention().apply(Context(allow_unregistered=True), module)
+    assert counters["fuse.kv_write_attention.skipped.scales_differ"] == 1 and "kv_write" in families(module)
+
+
+@pytest.mark.parametrize("knobs", ["smooth-k", "values-only"])
+def test_built_fp8_folded_steps_write_the_caches_their_unfolded_build_writes(knobs, tmp_path):
+    """The folded kernel (Triton's interpreter here) stores the same e4m3 rows (fp32 keys: no
+    rounding before the quantize) and attends as the build with kv_write apart: three steps, the
+    last at the cache's end."""
+    pipelines = {"folded": with_fp8(FP8_KNOBS[knobs]),
+                 "unfolded": with_fp8(FP8_KNOBS[knobs], UNFOLDED_KV_WRITE_PIPELINE)}
+    built = {}
+    for name, pipeline in pipelines.items():
+        torch.manual_seed(0)
+        coopt.Pipeline(pipeline, top_k=1).build(RopedKeyStep(), inputs(3), tmp_path / name,
+                                                calibration_inputs=[inputs(p) for p in (1, 2, 3)])
+        built[name] = coopt.load(tmp_path / name)
+    assert_folded_kernel_selected(tmp_path / "folded")
+    device = built["folded"].w_k_cache.device
+    for pos in (3, 4, 31):
+        step = [x.to(device) for x in inputs(pos)]
+        torch.testing.assert_close(built["folded"](*step), built["unfolded"](*step), rtol=1e-5, atol=1e-5)
+        for cache in ("w_k_cache", "w_v_cache"):
+            folded, unfolded = (getattr(built[name], cache) for name in pipelines)
+            assert folded.dtype == unfolded.dtype and torch.equal(folded.float(), unfolded.float()), cache
+    assert built["folded"].w_v_cache.dtype == torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize("step_class", [RopedKeyStep, OwnKeyTablesStep, SharedTablesStep, TablesAtAnotherRow])

@@ -54,7 +54,9 @@ def test_set_pdl_switches_the_named_kinds_only(built_dir, capable, monkeypatch):
     monkeypatch.delenv("COOPT_PDL", raising=False)
     built = capable(load(built_dir, device="cpu"))
     kinds = pdl_by_kind(built)
-    assert "gemv" in kinds and len(kinds) > 1, kinds  # GEMVs and kernels of some other kind
+    # GEMVs and, without a GPU, the norm's row kernel (on the H200 the build measured the
+    # reference faster for this tiny norm, session 16: GEMVs alone there)
+    assert "gemv" in kinds and (len(kinds) > 1 or torch.cuda.is_available()), kinds
     gemvs = sum(space["PDL_KIND"] == "gemv" for space in kernel_modules(built))
     assert set_pdl(built, ["gemv"]) == gemvs
     assert {kind: on for kind, on in pdl_by_kind(built).items()} == {kind: {kind == "gemv"} for kind in kinds}

@@ -16,16 +16,20 @@ from coopt.ir.region import RegionSummary, TensorSpec
 from coopt.targets import H200
 
 
-def folded(region: RegionSummary, k_rope: bool = True, positions: int = 1, shared_tables: bool = False) -> RegionSummary:
-    """`region` (with q's rope) taking the write's positions, k_new, v_new (and K's cos, sin,
-    unless it shares the query's) last, returning the two caches before its output."""
+def folded(region: RegionSummary, k_rope: bool = True, positions: int = 1, shared_tables: bool = False,
+           offsets: tuple[str, ...] = ()) -> RegionSummary:
+    """`region` (with q's rope) taking the write's positions, k_new, v_new (in q's dtype; and K's
+    cos, sin, unless it shares the query's, then the fp8 caches' `offsets` "k" / "v") last,
+    returning the two caches before its output."""
     q, k, v = region.inputs[:3]
     batch, kv_heads, _, head_dim = k.shape
-    new = TensorSpec((batch, kv_heads, 1, head_dim), k.dtype)
-    tables = (TensorSpec((1, head_dim), k.dtype),) * 2 if k_rope and not shared_tables else ()
+    new = TensorSpec((batch, kv_heads, 1, head_dim), q.dtype)
+    tables = (TensorSpec((1, head_dim), q.dtype),) * 2 if k_rope and not shared_tables else ()
     at = len(region.inputs)
-    inputs = (*region.inputs, TensorSpec((positions,), "int64"), new, new, *tables)
+    centres = (TensorSpec((1, kv_heads, 1, head_dim), "float32"),) * len(offsets)
+    inputs = (*region.inputs, TensorSpec((positions,), "int64"), new, new, *tables, *centres)
     write = {"positions_input": at, "rope": k_rope}
+    write.update({f"{name}_offset_input": len(inputs) - len(offsets) + i for i, name in enumerate(offsets)})
     if k_rope:
         write["rope_tables_input"] = 4 if shared_tables else at + 3
     attrs = {**region.attrs, "kv_write": write, "inplace": [1, 2]}
