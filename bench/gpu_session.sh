@@ -39,6 +39,7 @@
 #   bash bench/gpu_session.sh launch-tests  # the GPU tests of session 15: the fold, its one-key exactness, the launch choice (~2 min)
 #   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
+#   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
@@ -262,6 +263,14 @@ case "${1:-}" in
         step 450 decode python bench/decode.py --cases 1:32768:32832 \
             --modes coopt-fp8,coopt-fp8-unfolded,coopt-fp8-values,coopt-fp8-values-unfolded \
             --prefill 0 --agreement-steps 4 --out "$OUT/decode_fp8_fold_b1.json" --build-dir /tmp/coopt-fp8
+        ;;
+    fp8-fold-profile-b1)  # issue 4: both fp8 b1 / 32768 builds (the write folded, not; top-k 2) profiled kernel by
+        # kernel (session 16: the folded step measured 1.413 ms against 1.409 unfolded in fp8-fold-b1)
+        step 300 decode python bench/decode.py --cases 1:32768:32832 --modes coopt-fp8,coopt-fp8-unfolded --prefill 0 \
+            --agreement-steps 0 --top-k 2 --out "$OUT/fp8-fold-decode.json" --build-dir /tmp/coopt-fp8
+        for build in b1-pos32768-fp8 b1-pos32768-fp8-unfolded; do
+            step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-fp8/$build" --batch 1 --out "$OUT/profile_$build.json"
+        done
         ;;
     accuracy-values)  # issue 4: the harness with the bf16 baseline, --kv-cache fp8 and values-only (~5 min)
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --windows 128 \
