@@ -10,7 +10,7 @@ and whether prefetching the next GEMV's weights into L2 while the attention runs
 Cases (Llama-3-8B attention: 32 query heads over 8 kv heads, D 128, bf16 query; `length` valid
 keys of a `cache`-position static cache): b1-2048, b1-2048-rope (the query's rotary embedding in
 the kernel, as a Llama decode step builds it), b32-2048, b1-32768, b1-32768-fp8, b32-2048-fp8 and
-b32-8192-fp8 (the cache in float8_e4m3fn with per-head scales, where TILE_FP16 applies; the
+b32-8192-fp8 (the cache in float8_e4m3fn with per-head scales, where TILE_FP16 applies; b1-2048-fp8 and the
 b32 fp8 cases only when named), and b32-2048-paged16 (the caches in
 a shuffled pool of 16-position pages read through a page table, as a --paged-kv 16 build reads
 them; its sample also holds the advisor's first points with one page or less a tile, what builds
@@ -66,11 +66,12 @@ CASES = {
     "b32-2048": (32, 2048, 4096, False),
     "b1-32768": (1, 32768, 32832, False),
     "b1-32768-fp8": (1, 32768, 32832, True),
+    "b1-2048-fp8": (1, 2048, 4096, True),  # bench/fold_kernel_times.py's short fp8 case
     "b32-2048-fp8": (32, 2048, 4096, True),  # issue 4's batched fp8 cases
     "b32-8192-fp8": (32, 8192, 8256, True),
     "b32-2048-paged16": (32, 2048, 4096, False, False, 16),  # bench/capacity.py's pages
 }
-DEFAULT_CASES = [name for name in CASES if name not in ("b32-2048-fp8", "b32-8192-fp8")]  # the `sweep` step's
+DEFAULT_CASES = [name for name in CASES if name not in ("b1-2048-fp8", "b32-2048-fp8", "b32-8192-fp8")]  # the `sweep` step's
 ROPE_TABLE = (1, HEAD_DIM)  # cos / sin at the step's position, broadcast over batch and heads
 
 

@@ -40,6 +40,7 @@
 #   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
+#   bash bench/gpu_session.sh fold-kernels  # the folded attention alone against kv_write + attention, fixed points (~3 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
 #   bash bench/gpu_session.sh parallel capacity long   # one step per GPU (nvidia-h200-x2 / -x4), at once;
@@ -271,6 +272,10 @@ case "${1:-}" in
         for build in b1-pos32768-fp8 b1-pos32768-fp8-unfolded; do
             step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-fp8/$build" --batch 1 --out "$OUT/profile_$build.json"
         done
+        ;;
+    fold-kernels)  # the folded attention alone against kv_write + attention at fixed points: b1 fp8 at 32768 and
+        # 2048, bf16 at 2048 (bench/fold_kernel_times.py; ~2-3 min)
+        step 200 fold-kernels python bench/fold_kernel_times.py --json "$OUT/fold_kernel_times.json"
         ;;
     accuracy-values)  # issue 4: the harness with the bf16 baseline, --kv-cache fp8 and values-only (~5 min)
         step 560 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --windows 128 \

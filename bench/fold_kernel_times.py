@@ -1,0 +1,131 @@
+"""The decode attention with the step's cache write folded in, timed alone against the two
+kernels it replaces (kv_write, then the attention) at the same points of the space: is a folded
+launch slower than the plain attention by more than the kv_write launch it saves?
+
+Session 16: an fp8 b1 / 32768 build measured 1.413 ms with the write folded against 1.409
+without (and 1.461 / 1.453 in a second pair of builds), while the profile of those builds at
+position 2048 showed the fold 15 µs a step faster. Builds also differ in the points their
+measurement selects; this times fixed points side by side.
+
+    python bench/fold_kernel_times.py --cases b1-32768-fp8,b1-2048-fp8,b1-2048-rope --splits 16,32
+
+Each case is attention_sweep's (Llama-3-8B heads, the query's rope in the kernel; fp8: per-head
+scales), the new row at the last valid position, K rotated by the query's tables as a Llama
+step does; kv_write runs at the heuristic advisor's first point. Timed replayed in CUDA graphs
+over copies of the caches past the L2 (gemm.graph_ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from attention_sweep import CASES, HEAD_DIM, KV_HEADS, advised, make_inputs, make_region  # noqa: E402
+from gemm import announce_gpu, graph_ms, input_copies  # noqa: E402
+
+
+def write_region(attention):
+    """The unfolded step's kv_write: K rotated by the query's tables, quantized per head when fp8."""
+    from coopt.ir.region import RegionSummary, TensorSpec
+
+    q, k_cache, v_cache = attention.inputs[:3]
+    new = TensorSpec((q.shape[0], KV_HEADS, 1, HEAD_DIM), q.dtype)
+    fp8 = attention.attrs.get("kv_scale") is not None
+    scales = attention.inputs[6:8] if fp8 else ()
+    return RegionSummary("kv_write", "kv_write", inputs=(k_cache, v_cache, TensorSpec((1,), "int64"), new, new,
+                                                        *attention.inputs[4:6], *scales),
+                         outputs=(k_cache, v_cache),
+                         attrs={"rope": True, "quant": "per-head" if fp8 else "none", "inplace": [0, 1]})
+
+
+def folded_region(attention):
+    """The attention with that write folded in (fuse-kv-write-attention's form, shared tables)."""
+    from coopt.ir.region import TensorSpec
+
+    q = attention.inputs[0]
+    new = TensorSpec((q.shape[0], KV_HEADS, 1, HEAD_DIM), q.dtype)
+    at = len(attention.inputs)
+    return dataclasses.replace(
+        attention, inputs=(*attention.inputs, TensorSpec((1,), "int64"), new, new),
+        outputs=(attention.inputs[1], attention.inputs[2], q),
+        attrs={**attention.attrs, "kv_write": {"positions_input": at, "rope": True, "rope_tables_input": 4},
+               "inplace": [1, 2]})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="b1-32768-fp8,b1-2048-fp8,b1-2048-rope")
+    parser.add_argument("--splits", default="16,32", help="SPLIT_KV values timed (BLOCK_N 128, tl.dot, 4 warps, 3 stages)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    import torch
+
+    from coopt.runtime.kernel_loader import load_module_from_file
+    from coopt.templates.decode_attention import DecodeAttentionFamily, kv_bytes_read
+    from coopt.templates.kv_write import KvWriteFamily
+    from coopt.targets import H200
+
+    if not announce_gpu("bench/fold_kernel_times.py"):
+        return 1
+    attention_family, write_family = DecodeAttentionFamily(), KvWriteFamily()
+    work = Path("/tmp/fold-kernel-times")
+    work.mkdir(exist_ok=True)
+    rows = []
+    for case in args.cases.split(","):
+        batch, length, cache, fp8 = CASES[case][:4]
+        attention = make_region(batch, length, cache, fp8, rope=True)
+        folded, write = folded_region(attention), write_region(attention)
+        inputs = make_inputs(attention, length)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        k_new, v_new = (torch.randn(batch, 1, KV_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+                        .transpose(1, 2) for _ in "kv")
+        position = torch.tensor([length - 1], device="cuda")
+        traffic = kv_bytes_read(attention, [length] * batch)
+        sets = input_copies([*inputs, position, k_new, v_new], traffic)
+        fresh = [[t.clone() for t in sets[0]] for _ in range(2)]  # one step each way from the same caches
+
+        def module(region, family, params, name):
+            assert family.check(region, params, H200) is None, family.check(region, params, H200)
+            path = work / f"{case}_{name}.py"
+            path.write_text(family.render(region, params))
+            return load_module_from_file(path).run
+
+        kv_write = module(write, write_family, advised(write, write_family)[0], "kv_write")
+        scales = 2 * fp8
+        write_ms = graph_ms(lambda q, k, v, lengths, cos, sin, *rest: kv_write(
+            k, v, rest[scales], rest[scales + 1], rest[scales + 2], cos, sin, *rest[:scales]), sets)
+        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V; kv_write alone {write_ms * 1e3:.2f} us", flush=True)
+        for split in map(int, args.splits.split(",")):
+            params = {"BLOCK_N": 128, "SPLIT_KV": split, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+            if fp8:
+                params["TILE_FP16"] = True
+            plain = module(attention, attention_family, params, f"plain{split}")
+            fold = module(folded, attention_family, params, f"folded{split}")
+            plain_ms = graph_ms(lambda *t: plain(*t[:len(attention.inputs)]), sets)
+            both_ms = graph_ms(lambda *t: (kv_write(t[1], t[2], t[-3], t[-2], t[-1], t[4], t[5], *t[6:6 + scales]),
+                                           plain(*t[:len(attention.inputs)])), sets)
+            fold_ms = graph_ms(lambda *t: fold(*t), sets)
+            # the same step both ways from the same caches: the outputs agree (bf16 rounding apart)
+            a, b = fresh[0], [t.clone() for t in fresh[1]]
+            kv_write(a[1], a[2], a[-3], a[-2], a[-1], a[4], a[5], *a[6:6 + scales])
+            err = (plain(*a[:len(attention.inputs)])[0].float() - fold(*b)[2].float()).abs().max().item()
+            row = {"case": case, "split": split, "plain_us": plain_ms * 1e3, "write_then_plain_us": both_ms * 1e3,
+                   "folded_us": fold_ms * 1e3, "folded_tb_per_s": traffic / fold_ms / 1e9, "max_abs_diff": err}
+            rows.append(row)
+            print(f"  split {split:2d}: attention {row['plain_us']:6.2f} us, kv_write + attention "
+                  f"{row['write_then_plain_us']:6.2f} us, folded {row['folded_us']:6.2f} us "
+                  f"({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
