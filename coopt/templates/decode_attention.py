@@ -144,7 +144,7 @@ from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE,
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 # knobs some regions' spaces add, and their value where a point leaves them out
-OPTIONAL_KNOBS = {"TILE_FP16": False}
+OPTIONAL_KNOBS = {"TILE_FP16": False, "V_WORDS": False}
 _MAX_HEAD_DIM = 256
 # Register budgets per thread, from ptxas -v for sm_90 (triton 3.9) over BLOCK_N x D x group x
 # warps: multiply-and-sum materialises the [group, BLOCK_N, D] products in fp32, and up to 32 per
@@ -177,6 +177,23 @@ def _fp16_tiles_problem(region: RegionSummary) -> str | None:
         return "TILE_FP16 widens e4m3 K tiles (keys kept in bf16 would be rounded to fp16)"
     if region.inputs[0].dtype != "bfloat16":
         return "TILE_FP16 is for a bf16 query (fp16 tiles are q's dtype already; fp32 keeps fp32)"
+    return None
+
+
+def _v_words_problem(region: RegionSummary) -> str | None:
+    """Why V_WORDS does not apply to `region` (None: it does). With fp16 tiles (TILE_FP16) it
+    reads V's tiles as 16-bit words of two e4m3 values and widens them to fp16 in the layout they
+    load in; tl.dot then takes V through shared memory as fp16 (ldmatrix, transposed). Loaded as
+    bytes, V goes from shared memory into the dot's operand layout one byte a load: its operand
+    runs along the keys, which are D bytes apart (sm_90 SASS, a 128-key tile at D 128: 128 LDS.U8
+    a thread, the loop 1066 instructions against 676 with V_WORDS; K, read along D, loads 8 bytes
+    at a time either way). Needs whole rows of an even power-of-two D (no padded columns)."""
+    problem = _fp16_tiles_problem(region)
+    if problem is not None:
+        return problem
+    head_dim = region.inputs[0].shape[3]
+    if not isinstance(head_dim, int) or head_dim < 16 or head_dim != next_pow2(head_dim):
+        return "V_WORDS reads whole rows of a power-of-two head dim (>= 16)"
     return None
 
 
@@ -332,6 +349,8 @@ class DecodeAttentionFamily(TemplateFamily):
         }
         if _fp16_tiles_problem(region) is None:  # an fp8 cache read by a bf16 query
             space["TILE_FP16"] = [False, True]
+        if _v_words_problem(region) is None:
+            space["V_WORDS"] = [False, True]
         return space
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
@@ -347,6 +366,10 @@ class DecodeAttentionFamily(TemplateFamily):
         warps, stages = params["num_warps"], params["num_stages"]
         if params.get("TILE_FP16"):
             problem = _fp16_tiles_problem(region) or (None if use_dot else "TILE_FP16 widens fp8 tiles for tl.dot (USE_DOT=True)")
+            if problem:
+                return problem
+        if params.get("V_WORDS"):
+            problem = _v_words_problem(region) or (None if params.get("TILE_FP16") else "V_WORDS widens V for fp16 tiles (TILE_FP16=True)")
             if problem:
                 return problem
         block_d, block_h = self._block_d(region), self.block_h(region, use_dot)
@@ -366,6 +389,8 @@ class DecodeAttentionFamily(TemplateFamily):
         if max_length is not None and split_kv > 1 and split_kv * bn > max_length:
             return f"SPLIT_KV={split_kv} splits of BLOCK_N={bn} exceed the cache (S_max <= {max_length})"
         smem = block_h * block_d * q_elem + 2 * bn * block_d * stages * elem
+        if params.get("V_WORDS"):  # V's widened fp16 tile, staged for tl.dot
+            smem += bn * block_d * 2
         if smem > target.smem_per_block_bytes:
             return f"{stages} K/V stages need {smem} B of shared memory > {target.smem_per_block_bytes} B"
         # An fp8 tile counts at its widened 16-bit size: a warp's 8-byte loads still read 256

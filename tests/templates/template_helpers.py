@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 _TRITON_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.bool: "i1",
-                torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+                torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def covering_points(points: list[dict]) -> list[dict]:
@@ -63,8 +63,8 @@ def compile_for_hopper(jobs, tmp_path, machine_code: bool = False) -> dict:
 
     jobs: [(label, source, inputs)]. Returns {label: {kernel: facts}}, facts being "launches",
     "wgmma", "pipelined", "tma", "warp_specialized", "shared" and, with machine_code where
-    cuobjdump runs, "registers", "stack_bytes", "spill_instructions", "hgmma", "utmaldg",
-    "utmastg" (off by default: disassembling every kernel doubles the time).
+    cuobjdump runs, "registers", "stack_bytes", "spill_instructions", "loop_byte_shared_loads", "hgmma",
+    "utmaldg", "utmastg" (off by default: disassembling every kernel doubles the time).
     Fresh process because triton.language's own @jit helpers (tl.max, tl.sum, ...) are built for
     either the interpreter or the compiler when triton is imported: once the interpreter has run
     here, the real front end fails on them.
@@ -185,10 +185,25 @@ def _machine_code_facts(cubin: bytes) -> dict:
         "registers": int(regs.group(1)) if regs else None,
         "stack_bytes": int(stack.group(1)) if stack else None,
         "spill_instructions": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
+        # byte-wide shared-memory loads in loops: an 8-bit tile gathered into a dot operand
+        # element by element, every iteration
+        "loop_byte_shared_loads": len(re.findall(r"\bLDS\.[US]8\b", "\n".join(_loop_bodies(sass)))),
         "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
         "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
         "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
     }
+
+
+def _loop_bodies(sass: str) -> list[str]:
+    """The SASS lines of each loop: from a backward branch's target to the branch."""
+    lines = [(int(m.group(1), 16), line) for line in sass.splitlines()
+             if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s", line))]
+    bodies = []
+    for address, line in lines:
+        branch = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", line)
+        if branch and int(branch.group(1), 16) < address:
+            bodies.append("\n".join(text for at, text in lines if int(branch.group(1), 16) <= at <= address))
+    return bodies
 
 
 def _compile_worker(jobs_file: str, results_file: str, *flags: str) -> int:

@@ -344,6 +344,33 @@ def test_covering_points_compile_for_hopper(tmp_path):
     assert compiled["fp8_fp16_tiles"]["_decode_split_kernel"]["f16_to_bf16"] == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_v_words_tiles_reach_the_dot_without_byte_loads(tmp_path):
+    """b1 / 32768's fp8 point with V read as words (V_WORDS): pipelined, widened by the pair
+    conversion in the GPU path (inline PTX), and no shared-memory load a byte wide (the byte-wise
+    gather V_WORDS replaces), no spills; paged pools alike."""
+    region = fp8_region(2, 32, 8, 256, 128, "per-head")
+    params = {"BLOCK_N": 128, "SPLIT_KV": 2, "USE_DOT": True, "num_warps": 4, "num_stages": 3, "TILE_FP16": True,
+              "V_WORDS": True}
+    paged = paged_region(2, 32, 8, 16, 64, 8, 128, "bfloat16", "per-head")
+    paged_params = {**params, "BLOCK_N": 64, "SPLIT_KV": 4}
+    assert FAMILY.check(region, params, H200) is None and FAMILY.check(paged, paged_params, H200) is None
+    inputs = make_fp8_inputs(region, [256, 100])
+    compiled = compile_for_hopper([("words", FAMILY.render(region, params), inputs),
+                                   ("bytes", FAMILY.render(region, {**params, "V_WORDS": False}), inputs),
+                                   ("paged", FAMILY.render(paged, paged_params), make_paged_inputs(paged, [256, 100])[0])],
+                                  tmp_path, machine_code=True)
+    for label in ("words", "paged"):
+        kernel = compiled[label]["_decode_split_kernel"]
+        assert kernel["pipelined"] and kernel["pdl"] and kernel["f16_to_bf16"] == 0, label
+        if kernel.get("loop_byte_shared_loads") is not None:  # the SASS, where cuobjdump runs
+            assert kernel["loop_byte_shared_loads"] == 0 and kernel["spill_instructions"] == 0, (label, kernel)
+    # what V_WORDS is for (Triton 3.6 / 3.9): the same point with V loaded as bytes gathers it
+    # byte by byte in its loop; if a Triton ever stops doing so, V_WORDS may no longer pay
+    if compiled["bytes"]["_decode_split_kernel"].get("loop_byte_shared_loads") is not None:
+        assert compiled["bytes"]["_decode_split_kernel"]["loop_byte_shared_loads"] >= 64
+
+
 
 # -- an fp8 KV cache (docs/kv-cache.md): float8_e4m3fn K/V read as k * k_scale ---------------
 
@@ -494,6 +521,51 @@ def test_fp8_fp16_tiles_queries_outside_fp16(magnitude, load_candidate):
     check_close(out, fp8_reference(region, *inputs))
 
 
+# V_WORDS: V's tiles read as 16-bit words of two e4m3 values, widened to fp16 as they load
+FP8_V_WORDS = {**FP8_FP16_DOT, "V_WORDS": True}
+
+
+@pytest.mark.parametrize("case", FP8_LENGTHS)
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
+def test_fp8_v_words_lengths(case, granularity, load_candidate):
+    region = fp8_region(3, 8, 2, 80, 64, granularity)
+    inputs = make_fp8_inputs(region, FP8_LENGTHS[case])
+    (out,) = run_candidate(load_candidate, region, FP8_V_WORDS, inputs)
+    check_close(out, fp8_reference(region, *inputs))
+
+
+def test_fp8_v_words_reads_every_byte_of_a_word_in_place(load_candidate):
+    """Each e4m3 value of V at its own column: V's even and odd columns (the two bytes of a word)
+    told apart, and a strided cache (rows [B, S, Hkv, D] viewed [B, Hkv, S, D]) read through its
+    strides in words. One valid key: the output is its V row, times the scale."""
+    region = fp8_region(2, 8, 2, 64, 64, "per-head")
+    q, k, v, lengths, k_scale, v_scale = make_fp8_inputs(region, [1, 40], seed=3)
+    ramp = torch.linspace(-448, 448, 64).to(torch.float8_e4m3fn).to(DEVICE)  # distinct, signed, both bytes
+    v[0, :, 0] = ramp
+    k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    inputs = [q, k, v, lengths, k_scale, v_scale]
+    (out,) = run_candidate(load_candidate, region, {**FP8_V_WORDS, "SPLIT_KV": 2, "num_warps": 2}, inputs)
+    expected = (ramp.float()[None, :] * v_scale[:, None]).repeat_interleave(4, dim=0)  # [H, D]
+    torch.testing.assert_close(out[0, :, 0].float(), expected, rtol=8e-3, atol=1e-6)
+    check_close(out, fp8_reference(region, *inputs))
+
+
+def test_fp8_v_words_only_where_they_apply():
+    per_head = fp8_region(1, 8, 2, 64, 64, "per-head")
+    assert FAMILY.param_space(per_head, H200)["V_WORDS"] == [False, True]
+    assert FAMILY.check(per_head, FP8_V_WORDS, H200) is None
+    assert "TILE_FP16=True" in FAMILY.check(per_head, {**FP8_DOT, "V_WORDS": True}, H200)
+    for region in (fp8_region(1, 8, 2, 64, 80, "per-head"), fp8_region(1, 8, 2, 64, 64, "per-token"),
+                   make_region(1, 8, 2, 64, 64, "bfloat16")):
+        assert "V_WORDS" not in FAMILY.param_space(region, H200)
+        assert FAMILY.check(region, FP8_V_WORDS, H200) is not None
+    # V's fp16 tile staged in shared memory counts
+    big = {**FP8_V_WORDS, "BLOCK_N": 128, "num_stages": 4}
+    region = fp8_region(1, 32, 8, 4096, 128, "per-head")
+    assert FAMILY.check(region, {**big, "V_WORDS": False}, H200) is None
+    assert FAMILY.check(region, big, H200) is None or "shared memory" in FAMILY.check(region, big, H200)
+
+
 def test_fp8_fp16_tiles_only_where_they_apply():
     first = {**FP8_FP16_DOT}
     per_head = fp8_region(1, 8, 2, 64, 64, "per-head")
@@ -605,11 +677,13 @@ def test_fp8_heuristic_takes_twice_the_keys_per_tile():
     region = fp8_region(1, 32, 8, 32768, 128, "per-head", example_length=32768)
     request = AdviceRequest(region, "decode_attention", FAMILY.param_space(region, H200),
                             tuple(FAMILY.legal_points(region, H200)), H200.facts())
-    best, second = HeuristicAdvisor().advise(request).ranked[:2]
+    best, second, third = HeuristicAdvisor().advise(request).ranked[:3]
     assert best["BLOCK_N"] == 128 and best["USE_DOT"] and best["SPLIT_KV"] == 16, best
     assert FAMILY.check(region, best, H200) is None
-    # fp16-widened tiles first, the bf16-widened form of the same point measured next
-    assert best["TILE_FP16"] and second == {**best, "TILE_FP16": False}
+    # fp16-widened tiles first; the same point with V read as words, then the bf16-widened form,
+    # measured next (a build measures its top 4)
+    assert best["TILE_FP16"] and not best["V_WORDS"]
+    assert second == {**best, "V_WORDS": True} and third == {**best, "TILE_FP16": False}
 
 
 def test_fp8_golden_rendering(golden):
@@ -724,8 +798,11 @@ def test_paged_heads(heads, kv_heads, use_dot, load_candidate):
 
 
 @pytest.mark.parametrize("params", [PAGED_FMA, PAGED_DOT, {**PAGED_DOT, "TILE_FP16": True},
-                                    {**PAGED_FOUR_PAGES, "TILE_FP16": True}],
-                         ids=["fma", "dot-four-splits", "dot-fp16-tiles", "fp16-tiles-of-pages"])
+                                    {**PAGED_FOUR_PAGES, "TILE_FP16": True},
+                                    {**PAGED_DOT, "TILE_FP16": True, "V_WORDS": True},
+                                    {**PAGED_FOUR_PAGES, "TILE_FP16": True, "V_WORDS": True}],
+                         ids=["fma", "dot-four-splits", "dot-fp16-tiles", "fp16-tiles-of-pages", "dot-v-words",
+                              "v-words-tiles-of-pages"])
 @pytest.mark.parametrize("granularity", ["per-head", "per-tensor"])
 def test_paged_fp8(granularity, params, load_candidate):
     region = paged_region(3, 8, 2, 12, 16, 4, 64, "bfloat16", granularity)

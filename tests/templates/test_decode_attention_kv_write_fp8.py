@@ -100,12 +100,20 @@ def test_the_kernel_quantizes_writes_and_attends_to_the_row(granularity, params,
     check_close(out, expected)
 
 
-@pytest.mark.parametrize("params", [FP8_FMA, {**FP8_DOT, "TILE_FP16": True}], ids=["one-split-fma", "fp16-tiles"])
-def test_values_only_stores_k_in_its_dtype(params, load_candidate):
+def test_values_only_stores_k_in_its_dtype(load_candidate):
     (k_out, v_out, out), (k_expected, v_expected, expected) = run_folded(
-        "per-head", params, values_only=True, seed=1, load_candidate=load_candidate) if not params.get("TILE_FP16") else \
-        run_folded("per-head", params, seed=1, load_candidate=load_candidate)
-    assert k_out.dtype == (torch.float8_e4m3fn if params.get("TILE_FP16") else torch.bfloat16)
+        "per-head", FP8_FMA, values_only=True, seed=1, load_candidate=load_candidate)
+    assert k_out.dtype == torch.bfloat16
+    assert_rows(k_out, v_out, k_expected, v_expected)
+    check_close(out, expected)
+
+
+@pytest.mark.parametrize("params", [{**FP8_DOT, "TILE_FP16": True}, {**FP8_DOT, "TILE_FP16": True, "V_WORDS": True}],
+                         ids=["fp16-tiles", "v-words"])
+def test_fp16_tiles(params, load_candidate):
+    """The new row's score from the shifted fp16 query, as the tiles'; V read as words alike."""
+    (k_out, v_out, out), (k_expected, v_expected, expected) = run_folded(
+        "per-head", params, ("k",), seed=1, load_candidate=load_candidate)
     assert_rows(k_out, v_out, k_expected, v_expected)
     check_close(out, expected)
 
@@ -141,8 +149,9 @@ def test_schema():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
 def test_fp8_folded_kernels_compile_for_hopper(tmp_path):
     """Llama-3-8B's step over fp8 caches (32 heads over 8 kv heads, D 128), --kv-cache fp8's form
-    (per-head, K centred) at the heuristic's fp16-tile point and values-only at a bf16-tile one:
-    the quantizing write must not stop the K/V loads from pipelining."""
+    (per-head, K centred) at the heuristic's fp16-tile point, with V read as words too, and
+    values-only at a bf16-tile one: the quantizing write must not stop the K/V loads from
+    pipelining, nor make the kernel spill."""
     from template_helpers import compile_for_hopper
 
     base = with_rope(fp8_region(2, 32, 8, "S", 128, "per-head", dims={"S": (1, 8192)}), (1, 128))
@@ -156,11 +165,16 @@ def test_fp8_folded_kernels_compile_for_hopper(tmp_path):
     fp16_tiles = {"BLOCK_N": 64, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 4, "num_stages": 3, "TILE_FP16": True}
     bf16_tiles = {"BLOCK_N": 64, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
     assert FAMILY.check(centred, fp16_tiles, H200) is None and FAMILY.check(values_only, bf16_tiles, H200) is None
+    words = {**fp16_tiles, "V_WORDS": True}
+    assert FAMILY.check(centred, words, H200) is None
     jobs = [("centred", FAMILY.render(centred, fp16_tiles), [*common, torch.zeros(1, 8, 1, 128)]),
+            ("centred-v-words", FAMILY.render(centred, words), [*common, torch.zeros(1, 8, 1, 128)]),
             ("values-only", FAMILY.render(values_only, bf16_tiles), [q, k.to(torch.bfloat16), *common[2:]])]
-    compiled = compile_for_hopper(jobs, tmp_path)
-    for label in ("centred", "values-only"):
+    compiled = compile_for_hopper(jobs, tmp_path, machine_code=True)
+    for label in ("centred", "centred-v-words", "values-only"):
         (kernel,) = compiled[label].values()
         assert kernel["pdl"] and kernel["pipelined"], label
         if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
             assert kernel["spill_instructions"] == 0, f"{label}: spills ({kernel['registers']} registers)"
+    if compiled["centred-v-words"]["_decode_split_kernel"].get("loop_byte_shared_loads") is not None:
+        assert compiled["centred-v-words"]["_decode_split_kernel"]["loop_byte_shared_loads"] == 0
