@@ -181,7 +181,7 @@ def select_points(region, family, args) -> list[dict]:
 def label(params: dict) -> str:
     text = (f"n{params['BLOCK_N']} split{params['SPLIT_KV']} {'dot' if params['USE_DOT'] else 'fma'} "
             f"w{params['num_warps']} s{params['num_stages']}")
-    return text + (" fp16-tiles" if params.get("TILE_FP16") else "")
+    return text + (" fp16-tiles" if params.get("TILE_FP16") else "") + (" v-words" if params.get("V_WORDS") else "")
 
 
 def _warm(job) -> str | None:

@@ -9,6 +9,8 @@ measurement selects; this times fixed points side by side.
 
     python bench/fold_kernel_times.py --cases b1-32768-fp8,b1-2048-fp8,b1-2048-rope --splits 16,32
 
+fp8 cases time each point twice: V's tiles loaded as bytes and as 16-bit words (V_WORDS).
+
 Each case is attention_sweep's (Llama-3-8B heads, the query's rope in the kernel; fp8: per-head
 scales), the new row at the last valid position, K rotated by the query's tables as a Llama
 step does; kv_write runs at the heuristic advisor's first point. Timed replayed in CUDA graphs
@@ -102,12 +104,13 @@ def main() -> int:
         write_ms = graph_ms(lambda q, k, v, lengths, cos, sin, *rest: kv_write(
             k, v, rest[scales], rest[scales + 1], rest[scales + 2], cos, sin, *rest[:scales]), sets)
         print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V; kv_write alone {write_ms * 1e3:.2f} us", flush=True)
-        for split in map(int, args.splits.split(",")):
-            params = {"BLOCK_N": 128, "SPLIT_KV": split, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
-            if fp8:
-                params["TILE_FP16"] = True
-            plain = module(attention, attention_family, params, f"plain{split}")
-            fold = module(folded, attention_family, params, f"folded{split}")
+        # fp8: fp16 tiles, V loaded as bytes and as words (V_WORDS)
+        variants = [{"TILE_FP16": True}, {"TILE_FP16": True, "V_WORDS": True}] if fp8 else [{}]
+        for split, variant in ((s, v) for s in map(int, args.splits.split(",")) for v in variants):
+            params = {"BLOCK_N": 128, "SPLIT_KV": split, "USE_DOT": True, "num_warps": 4, "num_stages": 3, **variant}
+            tag = f"{split}{'w' if variant.get('V_WORDS') else ''}"
+            plain = module(attention, attention_family, params, f"plain{tag}")
+            fold = module(folded, attention_family, params, f"folded{tag}")
             plain_ms = graph_ms(lambda *t: plain(*t[:len(attention.inputs)]), sets)
             both_ms = graph_ms(lambda *t: (kv_write(t[1], t[2], t[-3], t[-2], t[-1], t[4], t[5], *t[6:6 + scales]),
                                            plain(*t[:len(attention.inputs)])), sets)
@@ -116,10 +119,10 @@ def main() -> int:
             a, b = fresh[0], [t.clone() for t in fresh[1]]
             kv_write(a[1], a[2], a[-3], a[-2], a[-1], a[4], a[5], *a[6:6 + scales])
             err = (plain(*a[:len(attention.inputs)])[0].float() - fold(*b)[2].float()).abs().max().item()
-            row = {"case": case, "split": split, "plain_us": plain_ms * 1e3, "write_then_plain_us": both_ms * 1e3,
+            row = {"case": case, "split": split, "v_words": bool(variant.get("V_WORDS")), "plain_us": plain_ms * 1e3, "write_then_plain_us": both_ms * 1e3,
                    "folded_us": fold_ms * 1e3, "folded_tb_per_s": traffic / fold_ms / 1e9, "max_abs_diff": err}
             rows.append(row)
-            print(f"  split {split:2d}: attention {row['plain_us']:6.2f} us, kv_write + attention "
+            print(f"  split {split:2d}{' v-words' if variant.get('V_WORDS') else '        '}: attention {row['plain_us']:6.2f} us, kv_write + attention "
                   f"{row['write_then_plain_us']:6.2f} us, folded {row['folded_us']:6.2f} us "
                   f"({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}", flush=True)
     if args.json:

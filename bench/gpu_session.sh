@@ -40,6 +40,7 @@
 #   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
+#   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
 #   bash bench/gpu_session.sh fold-kernels  # the folded attention alone against kv_write + attention, fixed points (~3 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
@@ -272,6 +273,11 @@ case "${1:-}" in
         for build in b1-pos32768-fp8 b1-pos32768-fp8-unfolded; do
             step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-fp8/$build" --batch 1 --out "$OUT/profile_$build.json"
         done
+        ;;
+    v-words)  # issue 4: fp8 decode attention with V read as words (V_WORDS, session 16) against bytes, b1 at 32768 and
+        # 2048, b32 at 2048: the advisor's first 6 points (each point without V_WORDS, then with) and a sample (~4-6 min)
+        step 330 attention python bench/attention_sweep.py --cases b1-32768-fp8,b1-2048-fp8,b32-2048-fp8 --advised 6 \
+            --sample 8 --no-prefetch --json "$OUT/attention_v_words.json"
         ;;
     fold-kernels)  # the folded attention alone against kv_write + attention at fixed points: b1 fp8 at 32768 and
         # 2048, bf16 at 2048 (bench/fold_kernel_times.py; ~2-3 min)
