@@ -498,12 +498,17 @@ def test_fp8_all_zero_heads_and_saturated_caches(granularity, load_candidate):
 FP8_FP16_DOT = {**FP8_DOT, "TILE_FP16": True}
 
 
+# V_WORDS: V's tiles read as 16-bit words of two e4m3 values, widened to fp16 as they load
+FP8_V_WORDS = {**FP8_FP16_DOT, "V_WORDS": True}
+
+
 @pytest.mark.parametrize("case", FP8_LENGTHS)
 @pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
-def test_fp8_fp16_tiles_lengths(case, granularity, load_candidate):
+@pytest.mark.parametrize("params", [FP8_FP16_DOT, FP8_V_WORDS], ids=["fp16-tiles", "v-words"])
+def test_fp8_fp16_tiles_lengths(params, case, granularity, load_candidate):
     region = fp8_region(3, 8, 2, 80, 64, granularity)
     inputs = make_fp8_inputs(region, FP8_LENGTHS[case])
-    (out,) = run_candidate(load_candidate, region, FP8_FP16_DOT, inputs)
+    (out,) = run_candidate(load_candidate, region, params, inputs)
     assert out.dtype == torch.bfloat16
     check_close(out, fp8_reference(region, *inputs))
 
@@ -518,19 +523,6 @@ def test_fp8_fp16_tiles_queries_outside_fp16(magnitude, load_candidate):
     inputs = [(q.float() * magnitude).to(q.dtype), *rest]
     (out,) = run_candidate(load_candidate, region, {**FP8_FP16_DOT, "SPLIT_KV": 2}, inputs, stem=f"fp16q{magnitude:g}")
     assert torch.isfinite(out.float()).all()
-    check_close(out, fp8_reference(region, *inputs))
-
-
-# V_WORDS: V's tiles read as 16-bit words of two e4m3 values, widened to fp16 as they load
-FP8_V_WORDS = {**FP8_FP16_DOT, "V_WORDS": True}
-
-
-@pytest.mark.parametrize("case", FP8_LENGTHS)
-@pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
-def test_fp8_v_words_lengths(case, granularity, load_candidate):
-    region = fp8_region(3, 8, 2, 80, 64, granularity)
-    inputs = make_fp8_inputs(region, FP8_LENGTHS[case])
-    (out,) = run_candidate(load_candidate, region, FP8_V_WORDS, inputs)
     check_close(out, fp8_reference(region, *inputs))
 
 
