@@ -274,8 +274,11 @@ case "${1:-}" in
             step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-fp8/$build" --batch 1 --out "$OUT/profile_$build.json"
         done
         ;;
-    v-words)  # issue 4: fp8 decode attention with V read as words (V_WORDS, session 16) against bytes, b1 at 32768 and
-        # 2048, b32 at 2048: the advisor's first 6 points (each point without V_WORDS, then with) and a sample (~4-6 min)
+    v-words)  # issue 4: fp8 decode attention with V read as words (V_WORDS, session 16) against bytes: first its GPU
+        # tests (the inline-PTX widening runs only there), then b1 at 32768 and 2048, b32 at 2048: the advisor's
+        # first 6 points (each point without V_WORDS, then with) and a sample (~5-7 min)
+        step 100 pytest-v-words python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+            tests/templates/test_decode_attention.py tests/templates/test_decode_attention_kv_write_fp8.py -k "v_words or fp16"
         step 330 attention python bench/attention_sweep.py --cases b1-32768-fp8,b1-2048-fp8,b32-2048-fp8 --advised 6 \
             --sample 8 --no-prefetch --json "$OUT/attention_v_words.json"
         ;;
