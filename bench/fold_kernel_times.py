@@ -100,30 +100,34 @@ def main() -> int:
             return load_module_from_file(path).run
 
         kv_write = module(write, write_family, advised(write, write_family)[0], "kv_write")
-        scales = 2 * fp8
-        write_ms = graph_ms(lambda q, k, v, lengths, cos, sin, *rest: kv_write(
-            k, v, rest[scales], rest[scales + 1], rest[scales + 2], cos, sin, *rest[:scales]), sets)
+        attention_inputs = len(attention.inputs)
+        scales = slice(6, 6 + 2 * fp8)  # an input set: q, k, v, lengths, cos, sin, [scales], position, k_new, v_new
+
+        def write_step(*t):
+            return kv_write(t[1], t[2], t[-3], t[-2], t[-1], t[4], t[5], *t[scales])
+
+        write_ms = graph_ms(write_step, sets)
         print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V; kv_write alone {write_ms * 1e3:.2f} us", flush=True)
         # fp8: fp16 tiles, V loaded as bytes and as words (V_WORDS)
         variants = [{"TILE_FP16": True}, {"TILE_FP16": True, "V_WORDS": True}] if fp8 else [{}]
         for split, variant in ((s, v) for s in map(int, args.splits.split(",")) for v in variants):
             params = {"BLOCK_N": 128, "SPLIT_KV": split, "USE_DOT": True, "num_warps": 4, "num_stages": 3, **variant}
-            tag = f"{split}{'w' if variant.get('V_WORDS') else ''}"
-            plain = module(attention, attention_family, params, f"plain{tag}")
-            fold = module(folded, attention_family, params, f"folded{tag}")
-            plain_ms = graph_ms(lambda *t: plain(*t[:len(attention.inputs)]), sets)
-            both_ms = graph_ms(lambda *t: (kv_write(t[1], t[2], t[-3], t[-2], t[-1], t[4], t[5], *t[6:6 + scales]),
-                                           plain(*t[:len(attention.inputs)])), sets)
-            fold_ms = graph_ms(lambda *t: fold(*t), sets)
+            words = bool(variant.get("V_WORDS"))
+            plain = module(attention, attention_family, params, f"plain{split}{'w' if words else ''}")
+            fold = module(folded, attention_family, params, f"folded{split}{'w' if words else ''}")
+            plain_ms = graph_ms(lambda *t: plain(*t[:attention_inputs]), sets)
+            both_ms = graph_ms(lambda *t: (write_step(*t), plain(*t[:attention_inputs])), sets)
+            fold_ms = graph_ms(fold, sets)
             # the same step both ways from the same caches: the outputs agree (bf16 rounding apart)
             a, b = fresh[0], [t.clone() for t in fresh[1]]
-            kv_write(a[1], a[2], a[-3], a[-2], a[-1], a[4], a[5], *a[6:6 + scales])
-            err = (plain(*a[:len(attention.inputs)])[0].float() - fold(*b)[2].float()).abs().max().item()
-            row = {"case": case, "split": split, "v_words": bool(variant.get("V_WORDS")), "plain_us": plain_ms * 1e3, "write_then_plain_us": both_ms * 1e3,
-                   "folded_us": fold_ms * 1e3, "folded_tb_per_s": traffic / fold_ms / 1e9, "max_abs_diff": err}
+            write_step(*a)
+            err = (plain(*a[:attention_inputs])[0].float() - fold(*b)[2].float()).abs().max().item()
+            row = {"case": case, "split": split, "v_words": words, "plain_us": plain_ms * 1e3,
+                   "write_then_plain_us": both_ms * 1e3, "folded_us": fold_ms * 1e3,
+                   "folded_tb_per_s": traffic / fold_ms / 1e9, "max_abs_diff": err}
             rows.append(row)
-            print(f"  split {split:2d}{' v-words' if variant.get('V_WORDS') else '        '}: attention {row['plain_us']:6.2f} us, kv_write + attention "
-                  f"{row['write_then_plain_us']:6.2f} us, folded {row['folded_us']:6.2f} us "
+            print(f"  split {split:2d}{' v-words' if words else '        '}: attention {row['plain_us']:6.2f} us, "
+                  f"kv_write + attention {row['write_then_plain_us']:6.2f} us, folded {row['folded_us']:6.2f} us "
                   f"({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
