@@ -444,9 +444,9 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
         # the bf16 form is ranked right behind so that measurement compares the two.
         if tile_fp16 and not knob(point, ("TILE_FP16",)):
             c += 0.03
-        # fp16 tiles with V read as 16-bit words (no byte-wise shared loads of V: 37 % fewer
-        # instructions a tile in the sm_90 SASS) are not measured yet: ranked right behind the
-        # same point without, so that measurement compares the two.
+        # fp16 tiles with V read as 16-bit words (no byte-wise shared loads of V: a third fewer
+        # instructions a tile in the sm_90 SASS, docs/kv-cache.md) are not measured yet: ranked
+        # right behind the same point without, so that measurement compares the two.
         if knob(point, ("V_WORDS",)):
             c += 0.01
         c += _log_gap(knob(point, WARPS), warps_t)

@@ -94,7 +94,8 @@ def _fold(attention: KernelOp) -> str | None:
     rope = bool(write_attrs.get("rope"))
     # an fp8 write quantizes with the attention's own scales (values-only: V's alone), the same
     # values: the kernel has one k_scale and one v_scale input
-    first_scale, scales = 5 + 2 * rope, 0 if granularity is None else 1 if write_attrs.get("values_only") else 2
+    first_scale = 5 + 2 * rope
+    scales = 0 if granularity is None else 1 if write_attrs.get("values_only") else 2
     if list(write.inputs[first_scale:first_scale + scales]) != list(attention.inputs[len(attention.inputs) - scales:]):
         return "scales_differ"
     offsets = list(write.inputs[first_scale + scales:])  # smooth-k's / smooth-v's, in that order

@@ -185,9 +185,9 @@ def _v_words_problem(region: RegionSummary) -> str | None:
     reads V's tiles as 16-bit words of two e4m3 values and widens them to fp16 in the layout they
     load in; tl.dot then takes V through shared memory as fp16 (ldmatrix, transposed). Loaded as
     bytes, V goes from shared memory into the dot's operand layout one byte a load: its operand
-    runs along the keys, which are D bytes apart (sm_90 SASS, a 128-key tile at D 128: 128 LDS.U8
-    a thread, the loop 1066 instructions against 676 with V_WORDS; K, read along D, loads 8 bytes
-    at a time either way). Needs whole rows of an even power-of-two D (no padded columns)."""
+    runs along the keys, which are D bytes apart (K, read along D, loads 8 bytes at a time either
+    way; the sm_90 instruction counts are in docs/kv-cache.md). Needs whole rows of an even
+    power-of-two D (no padded columns)."""
     problem = _fp16_tiles_problem(region)
     if problem is not None:
         return problem
@@ -302,7 +302,8 @@ class DecodeAttentionFamily(TemplateFamily):
         q, k, v = region.inputs[:3]
         tables = kv_write_rope(region)
         own_tables = tables is not None and tables == at + 3
-        offsets = [i for i in kv_write_offsets(region) if i is not None]
+        k_offset, v_offset = kv_write_offsets(region)
+        offsets = [i for i in (k_offset, v_offset) if i is not None]
         granularity = kv_scale(region)
         if (page_size(region) is not None or granularity not in (None, "per-tensor", "per-head")
                 or at != scales_at(region) + 2 * (granularity is not None)
@@ -320,7 +321,6 @@ class DecodeAttentionFamily(TemplateFamily):
         if [o.dtype for o in region.outputs[:2]] != [k.dtype, v.dtype]:
             return False
         # each offset last, in order, and only for a cache stored in fp8
-        k_offset, v_offset = kv_write_offsets(region)
         end = len(region.inputs)
         if offsets != list(range(end - len(offsets), end)) or any(
                 i is not None and (cache.dtype != FP8_CACHE_DTYPE or region.inputs[i].dtype != "float32"
@@ -415,6 +415,7 @@ class DecodeAttentionFamily(TemplateFamily):
     # -- rendering -------------------------------------------------------------------------
     def render(self, region: RegionSummary, params: dict) -> str:
         written, k_tables = kv_write_inputs(region), kv_write_rope(region)
+        k_offset, v_offset = kv_write_offsets(region)
         head_dim = region.inputs[0].shape[3]
         scale = region.attrs.get("scale")
         block_d, group_p = self._block_d(region), next_pow2(self._group(region))
@@ -447,8 +448,8 @@ class DecodeAttentionFamily(TemplateFamily):
             # the folded write quantizes what it stores in an fp8 cache, less a calibrated offset where given
             k_quant=written is not None and region.inputs[1].dtype == FP8_CACHE_DTYPE,
             v_quant=written is not None and region.inputs[2].dtype == FP8_CACHE_DTYPE,
-            k_offset=kv_write_offsets(region)[0] is not None,
-            v_offset=kv_write_offsets(region)[1] is not None,
+            k_offset=k_offset is not None,
+            v_offset=v_offset is not None,
             kv_rope=k_tables is not None,
             kv_own_tables=k_tables is not None and k_tables == written + 3,  # else the query's
             gathered=_gathered(region),

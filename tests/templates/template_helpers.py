@@ -63,7 +63,7 @@ def compile_for_hopper(jobs, tmp_path, machine_code: bool = False) -> dict:
 
     jobs: [(label, source, inputs)]. Returns {label: {kernel: facts}}, facts being "launches",
     "wgmma", "pipelined", "tma", "warp_specialized", "shared" and, with machine_code where
-    cuobjdump runs, "registers", "stack_bytes", "spill_instructions", "loop_byte_shared_loads", "hgmma",
+    cuobjdump runs, "registers", "stack_bytes", "spill_instructions", "loop_byte_shared_loads", "loop_instructions", "hgmma",
     "utmaldg", "utmastg" (off by default: disassembling every kernel doubles the time).
     Fresh process because triton.language's own @jit helpers (tl.max, tl.sum, ...) are built for
     either the interpreter or the compiler when triton is imported: once the interpreter has run
@@ -188,6 +188,7 @@ def _machine_code_facts(cubin: bytes) -> dict:
         # byte-wide shared-memory loads in loops: an 8-bit tile gathered into a dot operand
         # element by element, every iteration
         "loop_byte_shared_loads": len(re.findall(r"\bLDS\.[US]8\b", "\n".join(_loop_bodies(sass)))),
+        "loop_instructions": sum(len(body.splitlines()) for body in _loop_bodies(sass)),
         "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
         "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
         "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
@@ -200,7 +201,7 @@ def _loop_bodies(sass: str) -> list[str]:
              if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s", line))]
     bodies = []
     for address, line in lines:
-        branch = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", line)
+        branch = re.search(r"\bBRA\s+0x([0-9a-f]+)", line)
         if branch and int(branch.group(1), 16) < address:
             bodies.append("\n".join(text for at, text in lines if int(branch.group(1), 16) <= at <= address))
     return bodies
