@@ -444,11 +444,11 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
         # the bf16 form is ranked right behind so that measurement compares the two.
         if tile_fp16 and not knob(point, ("TILE_FP16",)):
             c += 0.03
-        # fp16 tiles with V read as 16-bit words (no byte-wise shared loads of V: a third fewer
-        # instructions a tile in the sm_90 SASS, docs/kv-cache.md) are not measured yet: ranked
-        # right behind the same point without, so that measurement compares the two.
+        # fp16 tiles with V read as 16-bit words: a third fewer loop instructions in the sm_90
+        # SASS, yet slower at every point measured on the H200 (session 17, bench/attention_sweep.py:
+        # b1 / 32768 26.6 against 31.1 µs, b32 / 2048 42.9 against 50.9, docs/kv-cache.md): last.
         if knob(point, ("V_WORDS",)):
-            c += 0.01
+            c += 1.0
         c += _log_gap(knob(point, WARPS), warps_t)
         stages = knob(point, STAGES)
         c += 0.5 * _stages_gap(stages, *stages_range)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_sweep import CASES, make_region, reference, select_points
+from attention_sweep import CASES, advised, make_region, reference, select_points
 
 from coopt.targets import H200
 from coopt.templates.decode_attention import DecodeAttentionFamily
@@ -110,3 +110,14 @@ def test_latency_takes_only_unpaged_cases(monkeypatch, capsys):
     assert "--latency takes an unpaged case" in capsys.readouterr().err
     monkeypatch.setattr(sys, "argv", ["attention_sweep.py", "--latency", "b1-2048-rope"])
     assert parse_args().latency == "b1-2048-rope"
+
+
+@pytest.mark.parametrize("case", ["b1-32768-fp8", "b32-2048-fp8"])
+def test_v_words_is_ranked_behind_the_points_without_it(case):
+    # V read as words measured slower at every point on the H200 (session 17, docs/kv-cache.md):
+    # a build's measurements go to the points without it
+    region = make_region(*CASES[case])
+    assert "V_WORDS" in FAMILY.param_space(region, H200)
+    ranked = advised(region, FAMILY)
+    assert not any(p.get("V_WORDS") for p in ranked[:12])
+    assert any(p.get("V_WORDS") for p in ranked)

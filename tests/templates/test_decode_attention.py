@@ -365,8 +365,8 @@ def test_v_words_tiles_reach_the_dot_without_byte_loads(tmp_path):
         assert kernel["pipelined"] and kernel["pdl"] and kernel["f16_to_bf16"] == 0, label
         if kernel.get("loop_byte_shared_loads") is not None:  # the SASS, where cuobjdump runs
             assert kernel["loop_byte_shared_loads"] == 0 and kernel["spill_instructions"] == 0, (label, kernel)
-    # what V_WORDS is for (Triton 3.6 / 3.9): the same point with V loaded as bytes gathers it
-    # byte by byte in its loop; if a Triton ever stops doing so, V_WORDS may no longer pay
+    # what V_WORDS removes (Triton 3.6 / 3.9): the same point with V loaded as bytes gathers it
+    # byte by byte in its loop (V_WORDS measured slower on the H200 all the same: docs/kv-cache.md)
     if compiled["bytes"]["_decode_split_kernel"].get("loop_byte_shared_loads") is not None:
         assert compiled["bytes"]["_decode_split_kernel"]["loop_byte_shared_loads"] >= 64
 
