@@ -169,6 +169,21 @@ def test_reads_only_the_valid_prefix(split_kv, load_candidate):
     check_close(out, reference(region, q, k, v, lengths))
 
 
+@pytest.mark.parametrize("params", [SMALL, SPLIT], ids=["one-split-fma", "four-splits-dot"])
+def test_one_valid_key_gives_its_value_row_however_large_the_scores(params, load_candidate):
+    """One valid key: the output is its V row exactly (p = 1), here at scores ~1e6 (q and K of
+    magnitude 1000). Session 17 on the H200: the compiler kept the scores in two layouts and
+    contracted scale * s - m into one FMA in one of them only, so l and acc weighed the key
+    differently, 5 % apart at this magnitude (the scale is now applied by mul.rn). The
+    interpreter never contracts: this fails only on a GPU."""
+    region = make_region(3, 4, 2, 80, 64, "float32")
+    q, k, v, lengths = make_inputs(region, [1, 13, 1])
+    (out,) = run_candidate(load_candidate, region, params, [q * 1000, k * 1000, v, lengths], stem="one-key")
+    only_key = v[:, :, 0].repeat_interleave(2, dim=1)  # [B, H, D]: each query head's kv head's row 0
+    for b in (0, 2):
+        torch.testing.assert_close(out[b, :, 0], only_key[b], rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("split_kv,at_once", [(8, True), (32, False)])
 def test_the_last_split_merges_every_head_at_once_or_head_by_head(split_kv, at_once, load_candidate):
     # GROUP 3 (padded to 4) x SPLIT_KV x D 128 fp32 partials over 2 warps: at 8 splits 64 a
@@ -669,13 +684,14 @@ def test_fp8_heuristic_takes_twice_the_keys_per_tile():
     region = fp8_region(1, 32, 8, 32768, 128, "per-head", example_length=32768)
     request = AdviceRequest(region, "decode_attention", FAMILY.param_space(region, H200),
                             tuple(FAMILY.legal_points(region, H200)), H200.facts())
-    best, second, third = HeuristicAdvisor().advise(request).ranked[:3]
+    ranked = HeuristicAdvisor().advise(request).ranked
+    best, second = ranked[:2]
     assert best["BLOCK_N"] == 128 and best["USE_DOT"] and best["SPLIT_KV"] == 16, best
     assert FAMILY.check(region, best, H200) is None
-    # fp16-widened tiles first; the same point with V read as words, then the bf16-widened form,
-    # measured next (a build measures its top 4)
-    assert best["TILE_FP16"] and not best["V_WORDS"]
-    assert second == {**best, "V_WORDS": True} and third == {**best, "TILE_FP16": False}
+    # fp16-widened tiles first, the bf16-widened form measured next (a build measures its top 4);
+    # V read as words (measured slower on the H200, session 17) not among them
+    assert best["TILE_FP16"] and second == {**best, "TILE_FP16": False}
+    assert not any(p["V_WORDS"] for p in ranked[:4])
 
 
 def test_fp8_golden_rendering(golden):

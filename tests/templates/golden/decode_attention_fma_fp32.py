@@ -52,6 +52,26 @@ SPLIT_KV = 1  # programs per (sequence, kv head)
 NUM_WARPS = 4
 NUM_STAGES = 2
 LOG2E = 1.4426950408889634
+# Inline PTX on the GPU; Triton's interpreter runs none: there the helpers below compute the same
+# values in plain operations.
+INLINE_PTX = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def _mul_rn(x, y, PTX: tl.constexpr):
+    """x * y (fp32), rounded as a product of its own (PTX mul.rn, which is never contracted into
+    an FMA). For the scores' scale: the compiler may keep the scores in two layouts, one for the
+    row maximum and l, one for acc, and contract `scale * s - m` into one FMA in one copy only;
+    that copy's p then differs from the other's by up to 2^(half an ulp of the score) and the
+    output is off by that factor (5 % at scores ~1e6 with one valid key on the H200, session 17:
+    the unrounded product of key 0 against m from the rounded one, sm_90 PTX)."""
+    y = tl.zeros_like(x) + y
+    if PTX:
+        product = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                            is_pure=True, pack=1)
+    else:
+        product = x * y
+    return product
 
 
 @triton.jit
@@ -66,6 +86,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SPLIT_KV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program: the GROUP query heads of one (sequence, kv head) over one split of its keys
@@ -107,7 +128,7 @@ def _decode_split_kernel(
                     mask=key_ok[:, None], other=0.0)
         # [BLOCK_H, BLOCK_N, BLOCK_D] products on CUDA cores: no padding of the head group.
         scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-        scores = tl.where(key_ok[None, :], scores * qk_scale, float("-inf"))
+        scores = tl.where(key_ok[None, :], _mul_rn(scores, qk_scale, INLINE_PTX), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -116,6 +137,7 @@ def _decode_split_kernel(
         m_i = m_new
     if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
         tl.extra.cuda.gdc_launch_dependents()
+
     # A length of 0 (outside the schema) leaves l_i == 0: zeros, not NaN.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -138,6 +160,7 @@ def run(q, k_cache, v_cache, lengths):
         SCALE * LOG2E,
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM,
         NUM_HEADS=NUM_HEADS, NUM_KV_HEADS=NUM_KV_HEADS, GROUP=GROUP, SPLIT_KV=SPLIT_KV, NUM_STAGES=NUM_STAGES,
+        INLINE_PTX=INLINE_PTX,
         PDL=PDL, **PDL_LAUNCH, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return (out,)

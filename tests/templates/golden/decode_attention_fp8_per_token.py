@@ -55,6 +55,26 @@ NUM_STAGES = 3
 LOG2E = 1.4426950408889634
 # Triton's interpreter computes bf16 tl.dot wrongly: upcast the operands there (never on a GPU).
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
+# Inline PTX on the GPU; Triton's interpreter runs none: there the helpers below compute the same
+# values in plain operations.
+INLINE_PTX = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def _mul_rn(x, y, PTX: tl.constexpr):
+    """x * y (fp32), rounded as a product of its own (PTX mul.rn, which is never contracted into
+    an FMA). For the scores' scale: the compiler may keep the scores in two layouts, one for the
+    row maximum and l, one for acc, and contract `scale * s - m` into one FMA in one copy only;
+    that copy's p then differs from the other's by up to 2^(half an ulp of the score) and the
+    output is off by that factor (5 % at scores ~1e6 with one valid key on the H200, session 17:
+    the unrounded product of key 0 against m from the rounded one, sm_90 PTX)."""
+    y = tl.zeros_like(x) + y
+    if PTX:
+        product = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                            is_pure=True, pack=1)
+    else:
+        product = x * y
+    return product
 
 
 @triton.jit
@@ -72,6 +92,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SPLIT_KV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    INLINE_PTX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program: the GROUP query heads of one (sequence, kv head) over one split of its keys
@@ -127,7 +148,7 @@ def _decode_split_kernel(
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(key_ok[None, :], scores * (k_row_scale * qk_scale)[None, :], float("-inf"))
+        scores = tl.where(key_ok[None, :], _mul_rn(scores, (k_row_scale * qk_scale)[None, :], INLINE_PTX), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -140,6 +161,7 @@ def _decode_split_kernel(
         m_i = m_new
     if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
         tl.extra.cuda.gdc_launch_dependents()
+
     # Unnormalised partials, rows [batch, head, split]; only splits that saw keys write.
     part = (batch * NUM_HEADS + head) * SPLIT_KV + split
     # (not head_ok & (start < end): the interpreter makes that an int32 mask, which it rejects)
@@ -221,6 +243,7 @@ def run(q, k_cache, v_cache, lengths, k_scale, v_scale):
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM,
         NUM_HEADS=NUM_HEADS, NUM_KV_HEADS=NUM_KV_HEADS, GROUP=GROUP, SPLIT_KV=SPLIT_KV, NUM_STAGES=NUM_STAGES,
         UPCAST_DOT=UPCAST_DOT,
+        INLINE_PTX=INLINE_PTX,
         PDL=PDL, **PDL_LAUNCH, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return (out,)
