@@ -41,8 +41,7 @@
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
 #   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
-#   bash bench/gpu_session.sh fold-owner  # the fold's GPU tests and fold-kernels (~5 min); fold-owner-b1: the b1 / 2048 step
-#                                        # folded against unfolded (~5 min)
+#   bash bench/gpu_session.sh fold-gpu    # the fold's GPU tests (templates, verified builds, launch) and fold-kernels (~6 min)
 #   bash bench/gpu_session.sh fold-kernels  # the folded attention alone against kv_write + attention, fixed points (~3 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
@@ -284,18 +283,13 @@ case "${1:-}" in
         step 330 attention python bench/attention_sweep.py --cases b1-32768-fp8,b1-2048-fp8,b32-2048-fp8 --advised 6 \
             --sample 8 --no-prefetch --json "$OUT/attention_v_words.json"
         ;;
-    fold-owner)  # issue 3 / 4: the new row written by the split that reads it, before its key loop (session 17):
-        # the fold's GPU tests (and session 16's fixed launch test), then the folded kernel alone against
-        # kv_write + attention (~5 min; fold-owner-b1 then times the step)
-        step 420 pytest-fold-owner python -m pytest -q -p no:cacheprovider -p no:logging --tb=short --durations=5 \
+    fold-gpu)  # the fold's GPU tests (its templates, the builds of tests/passes that verify it, the launch choice)
+        # and the folded kernel alone against kv_write + attention (session 17; ~6 min)
+        step 420 pytest-fold python -m pytest -q -p no:cacheprovider -p no:logging --tb=short --durations=5 \
             tests/templates/test_decode_attention_kv_write.py tests/templates/test_decode_attention_kv_write_fp8.py \
             tests/passes/test_fuse_kv_write_attention.py tests/passes/test_launch_pdl.py \
             tests/templates/test_decode_attention.py -k "not test_decode_attention.py or one_valid_key"
         step 150 fold-kernels python bench/fold_kernel_times.py --json "$OUT/fold_kernel_times.json"
-        ;;
-    fold-owner-b1)  # b1 / 2048 with the new row written by its reading split: folded against unfolded, one run (~5 min)
-        step 420 decode python bench/decode.py --cases 1:2048:4096 --modes coopt,coopt-unfolded --prefill 0 \
-            --agreement-steps 16 --out "$OUT/fold-owner-b1.json" --build-dir /tmp/coopt-decode
         ;;
     fold-kernels)  # the folded attention alone against kv_write + attention at fixed points: b1 fp8 at 32768 and
         # 2048, bf16 at 2048 (bench/fold_kernel_times.py; ~2-3 min)

@@ -37,8 +37,9 @@ quantizing with other scale values (`scales_differ`), written caches read elsewh
 (`read_elsewhere`), and a group that cannot be outlined in place (`order`).
 
 In the default pipeline since session 13 (bench/RESULTS.md: -6 µs a step at b1 / 2048, -3.5 at
-b32; since session 17 the split whose keys hold the new row writes it before its key loop, which
-is the plain kernel's);
+b32; the new row is masked out of the key loop and, since session 15, taken before it by the
+split whose range holds it: added after the loop it came out wrong on the H200 at large fp32
+scores);
 `registry.UNFOLDED_KV_WRITE_PIPELINE` is the default without it (bench/decode.py mode
 coopt-unfolded).
 """

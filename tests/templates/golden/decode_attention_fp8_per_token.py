@@ -67,13 +67,11 @@ def _mul_rn(x, y, PTX: tl.constexpr):
     row maximum and l, one for acc, and contract `scale * s - m` into one FMA in one copy only;
     that copy's p then differs from the other's by up to 2^(half an ulp of the score) and the
     output is off by that factor (5 % at scores ~1e6 with one valid key on the H200, session 17:
-    the unrounded product of key 0 against m from the rounded one, sm_90 PTX). Not pure, so the
-    compiler computes it once and converts the result between layouts (exact) rather than
-    recomputing the scores in each layout (a sum in another order: another rounding)."""
+    the unrounded product of key 0 against m from the rounded one, sm_90 PTX)."""
     y = tl.zeros_like(x) + y
     if PTX:
         product = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
-                                            is_pure=False, pack=1)
+                                            is_pure=True, pack=1)
     else:
         product = x * y
     return product
@@ -163,7 +161,6 @@ def _decode_split_kernel(
         m_i = m_new
     if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
         tl.extra.cuda.gdc_launch_dependents()
-
     # Unnormalised partials, rows [batch, head, split]; only splits that saw keys write.
     part = (batch * NUM_HEADS + head) * SPLIT_KV + split
     # (not head_ok & (start < end): the interpreter makes that an int32 mask, which it rejects)
