@@ -301,11 +301,12 @@ case "${1:-}" in
         rm -rf /tmp/write-first /tmp/write-first-builds && mkdir /tmp/write-first
         cp -r coopt tests bench examples pyproject.toml /tmp/write-first/
         (cd /tmp/write-first && patch -p1 < bench/patches/fold-write-first.patch) || echo "patch did not apply"
-        step 200 pytest-write-first env PYTHONPATH="/tmp/site:/tmp/write-first" python -m pytest -q -p no:cacheprovider \
-            -p no:logging --tb=line --rootdir /tmp/write-first --basetemp /tmp/write-first-builds \
-            /tmp/write-first/tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view"
-        step 120 fold-probe env PYTHONPATH="/tmp/site:/tmp/write-first" python /tmp/write-first/bench/fold_probe.py \
-            $(find /tmp/write-first-builds -path "*verify/repro/*.py" | head -12)
+        # (run from the copy: python -m puts the working directory first on sys.path)
+        step 200 pytest-write-first bash -c 'cd /tmp/write-first && PYTHONPATH=/tmp/site:$PWD python -m pytest -q \
+            -p no:cacheprovider -p no:logging --tb=line --basetemp /tmp/write-first-builds \
+            tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view" && python -c "import coopt; print(coopt.__file__)"'
+        step 120 fold-probe bash -c 'cd /tmp/write-first && PYTHONPATH=/tmp/site:$PWD python bench/fold_probe.py \
+            $(find /tmp/write-first-builds -path "*verify/repro/*.py" | head -12)'
         ;;
     fold-kernels)  # the folded attention alone against kv_write + attention at fixed points: b1 fp8 at 32768 and
         # 2048, bf16 at 2048 (bench/fold_kernel_times.py; ~2-3 min)
