@@ -41,7 +41,7 @@
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
 #   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
-#   bash bench/gpu_session.sh fold-write-first  # the fold's build tests, then with the write-first patch, repros probed (~8 min)
+#   bash bench/gpu_session.sh fold-write-first  # the fold's build tests, then with each write-first patch, repros probed (~9 min)
 #   bash bench/gpu_session.sh fold-gpu    # the fold's GPU tests (templates, verified builds, launch) and fold-kernels (~6 min)
 #   bash bench/gpu_session.sh fold-kernels  # the folded attention alone against kv_write + attention, fixed points (~3 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
@@ -293,20 +293,23 @@ case "${1:-}" in
         step 150 fold-kernels python bench/fold_kernel_times.py --json "$OUT/fold_kernel_times.json"
         ;;
     fold-write-first)  # the fold's write before the key loop (bench/patches/fold-write-first.patch, reverted in
-        # session 17: its kernels timed as the plain attention, its builds failed verification on the H200): the
-        # fold's build tests as the tree is, then on a copy with the patch applied, keeping the builds; then
-        # bench/fold_probe.py on every repro they wrote (which row each failing output came from) (~8 min)
+        # session 17: its kernels timed as the plain attention, its builds failed verification on the H200), and
+        # the same with a GPU-scope fence between the row's stores and the barrier (fold-write-first-fenced.patch):
+        # the fold's build tests as the tree is, then on a patched copy each, keeping the builds; then
+        # bench/fold_probe.py on every repro they wrote (which row each failing output came from) (~9 min)
         step 150 pytest-fold-builds python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
             tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view"
-        rm -rf /tmp/write-first /tmp/write-first-builds && mkdir /tmp/write-first
-        cp -r coopt tests bench examples pyproject.toml /tmp/write-first/
-        (cd /tmp/write-first && patch -p1 < bench/patches/fold-write-first.patch) || echo "patch did not apply"
-        # (run from the copy: python -m puts the working directory first on sys.path)
-        step 200 pytest-write-first bash -c 'cd /tmp/write-first && PYTHONPATH=/tmp/site:$PWD python -m pytest -q \
-            -p no:cacheprovider -p no:logging --tb=line --basetemp /tmp/write-first-builds \
-            tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view" && python -c "import coopt; print(coopt.__file__)"'
-        step 120 fold-probe bash -c 'cd /tmp/write-first && PYTHONPATH=/tmp/site:$PWD python bench/fold_probe.py \
-            $(find /tmp/write-first-builds -path "*verify/repro/*.py" | head -12)'
+        for variant in fold-write-first fold-write-first-fenced; do
+            rm -rf "/tmp/$variant" "/tmp/$variant-builds" && mkdir "/tmp/$variant"
+            cp -r coopt tests bench examples pyproject.toml "/tmp/$variant/"
+            (cd "/tmp/$variant" && patch -p1 < "bench/patches/$variant.patch") || echo "$variant: patch did not apply"
+            # (run from the copy: python -m puts the working directory first on sys.path)
+            step 150 "pytest-$variant" bash -c "cd /tmp/$variant && PYTHONPATH=/tmp/site:/tmp/$variant python -m pytest -q \
+                -p no:cacheprovider -p no:logging --tb=line --basetemp /tmp/$variant-builds \
+                tests/passes/test_fuse_kv_write_attention.py -k 'built or batch_view'"
+            step 100 "probe-$variant" bash -c "cd /tmp/$variant && PYTHONPATH=/tmp/site:/tmp/$variant python bench/fold_probe.py \
+                \$(find /tmp/$variant-builds -path '*verify/repro/*.py' | head -8)"
+        done
         ;;
     fold-kernels)  # the folded attention alone against kv_write + attention at fixed points: b1 fp8 at 32768 and
         # 2048, bf16 at 2048 (bench/fold_kernel_times.py; ~2-3 min)
