@@ -174,7 +174,7 @@ def _decode_split_kernel(
     holds_new = (new_pos >= start) & (new_pos < end)
     s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
     taken = tl.where(holds_new, 1.0, 0.0)
-    m_i = tl.where(holds_new, s_new * qk_scale, -1.0e30)
+    m_i = tl.where(holds_new, _mul_rn(s_new, qk_scale, INLINE_PTX), -1.0e30)  # scaled as the loop scales its scores
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + taken
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32) + taken * v_new.to(tl.float32)[None, :]
     # tl.range's num_stages pipelines the K/V loads even where no tl.dot consumes them.
