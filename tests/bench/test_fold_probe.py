@@ -4,10 +4,6 @@ one that attends over the caches before writing the new row (what a read racing 
 
 from __future__ import annotations
 
-import json
-import textwrap
-
-import torch
 from fold_probe import probe
 
 from coopt.ir.region import RegionSummary, TensorSpec
@@ -42,7 +38,7 @@ def module(tmp_path, name: str, write_first: bool):
     source = f"import torch\n\n\ndef run(q, k_cache, v_cache, lengths, positions, k_new, v_new):\n" \
              f"    pos = int(positions[0])\n{body}\n    return k_cache, v_cache, out\n"
     path = tmp_path / f"{name}.py"
-    path.write_text(textwrap.dedent(source))
+    path.write_text(source)
     return path
 
 
