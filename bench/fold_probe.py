@@ -75,6 +75,7 @@ def main() -> int:
     parser.add_argument("repros", nargs="*", type=Path, help="repro scripts a build wrote (out/verify/repro/*.py)")
     parser.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
     args = parser.parse_args()
+    from coopt.ir.region import RegionSummary, kv_write_inputs
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.verify.runner import default_device
 
@@ -83,6 +84,9 @@ def main() -> int:
         print("no repro scripts: every candidate verified")
     for path in args.repros:
         script = load_module_from_file(path)  # its constants; main() is not run
+        if kv_write_inputs(RegionSummary.from_json(script.REGION)) is None:
+            print(f"{path.name}: no cache write folded in; at build time: {script.__doc__.split('At build time: ')[1].split(chr(10))[0]}")
+            continue
         found = probe(script.REGION, script.REFERENCE, script.CANDIDATE, script.EXAMPLE, device)
         print(f"{path.name}: {found}", flush=True)
     return 0

@@ -293,22 +293,25 @@ case "${1:-}" in
         step 150 fold-kernels python bench/fold_kernel_times.py --json "$OUT/fold_kernel_times.json"
         ;;
     fold-write-first)  # the fold's write before the key loop (bench/patches/fold-write-first.patch, reverted in
-        # session 17: its kernels timed as the plain attention, its builds failed verification on the H200), and
-        # the same with a GPU-scope fence between the row's stores and the barrier (fold-write-first-fenced.patch):
-        # the fold's build tests as the tree is, then on a patched copy each, keeping the builds; then
-        # bench/fold_probe.py on every repro they wrote (which row each failing output came from) (~9 min)
-        step 150 pytest-fold-builds python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
-            tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view"
-        for variant in fold-write-first fold-write-first-fenced; do
+        # session 17: its kernels timed as the plain attention, its builds failed verification on the H200;
+        # fold-write-first-fenced.patch failed alike, session 18): the fold's build tests on a patched copy,
+        # then as the tree is, each keeping its builds; every repro a build wrote named with its build-time
+        # failure, bench/fold_probe.py on the folded ones, and the repros with their kernels under $OUT (~9 min;
+        # a cold machine's first builds compile every kernel: 150 s was too little in session 18)
+        for variant in fold-write-first tree; do
             rm -rf "/tmp/$variant" "/tmp/$variant-builds" && mkdir "/tmp/$variant"
             cp -r coopt tests bench examples pyproject.toml "/tmp/$variant/"
-            (cd "/tmp/$variant" && patch -p1 < "bench/patches/$variant.patch") || echo "$variant: patch did not apply"
+            if [ "$variant" != tree ]; then
+                (cd "/tmp/$variant" && patch -p1 < "bench/patches/$variant.patch") || echo "$variant: patch did not apply"
+            fi
             # (run from the copy: python -m puts the working directory first on sys.path)
-            step 150 "pytest-$variant" bash -c "cd /tmp/$variant && PYTHONPATH=/tmp/site:/tmp/$variant python -m pytest -q \
+            step 210 "pytest-$variant" bash -c "cd /tmp/$variant && PYTHONPATH=/tmp/site:/tmp/$variant python -m pytest -q \
                 -p no:cacheprovider -p no:logging --tb=line --basetemp /tmp/$variant-builds \
                 tests/passes/test_fuse_kv_write_attention.py -k 'built or batch_view'"
-            step 100 "probe-$variant" bash -c "cd /tmp/$variant && PYTHONPATH=/tmp/site:/tmp/$variant python bench/fold_probe.py \
-                \$(find /tmp/$variant-builds -path '*verify/repro/*.py' | head -8)"
+            step 60 "probe-$variant" bash -c "cd /tmp/$variant && PYTHONPATH=/tmp/site:/tmp/$variant python bench/fold_probe.py \
+                \$(find /tmp/$variant-builds -path '*verify/repro/*.py' | head -12)"
+            (cd "/tmp/$variant-builds" && find . -path '*verify/repro/*.py' -o -path '*/kernels/*.py' \
+                | tar -czf "$OUT/$variant-builds.tar.gz" -T -) || true
         done
         ;;
     fold-kernels)  # the folded attention alone against kv_write + attention at fixed points: b1 fp8 at 32768 and

@@ -65,3 +65,24 @@ def test_the_probe_names_the_row_read(tmp_path):
         assert outcome["candidate_row_cache_before_write"][0] == position
     right = probe(region().to_json(), reference, reference, example, "cpu")
     assert right["first_run_err"] < 1e-6 and right["candidate_row_written_cache"][0] == right["reference_row"]
+
+
+def test_a_repro_without_a_folded_write_is_named_with_its_failure_not_probed(tmp_path, monkeypatch, capsys):
+    """A folded build's unfolded regions can fail too (session 18: the first repro the GPU step
+    found was an unfolded build's attention): main names it with its build-time failure and goes on."""
+    import dataclasses
+
+    from fold_probe import main
+
+    from coopt.verify.repro import write_repro
+
+    unfolded = dataclasses.replace(region(), attrs={k: v for k, v in region().attrs.items() if k != "kv_write"})
+    reference = module(tmp_path, "reference", write_first=True)
+    scripts = [write_repro(summary, reference, reference, Example((), seed=3, magnitude=1000.0),
+                           repro_dir=tmp_path / "repro", label=label, failure=f"output 2: max abs err {label}")
+               for summary, label in ((unfolded, "c0"), (region(), "c1"))]
+    monkeypatch.setattr("sys.argv", ["fold_probe.py", *map(str, scripts), "--device", "cpu"])
+    assert main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("no cache write folded in; at build time: output 2: max abs err c0")
+    assert "'first_run_err': 0.0" in lines[1]
