@@ -314,6 +314,17 @@ case "${1:-}" in
                 | tar -czf "$OUT/$variant-builds.tar.gz" -T -) || true
         done
         ;;
+    fold-fix)  # session 18: the write-first fold with the multiply-and-sum products by mul.rn, on the H200: the fold's
+        # build tests (which failed in session 17 from the lanes' contracted products, not a stale read), its
+        # template tests and the one-key exactness, then the folded kernel against kv_write + attention (~8 min)
+        step 230 pytest-fold-builds python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
+            tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view" --basetemp /tmp/fold-builds
+        step 60 probe python bench/fold_probe.py $(find /tmp/fold-builds -path '*verify/repro/*.py' 2>/dev/null | head -12)
+        step 150 pytest-fold-templates python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
+            tests/templates/test_decode_attention_kv_write.py tests/templates/test_decode_attention_kv_write_fp8.py \
+            tests/templates/test_decode_attention.py -k "not test_decode_attention.py or one_valid_key"
+        step 130 fold-kernels python bench/fold_kernel_times.py --json "$OUT/fold_kernel_times.json"
+        ;;
     fold-kernels)  # the folded attention alone against kv_write + attention at fixed points: b1 fp8 at 32768 and
         # 2048, bf16 at 2048 (bench/fold_kernel_times.py; ~2-3 min)
         step 200 fold-kernels python bench/fold_kernel_times.py --json "$OUT/fold_kernel_times.json"

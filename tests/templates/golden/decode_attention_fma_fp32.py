@@ -59,13 +59,19 @@ INLINE_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
 @triton.jit
 def _mul_rn(x, y, PTX: tl.constexpr):
-    """x * y (fp32), rounded as a product of its own (PTX mul.rn, which is never contracted into
-    an FMA). For the scores' scale: the compiler may keep the scores in two layouts, one for the
-    row maximum and l, one for acc, and contract `scale * s - m` into one FMA in one copy only;
-    that copy's p then differs from the other's by up to 2^(half an ulp of the score) and the
-    output is off by that factor (5 % at scores ~1e6 with one valid key on the H200, session 17:
-    the unrounded product of key 0 against m from the rounded one, sm_90 PTX)."""
-    y = tl.zeros_like(x) + y
+    """x * y (fp32, broadcast), each product rounded on its own (PTX mul.rn, which is never
+    contracted into an FMA). Where a score is computed more than once, every copy must come out
+    bit-equal: at large scores an ulp of a score is a factor 2^ulp on its key's weight.
+    - The scale: the compiler may keep the scores in two layouts, one for the row maximum and l,
+      one for acc, and contract `scale * s - m` into one FMA in one copy only (5 % off at scores
+      ~1e6 with one valid key on the H200, session 17: sm_90 PTX).
+    - The multiply-and-sum products: tl.sum over lanes adds lane i's product to lane j's, and a
+      contracted fma(q_i, k_i, q_j * k_j) in lane i is not lane j's fma(q_j, k_j, q_i * k_i), so
+      lanes that should hold one score held two (session 18, H200: with one valid key, columns
+      8-15 of a head off by 0.77-1.19 from columns 0-7 at the fuzzer's magnitude 1000, the first
+      butterfly step pairing lane d with d + 8; one warp did not show it)."""
+    y = tl.zeros_like(x) + y  # (y may be a scalar: tl.broadcast takes tensors)
+    x, y = tl.broadcast(x, y)
     if PTX:
         product = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
                                             is_pure=True, pack=1)
@@ -127,7 +133,8 @@ def _decode_split_kernel(
         v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :] * stride_vd,
                     mask=key_ok[:, None], other=0.0)
         # [BLOCK_H, BLOCK_N, BLOCK_D] products on CUDA cores: no padding of the head group.
-        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+        # Products rounded one by one (_mul_rn): every lane holding a score holds the same bits.
+        scores = tl.sum(_mul_rn(q[:, None, :], k.to(tl.float32)[None, :, :], INLINE_PTX), 2)
         scores = tl.where(key_ok[None, :], _mul_rn(scores, qk_scale, INLINE_PTX), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
@@ -137,6 +144,7 @@ def _decode_split_kernel(
         m_i = m_new
     if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
         tl.extra.cuda.gdc_launch_dependents()
+
     # A length of 0 (outside the schema) leaves l_i == 0: zeros, not NaN.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]

@@ -6,7 +6,7 @@ head dim 128, scores by tl.dot, for BLOCK_N=128 SPLIT_KV=16 USE_DOT=True
 num_warps=2 num_stages=3.
 The query arrives before its rotary embedding, which is applied as it is loaded (cos, sin inputs).
 The step's new K/V row is written here too (kv_write folded in): K after its rotary embedding and V at
-positions[b] of the caches; the split whose keys hold that position attends to it from registers.
+positions[b] of the caches, by the split whose keys hold that position, before its key loop reads it.
 The rotary tables arrive whole ([S, D]): the kernel reads their row positions[0] itself.
 """
 
@@ -65,13 +65,19 @@ INLINE_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
 @triton.jit
 def _mul_rn(x, y, PTX: tl.constexpr):
-    """x * y (fp32), rounded as a product of its own (PTX mul.rn, which is never contracted into
-    an FMA). For the scores' scale: the compiler may keep the scores in two layouts, one for the
-    row maximum and l, one for acc, and contract `scale * s - m` into one FMA in one copy only;
-    that copy's p then differs from the other's by up to 2^(half an ulp of the score) and the
-    output is off by that factor (5 % at scores ~1e6 with one valid key on the H200, session 17:
-    the unrounded product of key 0 against m from the rounded one, sm_90 PTX)."""
-    y = tl.zeros_like(x) + y
+    """x * y (fp32, broadcast), each product rounded on its own (PTX mul.rn, which is never
+    contracted into an FMA). Where a score is computed more than once, every copy must come out
+    bit-equal: at large scores an ulp of a score is a factor 2^ulp on its key's weight.
+    - The scale: the compiler may keep the scores in two layouts, one for the row maximum and l,
+      one for acc, and contract `scale * s - m` into one FMA in one copy only (5 % off at scores
+      ~1e6 with one valid key on the H200, session 17: sm_90 PTX).
+    - The multiply-and-sum products: tl.sum over lanes adds lane i's product to lane j's, and a
+      contracted fma(q_i, k_i, q_j * k_j) in lane i is not lane j's fma(q_j, k_j, q_i * k_i), so
+      lanes that should hold one score held two (session 18, H200: with one valid key, columns
+      8-15 of a head off by 0.77-1.19 from columns 0-7 at the fuzzer's magnitude 1000, the first
+      butterfly step pairing lane d with d + 8; one warp did not show it)."""
+    y = tl.zeros_like(x) + y  # (y may be a scalar: tl.broadcast takes tensors)
+    x, y = tl.broadcast(x, y)
     if PTX:
         product = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
                                             is_pure=True, pack=1)
@@ -144,43 +150,41 @@ def _decode_split_kernel(
     k_base = k_ptr + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
     # The step's new row (kv_write folded in): K roped (rotate-half, fp32) and V rounded to the
-    # cache's dtype as the unfused write stores them. No split reads its position from the cache
-    # (a split may run before the write lands; in Triton's interpreter, which runs the programs one
-    # after another, the splits before the last always would): the key loop masks it out, and the
-    # split whose range holds it starts its softmax from it (registers), so the loop stays the
-    # plain kernel's (the tile-by-tile select this replaced measured 9.6 µs a launch against the
-    # plain kernel's 7.6, session 13, b1 / 2048 on the H200).
-    d_ok = offs_d < HEAD_DIM
-    kn_row = knew_ptr + batch * stride_knb + kv_head.to(tl.int64) * stride_knh
-    k_new = tl.load(kn_row + offs_d * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
-    k_partner = tl.load(kn_row + partner * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
-    k_cos = tl.load(kcos_ptr + table_row * stride_kcb + kv_head.to(tl.int64) * stride_kch + offs_d * stride_kcd,
-                    mask=d_ok, other=0.0).to(tl.float32)
-    k_sin = tl.load(ksin_ptr + table_row * stride_ksb2 + kv_head.to(tl.int64) * stride_ksh2 + offs_d * stride_ksd2,
-                    mask=d_ok, other=0.0).to(tl.float32)
-    k_new = k_new * k_cos + sign * k_partner * k_sin
-    k_new = k_new.to(k_ptr.dtype.element_ty)
-    v_new = tl.load(vnew_ptr + batch * stride_vnb + kv_head.to(tl.int64) * stride_vnh + offs_d * stride_vnd,
-                    mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty)
+    # cache's dtype as the unfused write stores them, computed and stored by one split only: the one
+    # whose keys hold its position (the last split where no split's do), before its key loop, which
+    # reads the row back as the plain kernel reads any row, so the loop is the plain kernel's. No
+    # other split reads that position. (Session 16 kept the row in registers in every split and
+    # masked its position out of the loop: 145 more loop instructions, the folded launch 2.9 µs
+    # slower than the plain one at b1 / 32768 fp8 on the H200.)
+    in_keys = (new_pos >= 0) & (new_pos < length)
+    in_cache = (new_pos >= 0) & (new_pos < max_length)  # outside it: not written
+    writes_new = tl.where(in_keys, (new_pos >= start) & (new_pos < end), in_cache & (tl.program_id(1) == SPLIT_KV - 1))
+    if writes_new:
+        d_ok = offs_d < HEAD_DIM
+        kn_row = knew_ptr + batch * stride_knb + kv_head.to(tl.int64) * stride_knh
+        k_new = tl.load(kn_row + offs_d * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
+        k_partner = tl.load(kn_row + partner * stride_knd, mask=d_ok, other=0.0).to(tl.float32)
+        k_cos = tl.load(kcos_ptr + table_row * stride_kcb + kv_head.to(tl.int64) * stride_kch + offs_d * stride_kcd,
+                        mask=d_ok, other=0.0).to(tl.float32)
+        k_sin = tl.load(ksin_ptr + table_row * stride_ksb2 + kv_head.to(tl.int64) * stride_ksh2 + offs_d * stride_ksd2,
+                        mask=d_ok, other=0.0).to(tl.float32)
+        k_new = k_new * k_cos + sign * k_partner * k_sin
+        v_new = tl.load(vnew_ptr + batch * stride_vnb + kv_head.to(tl.int64) * stride_vnh + offs_d * stride_vnd,
+                        mask=d_ok, other=0.0)
+        tl.store(k_base + new_pos * stride_ks + offs_d * stride_kd, k_new.to(k_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(v_base + new_pos * stride_vs + offs_d * stride_vd, v_new.to(v_ptr.dtype.element_ty), mask=d_ok)
+        # every thread's stores visible to the program's loads of the loop below (CUDA's
+        # __syncthreads orders a block's global memory accesses too)
+        tl.debug_barrier()
 
     # Online softmax in base 2 with fp32 statistics; m_i starts finite so masked keys give p = 0.
-    # The split whose range holds the new row starts from it (its score the running maximum, p = 1,
-    # exact in every dtype); the others start empty. Taking it first, not after the loop: a merge
-    # after the loop mixed the loop's statistics across layouts, and on the H200 the copies of m_i
-    # the compiler keeps for different columns could differ by an ulp, scaling half of a head's
-    # output by 2^(ulp of the score) (0.26 of S at the fuzzer's magnitude 1000, 3e-4 at 30; the
-    # interpreter never showed it). Started here, each statistic comes out of the loop as the plain
-    # kernel's does (session 15, 32 examples a magnitude on the H200: 0 failures, 18 before).
-    holds_new = (new_pos >= start) & (new_pos < end)
-    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
-    taken = tl.where(holds_new, 1.0, 0.0)
-    m_i = tl.where(holds_new, _mul_rn(s_new, qk_scale, INLINE_PTX), -1.0e30)  # scaled as the loop scales its scores
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + taken
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32) + taken * v_new.to(tl.float32)[None, :]
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     # tl.range's num_stages pipelines the K/V loads even where no tl.dot consumes them.
     for block_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         keys = block_start + offs_n
-        key_ok = (keys < end) & (keys != new_pos)  # the new row came from registers, before the loop
+        key_ok = keys < end
         k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                     mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :] * stride_vd,
@@ -201,12 +205,7 @@ def _decode_split_kernel(
         m_i = m_new
     if PDL:  # the main loop is done: the next kernel's programs may take this SM's slots
         tl.extra.cuda.gdc_launch_dependents()
-    # The last split writes the row at its position (outside the cache: not written). (A scalar
-    # condition folded into the bound, not and-ed with d_ok: the interpreter rejects the int32
-    # mask that would make.)
-    new_written = offs_d < tl.where((tl.program_id(1) == SPLIT_KV - 1) & (new_pos >= 0) & (new_pos < max_length), HEAD_DIM, 0)
-    tl.store(k_base + new_pos * stride_ks + offs_d * stride_kd, k_new, mask=new_written)
-    tl.store(v_base + new_pos * stride_vs + offs_d * stride_vd, v_new, mask=new_written)
+
     # Unnormalised partials, rows [batch, head, split]; only splits that saw keys write.
     part = (batch * NUM_HEADS + head) * SPLIT_KV + split
     # (not head_ok & (start < end): the interpreter makes that an int32 mask, which it rejects)
