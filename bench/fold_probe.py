@@ -2,15 +2,18 @@
 build writes (out/verify/repro/*.py) for decode_attention candidates with the cache write folded
 in (attrs "kv_write").
 
-Session 17: with the new row stored by its split before that split's key loop
-(bench/patches/fold-write-first.patch), every folded build's verification failed on the H200 at
-magnitude 1000 while the template tests passed there. At that magnitude the softmax is one-hot:
-each head's output is the V row of its top-scoring key, so the row an output equals names what
-the kernel read. For each repro this prints the written position and the lengths, then for the
-worst head of the first run: the reference's row, the row of the cache (as written, or as it was
-before the write) that the candidate's output equals, and the error of a second run of the
-candidate over the caches its first run wrote (a row read before its write lands reads the
-written row the second time).
+Session 17: with the new row stored by its split before that split's key loop, every folded
+build's verification failed on the H200 at magnitude 1000 while the template tests passed
+there; session 18's probe showed a second run over the written caches failing alike (no stale
+read) and unfolded builds failing too, which led to the multiply-and-sum scores' lanes
+disagreeing (templates/triton/decode_attention.py.j2, _mul_rn). At that magnitude the softmax is
+one-hot: each head's output is the V row of its top-scoring key, so the row an output equals
+names what the kernel read. For each repro this prints the written position and the lengths,
+then for the worst head of the first run: the reference's row, the row of the cache (as written,
+or as it was before the write) that the candidate's output equals, and the error of a second run
+of the candidate over the caches its first run wrote (a row read before its write lands reads
+the written row the second time). A repro of a region without a folded write is named with its
+build-time failure.
 
     python bench/fold_probe.py /tmp/build/out/verify/repro/*.py [--device cuda]
 """

@@ -41,7 +41,6 @@
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
 #   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
-#   bash bench/gpu_session.sh fold-write-first  # the fold's build tests, then with each write-first patch, repros probed (~9 min)
 #   bash bench/gpu_session.sh fold-gpu    # the fold's GPU tests (templates, verified builds, launch) and fold-kernels (~6 min)
 #   bash bench/gpu_session.sh fold-kernels  # the folded attention alone against kv_write + attention, fixed points (~3 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
@@ -292,31 +291,10 @@ case "${1:-}" in
             tests/templates/test_decode_attention.py -k "not test_decode_attention.py or one_valid_key"
         step 150 fold-kernels python bench/fold_kernel_times.py --json "$OUT/fold_kernel_times.json"
         ;;
-    fold-write-first)  # the fold's write before the key loop (bench/patches/fold-write-first.patch, reverted in
-        # session 17: its kernels timed as the plain attention, its builds failed verification on the H200;
-        # fold-write-first-fenced.patch failed alike, session 18): the fold's build tests on a patched copy,
-        # then as the tree is, each keeping its builds; every repro a build wrote named with its build-time
-        # failure, bench/fold_probe.py on the folded ones, and the repros with their kernels under $OUT (~9 min;
-        # a cold machine's first builds compile every kernel: 150 s was too little in session 18)
-        for variant in fold-write-first tree; do
-            rm -rf "/tmp/$variant" "/tmp/$variant-builds" && mkdir "/tmp/$variant"
-            cp -r coopt tests bench examples pyproject.toml "/tmp/$variant/"
-            if [ "$variant" != tree ]; then
-                (cd "/tmp/$variant" && patch -p1 < "bench/patches/$variant.patch") || echo "$variant: patch did not apply"
-            fi
-            # (run from the copy: python -m puts the working directory first on sys.path)
-            step 210 "pytest-$variant" bash -c "cd /tmp/$variant && PYTHONPATH=/tmp/site:/tmp/$variant python -m pytest -q \
-                -p no:cacheprovider -p no:logging --tb=line --basetemp /tmp/$variant-builds \
-                tests/passes/test_fuse_kv_write_attention.py -k 'built or batch_view'"
-            step 60 "probe-$variant" bash -c "cd /tmp/$variant && PYTHONPATH=/tmp/site:/tmp/$variant python bench/fold_probe.py \
-                \$(find /tmp/$variant-builds -path '*verify/repro/*.py' | head -12)"
-            (cd "/tmp/$variant-builds" && find . -path '*verify/repro/*.py' -o -path '*/kernels/*.py' \
-                | tar -czf "$OUT/$variant-builds.tar.gz" -T -) || true
-        done
-        ;;
-    fold-fix)  # session 18: the write-first fold with the multiply-and-sum products by mul.rn, on the H200: the fold's
-        # build tests (which failed in session 17 from the lanes' contracted products, not a stale read), its
-        # template tests and the one-key exactness, then the folded kernel against kv_write + attention (~8 min)
+    fold-fix)  # the fold (its row stored before the key loop) on the H200: the fold's build tests (which failed in
+        # session 17 from the multiply-and-sum lanes' contracted products, not a stale read; any repro they write is
+        # probed), its template tests and the one-key exactness, then the folded kernel against kv_write + attention
+        # (~8 min cold: 230 s ran 5 of the 7 build tests in session 18)
         step 230 pytest-fold-builds python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
             tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view" --basetemp /tmp/fold-builds
         step 60 probe python bench/fold_probe.py $(find /tmp/fold-builds -path '*verify/repro/*.py' 2>/dev/null | head -12)

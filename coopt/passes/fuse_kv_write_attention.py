@@ -37,9 +37,9 @@ quantizing with other scale values (`scales_differ`), written caches read elsewh
 (`read_elsewhere`), and a group that cannot be outlined in place (`order`).
 
 In the default pipeline since session 13 (bench/RESULTS.md: -6 µs a step at b1 / 2048, -3.5 at
-b32; the new row is masked out of the key loop and, since session 15, taken before it by the
-split whose range holds it: added after the loop it came out wrong on the H200 at large fp32
-scores);
+b32). Since session 18 the kernel's split whose keys hold the new row stores it before its key
+loop, which reads it back as any row (the folded launch as fast as the plain attention on the
+H200: bench/RESULTS.md session 18);
 `registry.UNFOLDED_KV_WRITE_PIPELINE` is the default without it (bench/decode.py mode
 coopt-unfolded).
 """

@@ -42,10 +42,11 @@ fuse-kv-write-attention): unpaged caches, in q's dtype or fp8 with per-tensor / 
 [B, Hkv, 1, D] in q's dtype, then with "rope" K's cos and sin (broadcastable to k_new) at
 "rope_tables_input": i + 3, or 4 where they are the query's; outputs the two caches written in
 place (attrs "inplace" [1, 2]) and then the attention's output. The region is index_put_ of
-rope(k_new) / v_new at the position, then the attention over the written caches: the kernel's
-last split writes the row, and every split takes that row from registers where its tile holds
-the position (its load may predate the write). One launch and one round trip through memory a
-layer less than kv_write then attention.
+rope(k_new) / v_new at the position, then the attention over the written caches: the split
+whose keys hold the position (the last split where none does) stores the row, then a barrier,
+then its key loop reads it back as it reads any row, so the loop is the plain kernel's. No
+other program reads that position. One launch and one round trip through memory a layer less
+than kv_write then attention, at the plain attention's time (bench/RESULTS.md session 18).
 An fp8 cache's write quantizes with the attention's own k_scale / v_scale (i = the scales' index
 + 2), as the kv_write template does: rope(k_new) rounded to k_new's dtype, less K's offset
 [1, Hkv, 1, D] fp32 where the cache is stored centred (smooth-k: attrs kv_write

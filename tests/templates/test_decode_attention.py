@@ -169,19 +169,41 @@ def test_reads_only_the_valid_prefix(split_kv, load_candidate):
     check_close(out, reference(region, q, k, v, lengths))
 
 
-@pytest.mark.parametrize("params", [SMALL, SPLIT], ids=["one-split-fma", "four-splits-dot"])
-def test_one_valid_key_gives_its_value_row_however_large_the_scores(params, load_candidate):
+@pytest.mark.parametrize("params,head_dim", [(SMALL, 64), (SMALL, 16), (SPLIT, 64)],
+                         ids=["one-split-fma", "one-split-fma-d16", "four-splits-dot"])
+def test_one_valid_key_gives_its_value_row_however_large_the_scores(params, head_dim, load_candidate):
     """One valid key: the output is its V row exactly (p = 1), here at scores ~1e6 (q and K of
     magnitude 1000). Session 17 on the H200: the compiler kept the scores in two layouts and
     contracted scale * s - m into one FMA in one of them only, so l and acc weighed the key
-    differently, 5 % apart at this magnitude (the scale is now applied by mul.rn). The
-    interpreter never contracts: this fails only on a GPU."""
-    region = make_region(3, 4, 2, 80, 64, "float32")
+    differently, 5 % apart at this magnitude (the scale is now applied by mul.rn). Session 18:
+    at D 16 over 2 warps each lane holds one product of a score, and tl.sum's first butterfly
+    step contracted a lane's own product with its partner's, so half the lanes held a score
+    other bits than the rest (columns 8-15 off; see the next test). The interpreter never
+    contracts: this fails only on a GPU."""
+    region = make_region(3, 4, 2, 80, head_dim, "float32")
     q, k, v, lengths = make_inputs(region, [1, 13, 1])
     (out,) = run_candidate(load_candidate, region, params, [q * 1000, k * 1000, v, lengths], stem="one-key")
     only_key = v[:, :, 0].repeat_interleave(2, dim=1)  # [B, H, D]: each query head's kv head's row 0
     for b in (0, 2):
         torch.testing.assert_close(out[b, :, 0], only_key[b], rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_no_lane_adds_its_product_to_a_shuffled_one_by_fma(tmp_path):
+    """The multiply-and-sum scores at D 16 over 2 warps (one product a lane): in the sm_90 PTX no
+    fma takes a value another lane shuffled over. Before session 18 eight did (the score's
+    products, contracted into tl.sum's first butterfly add): lanes meant to hold one score held
+    two, an ulp apart, and at the fuzzer's magnitude 1000 an ulp of a score is a factor on its
+    key's weight (a folded build's verification failed on the H200 by 0.2 of the output)."""
+    import re
+
+    region = make_region(1, 4, 2, 32, 16, "float32")
+    compile_for_hopper([("d16", FAMILY.render(region, SMALL), make_inputs(region, [1]))], tmp_path)
+    (ptx,) = [path.read_text() for path in (tmp_path / "triton_cache").rglob("*.ptx")]
+    shuffled = set(re.findall(r"shfl\.sync\.bfly\.b32\s+(%r\d+)", ptx))
+    fmas = re.findall(r"fma\.rn\.f32\s+%r\d+, (%r\d+), (%r\d+), (%r\d+);", ptx)
+    assert shuffled and fmas  # (the pattern still reads this PTX)
+    assert [fma for fma in fmas if shuffled & set(fma)] == []
 
 
 @pytest.mark.parametrize("split_kv,at_once", [(8, True), (32, False)])
