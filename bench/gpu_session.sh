@@ -42,6 +42,7 @@
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
 #   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
 #   bash bench/gpu_session.sh fold-gpu    # the fold's GPU tests (templates, verified builds, launch) and fold-kernels (~6 min)
+#   bash bench/gpu_session.sh fold-fix    # the fold's build tests (repros probed), template tests, fold-kernels (~10 min)
 #   bash bench/gpu_session.sh fold-kernels  # the folded attention alone against kv_write + attention, fixed points (~3 min)
 #   bash bench/gpu_session.sh fold-b1 / fold-b32  # coopt (kv_write folded into the decode attention) against
 #                                        # coopt-unfolded, b1 / b32 at 2048, same run; fold-b1 adds its GPU tests
@@ -294,8 +295,8 @@ case "${1:-}" in
     fold-fix)  # the fold (its row stored before the key loop) on the H200: the fold's build tests (which failed in
         # session 17 from the multiply-and-sum lanes' contracted products, not a stale read; any repro they write is
         # probed), its template tests and the one-key exactness, then the folded kernel against kv_write + attention
-        # (~8 min cold: 230 s ran 5 of the 7 build tests in session 18)
-        step 230 pytest-fold-builds python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
+        # (~10 min cold: 230 s ran 5 of the 7 build tests in session 18)
+        step 330 pytest-fold-builds python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
             tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view" --basetemp /tmp/fold-builds
         step 60 probe python bench/fold_probe.py $(find /tmp/fold-builds -path '*verify/repro/*.py' 2>/dev/null | head -12)
         step 150 pytest-fold-templates python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
