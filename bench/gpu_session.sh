@@ -299,6 +299,8 @@ case "${1:-}" in
         step 330 pytest-fold-builds python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
             tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view" --basetemp /tmp/fold-builds
         step 60 probe python bench/fold_probe.py $(find /tmp/fold-builds -path '*verify/repro/*.py' 2>/dev/null | head -12)
+        repros=$(find /tmp/fold-builds -path '*verify/repro/*.py' 2>/dev/null | head -6)
+        [ -n "$repros" ] && step 90 variants python bench/repro_variants.py $repros --knob NUM_WARPS=1,4 --knob NUM_STAGES=1
         step 150 pytest-fold-templates python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
             tests/templates/test_decode_attention_kv_write.py tests/templates/test_decode_attention_kv_write_fp8.py \
             tests/templates/test_decode_attention.py -k "not test_decode_attention.py or one_valid_key"
