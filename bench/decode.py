@@ -173,13 +173,20 @@ def _also_used_elsewhere(model, embedding, param) -> bool:
 
 def build_summary(out: Path) -> dict:
     """What a row keeps of out/build.json: the build's seconds, by step, what its end-to-end
-    check judged against (a 32-layer b32 build streams its float64 reference: session 10), and
-    the ops it left to PyTorch between its kernels (launches a step beside coopt's)."""
+    check judged against (a 32-layer b32 build streams its float64 reference: session 10), the
+    ops it left to PyTorch between its kernels (launches a step beside coopt's), and the
+    candidates that failed verification (out/verify/results.json: "region candidate" each). A
+    failing candidate costs no correctness, the build falls back, but it may have been the
+    fastest: session 18 found an fp8 decode attention failing on the H200 this way, unseen."""
     record = json.loads((out / "build.json").read_text())
     check = record.get("end_to_end") or {}
+    results_file = out / "verify" / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.exists() else {}
+    failed = [f"{region} {label}" for region, candidates in sorted(results.items())
+              for label, result in sorted(candidates.items()) if not result.get("ok")]
     return {"seconds": record.get("seconds"), "step_seconds": record.get("step_seconds"),
             "reference_precision": check.get("reference_precision"), "check_max_abs_err": check.get("max_abs_err"),
-            "unfused_ops": record.get("unfused_ops"), "launch": record.get("launch")}
+            "unfused_ops": record.get("unfused_ops"), "launch": record.get("launch"), "failed_verification": failed}
 
 
 def run_case(case: str, args, save=lambda row: None) -> dict:
@@ -238,6 +245,9 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         record(mode, lambda: step(*inputs), time.monotonic() - start)
         row[f"{mode}_report"] = str(out / "report.md")
         row[f"{mode}_build"] = build_summary(out)
+        if row[f"{mode}_build"]["failed_verification"]:
+            print(f"  {mode}: candidates that failed verification (the build fell back; repros in "
+                  f"{out / 'verify' / 'repro'}): " + ", ".join(row[f"{mode}_build"]["failed_verification"]), flush=True)
         launch = row[f"{mode}_build"]["launch"]
         if launch:  # the build's own PDL choice, from its replayed step (coopt/tune/launch.py)
             print(f"  {mode}: launched with PDL for {launch['pdl'] or 'nothing'} (build's replays, ms: "

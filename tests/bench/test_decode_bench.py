@@ -17,7 +17,17 @@ def test_a_row_keeps_the_builds_seconds_and_its_checks_reference(tmp_path):
     assert decode.build_summary(tmp_path) == {
         "seconds": 163.3, "step_seconds": {"emit": 42.39, "end-to-end": 26.52},
         "reference_precision": "float64, streamed module by module", "check_max_abs_err": 0.18,
-        "unfused_ops": {"aten.embedding.default": 1}, "launch": {"pdl": ["gemv"], "step_ms": {"none": 1.78, "gemv": 1.76}}}
+        "unfused_ops": {"aten.embedding.default": 1}, "launch": {"pdl": ["gemv"], "step_ms": {"none": 1.78, "gemv": 1.76}},
+        "failed_verification": []}
+
+
+def test_candidates_that_failed_verification_are_named(tmp_path):
+    (tmp_path / "build.json").write_text(json.dumps({"seconds": 2.0}))
+    (tmp_path / "verify").mkdir()
+    (tmp_path / "verify" / "results.json").write_text(json.dumps({
+        "r1_decode_attention": {"c0": {"ok": False, "failure": "output 0: max abs err 229"}, "c1": {"ok": True}},
+        "r0_kv_write": {"c0": {"ok": True}}, "r2_matmul_epilogue": {"c3": {"ok": False}}}))
+    assert decode.build_summary(tmp_path)["failed_verification"] == ["r1_decode_attention c0", "r2_matmul_epilogue c3"]
 
 
 def test_a_build_without_an_end_to_end_record_says_so(tmp_path):
