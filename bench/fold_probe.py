@@ -33,15 +33,15 @@ def probe(region_json: dict, reference_path: Path, candidate_path: Path, example
     import torch
 
     from coopt.ir.region import RegionSummary, kv_write_inputs
-    from coopt.verify.check import _clones, _fp8_written, cache_write_inputs, load_module, run_upcast
-    from coopt.verify.strategies import Example, make_inputs
+    from coopt.verify.check import _clones, _fp8_written, example_inputs, load_module, run_upcast
+    from coopt.verify.strategies import Example
 
     region = RegionSummary.from_json(region_json)
     example = Example.from_json(example_json)
     at = kv_write_inputs(region)
     assert at is not None, f"{region.name}: no cache write folded in"
     reference, candidate = load_module(reference_path), load_module(candidate_path)
-    inputs = cache_write_inputs(region, make_inputs(region, example, device), example.seed)
+    inputs = example_inputs(region, example, device)
     v_before = inputs[2].clone()
     with torch.inference_mode():
         expected = run_upcast(reference, inputs, keep=_fp8_written(region))

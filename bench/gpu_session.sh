@@ -298,8 +298,8 @@ case "${1:-}" in
         # (~10 min cold: 230 s ran 5 of the 7 build tests in session 18)
         step 330 pytest-fold-builds python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
             tests/passes/test_fuse_kv_write_attention.py -k "built or batch_view" --basetemp /tmp/fold-builds
-        step 60 probe python bench/fold_probe.py $(find /tmp/fold-builds -path '*verify/repro/*.py' 2>/dev/null | head -12)
-        repros=$(find /tmp/fold-builds -path '*verify/repro/*.py' 2>/dev/null | head -6)
+        repros=$(find /tmp/fold-builds -path '*verify/repro/*.py' 2>/dev/null | head -8)
+        step 60 probe python bench/fold_probe.py $repros
         [ -n "$repros" ] && step 90 variants python bench/repro_variants.py $repros --knob NUM_WARPS=1,4 --knob NUM_STAGES=1
         step 150 pytest-fold-templates python -m pytest -q -p no:cacheprovider -p no:logging --tb=line \
             tests/templates/test_decode_attention_kv_write.py tests/templates/test_decode_attention_kv_write_fp8.py \

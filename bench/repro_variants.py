@@ -50,15 +50,14 @@ def worst_row_ratios(region_json: dict, reference_path: Path, candidate_path: Pa
     import torch
 
     from coopt.ir.region import RegionSummary
-    from coopt.verify.check import _clones, _fp8_written, cache_write_inputs, load_module, run_upcast
-    from coopt.verify.strategies import Example, make_inputs
+    from coopt.verify.check import _as_outputs, _clones, _fp8_written, example_inputs, load_module, run_upcast
+    from coopt.verify.strategies import Example
 
     region, example = RegionSummary.from_json(region_json), Example.from_json(example_json)
-    inputs = cache_write_inputs(region, make_inputs(region, example, device), example.seed)
+    inputs = example_inputs(region, example, device)
     with torch.inference_mode():
         expected = run_upcast(load_module(reference_path), inputs, keep=_fp8_written(region))
-        got = load_module(candidate_path).run(*_clones(inputs))
-    got = got if isinstance(got, (tuple, list)) else (got,)
+        got = _as_outputs(load_module(candidate_path).run(*_clones(inputs)))
     errors = [(out.double() - ref.double()).abs().reshape(-1, ref.shape[-1] if ref.dim() else 1)
               for out, ref in zip(got, expected)]
     worst = max(range(len(errors)), key=lambda i: float(errors[i].max()) if errors[i].numel() else 0.0)

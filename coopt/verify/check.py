@@ -45,7 +45,7 @@ def check_example(
     An in-place region (attrs "inplace": a KV-cache write) writes its inputs: every run gets its
     own copies, and its outputs are the whole written buffers, so positions it must not touch
     are compared too."""
-    inputs = cache_write_inputs(region, make_inputs(region, example, device), example.seed)
+    inputs = example_inputs(region, example, device)
     with torch.inference_mode():
         try:
             ref_hi = run_upcast(reference, inputs, keep=_fp8_written(region))
@@ -62,6 +62,13 @@ def check_example(
         except (Exception, SystemExit) as error:  # noqa: BLE001 - candidate errors are verdicts
             return _failed(f"candidate raised {one_line(error)}")
     return _compare_outputs(region, example, outputs, ref_hi, ref_native, ref_near)
+
+
+def example_inputs(region: RegionSummary, example: Example, device: str | torch.device) -> list[torch.Tensor]:
+    """The inputs of one example as verification draws them (a cache write's positions distinct
+    and inside the cache: cache_write_inputs); repro scripts and the probes in bench/ rebuild
+    them with it."""
+    return cache_write_inputs(region, make_inputs(region, example, device), example.seed)
 
 
 def nudged(inputs: list[torch.Tensor], seed: int) -> list[torch.Tensor] | None:
