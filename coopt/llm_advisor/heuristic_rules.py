@@ -439,11 +439,14 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
         use_dot = knob(point, ("USE_DOT",))
         if use_dot is not None and bool(use_dot) != dot_t:
             c += 1.0
-        # fp8 tiles widened to fp16 (one conversion per pair) rather than bf16 (several): the
-        # bf16-widened kernel measured conversion-bound (1.47 TB/s). Not measured yet itself:
-        # the bf16 form is ranked right behind so that measurement compares the two.
+        # fp8 tiles widened to bf16 where fp16 tiles apply: last, behind V_WORDS (which keeps
+        # fp16's precision). The bf16-widened kernel is slower (conversion-bound: b1 / 32768
+        # 41.3 against 30.5 µs, b1 / 131072 135.0 against 88.7 on the H200, bench/RESULTS.md
+        # session 6) and rounds the query to bf16's 8 bits where fp16 tiles keep 11: in session
+        # 19's b1 / 32768 build two keys' scores 6e-5 apart (magnitude 1000) swapped under that
+        # rounding, and both bf16-widened candidates failed verification where the fp16 ones passed.
         if tile_fp16 and not knob(point, ("TILE_FP16",)):
-            c += 0.03
+            c += 2.0
         # fp16 tiles with V read as 16-bit words: a third fewer loop instructions in the sm_90
         # SASS, yet slower at every point measured on the H200 (session 17, bench/attention_sweep.py:
         # b1 / 32768 26.6 against 31.1 µs, b32 / 2048 42.9 against 50.9, docs/kv-cache.md): last.
