@@ -177,7 +177,10 @@ def build_summary(out: Path) -> dict:
     ops it left to PyTorch between its kernels (launches a step beside coopt's), and the
     candidates that failed verification (out/verify/results.json: "region candidate" each). A
     failing candidate costs no correctness, the build falls back, but it may have been the
-    fastest: session 18 found an fp8 decode attention failing on the H200 this way, unseen."""
+    fastest: session 18 found an fp8 decode attention failing on the H200 this way, unseen. Also
+    each leading region's selection (out/selection.json; regions that share a leader's candidates
+    are left out): the candidate, its knobs, its measured latency and the reference's, so a row
+    says which kernels it timed after the build directory is gone (session 19 lost them)."""
     record = json.loads((out / "build.json").read_text())
     check = record.get("end_to_end") or {}
     results_file = out / "verify" / "results.json"
@@ -186,7 +189,24 @@ def build_summary(out: Path) -> dict:
               for label, result in sorted(candidates.items()) if not result.get("ok")]
     return {"seconds": record.get("seconds"), "step_seconds": record.get("step_seconds"),
             "reference_precision": check.get("reference_precision"), "check_max_abs_err": check.get("max_abs_err"),
-            "unfused_ops": record.get("unfused_ops"), "launch": record.get("launch"), "failed_verification": failed}
+            "unfused_ops": record.get("unfused_ops"), "launch": record.get("launch"), "failed_verification": failed,
+            "selected": selections(out / "selection.json")}
+
+
+def selections(path: Path) -> dict:
+    """{region: {"label", "params", "ms", "reference_ms"}} of each region with candidates of its
+    own in a build's selection.json ({} where the file is missing)."""
+    if not path.exists():
+        return {}
+    chosen = {}
+    for name, region in json.loads(path.read_text())["regions"].items():
+        if region.get("same_as"):
+            continue
+        by_label = {c["label"]: c for c in region["candidates"]}
+        pick, reference = by_label.get(region["selected"], {}), by_label.get("reference", {})
+        chosen[name] = {"label": region["selected"], "params": pick.get("params", {}),
+                        "ms": pick.get("latency_ms"), "reference_ms": reference.get("latency_ms")}
+    return chosen
 
 
 def run_case(case: str, args, save=lambda row: None) -> dict:

@@ -23,6 +23,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def launch_table(kernels, steps: int) -> list[dict]:
+    """Each launch of the step in order: its name, mean duration and mean gap after the launch
+    before it (the first's gap is after the previous step's last kernel, 0 for the first step),
+    in µs. `kernels`: the profiled CUDA events of `steps` replays sorted by start (time_range in
+    µs). A kernel's own duration tells which GEMV of a layer is off its bandwidth (33 launches
+    share one name), and the gaps where the launch latency goes (session 19: 15 µs a step)."""
+    per_step = len(kernels) // steps
+    table = [{"name": kernels[i].name, "us": 0.0, "gap_us": 0.0} for i in range(per_step)]
+    for n, event in enumerate(kernels[:per_step * steps]):
+        entry = table[n % per_step]
+        entry["us"] += (event.time_range.end - event.time_range.start) / steps
+        if n:
+            entry["gap_us"] += (event.time_range.start - kernels[n - 1].time_range.end) / steps
+    return table
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("build_dir", type=Path)
@@ -35,6 +51,8 @@ def main():
     parser.add_argument("--regions", action="store_true",
                         help="also time each region of the step (called without the graph, under the profiler) "
                              "and its achieved bandwidth")
+    parser.add_argument("--launches", action="store_true",
+                        help="also print every launch of the step in order, with the gap before it (always in --out)")
     args = parser.parse_args()
 
     import torch
@@ -76,6 +94,11 @@ def main():
         print(f"  {us:9.1f} us  x{count // args.steps:<3d} {name[:90]}")
     result = {"pdl": pdl, "replay_us": ms * 1000, "span_us": span, "busy_us": busy,
               "kernels": {n: {"per_step": c // args.steps, "us": us} for n, (c, us) in rows}}
+    result["launches"] = launch_table(kernels, args.steps)
+    if args.launches:
+        print("\nlaunches in step order (mean over the steps; gap = start - the previous kernel's end):")
+        for i, launch in enumerate(result["launches"]):
+            print(f"  {i:3d} {launch['us']:8.2f} us  gap {launch['gap_us']:6.2f}  {launch['name'][:60]}")
     if args.regions:
         from region_times import region_bytes, region_table, time_regions
 

@@ -18,7 +18,21 @@ def test_a_row_keeps_the_builds_seconds_and_its_checks_reference(tmp_path):
         "seconds": 163.3, "step_seconds": {"emit": 42.39, "end-to-end": 26.52},
         "reference_precision": "float64, streamed module by module", "check_max_abs_err": 0.18,
         "unfused_ops": {"aten.embedding.default": 1}, "launch": {"pdl": ["gemv"], "step_ms": {"none": 1.78, "gemv": 1.76}},
-        "failed_verification": []}
+        "failed_verification": [], "selected": {}}
+
+
+def test_a_row_names_each_leading_regions_selected_kernel(tmp_path):
+    (tmp_path / "build.json").write_text(json.dumps({"seconds": 2.0}))
+    candidates = [{"label": "reference", "params": {}, "latency_ms": 0.59},
+                  {"label": "c0", "params": {"SPLIT_KV": 16}, "latency_ms": 0.032},
+                  {"label": "c2", "params": {"SPLIT_KV": 32}, "latency_ms": 0.029}]
+    (tmp_path / "selection.json").write_text(json.dumps({"regions": {
+        "r1_decode_attention": {"selected": "c2", "same_as": None, "candidates": candidates},
+        "r9_decode_attention": {"selected": "c2", "same_as": "r1_decode_attention", "candidates": candidates},
+        "r2_matmul_epilogue": {"selected": "reference", "same_as": None, "candidates": candidates[:1]}}}))
+    assert decode.build_summary(tmp_path)["selected"] == {
+        "r1_decode_attention": {"label": "c2", "params": {"SPLIT_KV": 32}, "ms": 0.029, "reference_ms": 0.59},
+        "r2_matmul_epilogue": {"label": "reference", "params": {}, "ms": 0.59, "reference_ms": 0.59}}
 
 
 def test_candidates_that_failed_verification_are_named(tmp_path):
