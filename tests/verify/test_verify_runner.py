@@ -217,6 +217,29 @@ OTHER_LAST_BIT = """
 """
 
 
+# Ill-conditioned at bf16: the output jumps by half on the last mantissa bit of bf16 x (bit 16
+# of its fp32 form). Eager is exact on the drawn inputs; one bf16 ulp away every bit flips.
+BF16_BIT_REFERENCE = """
+    import torch
+
+    def run(x, y):
+        bit = ((x.float().view(torch.int32) >> 16) & 1).to(x.dtype)
+        return (x * y * (1 + 0.5 * bit),)
+"""
+OTHER_BF16_BIT = """
+    import torch
+
+    def run(x, y):
+        bit = ((x.float().view(torch.int32) >> 16) & 1).to(x.dtype)
+        return (x * y * (1 + 0.5 * (1 - bit)),)
+"""
+def test_eager_one_bf16_ulp_away_bounds_a_bf16_candidate_where_the_example_is_ill_conditioned(tmp_path):
+    # (that it gives no slack where eager one ulp away meets the floor: test_verify_tolerances.py)
+    reference = write_module(tmp_path / "kernels", "reference", BF16_BIT_REFERENCE)
+    result = _verify(tmp_path, reference, OTHER_BF16_BIT, region=vector_region("bfloat16"))
+    assert result.ok, result.failure
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_eager_one_input_ulp_away_bounds_fp32_candidates_only(tmp_path, dtype):
     # fp32 inputs: the candidate is within what eager gives one ulp away, and passes; bf16

@@ -110,6 +110,23 @@ def test_eager_one_ulp_away_rescues_an_ill_conditioned_fp32_output():
     assert not verdict.ok and "4x eager float32 error 0.0003" in verdict.reason
 
 
+def test_eager_one_bf16_ulp_away_counts_only_where_it_misses_the_floor():
+    # bf16 floor: 8e-3 * S + 1.6e-2 * |ref| (S = 1 here): a kernel 3 % off misses it
+    hi = torch.ones(4, dtype=torch.float64)
+    native = hi.to(torch.bfloat16)
+    kernel = (hi * 1.03).to(torch.bfloat16)
+    assert not compare(kernel, hi, native, dtype="bfloat16").ok
+    # eager one ulp away 1 % off meets the floor: a well-conditioned example, no slack (counted,
+    # 4x its error would pass the kernel)
+    within = (hi * 1.01).to(torch.bfloat16)
+    verdict = compare(kernel, hi, native, dtype="bfloat16", ref_near_low=(within, within))
+    assert not verdict.ok and "exceeds the bfloat16 floor" in verdict.reason
+    # one draw 30 % off (a near tie flipped): ill-conditioned, 4x that error bounds the kernel
+    flipped = (hi * 1.3).to(torch.bfloat16)
+    assert compare(kernel, hi, native, dtype="bfloat16", ref_near_low=(within, flipped)).ok
+    assert not compare((hi * 3).to(torch.bfloat16), hi, native, dtype="bfloat16", ref_near_low=(flipped,)).ok
+
+
 def test_integer_outputs_must_be_exact():
     hi = torch.tensor([1, 2, 3], dtype=torch.float64)
     assert compare(torch.tensor([1, 2, 3]), hi, None, dtype="int64").ok
