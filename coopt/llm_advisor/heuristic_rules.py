@@ -432,6 +432,14 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     else:
         second_split = None
 
+    # fp16-widened fp8 tiles run a long loop a thread at 4 warps (sm_90 SASS of BLOCK_N 128,
+    # D 128: ~1060 instructions, 128 byte-wide shared loads) with two programs an SM or fewer:
+    # little to hide each thread's latency with. 8 warps halve the loop a thread (~600, no spill;
+    # compiled without a GPU, session 19). Not measured: where each SM gets two programs or
+    # fewer, the 8-warp twins of the first two splits are ranked among the first four points
+    # (second and fourth), so builds measure both.
+    eight_warps = tile_fp16 and dot_t and programs * split_t <= 2 * sms and 8 in (_numbers(knob(request.space, WARPS)) or [])
+
     def cost(point: dict) -> float:
         split = knob(point, ("SPLIT_KV",))
         split_cost = 0.05 if split == second_split else 2 * _log_gap(split, split_t)
@@ -452,7 +460,11 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
         # b1 / 32768 26.6 against 31.1 µs, b32 / 2048 42.9 against 50.9, docs/kv-cache.md): last.
         if knob(point, ("V_WORDS",)):
             c += 1.0
-        c += _log_gap(knob(point, WARPS), warps_t)
+        warps = knob(point, WARPS)
+        if eight_warps and warps == 8 and knob(point, ("TILE_FP16",)):
+            c += 0.04
+        else:
+            c += _log_gap(warps, warps_t)
         stages = knob(point, STAGES)
         c += 0.5 * _stages_gap(stages, *stages_range)
         # equal otherwise, fewer stages (less shared memory) first

@@ -157,11 +157,13 @@ _MAX_PRODUCTS_PER_THREAD = 32
 _MAX_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "fp32": 64}
 # fp8 tiles (same ptxas measurements, 2x32 heads over 8 kv heads, D 128): widening the loaded
 # e4m3 tile to bf16 keeps both forms live, +40 registers at 4 warps (BLOCK_N 128: 171, no
-# spill) but at 8 warps ptxas stops at 128 registers a thread and BLOCK_N 128 (80 values) spills
-# where BLOCK_N 64 (44 values, 101 registers) does not: 64 values at 8 warps. tl.dot in fp32 on
-# widened fp8 tiles spills from 26 values on (BLOCK_N 32 at 8 warps, BLOCK_N 16 at 4: 255
-# registers, ~150 spill instructions); BLOCK_N 16 at 8 warps (17 values) fits in 165-181.
-_MAX_FP8_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "bf16/fp16 8 warps": 64, "fp32": 24}
+# spill). At 8 warps an earlier template spilled at BLOCK_N 128 (80 values, ptxas stopping at
+# 128 registers); session 19 compiled BLOCK_N 128 at 8 warps with Triton 3.6 and 3.9 at 165-179
+# registers and no spill (fp16 and bf16 tiles, per-head and per-token scales, the write folded
+# with rope and smooth-k): 80 values at 8 warps (D 256 stays out). tl.dot in fp32 on widened fp8
+# tiles spills from 26 values on (BLOCK_N 32 at 8 warps, BLOCK_N 16 at 4: 255 registers, ~150
+# spill instructions); BLOCK_N 16 at 8 warps (17 values) fits in 165-181.
+_MAX_FP8_DOT_VALUES_PER_THREAD = {"bf16/fp16": 160, "bf16/fp16 8 warps": 80, "fp32": 24}
 # Every thread should load at least one 16-byte vector of each K tile; fewer leaves warps idle.
 _MIN_TILE_BYTES_PER_THREAD = 16
 

@@ -382,6 +382,38 @@ def test_covering_points_compile_for_hopper(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
+def test_fp8_tiles_of_128_keys_at_8_warps_compile_without_spills(tmp_path):
+    """The register budget that admits BLOCK_N 128 over fp8 at 8 warps (80 values a thread):
+    the b1 build's folded region (rope, smooth-k) with fp16 tiles and per-token scales with bf16
+    tiles compile for sm_90 without spilling, and at 8 warps each thread's loop is shorter than
+    at 4 (why the advisor ranks that twin among a build's first points)."""
+    from test_decode_attention_kv_write import folded as folded_region
+    from test_decode_attention_rope import with_rope
+
+    base = with_rope(fp8_region(1, 32, 8, 1024, 128, "per-head"), (1, 128))
+    region = folded_region(base, offsets=("k",))
+    per_token = fp8_region(2, 32, 8, 1024, 128, "per-token")
+    wide = {"BLOCK_N": 128, "SPLIT_KV": 2, "USE_DOT": True, "num_warps": 8, "num_stages": 3}
+    jobs = [("folded_w8", region, {**wide, "TILE_FP16": True}), ("folded_w4", region, {**wide, "TILE_FP16": True, "num_warps": 4}),
+            ("per_token_w8", per_token, wide)]
+    for label, r, params in jobs:
+        assert FAMILY.check(r, params, H200) is None, label
+    compiled = compile_for_hopper([(label, FAMILY.render(r, params), placeholder_inputs(r)) for label, r, params in jobs],
+                                  tmp_path, machine_code=True)
+    kernels = {label: compiled[label]["_decode_split_kernel"] for label, _, _ in jobs}
+    if kernels["folded_w8"].get("spill_instructions") is None:
+        pytest.skip("no cuobjdump here: the SASS facts are unavailable")
+    assert all(k["spill_instructions"] == 0 for k in kernels.values()), kernels
+    assert kernels["folded_w8"]["loop_instructions"] < 0.7 * kernels["folded_w4"]["loop_instructions"], kernels
+
+
+def placeholder_inputs(region: RegionSummary) -> list[torch.Tensor]:
+    """Zeros of each input's dtype and shape (symbolic dims 4): enough to compile a launch."""
+    return [torch.zeros([d if isinstance(d, int) else 4 for d in spec.shape]).to(getattr(torch, spec.dtype))
+            for spec in region.inputs]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels compile for real when they run")
 def test_v_words_tiles_reach_the_dot_without_byte_loads(tmp_path):
     """b1 / 32768's fp8 point with V read as words (V_WORDS): pipelined, widened by the pair
     conversion in the GPU path (inline PTX), and no shared-memory load a byte wide (the byte-wise
@@ -711,10 +743,13 @@ def test_fp8_heuristic_takes_twice_the_keys_per_tile():
     assert best["BLOCK_N"] == 128 and best["USE_DOT"] and best["SPLIT_KV"] == 16, best
     assert FAMILY.check(region, best, H200) is None
     # a build measures the top 4: all fp16-widened (the bf16-widened form is slower and rounds q
-    # to 8 bits, session 19), the second twice the splits; V read as words (measured slower on
-    # the H200, session 17) not among them
+    # to 8 bits, session 19), the first two splits at 4 and 8 warps (two programs an SM or fewer:
+    # 8 warps halve each thread's loop); V read as words (measured slower on the H200, session
+    # 17) not among them
     assert all(p["TILE_FP16"] for p in ranked[:4]), ranked[:4]
-    assert second == {**best, "SPLIT_KV": 32}, second
+    assert second == {**best, "num_warps": 8}, second
+    assert ranked[2:4] == [{**best, "SPLIT_KV": 32}, {**best, "SPLIT_KV": 32, "num_warps": 8}], ranked[2:4]
+    assert all(FAMILY.check(region, p, H200) is None for p in ranked[:4])
     assert not any(p["V_WORDS"] for p in ranked[:4])
 
 
