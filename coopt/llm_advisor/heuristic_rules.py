@@ -453,7 +453,7 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
         # session 6) and rounds the query to bf16's 8 bits where fp16 tiles keep 11: in session
         # 19's b1 / 32768 build two keys' scores 6e-5 apart (magnitude 1000) swapped under that
         # rounding, and both bf16-widened candidates failed verification where the fp16 ones passed.
-        if tile_fp16 and not knob(point, ("TILE_FP16",)):
+        if tile_fp16 and use_dot and not knob(point, ("TILE_FP16",)):  # (multiply-and-sum has no fp16 form)
             c += 2.0
         # fp16 tiles with V read as 16-bit words: a third fewer loop instructions in the sm_90
         # SASS, yet slower at every point measured on the H200 (session 17, bench/attention_sweep.py:

@@ -753,6 +753,18 @@ def test_fp8_heuristic_takes_twice_the_keys_per_tile():
     assert not any(p["V_WORDS"] for p in ranked[:4])
 
 
+def test_fp8_heuristic_keeps_multiply_and_sum_first_for_small_groups():
+    # two query heads a kv head (the accuracy harness's model): tensor cores would pad them to 16
+    # rows, so multiply-and-sum first; the bf16-widened tiles' last place applies to tl.dot points
+    # only (session 19 had it put the fp16-tile dot first here)
+    region = fp8_region(1, 4, 2, 256, 16, "per-head", example_length=200)
+    assert FAMILY.param_space(region, H200)["TILE_FP16"] == [False, True]
+    request = AdviceRequest(region, "decode_attention", FAMILY.param_space(region, H200),
+                            tuple(FAMILY.legal_points(region, H200)), H200.facts())
+    best = HeuristicAdvisor().advise(request).ranked[0]
+    assert not best["USE_DOT"] and not best["TILE_FP16"], best
+
+
 def test_fp8_golden_rendering(golden):
     region = fp8_region("B", 32, 8, 32768, 128, "per-token", dims={"B": (1, 32)})
     params = {"BLOCK_N": 128, "SPLIT_KV": 16, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
