@@ -37,6 +37,7 @@
 #                                        # without PDL for the GEMVs and keeps the faster), both profiled (~8 min)
 #   bash bench/gpu_session.sh normstats-chunk-b32  # b32 / 2048: the norm sums over 64- (default) and 32-column chunks, profiled (~9 min)
 #   bash bench/gpu_session.sh launch-tests  # the GPU tests of session 15: the fold, its one-key exactness, the launch choice (~2 min)
+#   bash bench/gpu_session.sh fp8-warps  # fp8 decode attention at 8 warps against 4 (kernels, then the b1 / 32768 build; ~9 min)
 #   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
@@ -283,6 +284,14 @@ case "${1:-}" in
             tests/templates/test_decode_attention.py tests/templates/test_decode_attention_kv_write_fp8.py -k "v_words or fp16"
         step 330 attention python bench/attention_sweep.py --cases b1-32768-fp8,b1-2048-fp8,b32-2048-fp8 --advised 6 \
             --sample 8 --no-prefetch --json "$OUT/attention_v_words.json"
+        ;;
+    fp8-warps)  # issue 4: fp8 decode attention at 8 warps (BLOCK_N 128, admitted in session 19: half the loop a
+        # thread, compiled spill-free without a GPU) against 4, b1 at 32768 and 2048, b32 at 2048: the advisor's first
+        # 4 points (2 splits x 4 / 8 warps) and a sample; then the fp8 b1 / 32768 build, which now measures them (~9 min)
+        step 200 attention python bench/attention_sweep.py --cases b1-32768-fp8,b1-2048-fp8,b32-2048-fp8 --advised 4 \
+            --sample 4 --no-prefetch --json "$OUT/attention_fp8_warps.json"
+        step 330 decode python bench/decode.py --cases 1:32768:32832 --modes coopt-fp8 --prefill 0 --agreement-steps 4 \
+            --out "$OUT/decode_fp8_warps.json" --build-dir /tmp/coopt-fp8
         ;;
     fold-gpu)  # the fold's GPU tests (its templates, the builds of tests/passes that verify it, the launch choice)
         # and the folded kernel alone against kv_write + attention (session 17; ~6 min)
