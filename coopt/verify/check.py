@@ -57,12 +57,19 @@ def check_example(
         except Exception:  # noqa: BLE001 - eager may lack a kernel (fp8): judge by the floor
             ref_native = None
         ref_near = _run_near(reference, inputs, example.seed) if ref_native is not None else None
-        ref_near_low = _runs_near_low(reference, inputs, example.seed) if ref_native is not None else []
         try:
             outputs = candidate.run(*_clones(inputs))
             _synchronize(device)  # GPU faults surface asynchronously: attribute them here
         except (Exception, SystemExit) as error:  # noqa: BLE001 - candidate errors are verdicts
             return _failed(f"candidate raised {one_line(error)}")
+        outcome = _compare_outputs(region, example, outputs, ref_hi, ref_native, ref_near)
+        if outcome.ok or ref_native is None:
+            return outcome
+        # only for a failing output: eager on the 16-bit inputs one ulp away (a bf16 GEMM's eager
+        # runs are slow on a CPU; most candidates pass without them)
+        ref_near_low = _runs_near_low(reference, inputs, example.seed)
+    if not ref_near_low:
+        return outcome
     return _compare_outputs(region, example, outputs, ref_hi, ref_native, ref_near, ref_near_low)
 
 
