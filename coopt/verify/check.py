@@ -39,9 +39,10 @@ def check_example(
     example: Example,
     device: str | torch.device,
 ) -> ExampleOutcome:
-    """Run reference (float64; native; native on the float32 inputs one ulp away, and on the
-    bf16 / fp16 inputs one ulp of their dtype away in LOW_NUDGES draws) and candidate on the
-    example's inputs and compare (verify/tolerances.py has the rule).
+    """Run reference (float64; native; native on the float32 inputs one ulp away and, where the
+    candidate fails without them, on the bf16 / fp16 inputs one ulp of their dtype away in
+    LOW_NUDGES draws) and candidate on the example's inputs and compare (verify/tolerances.py
+    has the rule).
 
     An in-place region (attrs "inplace": a KV-cache write) writes its inputs: every run gets its
     own copies, and its outputs are the whole written buffers, so positions it must not touch
