@@ -706,8 +706,11 @@ def test_fp8_register_and_shared_memory_rules():
     # 1-byte stages: BLOCK_N 128 x 4 stages fit in shared memory (bf16 would not)
     assert FAMILY.check(llama, ok, H200) is None
     assert "shared memory" in FAMILY.check(make_region(1, 32, 8, 4096, 128, "bfloat16"), ok, H200)
-    # widening fp8 tiles costs registers: 8 warps at BLOCK_N 128 spill (bf16 caches do not)
-    assert "fp8 K/V tiles over 8 warps spills" in FAMILY.check(llama, {**ok, "num_warps": 8}, H200)
+    # widening fp8 tiles costs registers: BLOCK_N 128 at 8 warps fits at D 128 (compiled without
+    # spills: test_fp8_tiles_of_128_keys_at_8_warps_compile_without_spills), not at D 256
+    assert FAMILY.check(llama, {**ok, "num_warps": 8}, H200) is None
+    wide = fp8_region(1, 32, 8, 4096, 256, "per-token")
+    assert "fp8 K/V tiles over 8 warps spills" in FAMILY.check(wide, {**ok, "num_warps": 8, "num_stages": 2}, H200)
     assert FAMILY.check(make_region(1, 32, 8, 4096, 128, "bfloat16"), {**ok, "num_warps": 8, "num_stages": 3}, H200) is None
     # fp32 queries: tl.dot on widened tiles only at 16 keys over 8 warps
     fp32 = fp8_region(1, 32, 8, 4096, 128, "per-head", "float32")
