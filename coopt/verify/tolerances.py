@@ -269,25 +269,27 @@ def _compare_floating(candidate, ref_hi, ref_native, dtype: torch.dtype, slack: 
     )
 
 
-def _native_error(native, hi, both_finite) -> float | None:
-    """max |ref_native - ref_hi| where all three are finite; None without an eager result."""
-    if native is None:
-        return None
-    mask = both_finite & torch.isfinite(native)
+def _eager_errors(eager, hi, both_finite) -> torch.Tensor | None:
+    """|eager - ref_hi| where all three are finite (0 elsewhere); None where none is."""
+    mask = both_finite & torch.isfinite(eager)
     if not bool(mask.any()):
         return None
     zero = torch.zeros((), dtype=torch.float64, device=hi.device)
-    return float(torch.where(mask, (native - hi).abs(), zero).max())
+    return torch.where(mask, (eager - hi).abs(), zero)
+
+
+def _native_error(native, hi, both_finite) -> float | None:
+    """max |ref_native - ref_hi| where all three are finite; None without an eager result."""
+    err = None if native is None else _eager_errors(native, hi, both_finite)
+    return None if err is None else float(err.max())
 
 
 def _error_over_floor(eager, hi, both_finite, bound) -> float | None:
     """max |eager - ref_hi| where `eager` exceeds the floor `bound` somewhere (all three
     finite), else None: an eager run that meets the floor says nothing of the example's
     conditioning."""
-    mask = both_finite & torch.isfinite(eager)
-    zero = torch.zeros((), dtype=torch.float64, device=hi.device)
-    err = torch.where(mask, (eager - hi).abs(), zero)
-    return float(err.max()) if bool((err > bound).any()) else None
+    err = _eager_errors(eager, hi, both_finite)
+    return float(err.max()) if err is not None and bool((err > bound).any()) else None
 
 
 def _value_class(t: torch.Tensor) -> torch.Tensor:
