@@ -4,6 +4,7 @@
     python bench/gemm.py --quick --shapes skinny  # the GEMV variant on decode-sized GEMMs
     python bench/gemm.py                          # every legal point (hours: narrow it down)
     python bench/gemm.py --shapes up,down --variants tma --limit 40 --json gemm.json
+    python bench/gemm.py --shapes layer --variants stream-k --advised 2  # stream-K GEMVs beside their twins
 
 Shapes (bf16, M x N x K): `up` 4096x16384x4096 + bias, gelu (the MLP up-projection); `down`
 4096x4096x16384 + bias + residual; `decode` M = 1, 8, 32 with N = 4096 / 14336, K = 4096 (a
@@ -140,8 +141,9 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the curated subset (~24 points)")
     parser.add_argument("--shapes", default="up,down,decode", help="comma list of: " + ",".join(SHAPES))
-    parser.add_argument("--variants", default="all", choices=["all", "plain", "persistent", "tma", "gemv"],
-                        help="full mode: keep only points of this kernel variant")
+    parser.add_argument("--variants", default="all", choices=["all", "plain", "persistent", "tma", "gemv", "stream-k"],
+                        help="full mode: keep only points of this kernel variant; stream-k: the advisor's first "
+                             "--advised GEMV points, each beside its stream-K twins")
     parser.add_argument("--limit", type=int, default=None, help="full mode: at most this many points per shape")
     parser.add_argument("--advised", type=int, default=3,
                         help="quick and --sample modes: also the heuristic advisor's first N points per shape")
@@ -238,6 +240,8 @@ def select_points(region, args) -> list[dict]:
         curated = QUICK_GEMV + QUICK_DECODE if m <= SKINNY_M else QUICK_LARGE
         points = [{**_PLAIN, **p} for p in curated if family.check(region, p, H200) is None]
         return points + [p for p in advised_points(region, args.advised) if p not in points]
+    if args.variants == "stream-k":
+        return stream_k_pairs(region, args.advised)
     points = family.legal_points(region, H200)
     keep = {
         "all": lambda p: True,
@@ -252,6 +256,25 @@ def select_points(region, args) -> list[dict]:
         rest = [p for p in points if p not in advised]
         return advised + random.Random(0).sample(rest, min(args.sample, len(rest)))
     return points[: args.limit] if args.limit else points
+
+
+def stream_k_pairs(region, count: int) -> list[dict]:
+    """The advisor's first `count` GEMV points of one program a tile (no SPLIT_K), each followed by
+    its stream-K twins: the same tile with the weight's (tile, K step) pairs shared out equally
+    among STREAM_K programs an SM, timed side by side; at fewer pipeline stages where the twin's
+    programs would not fit an SM's shared memory at the point's own."""
+    from coopt.targets import H200
+    from coopt.templates.matmul_epilogue import STREAM_K_PROGRAMS_PER_SM, MatmulEpilogueFamily
+
+    family = MatmulEpilogueFamily()
+    single = [p for p in advised_points(region, 4 * count) if p.get("GEMV") and p["SPLIT_K"] == 1]
+    points = []
+    for base in single[:count]:
+        points.append(base)
+        for n in STREAM_K_PROGRAMS_PER_SM:
+            twins = ({**base, "STREAM_K": n, "num_stages": stages} for stages in range(base["num_stages"], 1, -1))
+            points += [twin for twin in twins if family.check(region, twin, H200) is None][:1]
+    return points
 
 
 def advised_points(region, count: int) -> list[dict]:
@@ -285,6 +308,8 @@ def label(params: dict) -> str:
     if params.get("GEMV"):
         flags.append("gemv" + ("-fma" if params["BLOCK_M"] == 1 else "-dot"))
         flags += [name.lower() for name in ("NORM_FIRST", "SWAP_AB") if params.get(name)]
+        if params.get("STREAM_K"):
+            flags.append(f"streamk{params['STREAM_K']}")
     return text + (" " + "+".join(flags) if flags else "")
 
 

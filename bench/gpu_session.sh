@@ -37,6 +37,8 @@
 #                                        # without PDL for the GEMVs and keeps the faster), both profiled (~8 min)
 #   bash bench/gpu_session.sh normstats-chunk-b32  # b32 / 2048: the norm sums over 64- (default) and 32-column chunks, profiled (~9 min)
 #   bash bench/gpu_session.sh launch-tests  # the GPU tests of session 15: the fold, its one-key exactness, the launch choice (~2 min)
+#   bash bench/gpu_session.sh stream-k   # stream-K GEMVs (session 20, unmeasured) beside the advisor's first points,
+#                                        # one Llama layer's GEMVs at b1 and b32 and the skinny shapes, then its GPU tests (~7 min)
 #   bash bench/gpu_session.sh fp8-warps  # fp8 decode attention at 8 warps against 4 (kernels, then the b1 / 32768 build; ~9 min)
 #   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
@@ -284,6 +286,13 @@ case "${1:-}" in
             tests/templates/test_decode_attention.py tests/templates/test_decode_attention_kv_write_fp8.py -k "v_words or fp16"
         step 330 attention python bench/attention_sweep.py --cases b1-32768-fp8,b1-2048-fp8,b32-2048-fp8 --advised 6 \
             --sample 8 --no-prefetch --json "$OUT/attention_v_words.json"
+        ;;
+    stream-k)  # issue 3: the GEMVs' last 5 % (b1, +62 µs over 4.2 TB/s) and the M = 32 ramp and tail (b32, +144 µs):
+        # each advised GEMV point of one program a tile beside its stream-K twins (1, 2, 4 programs an SM), checked
+        # against eager before and after timing (the arrival counters under real concurrency); then the GEMV tests
+        step 420 gemm python bench/gemm.py --shapes layer,skinny --variants stream-k --advised 2 --json "$OUT/stream_k.json"
+        step 150 pytest-gemv python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+            tests/templates/test_matmul_epilogue.py tests/templates/test_matmul_gemv_fusions.py -k "gemv or stream or glu or stats"
         ;;
     fp8-warps)  # issue 4: fp8 decode attention at 8 warps (BLOCK_N 128, admitted in session 19: half the loop a
         # thread, compiled spill-free without a GPU) against 4, b1 at 32768 and 2048, b32 at 2048: the advisor's first

@@ -29,6 +29,7 @@ SPLIT_K = ("SPLIT_K",)
 GEMV = ("GEMV",)
 NORM_FIRST = ("NORM_FIRST",)
 SWAP_AB = ("SWAP_AB",)
+STREAM_K = ("STREAM_K",)
 
 # "Enough tiles" means at least this share of the SMs has a tile: a short last wave costs
 # less than tiles so small that each one does too little work to hide memory latency.
@@ -133,6 +134,11 @@ GEMV_FLIGHT_BYTES_PER_SM = 48 * 1024
 GEMV_ROW_BYTES = 512  # contiguous bytes per weight row and K step (32 B sectors, long bursts)
 GEMV_SLAB_BYTES = 16 * 1024  # 16x512 or 32x256 bf16: the slab of the measured winners
 GEMV_MAX_PROGRAMS_PER_SM = 8  # of 4 warps: 32 warps an SM, registers to spare
+# Stream-K GEMV points (STREAM_K programs an SM, equal shares of the weight) are not measured on a
+# GPU yet: each ranks a factor of two behind its one-program-a-tile twin, out of the few points a
+# build measures (its top 3 keep the kernels measured before), until bench/gemm.py --variants
+# stream-k has compared them.
+GEMV_STREAM_K_UNMEASURED = 1.0
 
 
 def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tuple[CostFn, str]:
@@ -196,6 +202,9 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
             # behind the separate norm.
             first = bool(knob(point, NORM_FIRST))
             c += (0.001 if first else 0.0) if bm == 1 else (0.0 if first else 0.05 if swap else 3.0)
+        stream_k = knob(point, STREAM_K) or 0
+        if stream_k:
+            c += GEMV_STREAM_K_UNMEASURED + 0.001 * stream_k  # fewer programs an SM first
         return c
 
     kernel = "multiply-and-sum" if bm_t == 1 else f"tl.dot on {bm_t} rows"

@@ -122,9 +122,9 @@ class TemplateFamily:
         raise NotImplementedError
 
     # -- shared helpers --------------------------------------------------------------
-    def legal_points(self, region: RegionSummary, target: Target) -> list[dict]:
-        """Every legal point of the space, in a deterministic order."""
-        space = self.param_space(region, target)
+    def legal_points(self, region: RegionSummary, target: Target, space: dict[str, list] | None = None) -> list[dict]:
+        """Every legal point of the space (`space`: a family's own reduction of it), in a deterministic order."""
+        space = self.param_space(region, target) if space is None else space
         keys = sorted(space)
         points = []
         for values in itertools.product(*(space[k] for k in keys)):

@@ -56,6 +56,16 @@ Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows 
                                weight rows on the tensor cores' 64-row side, BLOCK_M activation
                                rows on the narrow side (on sm_90 a wgmma instead of mma on
                                rows padded to 16), transposed back before the epilogue.
+    STREAM_K (GEMV, SPLIT_K=1)  programs an SM (1, 2 or 4; 0 off): one wave of SMs x STREAM_K programs,
+                               each owning an equal contiguous range of the (tile, K step) pairs,
+                               so every SM streams the same share of the weight (one program a
+                               tile leaves q|k|v's 384 programs uneven on 132 SMs and a tail
+                               where few run). Tiles shared by programs meet as SPLIT_K's do, a
+                               slot per program in the tile's order (deterministic). Not with the
+                               RMSNorm computed in the kernel (its row sums would need meeting too;
+                               NORM_FIRST and the producer's statistics serve). Unmeasured on a
+                               GPU so far: the heuristic ranks it after its one-program-a-tile
+                               twin until bench/gemm.py --variants stream-k has measured it.
 
 Fused forms of the GEMV kernel (attrs "prologue" / "glu" / "row_squares", regions of
 fuse-decode-gemv and fuse-norm-statistics): only
@@ -140,7 +150,9 @@ _MAX_FP32_ACC_AND_OPERAND_REGS = 144
 
 # The variants' knobs; a point without them (older advice, caches) is the plain kernel.
 VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1, "GEMV": False, "NORM_FIRST": False,
-                    "SWAP_AB": False}
+                    "SWAP_AB": False, "STREAM_K": 0}
+# Programs an SM of the stream-K GEMV (0: one program a tile and K split).
+STREAM_K_PROGRAMS_PER_SM = (1, 2, 4)
 # GEMV is offered where the region is planned for at most this many rows: beyond it the weight
 # is no longer the only traffic that matters and the tensor-core tiles win.
 GEMV_MAX_M = 64
@@ -310,10 +322,27 @@ class MatmulEpilogueFamily(TemplateFamily):
             if _norm_prologue(region) is not None:  # the RMSNorm inside the GEMV or a kernel before it
                 space["NORM_FIRST"] = [False, True]
             space["SWAP_AB"] = [False, True]  # tl.dot tiles: activation rows or weight rows on the 64-row side
+            space["STREAM_K"] = [0, *STREAM_K_PROGRAMS_PER_SM]  # a form of the GEMV points of SPLIT_K=1
         return space
+
+    def legal_points(self, region: RegionSummary, target: Target, space: dict[str, list] | None = None) -> list[dict]:
+        """The legal points of the space less STREAM_K, each legal GEMV point of SPLIT_K=1 followed
+        by its legal stream-K twins. STREAM_K applies to those points only: in the product it
+        would triple the tens of thousands of points checked."""
+        space = dict(self.param_space(region, target) if space is None else space)
+        stream_k = [n for n in space.pop("STREAM_K", []) if n]
+        points = []
+        for point in super().legal_points(region, target, space):
+            points.append(point)
+            if point.get("GEMV") and point["SPLIT_K"] == 1:
+                twins = ({**point, "STREAM_K": n} for n in stream_k)
+                points.extend(twin for twin in twins if self.check(region, twin, target) is None)
+        return points
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
         knobs = {**VARIANT_DEFAULTS, **params}
+        if knobs["STREAM_K"] and not knobs["GEMV"]:
+            return "STREAM_K is a form of the GEMV kernel (GEMV=True)"
         if knobs["NORM_FIRST"] and not (knobs["GEMV"] and _norm_prologue(region) is not None):
             return "NORM_FIRST runs a region's RMSNorm prologue ahead of the GEMV kernel (GEMV=True and a norm prologue)"
         if knobs["SWAP_AB"] and not (knobs["GEMV"] and params["BLOCK_M"] >= 16 and params["BLOCK_N"] >= 64):
@@ -400,6 +429,14 @@ class MatmulEpilogueFamily(TemplateFamily):
         reason = self._check_gemv_resources(region, params, target)
         if reason:
             return reason
+        stream_k = params.get("STREAM_K", 0)
+        if stream_k:
+            if split_k > 1:
+                return "STREAM_K splits K by ranges of its own (SPLIT_K=1)"
+            if _inline_norm(region, params) is not None:
+                return "STREAM_K needs the RMSNorm outside the GEMV loop (NORM_FIRST or the producer's statistics)"
+            if stream_k * self._gemv_smem(region, params) > target.smem_per_block_bytes:
+                return f"{stream_k} GEMV programs an SM need more than {target.smem_per_block_bytes} B of shared memory"
         if split_k > 1:
             if -(-k_lo // bk) < 2 * split_k:
                 return f"SPLIT_K={split_k} leaves fewer than 2 K-steps of {bk} per split (K >= {k_lo})"

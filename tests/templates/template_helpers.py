@@ -246,7 +246,8 @@ def assert_gemv_points_compile(family, cases: dict, make_inputs, tmp_path, targe
         assert kernel["launches"] == 1 and kernel["pipelined"], f"{label}: weight loads not pipelined ({params})"
         # as conftest's compile_for_sm90 asserts for every template: launched with PDL, waiting first
         assert kernel["pdl"], f"{label}: launched without programmatic dependent launch"
-        assert kernel["prefetch_before_wait"], f"{label}: no weight prefetch ahead of the PDL wait"
+        if not params.get("STREAM_K"):  # stream-K's ranges are known only in its loop: no prefetch
+            assert kernel["prefetch_before_wait"], f"{label}: no weight prefetch ahead of the PDL wait"
         assert kernel["shared"] <= family._gemv_smem(region, params), f"{label}: check() underestimates shared memory"
         if kernel.get("spill_instructions") is not None:  # the SASS, where cuobjdump runs
             assert kernel["spill_instructions"] == 0, f"{label}: spills ({kernel['registers']} registers)"

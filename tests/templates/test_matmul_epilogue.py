@@ -264,6 +264,10 @@ GEMV_POINTS = {
     "fma": gemv(1, 32, 128, stages=4),
     "dot_split": gemv(16, 16, 32, split=4),
     "dot": gemv(16, 64, 128, stages=2),
+    # stream-K: 14 programs under the interpreter over 4-16 tiles of 10 K steps; their ranges
+    # (2-11 steps) end inside tiles, which 2-6 programs then share
+    "fma_stream": {**gemv(1, 16, 32), "STREAM_K": 2},
+    "dot_stream": {**gemv(16, 16, 32), "STREAM_K": 2},
 }
 
 
@@ -305,6 +309,28 @@ def test_gemv_calls_reuse_the_workspace(load_candidate):
     assert module._workspace(inputs[0].device, 4 * 50, 4) == module._WORKSPACES[inputs[0].device]
 
 
+@pytest.mark.parametrize("point", ["fma_stream", "dot_stream"])
+def test_gemv_stream_k_slots_hold_every_tile_meeting(point, load_candidate):
+    # Symbolic rows, so one module sees several tile counts: each call's slots (from the host's
+    # bound) cover the most programs whose ranges share a tile, counted here by brute force
+    region = make_region(("S",), 50, 300, "bfloat16", dims={"S": (1, 16)})
+    params = GEMV_POINTS[point]
+    module = load_candidate(FAMILY.render(region, params), f"gemv_stream_{point}")
+    k_tiles = -(-300 // params["BLOCK_K"])
+    for rows, seed in ((1, 0), (3, 1), (16, 2), (2, 3)):
+        inputs = make_inputs(region, {"S": rows}, seed=seed)
+        (out,) = module.run(*inputs)
+        check_close(out, reference(region, inputs))
+        tiles = -(-rows // params["BLOCK_M"]) * -(-50 // params["BLOCK_N"])
+        work = tiles * k_tiles
+        programs = module._stream_programs(inputs[0].device, work)
+        owners = [max(p for p in range(programs) if p * work // programs <= step) for step in range(work)]
+        sharing = max(len(set(owners[t * k_tiles:(t + 1) * k_tiles])) for t in range(tiles))
+        partials, arrivals = module._WORKSPACES[inputs[0].device]
+        assert sharing > 1 and partials.numel() >= tiles * sharing * params["BLOCK_M"] * params["BLOCK_N"]
+        assert not arrivals.any()  # every counter back at zero: the next launch needs no clearing
+
+
 def test_gemv_without_split_has_no_workspace(load_candidate):
     region = make_region((1,), 50, 300, "bfloat16")
     module = load_candidate(FAMILY.render(region, GEMV_POINTS["fma"]), "gemv_no_split")
@@ -338,10 +364,16 @@ def test_gemv_space_values_are_all_legal_somewhere():
     # three rows: BLOCK_M=1 is legal, 32..128 exceed the problem; Hopper variants need big tiles
     region = make_region((3,), 200, 1100, "bfloat16")
     space = FAMILY.param_space(region, H200)
-    used = {(k, v) for p in FAMILY.legal_points(region, H200) for k, v in p.items()}
+    points = FAMILY.legal_points(region, H200)
+    used = {(k, v) for p in points for k, v in {"STREAM_K": 0, **p}.items()}  # STREAM_K only on its twins
     unused = {(k, v) for k, values in space.items() for v in values} - used
     assert unused == {("BLOCK_M", 32), ("BLOCK_M", 64), ("BLOCK_M", 128), ("PERSISTENT", True),
                       ("USE_TMA", True), ("EPILOGUE_SUBTILE", 2)}
+    # each stream-K point is the twin of a legal point of one program a tile and K split
+    plain = {tuple(sorted(p.items())) for p in points if "STREAM_K" not in p}
+    twins = [p for p in points if p.get("STREAM_K")]
+    assert twins and all(p["SPLIT_K"] == 1 and p["GEMV"] for p in twins)
+    assert all(tuple(sorted((k, v) for k, v in p.items() if k != "STREAM_K")) in plain for p in twins)
 
 
 def test_gemv_covering_points_match_torch(load_candidate):
@@ -397,6 +429,27 @@ def test_heuristic_ranks_gemv_first_for_decode():
     assert not large.get("GEMV") and large["PERSISTENT"] and large["USE_TMA"]
 
 
+def test_heuristic_ranks_stream_k_behind_its_twin():
+    # unmeasured on a GPU: out of a build's top 3, each after the point it is a form of (fewer programs an SM first)
+    from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
+
+    for m, n, k in ((1, 6144, 4096), (32, 4096, 4096)):
+        region = make_region((m,), n, k, "bfloat16")
+        legal = tuple(FAMILY.legal_points(region, H200))
+        request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
+        ranked = HeuristicAdvisor().advise(request).ranked
+        position = {tuple(sorted(p.items())): i for i, p in enumerate(ranked)}
+        assert not any(p.get("STREAM_K") for p in ranked[:3])
+        twins = [p for p in ranked if p.get("STREAM_K")]
+        assert twins
+        for twin in twins:
+            plain = {key: value for key, value in twin.items() if key != "STREAM_K"}
+            assert position[tuple(sorted(plain.items()))] < position[tuple(sorted(twin.items()))]
+            fewer = {**twin, "STREAM_K": twin["STREAM_K"] // 2}
+            if fewer["STREAM_K"] and fewer in legal:
+                assert position[tuple(sorted(fewer.items()))] < position[tuple(sorted(twin.items()))]
+
+
 # -- the space stays bounded and legal ---------------------------------------------------
 
 def test_check_rejections():
@@ -428,7 +481,7 @@ def test_space_is_bounded():
     points = FAMILY.legal_points(region, H200)
     assert 0 < len(points) < 2000  # about 2/3 of them the tile-loop (PERSISTENT / USE_TMA) variants
     decode = FAMILY.legal_points(make_region((1,), 4096, 4096, "bfloat16"), H200)
-    assert 0 < len(decode) < 2000  # the GEMV points of a decode-sized region included
+    assert 0 < len(decode) < 2500  # the GEMV points of a decode-sized region and their stream-K twins included
     plain = [p for p in decode if not p["GEMV"]]
     assert {p["BLOCK_M"] for p in plain} == {16} and {p["SPLIT_K"] for p in plain} == {1, 2, 4, 8}
     assert {p["BLOCK_M"] for p in decode if p["GEMV"]} == {1, 16}
@@ -544,8 +597,10 @@ def test_covering_points_compile_for_hopper(tmp_path):
 # H200: bench/gemm.py --quick --shapes skinny,decode), a split-K one (the arrival counters) and
 # an fp32 one.
 GEMV_HOPPER_POINTS = {
-    "one_row": [gemv(1, 16, 512), gemv(1, 32, 256), gemv(1, 32, 256, split=4, stages=4)],
-    "rows32": [gemv(32, 32, 256, stages=4), gemv(32, 32, 512), gemv(16, 64, 256, split=2, stages=4)],
+    "one_row": [gemv(1, 16, 512), gemv(1, 32, 256), gemv(1, 32, 256, split=4, stages=4),
+                {**gemv(1, 16, 512), "STREAM_K": 4}],
+    "rows32": [gemv(32, 32, 256, stages=4), gemv(32, 32, 512), gemv(16, 64, 256, split=2, stages=4),
+               {**gemv(32, 32, 256, stages=4), "STREAM_K": 2}],
     "fp32": [gemv(1, 32, 128, split=4, stages=4)],
 }
 

@@ -175,6 +175,7 @@ def test_norm_without_weight(point, load_candidate):
 FIRST_POINTS = {
     "dot_first": {**gemv(16, 32, 128, stages=2), "NORM_FIRST": True},
     "fma_first_split": {**gemv(1, 16, 32, split=4), "NORM_FIRST": True},
+    "fma_first_stream": {**gemv(1, 16, 32), "NORM_FIRST": True, "STREAM_K": 2},
 }
 
 
@@ -230,6 +231,37 @@ def test_swap_ab_fp32_and_legality(load_candidate):
     assert "SWAP_AB" in FAMILY.check(region, {**SWAP, "BLOCK_N": 32}, H200)
     assert "SWAP_AB" in FAMILY.check(fused_region((1,), 100, 200, "float32", norm=False),
                                      {**gemv(1, 64, 128), "SWAP_AB": True}, H200)
+
+
+# Stream-K (14 programs under the interpreter) over 10 K steps of 32: ranges end inside tiles
+STREAM_POINTS = {"fma_stream": {**gemv(1, 16, 32), "STREAM_K": 2}, "dot_stream": {**gemv(16, 16, 32), "STREAM_K": 4}}
+
+
+@pytest.mark.parametrize("point", sorted(STREAM_POINTS))
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_swiglu_stream_k_meets_both_halves(point, b_layout, load_candidate):
+    region = fused_region((3,), 50, 301, "bfloat16", norm=False, glu=True, b_layout=b_layout)
+    inputs = make_inputs(region, seed=2)
+    (out,) = run_candidate(load_candidate, region, STREAM_POINTS[point], inputs, stem=f"glu_{point}_{b_layout}")
+    check_close(out, reference(region, inputs)[0])
+
+
+def test_stream_k_rejections():
+    norm = fused_region((1,), 4096, 4096, "bfloat16")
+    stream = {**gemv(1, 16, 512), "STREAM_K": 2}
+    assert "RMSNorm outside the GEMV loop" in FAMILY.check(norm, stream, H200)
+    assert FAMILY.check(norm, {**stream, "NORM_FIRST": True}, H200) is None
+    assert "SPLIT_K=1" in FAMILY.check(norm, {**stream, "NORM_FIRST": True, "SPLIT_K": 2, "BLOCK_K": 256}, H200)
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    plain = fused_region((16,), 4096, 4096, "bfloat16", norm=False)
+    assert "form of the GEMV kernel" in FAMILY.check(plain, {**tile, "STREAM_K": 2}, H200)
+    # 4 programs of a 4-stage 32x32x256 pipeline (~96 KB each) do not fit an SM's shared memory
+    deep = {**gemv(32, 32, 256, stages=4), "STREAM_K": 4}
+    assert "shared memory" in FAMILY.check(fused_region((32,), 4096, 4096, "bfloat16", norm=False), deep, H200)
+    # in the space, offered only as twins of GEMV points without SPLIT_K and with the norm outside the loop
+    points = FAMILY.legal_points(norm, H200)
+    twins = [p for p in points if p.get("STREAM_K")]
+    assert twins and all(p["NORM_FIRST"] and p["SPLIT_K"] == 1 for p in twins)
 
 
 def test_norm_first_is_only_for_gemv_norm_regions():
@@ -438,6 +470,8 @@ STATS_POINTS = {
     "dot_split": gemv(16, 128, 32, split=4),
     "dot32_split": gemv(32, 64, 64, split=2, stages=2),
     "swap": {**gemv(16, 64, 128, stages=2), "SWAP_AB": True},
+    "fma_stream": {**gemv(1, 64, 32), "STREAM_K": 2},
+    "dot_stream": {**gemv(16, 64, 32, stages=2), "STREAM_K": 4},
 }
 
 
