@@ -56,16 +56,17 @@ Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows 
                                weight rows on the tensor cores' 64-row side, BLOCK_M activation
                                rows on the narrow side (on sm_90 a wgmma instead of mma on
                                rows padded to 16), transposed back before the epilogue.
-    STREAM_K (GEMV, SPLIT_K=1)  programs an SM (1, 2 or 4; 0 off): one wave of SMs x STREAM_K programs,
-                               each owning an equal contiguous range of the (tile, K step) pairs,
+    STREAM_K (GEMV points)     programs an SM (1, 2 or 4; 0 off; SPLIT_K=1): one wave of SMs x
+                               STREAM_K programs, each owning an equal contiguous range of the
+                               (tile, K step) pairs,
                                so every SM streams the same share of the weight (one program a
                                tile leaves q|k|v's 384 programs uneven on 132 SMs and a tail
                                where few run). Tiles shared by programs meet as SPLIT_K's do, a
                                slot per program in the tile's order (deterministic). Not with the
                                RMSNorm computed in the kernel (its row sums would need meeting too;
                                NORM_FIRST and the producer's statistics serve). Unmeasured on a
-                               GPU so far: the heuristic ranks it after its one-program-a-tile
-                               twin until bench/gemm.py --variants stream-k has measured it.
+                               GPU so far: the heuristic ranks it out of a build's top 3 until
+                               bench/gemm.py --variants stream-k has measured it.
 
 Fused forms of the GEMV kernel (attrs "prologue" / "glu" / "row_squares", regions of
 fuse-decode-gemv and fuse-norm-statistics): only
