@@ -267,7 +267,7 @@ def stream_k_pairs(region, count: int) -> list[dict]:
     from coopt.templates.matmul_epilogue import STREAM_K_PROGRAMS_PER_SM, MatmulEpilogueFamily
 
     family = MatmulEpilogueFamily()
-    single = [p for p in advised_points(region, 4 * count) if p.get("GEMV") and p["SPLIT_K"] == 1]
+    single = [p for p in advised_points(region, 4 * count) if p.get("GEMV") and p["SPLIT_K"] == 1 and not p["STREAM_K"]]
     points = []
     for base in single[:count]:
         points.append(base)

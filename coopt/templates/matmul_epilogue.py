@@ -327,14 +327,17 @@ class MatmulEpilogueFamily(TemplateFamily):
         return space
 
     def legal_points(self, region: RegionSummary, target: Target, space: dict[str, list] | None = None) -> list[dict]:
-        """The legal points of the space less STREAM_K, each legal GEMV point of SPLIT_K=1 followed
-        by its legal stream-K twins. STREAM_K applies to those points only: in the product it
-        would triple the tens of thousands of points checked."""
+        """The legal points of the space less STREAM_K (each with STREAM_K=0 where the space has
+        the knob: a point names every knob of its space), each legal GEMV point of SPLIT_K=1
+        followed by its legal stream-K twins. STREAM_K applies to those points only: in the
+        product it would quadruple the tens of thousands of points checked."""
         space = dict(self.param_space(region, target) if space is None else space)
-        stream_k = [n for n in space.pop("STREAM_K", []) if n]
+        if "STREAM_K" not in space:
+            return super().legal_points(region, target, space)
+        stream_k = [n for n in space.pop("STREAM_K") if n]
         points = []
         for point in super().legal_points(region, target, space):
-            points.append(point)
+            points.append({**point, "STREAM_K": 0})
             if point.get("GEMV") and point["SPLIT_K"] == 1:
                 twins = ({**point, "STREAM_K": n} for n in stream_k)
                 points.extend(twin for twin in twins if self.check(region, twin, target) is None)
