@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh core-pdl   # decode b1 and b32 at 2048, each step profiled with PDL off and on
 #   bash bench/gpu_session.sh fp8-b1     # bf16 vs fp8 KV decode, b1 at 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh fp8-b32    # bf16 vs fp8 KV decode, b32 at 2048 and 8192 (~8 min)
+#   bash bench/gpu_session.sh fp8-b1-32768  # b1 at 32768 only: reduce-overhead, coopt, coopt-fp8 (~7 min)
 #   bash bench/gpu_session.sh issue3     # b1 and b32 at 2048 in every mode (~9 min)
 #   bash bench/gpu_session.sh prefill    # the 2048-token prompt in every mode: tokens/s (~6-8 min)
 #   bash bench/gpu_session.sh sweep      # decode attention + GEMV: advised points vs a sample of the space, L2 prefetch (~9 min)
@@ -119,6 +120,11 @@ case "${1:-}" in
         step 560 decode python bench/decode.py --cases 1:32768:32832,1:131072:131136 --modes reduce-overhead,coopt,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b1.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b1 coopt-fp8
+        ;;
+    fp8-b1-32768)  # issues 3 and 4: b1 / 32768 alone, reduce-overhead, coopt bf16 and fp8 KV in one run (~7 min)
+        step 540 decode python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt,coopt-fp8 \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_b1_32768.json" --build-dir /tmp/coopt-fp8
+        reports reports_b1_32768 coopt-fp8
         ;;
     fp8-b32)  # issue 4: bf16 vs fp8 KV at batch 32, positions 2048 and 8192
         step 560 decode python bench/decode.py --cases 32:2048:4096,32:8192:8256 --modes reduce-overhead,coopt,coopt-fp8 \
