@@ -443,6 +443,12 @@ def test_norm_statistics_points_compile_for_hopper(tmp_path):
         "stats_qkv_rows32": (consumer_region(32, 512, 4096), [{**gemv(32, 64, 256, stages=4), "SWAP_AB": True}]),
         "stats_gate_up_rows32": (consumer_region(32, 512, 4096, glu=True), [
             {**gemv(32, 64, 256, stages=2), "SWAP_AB": True}, gemv(16, 32, 512, split=2, stages=3)]),
+        # stream-K twins (session 21: the statistics' chunk loop and the tile's program range
+        # once shared a name, which the interpreter ran and Triton's compiler refused)
+        "row_squares_rows1_stream": (producer_region(1, 512, 4096), [{**gemv(1, 64, 128, stages=3), "STREAM_K": 2}]),
+        "stats_qkv_rows1_stream": (consumer_region(1, 512, 4096), [{**gemv(1, 32, 256, stages=4), "STREAM_K": 2}]),
+        "stats_gate_up_rows32_stream": (consumer_region(32, 512, 4096, glu=True),
+                                        [{**gemv(16, 64, 256, stages=2), "STREAM_K": 1}]),
     }
     assert_gemv_points_compile(FAMILY, cases, make_inputs, tmp_path, H200)
 
