@@ -38,7 +38,7 @@
 #                                        # without PDL for the GEMVs and keeps the faster), both profiled (~8 min)
 #   bash bench/gpu_session.sh normstats-chunk-b32  # b32 / 2048: the norm sums over 64- (default) and 32-column chunks, profiled (~9 min)
 #   bash bench/gpu_session.sh launch-tests  # the GPU tests of session 15: the fold, its one-key exactness, the launch choice (~2 min)
-#   bash bench/gpu_session.sh stream-k   # stream-K GEMVs (session 20, unmeasured) beside the advisor's first points,
+#   bash bench/gpu_session.sh stream-k   # stream-K GEMVs (session 20; measured slower in session 21) beside the advisor's first points,
 #                                        # one Llama layer's GEMVs at b1 and b32 and the skinny shapes, then its GPU tests (~7 min)
 #   bash bench/gpu_session.sh fp8-warps  # fp8 decode attention at 8 warps against 4 (kernels, then the b1 / 32768 build; ~9 min)
 #   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8

@@ -134,11 +134,11 @@ GEMV_FLIGHT_BYTES_PER_SM = 48 * 1024
 GEMV_ROW_BYTES = 512  # contiguous bytes per weight row and K step (32 B sectors, long bursts)
 GEMV_SLAB_BYTES = 16 * 1024  # 16x512 or 32x256 bf16: the slab of the measured winners
 GEMV_MAX_PROGRAMS_PER_SM = 8  # of 4 warps: 32 warps an SM, registers to spare
-# Stream-K GEMV points (STREAM_K programs an SM, equal shares of the weight) are not measured on a
-# GPU yet: each ranks a factor of two behind its one-program-a-tile twin, out of the few points a
-# build measures (its top 3 keep the kernels measured before), until bench/gemm.py --variants
-# stream-k has compared them.
-GEMV_STREAM_K_UNMEASURED = 1.0
+# Stream-K GEMV points (STREAM_K programs an SM, equal shares of the weight) measured slower than
+# their one-program-a-tile twins on every Llama-3-8B shape at b1 and b32 (H200, session 21,
+# bench/gemm.py --variants stream-k: o at b1 13.1 against 11.2 µs at best): each ranks a factor
+# of two behind its twin, out of the few points a build measures.
+GEMV_STREAM_K_SLOWER = 1.0
 
 
 def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tuple[CostFn, str]:
@@ -204,7 +204,7 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
             c += (0.001 if first else 0.0) if bm == 1 else (0.0 if first else 0.05 if swap else 3.0)
         stream_k = knob(point, STREAM_K) or 0
         if stream_k:
-            c += GEMV_STREAM_K_UNMEASURED + 0.001 * stream_k  # fewer programs an SM first
+            c += GEMV_STREAM_K_SLOWER + 0.001 * stream_k  # fewer programs an SM first
         return c
 
     kernel = "multiply-and-sum" if bm_t == 1 else f"tl.dot on {bm_t} rows"
@@ -441,13 +441,10 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     else:
         second_split = None
 
-    # fp16-widened fp8 tiles run a long loop a thread at 4 warps (sm_90 SASS of BLOCK_N 128,
-    # D 128: ~1060 instructions, 128 byte-wide shared loads) with two programs an SM or fewer:
-    # little to hide each thread's latency with. 8 warps halve the loop a thread (~600, no spill;
-    # compiled without a GPU, session 19). Not measured: where each SM gets two programs or
-    # fewer, the 8-warp twins of the first two splits are ranked among the first four points
-    # (second and fourth), so builds measure both.
-    eight_warps = tile_fp16 and dot_t and programs * split_t <= 2 * sms and 8 in (_numbers(knob(request.space, WARPS)) or [])
+    # 8 warps on fp16-widened fp8 tiles halve each thread's loop (sm_90 SASS, session 19), yet
+    # measured slower than 4 at every point (H200, session 21, bench/attention_sweep.py: b1 /
+    # 32768 split 16 32.8 against 30.8 µs, split 32 35.5 against 26.5; b1 / 2048 7.5 against
+    # 6.8; b32 / 2048 55.8 against 42.8): warps_t stands for them too.
 
     def cost(point: dict) -> float:
         split = knob(point, ("SPLIT_KV",))
@@ -469,11 +466,7 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
         # b1 / 32768 26.6 against 31.1 µs, b32 / 2048 42.9 against 50.9, docs/kv-cache.md): last.
         if knob(point, ("V_WORDS",)):
             c += 1.0
-        warps = knob(point, WARPS)
-        if eight_warps and warps == 8 and knob(point, ("TILE_FP16",)):
-            c += 0.04
-        else:
-            c += _log_gap(warps, warps_t)
+        c += _log_gap(knob(point, WARPS), warps_t)
         stages = knob(point, STAGES)
         c += 0.5 * _stages_gap(stages, *stages_range)
         # equal otherwise, fewer stages (less shared memory) first

@@ -746,12 +746,11 @@ def test_fp8_heuristic_takes_twice_the_keys_per_tile():
     assert best["BLOCK_N"] == 128 and best["USE_DOT"] and best["SPLIT_KV"] == 16, best
     assert FAMILY.check(region, best, H200) is None
     # a build measures the top 4: all fp16-widened (the bf16-widened form is slower and rounds q
-    # to 8 bits, session 19), the first two splits at 4 and 8 warps (two programs an SM or fewer:
-    # 8 warps halve each thread's loop); V read as words (measured slower on the H200, session
-    # 17) not among them
+    # to 8 bits, session 19), at 4 warps (8 measured slower at every point, session 21), twice
+    # the splits second; V read as words (measured slower on the H200, session 17) not among them
     assert all(p["TILE_FP16"] for p in ranked[:4]), ranked[:4]
-    assert second == {**best, "num_warps": 8}, second
-    assert ranked[2:4] == [{**best, "SPLIT_KV": 32}, {**best, "SPLIT_KV": 32, "num_warps": 8}], ranked[2:4]
+    assert all(p["num_warps"] == 4 for p in ranked[:4]), ranked[:4]
+    assert second == {**best, "SPLIT_KV": 32}, second
     assert all(FAMILY.check(region, p, H200) is None for p in ranked[:4])
     assert not any(p["V_WORDS"] for p in ranked[:4])
 

@@ -430,7 +430,8 @@ def test_heuristic_ranks_gemv_first_for_decode():
 
 
 def test_heuristic_ranks_stream_k_behind_its_twin():
-    # unmeasured on a GPU: out of a build's top 3, each after the point it is a form of (fewer programs an SM first)
+    # slower than its twin on the H200 (session 21): out of a build's top 3, each after the point it is a form of
+    # (fewer programs an SM first)
     from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
 
     for m, n, k in ((1, 6144, 4096), (32, 4096, 4096)):
