@@ -444,7 +444,7 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     # 8 warps on fp16-widened fp8 tiles halve each thread's loop (sm_90 SASS, session 19), yet
     # measured slower than 4 at every point (H200, session 21, bench/attention_sweep.py: b1 /
     # 32768 split 16 32.8 against 30.8 µs, split 32 35.5 against 26.5; b1 / 2048 7.5 against
-    # 6.8; b32 / 2048 55.8 against 42.8): warps_t stands for them too.
+    # 6.8; b32 / 2048 55.8 against 42.8): ranked by their distance from warps_t like any point.
 
     def cost(point: dict) -> float:
         split = knob(point, ("SPLIT_KV",))

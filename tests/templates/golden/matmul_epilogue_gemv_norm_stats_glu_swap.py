@@ -109,8 +109,8 @@ def _gemv_kernel(
     # the loads go out together (a loop adding one chunk at a time would wait for each in turn).
     stats_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     stats_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for first in tl.static_range(0, 8, 8):
-        chunk_ids = first + tl.arange(0, 8)
+    for stats_chunk0 in tl.static_range(0, 8, 8):
+        chunk_ids = stats_chunk0 + tl.arange(0, 8)
         stats = tl.load(stats_ptr + chunk_ids[:, None] * stride_sq_c + stats_rows[None, :] * stride_sq_m,
                         mask=(chunk_ids < n_chunks)[:, None] & (stats_rows < M)[None, :], other=0.0)
         stats_sum += tl.sum(stats, axis=0)
