@@ -44,6 +44,7 @@
 #   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
+#   bash bench/gpu_session.sh v-layout   # fp8 decode attention with V stored keys-contiguous against row-major, fixed points (~5 min)
 #   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
 #   bash bench/gpu_session.sh fold-gpu    # the fold's GPU tests (templates, verified builds, launch) and fold-kernels (~6 min)
 #   bash bench/gpu_session.sh fold-fix    # the fold's build tests (repros probed), template tests, fold-kernels (~10 min)
@@ -284,6 +285,9 @@ case "${1:-}" in
         for build in b1-pos32768-fp8 b1-pos32768-fp8-unfolded; do
             step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-fp8/$build" --batch 1 --out "$OUT/profile_$build.json"
         done
+        ;;
+    v-layout)  # issue 4: the fp8 attention at ~2.5 TB/s; V's tiles with each head's keys contiguous (session 22)
+        step 540 v-layout python bench/v_layout_probe.py --json "$OUT/v_layout.json"
         ;;
     v-words)  # issue 4: fp8 decode attention with V read as words (V_WORDS, session 16) against bytes: first its GPU
         # tests (the inline-PTX widening runs only there), then b1 at 32768 and 2048, b32 at 2048: the advisor's
