@@ -15,6 +15,7 @@
 #   bash bench/gpu_session.sh sweep      # decode attention + GEMV: advised points vs a sample of the space, L2 prefetch (~9 min)
 #   bash bench/gpu_session.sh accuracy   # bench/accuracy.py --config small --steps 2000 on the GPU
 #   bash bench/gpu_session.sh layers32   # 32 layers, b1 / 2048, all modes incl. max-autotune-no-cudagraphs
+#   bash bench/gpu_session.sh layers32-2048  # 32 layers at b1 and b32 / 2048 in one call (eager, reduce-overhead, coopt; ~9 min)
 #   bash bench/gpu_session.sh layers32-b32 / layers32-long   # 32 layers at b32 / 2048 and at b1 / 32768
 #   bash bench/gpu_session.sh layers32-rest  # both of those in one call (eager, reduce-overhead, coopt)
 #   bash bench/gpu_session.sh prefill-quick  # the 2048-token prompt without max-autotune, then the unchunked 131072 coopt prefill
@@ -137,6 +138,12 @@ case "${1:-}" in
             --modes eager,reduce-overhead,coopt,max-autotune-no-cudagraphs --prefill 0 --agreement-steps 8 \
             --out "$OUT/decode_32layers.json" --build-dir /tmp/coopt-32
         reports reports_32layers coopt-32
+        ;;
+    layers32-2048)  # issue 3: 32 layers at b1 and b32 / 2048 in one call (session 22; JSON after every variant)
+        step 590 decode python bench/decode.py --layers 32 --cases 1:2048:4096,32:2048:4096 \
+            --modes eager,reduce-overhead,coopt --prefill 0 --agreement-steps 8 \
+            --out "$OUT/decode_32layers_2048.json" --build-dir /tmp/coopt-32-2048
+        reports reports_32layers_2048 coopt-32-2048
         ;;
     layers32-b32)  # issue 3: 32 layers at b32 / 2048 (eager, reduce-overhead, coopt; max-autotune was 1.2x slower at 8)
         step 580 decode python bench/decode.py --layers 32 --cases 32:2048:4096 \
