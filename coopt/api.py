@@ -21,7 +21,8 @@ from coopt.runtime.kernel_loader import use_interpreter_without_gpu
 use_interpreter_without_gpu()
 
 from coopt.compile import BuildConfig, BuildResult, compile_model  # noqa: E402
-from coopt.emit.outdir import staged_out_dir  # noqa: E402
+from coopt.emit.outdir import ensure_free_space, staged_out_dir  # noqa: E402
+from coopt.emit.state_file import stored_bytes  # noqa: E402
 from coopt.emit.report import record_entry_points  # noqa: E402
 from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text  # noqa: E402
 from coopt.targets import Target, get_target  # noqa: E402
@@ -128,6 +129,8 @@ class Pipeline:
         if self.prefill_chunk is not None and dynamic_shapes is None and not any(d for _, d in (entry_points or {}).values()):
             raise _no_prompt_to_chunk()
         with staged_out_dir(Path(out_dir), force) as staging:
+            # the weights are written last, after the tuning: refuse now where they cannot fit
+            ensure_free_space(staging, stored_bytes(list(model.parameters())), "the model's weights")
             result = compile_model(
                 model, tuple(example_inputs), staging, self.config(), dynamic_shapes=dynamic_shapes, model_path=model_path,
                 calibration_inputs=calibration_inputs, **kwargs

@@ -8,7 +8,8 @@ Exit codes (also in README.md and `coopt --help`):
   5  bad configuration: unknown target, unknown pass or knob, malformed pipeline string, a
      pass that cannot apply (fp8-kv-cache / --kv-cache fp8 on a model without a KV cache,
      chunked-prefill / --prefill-chunk on one without a dynamic prompt length)
-  6  output directory exists and is not empty (use --force)
+  6  output directory: exists and is not empty (use --force), or cannot be written (too little
+     disk space for the weights, checked before the build starts and before they are written)
   7  advisor failed and fallback to the heuristic was disabled (--no-advisor-fallback)
   8  the built model does not match the original model end to end
   9  bad input file for `coopt opt` / `coopt tune` (unparseable IR, not a build directory)

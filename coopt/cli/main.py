@@ -17,7 +17,7 @@ from coopt.errors import CooptError
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 2 usage; 3 model file; 4 torch.export failed; 5 bad configuration "
-    "(target, pass, knob, --kv-cache fp8 without a KV cache); 6 output dir not empty; 7 advisor failed (strict); 8 end-to-end "
+    "(target, pass, knob, --kv-cache fp8 without a KV cache); 6 output dir not empty or not writable (disk space); 7 advisor failed (strict); 8 end-to-end "
     "mismatch; 9 bad input file; 10 plugin error; 70 internal error."
 )
 

@@ -1,4 +1,11 @@
-"""The output directory is written whole or not at all: build in a sibling temp dir, then rename."""
+"""The output directory is written whole or not at all: build in a sibling temp dir, then rename.
+
+A build's weights are most of what it writes (5.5 GB for 8 Llama-3-8B layers, 16 GB for 32), and
+they are written last, after minutes of tuning: where the disk cannot hold them the build says so
+before it starts (the model's parameters against the free space) and again, exactly, before the
+weights are written (`ensure_free_space`), instead of failing inside torch.save (session 22: a
+device machine's /tmp filled by earlier builds, `RuntimeError: ... unexpected pos`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,23 @@ import tempfile
 from pathlib import Path
 
 from coopt.errors import OutputDirError
+
+
+# room left beside what a build's weights need: its IR dumps, report, verification records
+_SPACE_MARGIN_BYTES = 64 << 20
+
+
+def ensure_free_space(directory: Path, needed: int, what: str) -> None:
+    """Refuse (OutputDirError, exit 6) when the file system holding `directory` has less than
+    `needed` bytes (plus a margin) free for `what`."""
+    free = shutil.disk_usage(directory).free
+    if free < needed + _SPACE_MARGIN_BYTES:
+        raise OutputDirError(f"not enough disk space for {what} in '{directory}': "
+                             f"{_gb(needed)} needed, {_gb(free)} free")
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e7 else f"{size / 1e6:.1f} MB"
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:

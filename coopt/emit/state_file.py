@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from coopt.emit.outdir import ensure_free_space
+from coopt.errors import OutputDirError
+
 WEIGHTS_FILE = "weights.pt"
 ZEROS_FILE = "zeros.json"  # {name: {"shape": [...], "dtype": "bfloat16"}}, beside weights.pt
 
@@ -26,9 +29,20 @@ def save_state(tensors: dict[str, torch.Tensor], out: Path) -> None:
     storages = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
     zeros = {name: t for name, t in tensors.items()
              if t.numel() and storages[t.untyped_storage().data_ptr()] == 1 and _zero_bits(t)}
-    torch.save({name: t for name, t in tensors.items() if name not in zeros}, Path(out) / WEIGHTS_FILE)
+    stored = {name: t for name, t in tensors.items() if name not in zeros}
+    ensure_free_space(Path(out), stored_bytes(stored.values()), "the build's weights")
+    try:
+        torch.save(stored, Path(out) / WEIGHTS_FILE)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+        raise OutputDirError(f"cannot write '{Path(out) / WEIGHTS_FILE}': {str(exc).splitlines()[0]}") from exc
     specs = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in zeros.items()}
     (Path(out) / ZEROS_FILE).write_text(json.dumps(specs, indent=1, sort_keys=True))
+
+
+def stored_bytes(tensors) -> int:
+    """Bytes torch.save writes for these tensors' data: each storage once, however many share it."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _zero_bits(tensor: torch.Tensor) -> bool:

@@ -117,3 +117,19 @@ def test_console_script_exit_code_and_json(tmp_path):
     )
     assert result.returncode == 3
     assert json.loads(result.stdout) == {"ok": False, "error": f"model file '{tmp_path / 'nope.py'}' not found", "exit_code": 3}
+
+
+def test_too_little_disk_space_is_refused_before_the_build(tmp_path, monkeypatch):
+    """The weights would not fit: one line, exit 6, nothing left behind, and the refusal comes
+    before the build's work (capture is never reached)."""
+    import shutil
+
+    import coopt.compile
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    monkeypatch.setattr(coopt.compile, "capture", lambda *a, **k: pytest.fail("the build started"))
+    out = tmp_path / "out"
+    result = invoke("build", model_file(tmp_path), "-o", out)
+    assert_one_line_error(result, 6, "not enough disk space for the model's weights", "needed")
+    no_leftovers(tmp_path, out)

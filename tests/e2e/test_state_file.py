@@ -69,3 +69,35 @@ def test_a_build_stores_its_empty_caches_as_zeros_json_and_loads_them_as_zeros(t
     assert built.state_tensor("k_cache").shape == (1, 2, 16, 8) and not built.state_tensor("k_cache").any()
     for pos in range(4):  # the loaded zeros are the cache the steps write and read
         torch.testing.assert_close(built(*step(pos)), eager(*step(pos)))
+
+
+def test_weights_that_do_not_fit_are_refused_before_writing(tmp_path, monkeypatch):
+    """Fewer bytes free than the stored tensors' storages (each once; the all-zero cache is not
+    stored) plus the margin: an
+    OutputDirError naming both sizes and no weights.pt; a write that fails anyway (torch.save
+    reports a full disk as a RuntimeError) becomes the same one-line error."""
+    import shutil
+
+    import pytest
+
+    from coopt.emit import outdir
+    from coopt.emit.state_file import stored_bytes
+    from coopt.errors import OutputDirError
+
+    weight = torch.randn(1000, 250)  # 1 MB
+    tensors = {"w": weight, "tied": weight, "view": weight[:10], "cache": torch.zeros(4096)}
+    assert stored_bytes([weight, weight, weight[:10]]) == 1_000_000  # one storage, counted once
+    usage = shutil.disk_usage(tmp_path)
+    margin = outdir._SPACE_MARGIN_BYTES
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=margin + 999_999))
+    with pytest.raises(OutputDirError, match=r"the build's weights .*1\.0 MB needed"):
+        save_state(tensors, tmp_path)
+    assert not (tmp_path / "weights.pt").exists()
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=margin + 1_000_000))
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 10048 vs 9942\nmore")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OutputDirError, match=r"cannot write .*weights\.pt.*unexpected pos 10048 vs 9942$"):
+        save_state(tensors, tmp_path)
