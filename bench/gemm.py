@@ -10,7 +10,9 @@ Shapes (bf16, M x N x K): `up` 4096x16384x4096 + bias, gelu (the MLP up-projecti
 4096x4096x16384 + bias + residual; `decode` M = 1, 8, 32 with N = 4096 / 14336, K = 4096 (a
 plain linear); `skinny` the Llama-3-8B decode GEMMs: 1x4096x4096 (attention projection),
 1x14336x4096 (MLP up), 1x4096x14336 (MLP down), 32x4096x4096 (batch 32) and 1x128256x4096 (the
-vocabulary projection); `fused` the same decode GEMVs with what fuse-decode-gemv puts in them:
+vocabulary projection); `stats32` the batch-32 GEMVs whose RMSNorm takes its rows' statistics
+from the GEMV before it (fuse-norm-statistics, in the default pipeline at 32 rows: the output
+head, q|k|v, gate|up + SwiGLU read h * g and the chunk sums of h^2); `fused` the same decode GEMVs with what fuse-decode-gemv puts in them:
 an RMSNorm prologue (`norm`: q|k|v 6144 wide, lm_head) and SwiGLU over the merged gate|up
 (`norm_swiglu`: N = 14336 outputs from a [2 x 14336, 4096] weight), against eager running
 F.rms_norm, the GEMM, silu and mul as separate kernels. Each point is rendered by the family, checked against eager PyTorch,
@@ -62,9 +64,13 @@ SHAPES = {
     # --sample 40` samples to see whether the advisor's first points are the space's best
     "layer": [(m, n, k, epilogue) for m in (1, 32) for n, k, epilogue in
               ((6144, 4096, "norm"), (4096, 4096, "residual"), (14336, 4096, "norm_swiglu"), (4096, 14336, "residual"))],
+    # batch 32 as the default pipeline builds it (fuse-norm-statistics): the output head and the
+    # norm GEMVs read h * g and their rows' chunk sums of squares from the GEMV before them
+    "stats32": [(32, 128256, 4096, "stats"), (32, 6144, 4096, "stats"), (32, 14336, 4096, "stats_swiglu")],
     "fused": [(1, 6144, 4096, "norm"), (1, 14336, 4096, "norm_swiglu"), (32, 6144, 4096, "norm"),
               (32, 14336, 4096, "norm_swiglu"), (1, 128256, 4096, "norm")],
 }
+STATS_CHUNK = 64  # fuse-norm-statistics' default chunk (columns a sum of squares covers)
 SKINNY_M = 64  # shapes with at most this many rows are also timed under CUDA graphs
 COPY_BYTES_PER_S = 4.2e12  # device-to-device copy on the H200 (reads + writes)
 L2_BYTES = 60 << 20  # the H200's L2 as torch reports it
@@ -168,6 +174,9 @@ def make_region(m: int, n: int, k: int, epilogue: str):
     if epilogue.startswith("norm"):  # the RMSNorm prologue's weight
         inputs.append(TensorSpec((k,), "bfloat16"))
         extra_attrs["prologue"] = {"kind": "rms_norm", "eps": 1e-5, "has_weight": True}
+    elif epilogue.startswith("stats"):  # fuse-norm-statistics' consumer: a = h * g, the rows' chunk sums of h^2
+        inputs.append(TensorSpec((k // STATS_CHUNK, m), "float32"))
+        extra_attrs["prologue"] = {"kind": "rms_norm_stats", "eps": 1e-5, "squares_input": len(inputs) - 1}
     if swiglu:
         extra_attrs["glu"] = True
         program = [["t0", "silu", ["acc"]], ["y", "mul", ["t0", "acc_hi"]]]
@@ -192,6 +201,9 @@ def make_inputs(region, seed: int = 0):
     tensors = []
     for i, spec in enumerate(region.inputs):
         x = torch.randn(spec.shape, generator=gen, device="cuda", dtype=torch.float32)
+        if spec.dtype == "float32":  # a stats prologue's chunk sums of squares: positive, fp32
+            tensors.append(x.abs())
+            continue
         if i == 1:
             x = x / math.sqrt(k)  # keep the product O(1), as a trained weight would
         elif len(spec.shape) == 1 and "prologue" in region.attrs:
@@ -208,9 +220,13 @@ def eager(region, inputs):
     program = region.attrs["epilogue"]
     bias = inputs[2] if region.attrs["has_bias"] else None
     x = inputs[0]
-    if "prologue" in region.attrs:
+    prologue = region.attrs.get("prologue") or {}
+    if prologue.get("kind") == "rms_norm":
         x = F.rms_norm(x, (x.shape[-1],), inputs[2], 1e-5)
     y = F.linear(x, inputs[1], bias)
+    if prologue.get("kind") == "rms_norm_stats":  # (h * g) @ W / rms(h), rms from the chunk sums
+        squares = inputs[prologue["squares_input"]]
+        y = (y.float() * (squares.sum(0) / x.shape[-1] + 1e-5).rsqrt()[:, None]).to(y.dtype)
     if region.attrs.get("glu"):
         gate, up = y.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -45,6 +45,7 @@
 #   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
+#   bash bench/gpu_session.sh stats32    # the b32 output head, q|k|v, gate|up (norm statistics' form): advised 8 vs 24 sampled (~6 min)
 #   bash bench/gpu_session.sh v-layout   # fp8 decode attention with V stored keys-contiguous against row-major, fixed points (~5 min)
 #   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
 #   bash bench/gpu_session.sh fold-gpu    # the fold's GPU tests (templates, verified builds, launch) and fold-kernels (~6 min)
@@ -292,6 +293,11 @@ case "${1:-}" in
         for build in b1-pos32768-fp8 b1-pos32768-fp8-unfolded; do
             step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-fp8/$build" --batch 1 --out "$OUT/profile_$build.json"
         done
+        ;;
+    stats32)  # issue 3: b32 / 2048 is 5-33 µs over its target; its output head takes 256 µs at 32 rows against
+        # 231 at one (session 22's build): is a point of the space (BLOCK_N 256, 8 warps, ...) faster than the advised four?
+        step 560 gemm python bench/gemm.py --shapes stats32 --variants gemv --sample 24 --advised 8 \
+            --json "$OUT/gemm_stats32.json"
         ;;
     v-layout)  # issue 4: the fp8 attention at ~2.5 TB/s; V's tiles with each head's keys contiguous (session 22)
         step 540 v-layout python bench/v_layout_probe.py --json "$OUT/v_layout.json"
