@@ -10,6 +10,12 @@ Triton specializes a stride of 1, so the keys-contiguous view alone changes its 
 
     python bench/v_layout_probe.py                          # the cases below, every point both ways
     python bench/v_layout_probe.py --cases b1-32768-fp8 --json /tmp/v.json
+    python bench/v_layout_probe.py --cases b1-32768-fp8 --layouts rows --warps 4 --stages 2,3,4,5,6
+
+The second form asks another question of the same kernel (session 22's sweep: 3 stages beat 2
+by 10-40 % at every fp8 point, the space stops at 4): do deeper pipelines of smaller tiles help?
+Stages past the space's 4 are rendered as they are; a point is kept where the family accepts it at
+min(stages, 4) and its K/V stages fit the shared memory.
 
 Each point is rendered by DecodeAttentionFamily, checked against attention_sweep's fp32
 reference, and timed replayed in CUDA graphs over copies of the caches past the L2 (as
@@ -31,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from attention_sweep import CASES, label, make_inputs, make_region, reference  # noqa: E402
+from attention_sweep import CASES, HEAD_DIM, label, make_inputs, make_region, reference  # noqa: E402
 from gemm import announce_gpu, graph_ms, input_copies  # noqa: E402
 
 # case -> SPLIT_KV values timed (BLOCK_N 64 / 128, 4 / 8 warps, 2 / 3 stages, tl.dot; fp8: fp16 tiles)
@@ -53,17 +59,21 @@ def case_inputs(case: str, layout: str):
     return region, inputs
 
 
-def points(case: str) -> list[dict]:
+def points(case: str, warps=(4, 8), stages=(2, 3)) -> list[dict]:
     from coopt.targets import H200
     from coopt.templates.decode_attention import DecodeAttentionFamily
+    from coopt.templates.attention import kv_element_bytes
 
     family, region = DecodeAttentionFamily(), make_region(*CASES[case])
     fp8 = region.attrs.get("kv_scale") is not None
     legal = []
-    for bn, split, warps, stages in itertools.product((64, 128), SPLITS[case], (4, 8), (2, 3)):
-        params = {"BLOCK_N": bn, "SPLIT_KV": split, "USE_DOT": True, "num_warps": warps, "num_stages": stages,
+    for bn, split, w, depth in itertools.product((64, 128), SPLITS[case], warps, stages):
+        params = {"BLOCK_N": bn, "SPLIT_KV": split, "USE_DOT": True, "num_warps": w, "num_stages": depth,
                   **({"TILE_FP16": True} if fp8 else {})}
-        if family.check(region, params, H200) is None:
+        # the family's own rules at the space's deepest pipeline, then the K/V stages' shared memory
+        stage_bytes = 2 * bn * HEAD_DIM * kv_element_bytes(region)
+        if (family.check(region, {**params, "num_stages": min(depth, 4)}, H200) is None
+                and depth * stage_bytes <= H200.smem_per_block_bytes - 8192):
             legal.append(params)
     return legal
 
@@ -87,10 +97,14 @@ def _warm(job) -> str | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(SPLITS))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="V layouts timed: rows, keys")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--stages", default="2,3", help="pipeline depths (past the space's 4 where they fit)")
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    cases = args.cases.split(",")
+    cases, layouts = args.cases.split(","), args.layouts.split(",")
+    warps, stages = tuple(map(int, args.warps.split(","))), tuple(map(int, args.stages.split(",")))
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.templates.decode_attention import DecodeAttentionFamily, kv_bytes_read
 
@@ -102,10 +116,10 @@ def main() -> int:
     plan = []
     for case in cases:
         region = make_region(*CASES[case])
-        for i, params in enumerate(points(case)):
+        for i, params in enumerate(points(case, warps, stages)):
             path = work / f"{case}__{i}.py"
             path.write_text(family.render(region, params))
-            plan += [(case, params, str(path), layout) for layout in LAYOUTS]
+            plan += [(case, params, str(path), layout) for layout in layouts]
     started = time.time()
     print(f"compiling {len(plan)} kernels in {args.jobs} processes ...", flush=True)
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
@@ -117,7 +131,7 @@ def main() -> int:
         region = make_region(*CASES[case])
         traffic = kv_bytes_read(region, [length] * batch)
         print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V", flush=True)
-        for layout in LAYOUTS:
+        for layout in layouts:
             _, inputs = case_inputs(case, layout)
             expected = reference(region, *inputs)
             sets = input_copies(inputs, traffic)
@@ -141,7 +155,7 @@ def main() -> int:
             del sets
     print("\nbest point per case and V layout:")
     for case in cases:
-        for layout in LAYOUTS:
+        for layout in layouts:
             row = best.get((case, layout))
             if row:
                 print(f"  {case:14s} {layout:4s} {row['us']:7.2f} us {row['tb_per_s']:5.2f} TB/s  {label(row['params'])}")
