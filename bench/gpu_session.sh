@@ -46,7 +46,8 @@
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
 #   bash bench/gpu_session.sh stats32    # the b32 output head, q|k|v, gate|up (norm statistics' form): advised 8 vs 24 sampled (~6 min)
-#   bash bench/gpu_session.sh fp8-stages # fp8 decode attention at pipeline depths 2-6 (past the space's 4), b1 / 32768 and b32 / 2048 (~3 min)
+#   bash bench/gpu_session.sh fp8-stages # fp8 decode attention at pipeline depths 2-6 (past the space's 4), b1 / 32768 and b32 / 2048,
+#                                        # then split counts 24-48 at b1 / 32768 (~5 min)
 #   bash bench/gpu_session.sh v-layout   # fp8 decode attention with V stored keys-contiguous against row-major, fixed points (~5 min)
 #   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
 #   bash bench/gpu_session.sh fold-gpu    # the fold's GPU tests (templates, verified builds, launch) and fold-kernels (~6 min)
@@ -303,6 +304,9 @@ case "${1:-}" in
     fp8-stages)  # issue 4: 3 stages beat 2 by 10-40 % at every fp8 point (session 22): do 4-6 beat 3?
         step 300 fp8-stages python bench/v_layout_probe.py --cases b1-32768-fp8,b32-2048-fp8 --layouts rows --warps 4 \
             --stages 2,3,4,5,6 --json "$OUT/fp8_stages.json"
+        # and split counts between 32 and 64 at b1 (three programs an SM where shared memory holds them)
+        step 200 fp8-splits python bench/v_layout_probe.py --cases b1-32768-fp8,b1-32768 --layouts rows --warps 4 \
+            --stages 2,3,4 --splits 24,32,40,48 --json "$OUT/fp8_splits.json"
         ;;
     v-layout)  # issue 4: the fp8 attention at ~2.5 TB/s; V's tiles with each head's keys contiguous (session 22)
         step 540 v-layout python bench/v_layout_probe.py --json "$OUT/v_layout.json"

@@ -11,11 +11,14 @@ Triton specializes a stride of 1, so the keys-contiguous view alone changes its 
     python bench/v_layout_probe.py                          # the cases below, every point both ways
     python bench/v_layout_probe.py --cases b1-32768-fp8 --json /tmp/v.json
     python bench/v_layout_probe.py --cases b1-32768-fp8 --layouts rows --warps 4 --stages 2,3,4,5,6
+    python bench/v_layout_probe.py --cases b1-32768-fp8 --layouts rows --warps 4 --stages 3 --splits 32,40,48
 
 The second form asks another question of the same kernel (session 22's sweep: 3 stages beat 2
 by 10-40 % at every fp8 point, the space stops at 4): do deeper pipelines of smaller tiles help?
 Stages past the space's 4 are rendered as they are; a point is kept where the family accepts it at
-min(stages, 4) and its K/V stages fit the shared memory.
+min(stages, 4) and its K/V stages fit the shared memory. The third form: split counts that are no
+power of two (outside the space; the template renders them) to fill each SM with as many programs
+as its shared memory holds (split 32 gives b1 / 32768 two programs an SM, 64 more than one wave).
 
 Each point is rendered by DecodeAttentionFamily, checked against attention_sweep's fp32
 reference, and timed replayed in CUDA graphs over copies of the caches past the L2 (as
@@ -59,7 +62,7 @@ def case_inputs(case: str, layout: str):
     return region, inputs
 
 
-def points(case: str, warps=(4, 8), stages=(2, 3)) -> list[dict]:
+def points(case: str, warps=(4, 8), stages=(2, 3), splits=None) -> list[dict]:
     from coopt.targets import H200
     from coopt.templates.decode_attention import DecodeAttentionFamily
     from coopt.templates.attention import kv_element_bytes
@@ -67,13 +70,17 @@ def points(case: str, warps=(4, 8), stages=(2, 3)) -> list[dict]:
     family, region = DecodeAttentionFamily(), make_region(*CASES[case])
     fp8 = region.attrs.get("kv_scale") is not None
     legal = []
-    for bn, split, w, depth in itertools.product((64, 128), SPLITS[case], warps, stages):
+    cache = region.inputs[1].shape[2]
+    for bn, split, w, depth in itertools.product((64, 128), splits or SPLITS[case], warps, stages):
         params = {"BLOCK_N": bn, "SPLIT_KV": split, "USE_DOT": True, "num_warps": w, "num_stages": depth,
                   **({"TILE_FP16": True} if fp8 else {})}
-        # the family's own rules at the space's deepest pipeline, then the K/V stages' shared memory
+        # the family's own rules at the space's deepest pipeline and its largest split at or below
+        # this one, then the K/V stages' shared memory and the splits' tiles in the cache
         stage_bytes = 2 * bn * HEAD_DIM * kv_element_bytes(region)
-        if (family.check(region, {**params, "num_stages": min(depth, 4)}, H200) is None
-                and depth * stage_bytes <= H200.smem_per_block_bytes - 8192):
+        nearest = max(v for v in family.param_space(region, H200)["SPLIT_KV"] if v <= split)
+        in_space = {**params, "num_stages": min(depth, 4), "SPLIT_KV": nearest}
+        if (family.check(region, in_space, H200) is None and depth * stage_bytes <= H200.smem_per_block_bytes - 8192
+                and split * bn <= cache):
             legal.append(params)
     return legal
 
@@ -100,11 +107,15 @@ def main() -> int:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="V layouts timed: rows, keys")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3", help="pipeline depths (past the space's 4 where they fit)")
+    parser.add_argument("--splits", default=None,
+                        help="SPLIT_KV values for every case (default: SPLITS' per case; values that are no power "
+                             "of two, outside the space, render too: more programs an SM than the next lower power)")
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     cases, layouts = args.cases.split(","), args.layouts.split(",")
     warps, stages = tuple(map(int, args.warps.split(","))), tuple(map(int, args.stages.split(",")))
+    splits = tuple(map(int, args.splits.split(","))) if args.splits else None
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.templates.decode_attention import DecodeAttentionFamily, kv_bytes_read
 
@@ -116,7 +127,7 @@ def main() -> int:
     plan = []
     for case in cases:
         region = make_region(*CASES[case])
-        for i, params in enumerate(points(case, warps, stages)):
+        for i, params in enumerate(points(case, warps, stages, splits)):
             path = work / f"{case}__{i}.py"
             path.write_text(family.render(region, params))
             plan += [(case, params, str(path), layout) for layout in layouts]

@@ -422,7 +422,10 @@ class DecodeAttentionFamily(TemplateFamily):
         head_dim = region.inputs[0].shape[3]
         scale = region.attrs.get("scale")
         block_d, group_p = self._block_d(region), next_pow2(self._group(region))
-        merged_values = group_p * params["SPLIT_KV"] * block_d  # the last split's partials
+        # the merge's tl.arange over the splits: a power of two (renders any SPLIT_KV, the space's
+        # powers of two and others a sweep tries, bench/v_layout_probe.py --splits)
+        split_p = next_pow2(params["SPLIT_KV"])
+        merged_values = group_p * split_p * block_d  # the last split's partials
         return render_template(
             "triton/decode_attention.py.j2",
             region_name=region.name,
@@ -436,6 +439,7 @@ class DecodeAttentionFamily(TemplateFamily):
             # the merge loads every head's partials at once where they fit in registers
             merge_at_once=merged_values <= _MAX_MERGE_VALUES_PER_THREAD * 32 * params["num_warps"],
             group_p=group_p,
+            split_p=split_p,
             ieee_dot=region.inputs[0].dtype == "float32",
             kv_scale=kv_scale(region),
             paged=page_size(region) is not None,

@@ -32,3 +32,9 @@ def test_deep_pipelines_are_kept_only_where_their_stages_fit():
         deepest = {p["BLOCK_N"]: p["num_stages"] for p in sorted(kept, key=lambda p: p["num_stages"])}
         # fp8 tiles are half the bytes: six 128-key stages fit; bf16 ones stop earlier
         assert deepest[128] == (6 if case.endswith("fp8") else 3), deepest
+
+
+def test_split_counts_outside_the_space_are_swept_where_their_tiles_fit_the_cache():
+    kept = points("b1-32768-fp8", (4,), (3,), (24, 48, 300))
+    assert {p["SPLIT_KV"] for p in kept} == {24, 48, 300} and all(p["SPLIT_KV"] * p["BLOCK_N"] <= 32832 for p in kept)
+    assert {p["BLOCK_N"] for p in kept if p["SPLIT_KV"] == 300} == {64}  # 300 tiles of 128 exceed the cache

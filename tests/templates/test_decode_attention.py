@@ -13,7 +13,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from template_helpers import compile_for_hopper, covering_points, lay_out_in_pages
+from template_helpers import compile_for_hopper, covering_points, lay_out_in_pages, on_test_device
 from template_helpers import run_candidate as _run_candidate
 
 from coopt.ir.region import RegionSummary, TensorSpec
@@ -218,6 +218,23 @@ def test_the_last_split_merges_every_head_at_once_or_head_by_head(split_kv, at_o
     inputs = make_inputs(region, [500, 40])
     (out,) = run_candidate(load_candidate, region, params, inputs, stem=f"merge{split_kv}")
     check_close(out, reference(region, *inputs))
+
+
+@pytest.mark.parametrize("split_kv,at_once", [(3, True), (6, True), (24, False)])
+def test_a_split_count_that_is_no_power_of_two_merges_only_its_splits(split_kv, at_once, load_candidate):
+    """Outside the space (powers of two) but rendered for sweeps (bench/v_layout_probe.py): the
+    merge runs tl.arange over the next power of two; the padding's rows in the workspace belong to
+    the next (sequence, kv head) or to nothing, and it is never read (SPLIT_KV chunks cover the
+    length). Lengths leave splits empty and give the last active split a short share."""
+    region = make_region(2, 6, 2, 512, 128, "bfloat16")
+    params = {"BLOCK_N": 16, "SPLIT_KV": split_kv, "USE_DOT": True, "num_warps": 2, "num_stages": 2}
+    source = FAMILY.render(region, params)
+    assert "offs_s = tl.arange(0, SPLIT_KV)" not in source and ("offs_g = tl.arange(0, 4)" in source) == at_once
+    module = load_candidate(source, f"split{split_kv}")
+    for lengths in ([500, 40], [512, 17], [1, 300]):
+        inputs = make_inputs(region, lengths, seed=split_kv)
+        (out,) = module.run(*on_test_device(inputs))
+        check_close(out, reference(region, *inputs))
 
 
 def test_strided_cache_views(load_candidate):
