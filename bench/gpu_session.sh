@@ -45,6 +45,7 @@
 #   bash bench/gpu_session.sh fp8-fold-b1  # the fp8 write folded into the attention against unfolded, both fp8
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
+#   bash bench/gpu_session.sh leads-22   # session 22's three kernel questions in one call: stats32, fp8-stages' two sweeps (~9.5 min)
 #   bash bench/gpu_session.sh stats32    # the b32 output head, q|k|v, gate|up (norm statistics' form): advised 8 vs 24 sampled (~6 min)
 #   bash bench/gpu_session.sh fp8-stages # fp8 decode attention at pipeline depths 2-6 (past the space's 4), b1 / 32768 and b32 / 2048,
 #                                        # then split counts 24-48 at b1 / 32768 (~5 min)
@@ -295,6 +296,14 @@ case "${1:-}" in
         for build in b1-pos32768-fp8 b1-pos32768-fp8-unfolded; do
             step 90 "profile_$build" python bench/profile_step.py "/tmp/coopt-fp8/$build" --batch 1 --out "$OUT/profile_$build.json"
         done
+        ;;
+    leads-22)  # session 22's leads in one call (one cold start): the b32 GEMVs' space, fp8 pipeline depths, fp8 split counts
+        step 280 gemm python bench/gemm.py --shapes stats32 --variants gemv --sample 24 --advised 8 \
+            --json "$OUT/gemm_stats32.json"
+        step 170 fp8-stages python bench/v_layout_probe.py --cases b1-32768-fp8,b32-2048-fp8 --layouts rows --warps 4 \
+            --stages 2,3,4,5,6 --json "$OUT/fp8_stages.json"
+        step 120 fp8-splits python bench/v_layout_probe.py --cases b1-32768-fp8 --layouts rows --warps 4 \
+            --stages 3,4 --splits 24,32,40,48 --json "$OUT/fp8_splits.json"
         ;;
     stats32)  # issue 3: b32 / 2048 is 5-33 µs over its target; its output head takes 256 µs at 32 rows against
         # 231 at one (session 22's build): is a point of the space (BLOCK_N 256, 8 warps, ...) faster than the advised four?
