@@ -22,8 +22,8 @@ use_interpreter_without_gpu()
 
 from coopt.compile import BuildConfig, BuildResult, compile_model  # noqa: E402
 from coopt.emit.outdir import ensure_free_space, staged_out_dir  # noqa: E402
-from coopt.emit.state_file import stored_bytes  # noqa: E402
 from coopt.emit.report import record_entry_points  # noqa: E402
+from coopt.emit.state_file import stored_bytes  # noqa: E402
 from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text  # noqa: E402
 from coopt.targets import Target, get_target  # noqa: E402
 
