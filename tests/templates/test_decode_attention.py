@@ -383,6 +383,10 @@ def test_covering_points_compile_for_hopper(tmp_path):
     assert FAMILY.check(region, params, H200) is None
     jobs.append(("fp8_fp16_tiles", FAMILY.render(region, params), make_fp8_inputs(region, [256, 100])))
     expected["fp8_fp16_tiles"] = params
+    # a split count that is no power of two (outside the space; bench/v_layout_probe.py sweeps it)
+    odd_split = {**params, "BLOCK_N": 64, "SPLIT_KV": 3}
+    jobs.append(("fp8_three_splits", FAMILY.render(region, odd_split), make_fp8_inputs(region, [256, 100])))
+    expected["fp8_three_splits"] = odd_split
     compiled = compile_for_hopper(jobs, tmp_path)
     for label, params in expected.items():
         kernels = compiled[label]
