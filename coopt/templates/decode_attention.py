@@ -82,7 +82,8 @@ stream at full bandwidth every SM needs a program: B * Hkv * SPLIT_KV should cov
 
 Knobs (explicit lists, pruned by `check`):
     BLOCK_N      cache positions per step (K and V tiles of BLOCK_N x D)
-    SPLIT_KV     programs per (sequence, kv head); 1 = no merge
+    SPLIT_KV     programs per (sequence, kv head); 1 = no merge. The space holds powers of two;
+                 the template renders any count (bench/v_layout_probe.py --splits sweeps others)
     USE_DOT      scores and P @ V by tl.dot (group padded to 16 rows: tensor cores) or by
                  multiply and sum on CUDA cores (no padding: best for small groups and fp32)
     TILE_FP16    (fp8 cache with per-tensor / per-head scales, bf16 q) widen the e4m3 tiles to
