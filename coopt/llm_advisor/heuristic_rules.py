@@ -132,6 +132,11 @@ def matmul_epilogue(request: AdviceRequest) -> tuple[CostFn, str]:
 GEMV_MAX_M = 64  # the family offers the GEMV kernel up to this M
 GEMV_FLIGHT_BYTES_PER_SM = 48 * 1024
 GEMV_ROW_BYTES = 512  # contiguous bytes per weight row and K step (32 B sectors, long bursts)
+# Swapped tl.dot tiles (the weight slab as wgmma's A operand) stream as fast with 256-byte rows:
+# H200, 32 rows, norm-statistics form (bench/gemm.py --shapes stats32, session 23): the output
+# head 245.8 µs at 256x128 (3 stages) against 274.6 at 128x256 (2) and 278.7 at 64x256 (3);
+# gate|up 59.4 at 128x128 against 70.3 at 64x256 (2). q|k|v's best kept 256 (16.2 µs at 64x256).
+GEMV_SWAP_ROW_BYTES = 256
 GEMV_SLAB_BYTES = 16 * 1024  # 16x512 or 32x256 bf16: the slab of the measured winners
 GEMV_MAX_PROGRAMS_PER_SM = 8  # of 4 warps: 32 warps an SM, registers to spare
 # Stream-K GEMV points (STREAM_K programs an SM, equal shares of the weight) measured slower than
@@ -167,7 +172,9 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
             return 100.0  # not a point this rule can reason about
         # Rows past M are tl.dot padding; fewer rows than M re-read each slab (from L2).
         c = 2 * math.log2(bm / bm_t) if bm >= bm_t else 0.5 * math.log2(bm_t / bm)
-        c += 0.5 * max(0.0, math.log2(GEMV_ROW_BYTES / (bk * b_elem)))
+        swap = bool(knob(point, SWAP_AB))
+        row_bytes = GEMV_SWAP_ROW_BYTES if swap and bm_t > 1 else GEMV_ROW_BYTES
+        c += 0.5 * max(0.0, math.log2(row_bytes / (bk * b_elem)))
         slab = halves * bn * bk * b_elem
         c += 0.1 * _log_gap(slab, GEMV_SLAB_BYTES)  # among equals, the measured winners' slab
         # Every column tile re-reads the M activation rows from L2: M / BLOCK_N of the weight's
@@ -179,7 +186,6 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
         resident = max(1, min(GEMV_MAX_PROGRAMS_PER_SM * 4 // warps, smem // program_smem))
         c += _gemv_streaming_cost(programs, resident, max(1, stages - 1) * slab, sms)
         c += 0.5 * math.log2(split) + _log_gap(warps, 4) + 0.25 * _stages_gap(stages, 3, 4)
-        swap = bool(knob(point, SWAP_AB))
         if swap:
             # Weight rows on the tensor cores' 64-row side (a wgmma on sm_90, not an mma on
             # activation rows padded to 16) and a wide slab that re-reads the rows less. H200,

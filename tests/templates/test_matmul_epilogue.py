@@ -429,6 +429,30 @@ def test_heuristic_ranks_gemv_first_for_decode():
     assert not large.get("GEMV") and large["PERSISTENT"] and large["USE_TMA"]
 
 
+def test_heuristic_measures_the_swapped_head_winner_at_32_rows():
+    # H200, 32 rows (bench/gemm.py --shapes stats32, session 23): the output head's fastest point,
+    # 256x128 swapped at 3 stages (245.8 µs), ranked fifth behind 128x256 at 2 stages (274.6), out
+    # of the four tiles a build measures; swapped tiles now take 256-byte weight rows as full rows
+    from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
+
+    region = make_region((32,), 128256, 4096, "bfloat16")
+    legal = tuple(FAMILY.legal_points(region, H200))
+    request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
+    tiles = []
+    for p in HeuristicAdvisor().advise(request).ranked:
+        tile = (p["BLOCK_M"], p["BLOCK_N"], p["BLOCK_K"], p["SPLIT_K"], p.get("SWAP_AB"), p.get("NORM_FIRST"))
+        if tile not in tiles:
+            tiles.append(tile)
+    assert (32, 256, 128, 1, True, None) in tiles[:4]
+    first = HeuristicAdvisor().advise(request).ranked[0]
+    assert first["SWAP_AB"] and first["BLOCK_K"] == 128
+    # one row is unchanged: the multiply-and-sum kernel's 512-byte rows
+    one = make_region((1,), 128256, 4096, "bfloat16")
+    legal = tuple(FAMILY.legal_points(one, H200))
+    request = AdviceRequest(one, FAMILY.name, FAMILY.param_space(one, H200), legal, H200.facts())
+    assert HeuristicAdvisor().advise(request).ranked[0]["BLOCK_K"] == 256
+
+
 def test_heuristic_ranks_stream_k_behind_its_twin():
     # slower than its twin on the H200 (session 21): out of a build's top 3, each after the point it is a form of
     # (fewer programs an SM first)
