@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh core       # decode b1 and b32 at 2048 + the GPU tests of the decode templates
 #   bash bench/gpu_session.sh core-pdl   # decode b1 and b32 at 2048, each step profiled with PDL off and on
 #   bash bench/gpu_session.sh fp8-b1     # bf16 vs fp8 KV decode, b1 at 32768 and 131072 (~8 min)
-#   bash bench/gpu_session.sh fp8-b32    # bf16 vs fp8 KV decode, b32 at 2048 and 8192 (~8 min)
+#   bash bench/gpu_session.sh fp8-b32 / fp8-b32-8192  # bf16 vs fp8 KV decode, b32 at 2048 / at 8192 (~6 / ~7 min)
 #   bash bench/gpu_session.sh fp8-b1-32768  # b1 at 32768 only: reduce-overhead, coopt, coopt-fp8 (~7 min)
 #   bash bench/gpu_session.sh issue3     # b1 and b32 at 2048 in every mode (~9 min)
 #   bash bench/gpu_session.sh prefill    # the 2048-token prompt in every mode: tokens/s (~6-8 min)
@@ -132,10 +132,16 @@ case "${1:-}" in
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_b1_32768.json" --build-dir /tmp/coopt-fp8
         reports reports_b1_32768 coopt-fp8
         ;;
-    fp8-b32)  # issue 4: bf16 vs fp8 KV at batch 32, positions 2048 and 8192
-        step 560 decode python bench/decode.py --cases 32:2048:4096,32:8192:8256 --modes reduce-overhead,coopt,coopt-fp8 \
+    fp8-b32)  # issue 4: bf16 vs fp8 KV at batch 32, position 2048 (~6 min; both positions no longer fit one
+        # call: session 23's builds took 134-167 s each, and the 560 s limit cut 8192 after reduce-overhead)
+        step 560 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
+        ;;
+    fp8-b32-8192)  # issue 4: the same at position 8192 (~7 min; session 23: 411 s)
+        step 560 decode python bench/decode.py --cases 32:8192:8256 --modes reduce-overhead,coopt,coopt-fp8 \
+            --prefill 0 --agreement-steps 4 --out "$OUT/decode_fp8_b32_8192.json" --build-dir /tmp/coopt-fp8
+        reports reports_fp8_b32_8192 coopt-fp8
         ;;
     layers32)  # issue 3: the full 32 layers at b1 / 2048 against every mode (max-autotune-no-cudagraphs last)
         step 560 decode python bench/decode.py --layers 32 --cases 1:2048:4096 \
