@@ -13,7 +13,8 @@ plain linear); `skinny` the Llama-3-8B decode GEMMs: 1x4096x4096 (attention proj
 vocabulary projection); `stats32` the batch-32 GEMVs whose RMSNorm takes its rows' statistics
 from the GEMV before it (fuse-norm-statistics, in the default pipeline at 32 rows: the output
 head, q|k|v, gate|up + SwiGLU read h * g and the chunk sums of h^2); `fused` the same decode
-GEMVs with what fuse-decode-gemv puts in them: an RMSNorm prologue (`norm`: q|k|v 6144 wide, lm_head) and SwiGLU over the merged gate|up
+GEMVs with what fuse-decode-gemv puts in them: an RMSNorm prologue (`norm`: q|k|v 6144 wide,
+lm_head) and SwiGLU over the merged gate|up
 (`norm_swiglu`: N = 14336 outputs from a [2 x 14336, 4096] weight), against eager running
 F.rms_norm, the GEMM, silu and mul as separate kernels. Each point is rendered by the family, checked against eager PyTorch,
 then timed with triton.testing.do_bench (median, L2 flushed). References: `cublas` is the bare

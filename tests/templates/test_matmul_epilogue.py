@@ -407,14 +407,19 @@ def test_gemv_rejections():
         assert "GEMV tile" in FAMILY.check(decode, params, H200)
 
 
-def test_heuristic_ranks_gemv_first_for_decode():
+def heuristic_ranking(m: int, n: int, k: int) -> list[dict]:
+    """The heuristic advisor's ranking of every legal point of a bf16 [m, k] x [k, n] region."""
     from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
 
+    region = make_region((m,), n, k, "bfloat16")
+    legal = tuple(FAMILY.legal_points(region, H200))
+    request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
+    return list(HeuristicAdvisor().advise(request).ranked)
+
+
+def test_heuristic_ranks_gemv_first_for_decode():
     def first(m, n, k):
-        region = make_region((m,), n, k, "bfloat16")
-        legal = tuple(FAMILY.legal_points(region, H200))
-        request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
-        return HeuristicAdvisor().advise(request).ranked[0]
+        return heuristic_ranking(m, n, k)[0]
 
     def tile(p):
         return p["BLOCK_M"], p["BLOCK_N"], p["BLOCK_K"], p["SPLIT_K"], p["num_warps"], p["num_stages"]
@@ -433,36 +438,21 @@ def test_heuristic_measures_the_swapped_head_winner_at_32_rows():
     # H200, 32 rows (bench/gemm.py --shapes stats32, session 23): the output head's fastest point,
     # 256x128 swapped at 3 stages (245.8 µs), ranked fifth behind 128x256 at 2 stages (274.6), out
     # of the four tiles a build measures; swapped tiles now take 256-byte weight rows as full rows
-    from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
-
-    region = make_region((32,), 128256, 4096, "bfloat16")
-    legal = tuple(FAMILY.legal_points(region, H200))
-    request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
-    tiles = []
-    for p in HeuristicAdvisor().advise(request).ranked:
-        tile = (p["BLOCK_M"], p["BLOCK_N"], p["BLOCK_K"], p["SPLIT_K"], p.get("SWAP_AB"), p.get("NORM_FIRST"))
-        if tile not in tiles:
-            tiles.append(tile)
+    ranked = heuristic_ranking(32, 128256, 4096)
+    tiles = list(dict.fromkeys((p["BLOCK_M"], p["BLOCK_N"], p["BLOCK_K"], p["SPLIT_K"], p.get("SWAP_AB"),
+                                p.get("NORM_FIRST")) for p in ranked))
     assert (32, 256, 128, 1, True, None) in tiles[:4]
-    first = HeuristicAdvisor().advise(request).ranked[0]
-    assert first["SWAP_AB"] and first["BLOCK_K"] == 128
+    assert ranked[0]["SWAP_AB"] and ranked[0]["BLOCK_K"] == 128
     # one row is unchanged: the multiply-and-sum kernel's 512-byte rows
-    one = make_region((1,), 128256, 4096, "bfloat16")
-    legal = tuple(FAMILY.legal_points(one, H200))
-    request = AdviceRequest(one, FAMILY.name, FAMILY.param_space(one, H200), legal, H200.facts())
-    assert HeuristicAdvisor().advise(request).ranked[0]["BLOCK_K"] == 256
+    assert heuristic_ranking(1, 128256, 4096)[0]["BLOCK_K"] == 256
 
 
 def test_heuristic_ranks_stream_k_behind_its_twin():
     # slower than its twin on the H200 (session 21): out of a build's top 3, each after the point it is a form of
     # (fewer programs an SM first)
-    from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
-
     for m, n, k in ((1, 6144, 4096), (32, 4096, 4096)):
-        region = make_region((m,), n, k, "bfloat16")
-        legal = tuple(FAMILY.legal_points(region, H200))
-        request = AdviceRequest(region, FAMILY.name, FAMILY.param_space(region, H200), legal, H200.facts())
-        ranked = HeuristicAdvisor().advise(request).ranked
+        legal = FAMILY.legal_points(make_region((m,), n, k, "bfloat16"), H200)
+        ranked = heuristic_ranking(m, n, k)
         position = {tuple(sorted(p.items())): i for i, p in enumerate(ranked)}
         assert not any(p.get("STREAM_K") for p in ranked[:3])
         twins = [p for p in ranked if p.get("STREAM_K")]
