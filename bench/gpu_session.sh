@@ -49,6 +49,8 @@
 #   bash bench/gpu_session.sh stats32    # the b32 output head, q|k|v, gate|up (norm statistics' form): advised 8 vs 24 sampled (~6 min)
 #   bash bench/gpu_session.sh fp8-stages # fp8 decode attention at pipeline depths 2-6 (past the space's 4), b1 / 32768 and b32 / 2048,
 #                                        # then split counts 24-48 at b1 / 32768 (~5 min)
+#   bash bench/gpu_session.sh qkv-attention  # the q|k|v GEMV and the decode attention in one launch (bench/qkv_attention_probe.py)
+#                                        # against the template pair, b1 at 2048 and 32768 (~5 min)
 #   bash bench/gpu_session.sh v-layout   # fp8 decode attention with V stored keys-contiguous against row-major, fixed points (~5 min)
 #   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
 #   bash bench/gpu_session.sh fold-gpu    # the fold's GPU tests (templates, verified builds, launch) and fold-kernels (~6 min)
@@ -310,6 +312,11 @@ case "${1:-}" in
             --stages 2,3,4,5,6 --json "$OUT/fp8_stages.json"
         step 120 fp8-splits python bench/v_layout_probe.py --cases b1-32768-fp8 --layouts rows --warps 4 \
             --stages 3,4 --splits 24,32,40,48 --json "$OUT/fp8_splits.json"
+        ;;
+    qkv-attention)  # issue 3: b1 / 2048's attention latency: the q|k|v GEMV and the attention in one launch, a probe
+        step 320 probe-2048 python bench/qkv_attention_probe.py --cases 2048 --json "$OUT/qkv_attention_2048.json"
+        step 200 probe-32768 python bench/qkv_attention_probe.py --cases 32768 --block-k 256 --gemv-stages 3 \
+            --json "$OUT/qkv_attention_32768.json"
         ;;
     stats32)  # issue 3: b32 / 2048 is 5-33 µs over its target; its output head takes 256 µs at 32 rows against
         # 231 at one (session 22's build): is a point of the space (BLOCK_N 256, 8 warps, ...) faster than the advised four?
