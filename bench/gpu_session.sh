@@ -51,6 +51,8 @@
 #                                        # then split counts 24-48 at b1 / 32768 (~5 min)
 #   bash bench/gpu_session.sh qkv-attention  # the q|k|v GEMV and the decode attention in one launch (bench/qkv_attention_probe.py)
 #                                        # against the template pair, b1 at 2048 and 32768 (~5 min)
+#   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
+#                                        # (bench/gemv_chain_probe.py) against one launch each and the template GEMVs (~5 min)
 #   bash bench/gpu_session.sh v-layout   # fp8 decode attention with V stored keys-contiguous against row-major, fixed points (~5 min)
 #   bash bench/gpu_session.sh v-words    # fp8 decode attention, V read as words against bytes, advised points (~5 min)
 #   bash bench/gpu_session.sh fold-gpu    # the fold's GPU tests (templates, verified builds, launch) and fold-kernels (~6 min)
@@ -312,6 +314,9 @@ case "${1:-}" in
             --stages 2,3,4,5,6 --json "$OUT/fp8_stages.json"
         step 120 fp8-splits python bench/v_layout_probe.py --cases b1-32768-fp8 --layouts rows --warps 4 \
             --stages 3,4 --splits 24,32,40,48 --json "$OUT/fp8_splits.json"
+        ;;
+    gemv-chain)  # issue 3: every b1 GEMV pays ~3 µs of ramp and tail: does one launch for a layer's MLP half save them?
+        step 420 gemv-chain python bench/gemv_chain_probe.py --stages 4 --json "$OUT/gemv_chain.json"
         ;;
     qkv-attention)  # issue 3: b1 / 2048's attention latency: the q|k|v GEMV and the attention in one launch, a probe
         step 320 probe-2048 python bench/qkv_attention_probe.py --cases 2048 --json "$OUT/qkv_attention_2048.json"
