@@ -122,13 +122,15 @@ def _chain_kernel(x_ptr, w1_ptr, w2_ptr, w3_ptr, y1_ptr, y2_ptr, y3_ptr, counter
 class Chain:
     """The probe at one point: one persistent launch (programs > 0) or one launch a phase."""
 
-    def __init__(self, programs: int, block_n: int, block_k: int, stages: int, prefetch: bool, device):
+    def __init__(self, programs: int, block_n: int, block_k: int, stages: int, prefetch: bool, device,
+                 hidden: int = HIDDEN, ffn: int = FFN):
         import torch
 
         self.programs, self.block_n, self.block_k, self.stages, self.prefetch = programs, block_n, block_k, stages, prefetch
-        self.y1 = torch.empty(HIDDEN, device=device, dtype=torch.bfloat16)
-        self.y2 = torch.empty(2 * FFN, device=device, dtype=torch.bfloat16)
-        self.y3 = torch.empty(HIDDEN, device=device, dtype=torch.bfloat16)
+        self.hidden, self.ffn = hidden, ffn
+        self.y1 = torch.empty(hidden, device=device, dtype=torch.bfloat16)
+        self.y2 = torch.empty(2 * ffn, device=device, dtype=torch.bfloat16)
+        self.y3 = torch.empty(hidden, device=device, dtype=torch.bfloat16)
         self.counters = torch.zeros(3, device=device, dtype=torch.int32)
 
     def label(self) -> str:
@@ -137,7 +139,8 @@ class Chain:
 
     def _args(self, grid, first, last, x, w1, w2, w3):
         return ((x, w1, w2, w3, self.y1, self.y2, self.y3, self.counters, grid),
-                dict(N1=HIDDEN, K1=HIDDEN, N2=2 * FFN, N3=HIDDEN, K3=FFN, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+                dict(N1=self.hidden, K1=self.hidden, N2=2 * self.ffn, N3=self.hidden, K3=self.ffn,
+                     BLOCK_N=self.block_n, BLOCK_K=self.block_k,
                      STAGES=self.stages, FIRST=first, LAST=last, PREFETCH=self.prefetch, num_warps=4))
 
     def _launch(self, grid, first, last, x, w1, w2, w3):
@@ -156,7 +159,7 @@ class Chain:
         if self.programs:
             self._launch(self.programs, 1, 3, x, w1, w2, w3)
         else:
-            for phase, rows in ((1, HIDDEN), (2, 2 * FFN), (3, HIDDEN)):
+            for phase, rows in ((1, self.hidden), (2, 2 * self.ffn), (3, self.hidden)):
                 self._launch(rows // self.block_n, phase, phase, x, w1, w2, w3)
         return self.y3
 
@@ -166,7 +169,7 @@ def stage_error(chain, x, w1, w2, w3) -> float:
     chain's own input to it (bf16 roundings apart propagate through a chain: checked a stage at a time)."""
     import torch.nn.functional as F
 
-    glu = F.silu(chain.y2[:FFN].float()).to(x.dtype).float() * chain.y2[FFN:].float()
+    glu = F.silu(chain.y2[:chain.ffn].float()).to(x.dtype).float() * chain.y2[chain.ffn:].float()
     errors = []
     for got, expected in ((chain.y1, w1.float() @ x.float()), (chain.y2, w2.float() @ chain.y1.float()),
                           (chain.y3, w3.float() @ glu)):

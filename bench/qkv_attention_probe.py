@@ -197,19 +197,22 @@ def _qkv_attention_kernel(
 
 
 class Probe:
-    """The probe kernel at one point, with its workspace (batch 1, Llama-3-8B heads)."""
+    """The probe kernel at one point, with its workspace (batch 1; Llama-3-8B heads unless given)."""
 
-    def __init__(self, split: int, warps: int, block_k: int, gemv_stages: int, prefetch: bool, device):
+    def __init__(self, split: int, warps: int, block_k: int, gemv_stages: int, prefetch: bool, device,
+                 heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, hidden: int = HIDDEN):
         import torch
 
         self.split, self.warps, self.block_k, self.gemv_stages, self.prefetch = split, warps, block_k, gemv_stages, prefetch
-        self.cols = GROUP_COLS // split
-        assert self.cols * split == GROUP_COLS, f"{GROUP_COLS} columns do not split {split} ways"
-        parts = HEADS * split
-        self.qkv = torch.empty(KV_HEADS * GROUP_COLS, device=device, dtype=torch.bfloat16)
-        self.sync = torch.zeros(KV_HEADS, device=device, dtype=torch.int32)
-        self.arrivals = torch.zeros(KV_HEADS, device=device, dtype=torch.int32)
-        self.part_acc = torch.empty(parts * HEAD_DIM, device=device, dtype=torch.float32)
+        self.heads, self.kv_heads, self.head_dim, self.hidden = heads, kv_heads, head_dim, hidden
+        group_cols = (heads // kv_heads + 2) * head_dim
+        self.cols = group_cols // split
+        assert self.cols * split == group_cols, f"{group_cols} columns do not split {split} ways"
+        parts = heads * split
+        self.qkv = torch.empty(kv_heads * group_cols, device=device, dtype=torch.bfloat16)
+        self.sync = torch.zeros(kv_heads, device=device, dtype=torch.int32)
+        self.arrivals = torch.zeros(kv_heads, device=device, dtype=torch.int32)
+        self.part_acc = torch.empty(parts * head_dim, device=device, dtype=torch.float32)
         self.part_m = torch.empty(parts, device=device, dtype=torch.float32)
         self.part_l = torch.empty(parts, device=device, dtype=torch.float32)
 
@@ -218,14 +221,15 @@ class Probe:
                 + (" prefetch" if self.prefetch else ""))
 
     def launch(self, phase, x, g, w, k_cache, v_cache, cos, sin, pos, out):
-        _qkv_attention_kernel[(self.split, KV_HEADS)](
+        _qkv_attention_kernel[(self.split, self.kv_heads)](
             x, g, w, k_cache, v_cache, cos, sin, pos, out,
             self.qkv, self.sync, self.part_acc, self.part_m, self.part_l, self.arrivals,
             k_cache.shape[2], k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-            HEAD_DIM ** -0.5 * 1.4426950408889634, 1e-5,
-            K=HIDDEN, BLOCK_K=self.block_k, COLS=self.cols, BLOCK_C=triton.next_power_of_2(self.cols),
-            GEMV_STAGES=self.gemv_stages, BLOCK_H=16, BLOCK_N=128, HEAD_DIM=HEAD_DIM, GROUP=GROUP,
-            NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, SPLIT=self.split, NUM_STAGES=3,
+            self.head_dim ** -0.5 * 1.4426950408889634, 1e-5,
+            K=self.hidden, BLOCK_K=self.block_k, COLS=self.cols, BLOCK_C=triton.next_power_of_2(self.cols),
+            GEMV_STAGES=self.gemv_stages, BLOCK_H=16, BLOCK_N=128, HEAD_DIM=self.head_dim,
+            GROUP=self.heads // self.kv_heads, NUM_HEADS=self.heads, NUM_KV_HEADS=self.kv_heads, SPLIT=self.split,
+            NUM_STAGES=3,
             PHASE=phase, PREFETCH=self.prefetch and phase != 1,
             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=self.warps,
         )
