@@ -11,9 +11,10 @@ import torch
 from gemv_chain_probe import Chain, stage_error
 
 HIDDEN, FFN = 64, 96
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernels without a GPU
 
 
-def weights(device="cpu"):
+def weights(device=DEVICE):
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(HIDDEN, generator=gen, device=device).to(torch.bfloat16)
     ws = [(torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(torch.bfloat16)
@@ -23,7 +24,7 @@ def weights(device="cpu"):
 
 def test_one_launch_a_phase_computes_the_chain():
     args = weights()
-    chain = Chain(0, 16, 32, 2, False, "cpu", hidden=HIDDEN, ffn=FFN)
+    chain = Chain(0, 16, 32, 2, False, DEVICE, hidden=HIDDEN, ffn=FFN)
     chain(*args)
     assert stage_error(chain, *args) < 2e-2
     chain.y2[FFN:] = -chain.y2[FFN:]  # an up half of the wrong sign: down's input is wrong

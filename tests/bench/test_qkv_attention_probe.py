@@ -12,9 +12,10 @@ import torch
 from qkv_attention_probe import Probe
 
 HEADS, KV_HEADS, D, HIDDEN, CACHE = 4, 2, 16, 64, 64
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernels without a GPU
 
 
-def inputs(length: int, device="cpu", seed=0):
+def inputs(length: int, device=DEVICE, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(1, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
     g = (1 + 0.1 * torch.randn(HIDDEN, generator=gen, device=device)).to(torch.bfloat16)
@@ -54,7 +55,7 @@ def test_two_launches_give_the_layer_step(length, split, prefetch):
     be patched into it (the cache's old row there is random, so a stale read shows)."""
     args = inputs(length)
     expected, k_new, v_new = reference(*args)
-    probe = Probe(split, 4, 32, 2, prefetch, "cpu", heads=HEADS, kv_heads=KV_HEADS, head_dim=D, hidden=HIDDEN)
+    probe = Probe(split, 4, 32, 2, prefetch, DEVICE, heads=HEADS, kv_heads=KV_HEADS, head_dim=D, hidden=HIDDEN)
     out = probe.pair(*args)
     assert (out.float()[0, :, 0] - expected).abs().max() <= 2e-2 * expected.abs().max()
     assert torch.allclose(args[3][0, :, length - 1].float(), k_new, atol=3e-2, rtol=1e-2)
