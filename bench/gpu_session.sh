@@ -51,6 +51,8 @@
 #                                        # then split counts 24-48 at b1 / 32768 (~5 min)
 #   bash bench/gpu_session.sh qkv-attention  # the q|k|v GEMV and the decode attention in one launch (bench/qkv_attention_probe.py)
 #                                        # against the template pair, b1 at 2048 and 32768 (~5 min)
+#   bash bench/gpu_session.sh cuda-attention  # the CUDA decode attention whose splits meet through a cluster
+#                                        # (bench/cuda_attention_probe.py, NVRTC): its GPU tests, then against the template, b1 (~4 min)
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
 #                                        # (bench/gemv_chain_probe.py) against one launch each and the template GEMVs (~5 min)
 #   bash bench/gpu_session.sh v-layout   # fp8 decode attention with V stored keys-contiguous against row-major, fixed points (~5 min)
@@ -314,6 +316,10 @@ case "${1:-}" in
             --stages 2,3,4,5,6 --json "$OUT/fp8_stages.json"
         step 120 fp8-splits python bench/v_layout_probe.py --cases b1-32768-fp8 --layouts rows --warps 4 \
             --stages 3,4 --splits 24,32,40,48 --json "$OUT/fp8_splits.json"
+        ;;
+    cuda-attention)  # issue 3: the b1 attention's meeting through distributed shared memory instead of global memory
+        step 150 cuda-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_attention_probe.py
+        step 300 cuda-attention python bench/cuda_attention_probe.py --json "$OUT/cuda_attention.json"
         ;;
     gemv-chain)  # issue 3: every b1 GEMV pays ~3 µs of ramp and tail: does one launch for a layer's MLP half save them?
         step 420 gemv-chain python bench/gemv_chain_probe.py --stages 4 --json "$OUT/gemv_chain.json"

@@ -1,0 +1,53 @@
+"""bench/cuda_attention_probe.py: the CUDA cluster attention's source compiles for sm_90 without
+spilling (with the CUDA toolkit's nvcc, where the machine has one: the probe itself compiles it
+with NVRTC on the GPU machine), its shared memory fits an H200 block at every point the probe
+times, and on a GPU it computes the attention over 1 .. S valid keys, blocks without keys
+included."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+from cuda_attention_probe import ClusterAttention, render, shared_bytes
+
+from coopt.targets import H200
+
+POINTS = [(split, tile, stages) for split in (4, 8, 16) for tile in (32, 64) for stages in (2, 3)]
+
+
+def test_every_point_fits_a_block_of_shared_memory():
+    assert all(shared_bytes(*p) <= H200.smem_per_block_bytes for p in POINTS)
+    # the stages are what grows: three 64-key stages of K and V take 96 KiB
+    assert shared_bytes(16, 64, 3) - shared_bytes(16, 64, 2) == 2 * 64 * 128 * 2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (nvcc) on this machine")
+@pytest.mark.parametrize("point", [(16, 64, 3), (8, 32, 2)])
+def test_the_source_compiles_for_hopper_without_spills(tmp_path, point):
+    source = tmp_path / "k.cu"
+    source.write_text(render(*point))
+    result = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o",
+                             str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr[-2000:]
+    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+    assert registers * 256 <= 65536  # one block of eight warps an SM
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split,tile,stages", [(4, 64, 2), (8, 32, 3), (16, 64, 3)])
+def test_the_cluster_attention_matches_an_fp32_softmax(split, tile, stages):
+    from attention_sweep import make_inputs, make_region, reference
+
+    probe = ClusterAttention(split, tile, stages)
+    for length in (1, 63, 64, 65, 1000, 2048, 4096):
+        region = make_region(1, length, 4096, False)
+        inputs = make_inputs(region, length, seed=length)
+        out = torch.empty(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        expected = reference(region, *inputs).float()
+        got = probe.run(*inputs, out).float()
+        assert (got - expected).abs().max() <= 2e-2 * expected.abs().max(), (split, tile, stages, length)
