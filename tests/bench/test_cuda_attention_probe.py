@@ -16,7 +16,7 @@ from cuda_attention_probe import ClusterAttention, render, shared_bytes
 
 from coopt.targets import H200
 
-POINTS = [(split, tile, stages) for split in (4, 8, 16) for tile in (32, 64) for stages in (2, 3)]
+POINTS = [(split, tile, stages) for split in (4, 8, 16) for tile in (32, 64, 128) for stages in (2, 3)]
 
 
 def test_every_point_fits_a_block_of_shared_memory():
@@ -26,7 +26,7 @@ def test_every_point_fits_a_block_of_shared_memory():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (nvcc) on this machine")
-@pytest.mark.parametrize("point", [(16, 64, 3), (8, 32, 2)])
+@pytest.mark.parametrize("point", [(16, 64, 3), (8, 32, 2), (8, 128, 3)])
 def test_the_source_compiles_for_hopper_without_spills(tmp_path, point):
     source = tmp_path / "k.cu"
     source.write_text(render(*point))
@@ -39,7 +39,7 @@ def test_the_source_compiles_for_hopper_without_spills(tmp_path, point):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split,tile,stages", [(4, 64, 2), (8, 32, 3), (16, 64, 3)])
+@pytest.mark.parametrize("split,tile,stages", [(4, 64, 2), (8, 32, 3), (16, 64, 3), (8, 128, 2)])
 def test_the_cluster_attention_matches_an_fp32_softmax(split, tile, stages):
     from attention_sweep import make_inputs, make_region, reference
 
