@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 THREADS = 256  # eight warps
-NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute (cuda.h)
+MAX_DYNAMIC_SHARED_SIZE_BYTES, NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 8, 14  # CUfunction_attribute (cuda.h)
 PORTABLE_CLUSTER = 8
 
 SOURCE = r"""
@@ -332,10 +332,14 @@ class ClusterAttention:
         self.shared = shared_bytes(split, tile, stages)
         self.kernel = torch.cuda._compile_kernel(render(split, tile, stages), "coopt_decode_cluster",
                                                  nvcc_options=["-std=c++17"])
-        if self.shared >= 48 * 1024:
-            self.kernel.set_shared_memory_config(self.shared)
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        if self.shared >= 48 * 1024:  # past the default dynamic shared memory a block may have
+            if hasattr(self.kernel, "set_shared_memory_config"):  # (torch 2.13 checks it at launch)
+                self.kernel.set_shared_memory_config(self.shared)
+            else:
+                status = libcuda.cuFuncSetAttribute(self.kernel.func, MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared)
+                assert status == 0, f"cuFuncSetAttribute(max dynamic shared size) failed: {status}"
         if split > PORTABLE_CLUSTER:
-            libcuda = ctypes.CDLL("libcuda.so.1")
             status = libcuda.cuFuncSetAttribute(self.kernel.func, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
             assert status == 0, f"cuFuncSetAttribute(non-portable cluster size) failed: {status}"
 
