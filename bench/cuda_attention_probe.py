@@ -17,8 +17,9 @@ stores partials to global memory, counts arrivals with an atomic and has the las
 them back. No rope, no cache write: the plain attention, compared with the template's plain
 attention on the same inputs.
 
-Timed graph-replayed over cache copies past the L2 (gemm.graph_ms), checked against an fp32
-softmax (attention_sweep.reference) before and after timing. Batch 1, Llama-3-8B heads, bf16.
+Timed graph-replayed over cache copies past the L2 (gemm.graph_ms), checked before and after
+timing against an fp32 softmax (attention_sweep.reference; the folded cases: against the
+template's folded step, output and new rows). Batch 1, Llama-3-8B heads, bf16.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ __device__ __forceinline__ bf16_t to_bf16(float f) {  // round to nearest even, 
   return (bf16_t)(u >> 16);
 }
 
+__device__ __forceinline__ float round_bf16(float f) { return __int_as_float(((unsigned int)to_bf16(f)) << 16); }
+
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -114,9 +117,12 @@ __device__ __forceinline__ void unpack16(const unsigned char* row, int j, float*
 }
 
 extern "C" __global__ void __cluster_dims__(SPLIT, 1, 1) __launch_bounds__(THREADS, 1)
-coopt_decode_cluster(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                     const bf16_t* __restrict__ v_cache, const int* __restrict__ lengths,
-                     bf16_t* __restrict__ out, int max_length, int stride_kh, int stride_vh, double qk_scale) {
+coopt_decode_cluster(const bf16_t* __restrict__ q, {{ "" if fold else "const " }}bf16_t* __restrict__ k_cache,
+                     {{ "" if fold else "const " }}bf16_t* __restrict__ v_cache, const int* __restrict__ lengths,
+                     bf16_t* __restrict__ out, int max_length, int stride_kh, int stride_vh, double qk_scale{% if fold %},
+                     const bf16_t* __restrict__ cos, const bf16_t* __restrict__ sin,
+                     const long long* __restrict__ positions, const bf16_t* __restrict__ k_new,
+                     const bf16_t* __restrict__ v_new{% endif %}) {
   extern __shared__ u32x4 smem_words[];  // 16-byte aligned by its type
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_words);
   float* warp_m = reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES);  // [WARPS][GROUP]
@@ -137,8 +143,42 @@ coopt_decode_cluster(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_
   const int start = min(split * chunk, length);
   const int end = min(start + chunk, length);
   const int tiles = (end - start + TILE - 1) / TILE;
-  const bf16_t* k_rows = k_cache + (long long)kv_head * stride_kh;
-  const bf16_t* v_rows = v_cache + (long long)kv_head * stride_vh;
+  {{ "" if fold else "const " }}bf16_t* k_rows = k_cache + (long long)kv_head * stride_kh;
+  {{ "" if fold else "const " }}bf16_t* v_rows = v_cache + (long long)kv_head * stride_vh;
+{% if fold %}
+  // The step's new K/V row (kv_write folded in), as the Triton template writes it: K rotated
+  // (rotate-half, fp32) and rounded to bf16, V as given, at positions[0], by the block whose keys
+  // hold it (the last block where none does but the cache does). Threads 0-7 take K's columns
+  // [8c, 8c + 8) with their rotary partners [64 + 8c, 64 + 8c + 8); threads 8-23 a 16-byte piece
+  // of V. The block's tile that holds the row gets it in shared memory too, after it lands.
+  const long long pos = positions[0];
+  const bool in_keys = pos >= 0 && pos < length;
+  const bool writes_new = in_keys ? (pos >= start && pos < end) : (pos >= 0 && pos < max_length && split == SPLIT - 1);
+  u32x4 new_lo = {0u, 0u, 0u, 0u}, new_hi = {0u, 0u, 0u, 0u};
+  if (writes_new && tid < 24) {
+    if (tid < 8) {
+      float x[16], c[16], sn[16];
+      unpack16(reinterpret_cast<const unsigned char*>(k_new + kv_head * HEAD_DIM), tid, x);
+      unpack16(reinterpret_cast<const unsigned char*>(cos), tid, c);
+      unpack16(reinterpret_cast<const unsigned char*>(sin), tid, sn);
+      unsigned int w[8];
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {  // columns 8 tid + i (x[i]) and 64 + 8 tid + i (x[8 + i])
+        const float lo0 = x[i] * c[i] - x[8 + i] * sn[i], lo1 = x[i + 1] * c[i + 1] - x[9 + i] * sn[i + 1];
+        const float hi0 = x[8 + i] * c[8 + i] + x[i] * sn[8 + i], hi1 = x[9 + i] * c[9 + i] + x[i + 1] * sn[9 + i];
+        w[i / 2] = (unsigned int)to_bf16(lo0) | ((unsigned int)to_bf16(lo1) << 16);
+        w[4 + i / 2] = (unsigned int)to_bf16(hi0) | ((unsigned int)to_bf16(hi1) << 16);
+      }
+      new_lo = {w[0], w[1], w[2], w[3]};
+      new_hi = {w[4], w[5], w[6], w[7]};
+      *reinterpret_cast<u32x4*>(k_rows + pos * HEAD_DIM + 8 * tid) = new_lo;
+      *reinterpret_cast<u32x4*>(k_rows + pos * HEAD_DIM + 64 + 8 * tid) = new_hi;
+    } else {
+      new_lo = *reinterpret_cast<const u32x4*>(v_new + kv_head * HEAD_DIM + 8 * (tid - 8));
+      *reinterpret_cast<u32x4*>(v_rows + pos * HEAD_DIM + 8 * (tid - 8)) = new_lo;
+    }
+  }
+{% endif %}
 
   // one commit group a tile slot, empty past the last tile: wait_groups' counts stay uniform
   auto issue = [&](int t) {
@@ -162,9 +202,23 @@ coopt_decode_cluster(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_
   // the group's query rows, this lane's columns, scaled into log2 units
   float qf[GROUP][16];
   const float scale = (float)qk_scale;
+{% if fold %}
+  float q_cos[16], q_sin[16];  // the rotary tables at this lane's columns (a column's partner is this lane's too)
+  unpack16(reinterpret_cast<const unsigned char*>(cos), j, q_cos);
+  unpack16(reinterpret_cast<const unsigned char*>(sin), j, q_sin);
+{% endif %}
 #pragma unroll
   for (int h = 0; h < GROUP; ++h) {
     unpack16(reinterpret_cast<const unsigned char*>(q + (kv_head * GROUP + h) * HEAD_DIM), j, qf[h]);
+{% if fold %}
+    // the query rotated in fp32 and rounded to bf16, as the template rounds it for its dot
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float lo = qf[h][i], hi = qf[h][8 + i];
+      qf[h][i] = round_bf16(lo * q_cos[i] - hi * q_sin[i]);
+      qf[h][8 + i] = round_bf16(hi * q_cos[8 + i] + lo * q_sin[8 + i]);
+    }
+{% endif %}
 #pragma unroll
     for (int i = 0; i < 16; ++i) qf[h][i] *= scale;
   }
@@ -181,9 +235,21 @@ coopt_decode_cluster(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_
     issue(t + STAGES - 1);
     wait_groups<STAGES - 1>();
     __syncthreads();
-    const unsigned char* k_tile = smem + (t % STAGES) * STAGE_BYTES;
-    const unsigned char* v_tile = k_tile + TILE_BYTES;
+    {{ "" if fold else "const " }}unsigned char* k_tile = smem + (t % STAGES) * STAGE_BYTES;
+    {{ "" if fold else "const " }}unsigned char* v_tile = k_tile + TILE_BYTES;
     const int first = start + t * TILE;
+{% if fold %}
+    if (writes_new && in_keys && pos >= first && pos < first + TILE) {  // the same for the whole block
+      unsigned char* row = (tid < 8 ? k_tile : v_tile) + (pos - first) * ROW_BYTES;
+      if (tid < 8) {
+        *reinterpret_cast<u32x4*>(row + 16 * tid) = new_lo;
+        *reinterpret_cast<u32x4*>(row + 128 + 16 * tid) = new_hi;
+      } else if (tid < 24) {
+        *reinterpret_cast<u32x4*>(row + 16 * (tid - 8)) = new_lo;
+      }
+      __syncthreads();
+    }
+{% endif %}
     // the group's KEYS rows of the tile, r = 4 warp + key_group + 32 c: their scores first (the
     // shuffles of all KEYS in flight together), one rescale of the accumulator for all of them
     float s[KEYS][GROUP];
@@ -315,22 +381,24 @@ def shared_bytes(split: int, tile: int, stages: int, group: int = HEADS // KV_HE
     return stages * 2 * tile * HEAD_DIM * 2 + 4 * (2 * warps * group + warps * group * HEAD_DIM + 2 * group + group * HEAD_DIM)
 
 
-def render(split: int, tile: int, stages: int, group: int = HEADS // KV_HEADS) -> str:
+def render(split: int, tile: int, stages: int, group: int = HEADS // KV_HEADS, fold: bool = False) -> str:
+    """The kernel's source; `fold`: the query's rope and the step's new K/V row written in it."""
     from jinja2 import Template
 
     assert tile % 32 == 0 and (group * HEAD_DIM) % split == 0 and stages >= 2
-    return Template(SOURCE).render(split=split, tile=tile, stages=stages, group=group)
+    return Template(SOURCE).render(split=split, tile=tile, stages=stages, group=group, fold=fold)
 
 
 class ClusterAttention:
-    """The probe kernel compiled for one (SPLIT, TILE, STAGES): run(q, k_cache, v_cache, lengths, out)."""
+    """The probe kernel compiled for one (SPLIT, TILE, STAGES): run(q, k_cache, v_cache, lengths, out)
+    and, folded, run(..., out, cos, sin, positions, k_new, v_new) (the caches come back written)."""
 
-    def __init__(self, split: int, tile: int, stages: int):
+    def __init__(self, split: int, tile: int, stages: int, fold: bool = False):
         import torch
 
-        self.split, self.tile, self.stages = split, tile, stages
+        self.split, self.tile, self.stages, self.fold = split, tile, stages, fold
         self.shared = shared_bytes(split, tile, stages)
-        self.kernel = torch.cuda._compile_kernel(render(split, tile, stages), "coopt_decode_cluster",
+        self.kernel = torch.cuda._compile_kernel(render(split, tile, stages, fold=fold), "coopt_decode_cluster",
                                                  nvcc_options=["-std=c++17"])
         libcuda = ctypes.CDLL("libcuda.so.1")
         if self.shared >= 48 * 1024:  # past the default dynamic shared memory a block may have
@@ -344,21 +412,28 @@ class ClusterAttention:
             assert status == 0, f"cuFuncSetAttribute(non-portable cluster size) failed: {status}"
 
     def label(self) -> str:
-        return f"cuda cluster {self.split} tile {self.tile} s{self.stages}"
+        return f"cuda cluster {self.split} tile {self.tile} s{self.stages}" + (" folded" if self.fold else "")
 
-    def run(self, q, k_cache, v_cache, lengths, out):
+    def run(self, q, k_cache, v_cache, lengths, out, *fold):
         assert q.shape[0] == 1 and q.stride(1) == HEAD_DIM and q.stride(3) == 1, "q [1, H, 1, D], heads contiguous"
         assert k_cache.stride(2) == HEAD_DIM and v_cache.stride(2) == HEAD_DIM and lengths.dtype.itemsize == 4
+        assert len(fold) == (5 if self.fold else 0), "folded: cos, sin [D] rows, positions (int64), k_new, v_new"
+        if fold:
+            cos, sin, positions, k_new, v_new = fold
+            assert cos.numel() == sin.numel() == HEAD_DIM and positions.dtype.itemsize == 8
+            assert k_new.is_contiguous() and v_new.is_contiguous(), "k_new, v_new [1, Hkv, 1, D] contiguous"
         self.kernel(grid=(self.split, KV_HEADS, 1), block=(THREADS, 1, 1),
                     args=[q, k_cache, v_cache, lengths, out, k_cache.shape[2], k_cache.stride(1), v_cache.stride(1),
-                          HEAD_DIM ** -0.5 * 1.4426950408889634],
+                          HEAD_DIM ** -0.5 * 1.4426950408889634, *fold],
                     shared_mem=self.shared)
         return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default="b1-2048,b1-32768")
+    parser.add_argument("--cases", default="b1-2048,b1-2048-rope,b1-32768",
+                        help="attention_sweep cases at batch 1; a -rope case times the folded kernels "
+                             "(the query's rope and the new K/V row in the attention) against the template's")
     parser.add_argument("--splits", default="8,16")
     parser.add_argument("--tiles", default="32,64,128")
     parser.add_argument("--stages", default="2,3")
@@ -382,19 +457,44 @@ def main() -> int:
     rows, best = [], {}
     for case in args.cases.split(","):
         batch, length, cache, fp8 = CASES[case][:4]
+        fold = len(CASES[case]) > 4 and CASES[case][4]  # the rope cases: the folded kernels
         assert batch == 1 and not fp8, "the probe is batch 1, bf16"
-        region = make_region(batch, length, cache, fp8)
+        region = make_region(batch, length, cache, fp8, rope=fold)
         inputs = make_inputs(region, length)
+        if fold:  # the step's position and new K/V rows, as fold_kernel_times gives them
+            from fold_kernel_times import folded_region
+
+            region = folded_region(region)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            inputs += [torch.tensor([length - 1], device="cuda"),
+                       *(torch.randn(1, KV_HEADS, 1, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+                         for _ in "kv")]
         traffic = kv_bytes_read(region, [length])
         sets = input_copies(inputs, traffic)
-        expected = reference(region, *inputs).float()
         print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / 4.2e12 * 1e6:.2f} us; "
-              f"{len(sets)} cache copies", flush=True)
+              f"{len(sets)} cache copies" + ("; folded (rope, new row)" if fold else ""), flush=True)
+        templates = {}
+        for split in map(int, args.template_splits.split(",")):
+            params = {"BLOCK_N": 128, "SPLIT_KV": split, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+            if family.check(region, params, H200) is None:
+                path = work / f"{case}_triton_{split}.py"
+                path.write_text(family.render(region, params))
+                templates[split] = load_module_from_file(path).run
+        if fold:  # the template's folded step is the reference: its output and the caches' new rows
+            first = templates[min(templates)]
+            done = [t.clone() for t in sets[0]]
+            expected = first(*done)[2].float()
+            new_rows = [done[i][0, :, length - 1].float() for i in (1, 2)]
+        else:
+            expected, new_rows = reference(region, *sets[0]).float(), []
 
         def record(kind, name, call):
             def err():
-                got = call(*[t.clone() for t in sets[0]]).float()
-                return ((got - expected).abs().max() / expected.abs().max()).item()
+                step = [t.clone() for t in sets[0]]
+                got = call(*step).float()
+                rows_off = [((step[i][0, :, length - 1].float() - row).abs().max() / row.abs().max()).item()
+                            for i, row in zip((1, 2), new_rows)]
+                return max([((got - expected).abs().max() / expected.abs().max()).item(), *rows_off])
             try:
                 before = err()
                 us = graph_ms(call, sets) * 1e3
@@ -411,24 +511,22 @@ def main() -> int:
             if not wrong:
                 best[(case, kind)] = min(best.get((case, kind), us), us)
 
-        for split in map(int, args.template_splits.split(",")):
-            params = {"BLOCK_N": 128, "SPLIT_KV": split, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
-            if family.check(region, params, H200) is not None:
-                continue
-            path = work / f"{case}_triton_{split}.py"
-            path.write_text(family.render(region, params))
-            run = load_module_from_file(path).run
-            record("triton", f"triton split {split} 128 w4 s3", lambda *t, run=run: run(*t)[0])
+        for split, run in templates.items():
+            record("triton", f"triton split {split} 128 w4 s3", lambda *t, run=run: run(*t)[-1])
         for split, tile, stages in itertools.product(map(int, args.splits.split(",")), map(int, args.tiles.split(",")),
                                                      map(int, args.stages.split(","))):
             try:
-                probe = ClusterAttention(split, tile, stages)
+                probe = ClusterAttention(split, tile, stages, fold=fold)
             except Exception as error:
                 print(f"  cuda cluster {split} tile {tile} s{stages}: compile FAILED: {type(error).__name__}: "
                       f"{str(error)[:600]}", flush=True)
                 continue
             out = torch.empty(1, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            record("cuda", probe.label(), lambda q, k, v, lengths, probe=probe, out=out: probe.run(q, k, v, lengths, out))
+            if fold:  # inputs: q, k, v, lengths, cos, sin, position, k_new, v_new
+                call = lambda q, k, v, n, c, s, p, kn, vn, probe=probe, out=out: probe.run(q, k, v, n, out, c, s, p, kn, vn)  # noqa: E731
+            else:
+                call = lambda q, k, v, n, probe=probe, out=out: probe.run(q, k, v, n, out)  # noqa: E731
+            record("cuda", probe.label(), call)
     print("\nbest of each kind, µs")
     for (case, kind), us in sorted(best.items()):
         print(f"  {case:10s} {kind:7s} {us:7.2f}")

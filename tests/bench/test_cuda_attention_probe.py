@@ -2,7 +2,8 @@
 spilling (with the CUDA toolkit's nvcc, where the machine has one: the probe itself compiles it
 with NVRTC on the GPU machine), its shared memory fits an H200 block at every point the probe
 times, and on a GPU it computes the attention over 1 .. S valid keys, blocks without keys
-included."""
+included, and its folded form (the query's rope, the new K/V row written) the template's folded
+step."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ def test_every_point_fits_a_block_of_shared_memory():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (nvcc) on this machine")
-@pytest.mark.parametrize("point", [(16, 64, 3), (8, 32, 2), (8, 128, 3)])
-def test_the_source_compiles_for_hopper_without_spills(tmp_path, point):
+@pytest.mark.parametrize("point,fold", [((16, 64, 3), False), ((8, 32, 2), False), ((8, 128, 3), False), ((16, 64, 3), True)])
+def test_the_source_compiles_for_hopper_without_spills(tmp_path, point, fold):
     source = tmp_path / "k.cu"
-    source.write_text(render(*point))
+    source.write_text(render(*point, fold=fold))
     result = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o",
                              str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -51,3 +52,37 @@ def test_the_cluster_attention_matches_an_fp32_softmax(split, tile, stages):
         expected = reference(region, *inputs).float()
         got = probe.run(*inputs, out).float()
         assert (got - expected).abs().max() <= 2e-2 * expected.abs().max(), (split, tile, stages, length)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split,tile", [(8, 64), (16, 32)])
+def test_the_folded_cluster_attention_matches_the_templates_folded_step(tmp_path, split, tile):
+    """The query's rope and the new K/V row (K rotated) written by the block whose keys hold it,
+    the row inside its first tile, at a tile's end, and the only key."""
+    from attention_sweep import make_inputs, make_region
+    from fold_kernel_times import folded_region
+
+    from coopt.runtime.kernel_loader import load_module_from_file
+    from coopt.templates.decode_attention import DecodeAttentionFamily
+
+    probe = ClusterAttention(split, tile, 2, fold=True)
+    family = DecodeAttentionFamily()
+    for length in (1, 65, 64 * split, 2000):
+        region = folded_region(make_region(1, length, 4096, False, rope=True))
+        path = tmp_path / f"folded_{length}.py"
+        path.write_text(family.render(region, {"BLOCK_N": 128, "SPLIT_KV": 8, "USE_DOT": True, "num_warps": 4,
+                                               "num_stages": 3}))
+        template = load_module_from_file(path).run
+        gen = torch.Generator(device="cuda").manual_seed(length)
+        inputs = [*make_inputs(region, length, seed=length), torch.tensor([length - 1], device="cuda"),
+                  *(torch.randn(1, 8, 1, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in "kv")]
+        done = [t.clone() for t in inputs]
+        expected = template(*done)[2].float()
+        mine = [t.clone() for t in inputs]
+        out = torch.empty(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        q, k, v, lengths, cos, sin, position, k_new, v_new = mine
+        got = probe.run(q, k, v, lengths, out, cos, sin, position, k_new, v_new).float()
+        assert (got - expected).abs().max() <= 2e-2 * expected.abs().max(), (split, tile, length)
+        for i in (1, 2):  # the new rows, bf16 apart at most by the rope's fp32 contraction
+            torch.testing.assert_close(mine[i][0, :, length - 1], done[i][0, :, length - 1], atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(mine[i][0, :, :length - 1], done[i][0, :, :length - 1], atol=0, rtol=0)
