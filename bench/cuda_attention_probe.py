@@ -145,12 +145,32 @@ coopt_decode_cluster(const bf16_t* __restrict__ q, {{ "" if fold else "const " }
   const int tiles = (end - start + TILE - 1) / TILE;
   {{ "" if fold else "const " }}bf16_t* k_rows = k_cache + (long long)kv_head * stride_kh;
   {{ "" if fold else "const " }}bf16_t* v_rows = v_cache + (long long)kv_head * stride_vh;
+
+  // one commit group a tile slot, empty past the last tile: wait_groups' counts stay uniform
+  auto issue = [&](int t) {
+    if (t < tiles) {
+      unsigned char* k_tile = smem + (t % STAGES) * STAGE_BYTES;
+      unsigned char* v_tile = k_tile + TILE_BYTES;
+      const int first = start + t * TILE;
+      for (int c = tid; c < TILE * 16; c += THREADS) {
+        const int row = c >> 4, piece = c & 15, key = first + row;
+        if (key < end) {
+          copy16(k_tile + row * ROW_BYTES + piece * 16, k_rows + (long long)key * HEAD_DIM + piece * 8);
+          copy16(v_tile + row * ROW_BYTES + piece * 16, v_rows + (long long)key * HEAD_DIM + piece * 8);
+        }
+      }
+    }
+    commit();
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
 {% if fold %}
   // The step's new K/V row (kv_write folded in), as the Triton template writes it: K rotated
   // (rotate-half, fp32) and rounded to bf16, V as given, at positions[0], by the block whose keys
   // hold it (the last block where none does but the cache does). Threads 0-7 take K's columns
   // [8c, 8c + 8) with their rotary partners [64 + 8c, 64 + 8c + 8); threads 8-23 a 16-byte piece
-  // of V. The block's tile that holds the row gets it in shared memory too, after it lands.
+  // of V. The block's tile that holds the row gets it in shared memory too, after it lands
+  // (after the first tiles are issued: their copies do not wait for these loads).
   const long long pos = positions[0];
   const bool in_keys = pos >= 0 && pos < length;
   const bool writes_new = in_keys ? (pos >= start && pos < end) : (pos >= 0 && pos < max_length && split == SPLIT - 1);
@@ -179,25 +199,6 @@ coopt_decode_cluster(const bf16_t* __restrict__ q, {{ "" if fold else "const " }
     }
   }
 {% endif %}
-
-  // one commit group a tile slot, empty past the last tile: wait_groups' counts stay uniform
-  auto issue = [&](int t) {
-    if (t < tiles) {
-      unsigned char* k_tile = smem + (t % STAGES) * STAGE_BYTES;
-      unsigned char* v_tile = k_tile + TILE_BYTES;
-      const int first = start + t * TILE;
-      for (int c = tid; c < TILE * 16; c += THREADS) {
-        const int row = c >> 4, piece = c & 15, key = first + row;
-        if (key < end) {
-          copy16(k_tile + row * ROW_BYTES + piece * 16, k_rows + (long long)key * HEAD_DIM + piece * 8);
-          copy16(v_tile + row * ROW_BYTES + piece * 16, v_rows + (long long)key * HEAD_DIM + piece * 8);
-        }
-      }
-    }
-    commit();
-  };
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue(s);
 
   // the group's query rows, this lane's columns, scaled into log2 units
   float qf[GROUP][16];
