@@ -4,8 +4,8 @@ of round trips, the splits' meeting through global memory among them.)
 
     python bench/cuda_attention_probe.py --cases b1-2048,b1-32768 --json cuda_attention.json
 
-The probe kernel (CUDA C++ in this file, compiled at run time by NVRTC through
-torch.cuda._compile_kernel, which torch's CUDA wheels carry: no toolkit needed) runs one cluster
+The probe kernel (CUDA C++ in this file, compiled at run time by the NVRTC that torch's CUDA
+wheels carry, loaded and launched through the driver: no toolkit needed) runs one cluster
 of SPLIT blocks per kv head (`__cluster_dims__`; 16 is past the portable 8, allowed through the
 function's non-portable attribute). Each block streams its equal share of the valid keys through
 shared memory (cp.async, STAGES tiles of TILE keys deep), eight warps of four 8-lane groups each
@@ -390,32 +390,76 @@ def render(split: int, tile: int, stages: int, group: int = HEADS // KV_HEADS, f
     return Template(SOURCE).render(split=split, tile=tile, stages=stages, group=group, fold=fold)
 
 
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed: CUDA driver status {status}")
+
+
+def nvrtc_ptx(source: str, arch: str) -> bytes:
+    """PTX for sm_<arch> from NVRTC, the copy torch's CUDA build loads (libnvrtc.so.<CUDA major>).
+    No include paths: the kernel needs no header (torch.cuda._compile_kernel adds the toolkit's,
+    and raises where no toolkit is installed, as on the GPU machine)."""
+    import torch
+
+    names = (f"libnvrtc.so.{torch.version.cuda.split('.')[0]}", "libnvrtc.so")
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise OSError(f"no NVRTC library ({', '.join(names)})")
+    program = ctypes.c_void_p()
+    _check(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"probe.cu", 0, None, None), "nvrtcCreateProgram")
+    options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17"]
+    status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(program, log)
+    if status != 0:
+        raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')[:2000]}")
+    lib.nvrtcGetPTXSize(program, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(program, ptx)
+    lib.nvrtcDestroyProgram(ctypes.byref(program))
+    return ptx.raw
+
+
 class ClusterAttention:
     """The probe kernel compiled for one (SPLIT, TILE, STAGES): run(q, k_cache, v_cache, lengths, out)
-    and, folded, run(..., out, cos, sin, positions, k_new, v_new) (the caches come back written)."""
+    and, folded, run(..., out, cos, sin, positions, k_new, v_new) (the caches come back written).
+    Loaded and launched through the CUDA driver (ctypes) on torch's current stream, so a CUDA graph
+    captures it."""
 
     def __init__(self, split: int, tile: int, stages: int, fold: bool = False):
         import torch
 
         self.split, self.tile, self.stages, self.fold = split, tile, stages, fold
         self.shared = shared_bytes(split, tile, stages)
-        self.kernel = torch.cuda._compile_kernel(render(split, tile, stages, fold=fold), "coopt_decode_cluster",
-                                                 nvcc_options=["-std=c++17"])
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        if self.shared >= 48 * 1024:  # past the default dynamic shared memory a block may have
-            if hasattr(self.kernel, "set_shared_memory_config"):  # (torch 2.13 checks it at launch)
-                self.kernel.set_shared_memory_config(self.shared)
-            else:
-                status = libcuda.cuFuncSetAttribute(self.kernel.func, MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared)
-                assert status == 0, f"cuFuncSetAttribute(max dynamic shared size) failed: {status}"
+        major, minor = torch.cuda.get_device_capability()
+        torch.cuda.init()  # the primary context current on this thread
+        torch.empty(1, device="cuda")
+        ptx = nvrtc_ptx(render(split, tile, stages, fold=fold), f"{major}{minor}")
+        self.libcuda = ctypes.CDLL("libcuda.so.1")
+        self.module, self.func = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(self.libcuda.cuModuleLoadData(ctypes.byref(self.module), ptx), "cuModuleLoadData")
+        _check(self.libcuda.cuModuleGetFunction(ctypes.byref(self.func), self.module, b"coopt_decode_cluster"),
+               "cuModuleGetFunction")
+        # past the default 48 KiB of dynamic shared memory; past the portable cluster of 8
+        _check(self.libcuda.cuFuncSetAttribute(self.func, MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared),
+               "cuFuncSetAttribute(max dynamic shared size)")
         if split > PORTABLE_CLUSTER:
-            status = libcuda.cuFuncSetAttribute(self.kernel.func, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-            assert status == 0, f"cuFuncSetAttribute(non-portable cluster size) failed: {status}"
+            _check(self.libcuda.cuFuncSetAttribute(self.func, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                   "cuFuncSetAttribute(non-portable cluster size)")
 
     def label(self) -> str:
         return f"cuda cluster {self.split} tile {self.tile} s{self.stages}" + (" folded" if self.fold else "")
 
     def run(self, q, k_cache, v_cache, lengths, out, *fold):
+        import torch
+
         assert q.shape[0] == 1 and q.stride(1) == HEAD_DIM and q.stride(3) == 1, "q [1, H, 1, D], heads contiguous"
         assert k_cache.stride(2) == HEAD_DIM and v_cache.stride(2) == HEAD_DIM and lengths.dtype.itemsize == 4
         assert len(fold) == (5 if self.fold else 0), "folded: cos, sin [D] rows, positions (int64), k_new, v_new"
@@ -423,10 +467,15 @@ class ClusterAttention:
             cos, sin, positions, k_new, v_new = fold
             assert cos.numel() == sin.numel() == HEAD_DIM and positions.dtype.itemsize == 8
             assert k_new.is_contiguous() and v_new.is_contiguous(), "k_new, v_new [1, Hkv, 1, D] contiguous"
-        self.kernel(grid=(self.split, KV_HEADS, 1), block=(THREADS, 1, 1),
-                    args=[q, k_cache, v_cache, lengths, out, k_cache.shape[2], k_cache.stride(1), v_cache.stride(1),
-                          HEAD_DIM ** -0.5 * 1.4426950408889634, *fold],
-                    shared_mem=self.shared)
+        # the kernel's parameters in order: pointers, three ints, the scale as a double, then the fold's pointers
+        values = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, lengths, out)]
+        values += [ctypes.c_int(k_cache.shape[2]), ctypes.c_int(k_cache.stride(1)), ctypes.c_int(v_cache.stride(1)),
+                   ctypes.c_double(HEAD_DIM ** -0.5 * 1.4426950408889634)]
+        values += [ctypes.c_void_p(t.data_ptr()) for t in fold]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check(self.libcuda.cuLaunchKernel(self.func, self.split, KV_HEADS, 1, THREADS, 1, 1, self.shared, stream,
+                                           params, None), "cuLaunchKernel")
         return out
 
 
