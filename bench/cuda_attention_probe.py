@@ -392,7 +392,7 @@ def render(split: int, tile: int, stages: int, group: int = HEADS // KV_HEADS, f
 
 def _check(status: int, what: str) -> None:
     if status != 0:
-        raise RuntimeError(f"{what} failed: CUDA driver status {status}")
+        raise RuntimeError(f"{what} failed: status {status}")
 
 
 def nvrtc_ptx(source: str, arch: str) -> bytes:
@@ -493,7 +493,7 @@ def main() -> int:
     import torch
 
     from attention_sweep import CASES, make_inputs, make_region, reference
-    from gemm import announce_gpu, graph_ms, input_copies
+    from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.targets import H200
@@ -521,7 +521,7 @@ def main() -> int:
                          for _ in "kv")]
         traffic = kv_bytes_read(region, [length])
         sets = input_copies(inputs, traffic)
-        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / 4.2e12 * 1e6:.2f} us; "
+        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / COPY_BYTES_PER_S * 1e6:.2f} us; "
               f"{len(sets)} cache copies" + ("; folded (rope, new row)" if fold else ""), flush=True)
         templates = {}
         for split in map(int, args.template_splits.split(",")):

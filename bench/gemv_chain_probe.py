@@ -43,7 +43,6 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 HIDDEN, FFN = 4096, 14336
-COPY_BYTES_PER_S = 4.2e12
 SHARED_PER_SM = 228 * 1024  # sm_90: an SM's shared memory (1 KiB of it reserved per resident block)
 
 
@@ -206,7 +205,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from gemm import announce_gpu, graph_ms, input_copies
+    from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies
 
     if not announce_gpu("bench/gemv_chain_probe.py"):
         return 1
@@ -269,12 +268,12 @@ def main() -> int:
                 print(f"  {name:44s} FAILED: {type(error).__name__}: {str(error)[:160]}", flush=True)
                 continue
             wrong = not err < 2e-2
-            rows.append({"kind": "launches" if not chain.programs else "persistent", "point": name, "us": us,
-                         "tb_per_s": weight_bytes / us / 1e6, "err": err, "wrong": wrong})
+            kind = "launches" if not chain.programs else ("persistent+prefetch" if chain.prefetch else "persistent")
+            rows.append({"kind": kind, "point": name, "us": us, "tb_per_s": weight_bytes / us / 1e6, "err": err,
+                         "wrong": wrong})
             print(f"  {name:44s} {us:7.2f} us {weight_bytes / us / 1e6:5.2f} TB/s  err {err:.1e}"
                   + ("  WRONG" if wrong else ""), flush=True)
             if not wrong:
-                kind = "launches" if not chain.programs else ("persistent+prefetch" if chain.prefetch else "persistent")
                 best[kind] = min(best.get(kind, us), us)
     print(f"\nbest of each kind, µs (floor {floor_us:.2f}: {weight_bytes / 1e6:.1f} MB at 4.2 TB/s)")
     for kind, us in best.items():
