@@ -53,6 +53,8 @@
 #                                        # against the template pair, b1 at 2048 and 32768 (~5 min)
 #   bash bench/gpu_session.sh cuda-attention  # the CUDA decode attention whose splits meet through a cluster
 #                                        # (bench/cuda_attention_probe.py, NVRTC): its GPU tests, then against the template, b1 (~4 min)
+#   bash bench/gpu_session.sh cuda-fp8    # a CUDA fp8 decode attention on tensor cores (bench/cuda_fp8_attention_probe.py,
+#                                        # NVRTC): its GPU tests, then against the template's advised points, b1 (~5 min)
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
 #                                        # (bench/gemv_chain_probe.py) against one launch each and the template GEMVs (~5 min)
 #   bash bench/gpu_session.sh v-layout   # fp8 decode attention with V stored keys-contiguous against row-major, fixed points (~5 min)
@@ -320,6 +322,10 @@ case "${1:-}" in
     cuda-attention)  # issue 3: the b1 attention's meeting through distributed shared memory instead of global memory
         step 150 cuda-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_attention_probe.py
         step 300 cuda-attention python bench/cuda_attention_probe.py --json "$OUT/cuda_attention.json"
+        ;;
+    cuda-fp8)  # issue 4: the fp8 attention on tensor cores through mma.sync, V's bytes paired by prmt, against the template
+        step 150 cuda-fp8-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_fp8_attention_probe.py
+        step 400 cuda-fp8 python bench/cuda_fp8_attention_probe.py --json "$OUT/cuda_fp8_attention.json"
         ;;
     gemv-chain)  # issue 3: every b1 GEMV pays ~3 µs of ramp and tail: does one launch for a layer's MLP half save them?
         step 420 gemv-chain python bench/gemv_chain_probe.py --stages 4 --json "$OUT/gemv_chain.json"

@@ -1,0 +1,70 @@
+"""bench/cuda_fp8_attention_probe.py: the tensor-core fp8 attention's source compiles for sm_90
+without spilling (with nvcc, where the machine has one: on the GPU machine the probe compiles it
+with NVRTC), and on a GPU it computes the attention over an e4m3 cache with per-head scales for
+1 .. S valid keys: lengths inside one 16-key block, across blocks, chunks and splits, and blocks
+and warps left without keys."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+from cuda_fp8_attention_probe import Fp8Attention, render, shared_bytes
+
+from coopt.targets import H200
+
+
+def test_the_rings_are_what_grows_and_the_default_sweep_has_points_that_fit():
+    # a warp's ring holds STAGES chunks of K and V rows, 128 bytes a row
+    assert shared_bytes(16, 4, 32, 4) - shared_bytes(16, 4, 32, 3) == 4 * 2 * 32 * 128
+    fitting = [(w, c, s) for w in (4, 8) for c in (32, 64) for s in (2, 3, 4)
+               if shared_bytes(16, w, c, s) <= H200.smem_per_block_bytes]
+    assert (4, 64, 3) in fitting and (8, 32, 3) in fitting and (8, 64, 3) not in fitting
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (nvcc) on this machine")
+@pytest.mark.parametrize("point", [(16, 4, 32, 4), (8, 4, 64, 3), (16, 8, 16, 4)])
+def test_the_source_compiles_for_hopper_without_spills(tmp_path, point):
+    source = tmp_path / "k.cu"
+    source.write_text(render(*point))
+    result = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o",
+                             str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr[-2000:]
+    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+    assert registers * 32 * point[1] <= 65536
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split,warps,chunk,stages", [(16, 4, 32, 4), (8, 8, 64, 2), (4, 4, 16, 3)])
+def test_the_fp8_attention_matches_an_fp32_softmax(split, warps, chunk, stages):
+    from attention_sweep import make_inputs, make_region, reference
+
+    probe = Fp8Attention(split, warps, chunk, stages)
+    for length in (1, 15, 16, 17, 100, 1000, 4096):
+        region = make_region(1, length, 4096, True)
+        inputs = make_inputs(region, length, seed=length)
+        out = torch.empty(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        expected = reference(region, *inputs).float()
+        got = probe.run(*inputs, out).float()
+        assert (got - expected).abs().max() <= 2e-2 * expected.abs().max(), (split, warps, chunk, stages, length)
+
+
+@pytest.mark.gpu
+def test_rows_past_the_length_never_reach_the_output():
+    """NaN bytes (e4m3 0x7f) past the valid length: the kernel zero-fills rows it does not load,
+    so they cannot leak through a zero weight into the accumulator."""
+    from attention_sweep import make_inputs, make_region, reference
+
+    probe = Fp8Attention(16, 4, 32, 2)
+    region = make_region(1, 1000, 4096, True)
+    q, k, v, lengths, *scales = make_inputs(region, 1000, seed=3)
+    expected = reference(region, q, k, v, lengths, *scales).float()
+    for cache in (k, v):
+        cache.view(torch.uint8)[:, :, 1000:] = 0x7F
+    got = probe.run(q, k, v, lengths, *scales, torch.empty(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)).float()
+    assert torch.isfinite(got).all()
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
