@@ -104,9 +104,27 @@ __device__ __forceinline__ int swizzled(int row, int piece) { return row * ROW_B
 
 __device__ __forceinline__ u32x4 load16(const unsigned char* p) { return *reinterpret_cast<const u32x4*>(p); }
 
-__device__ __forceinline__ float load_l2(const float* p) {  // past the L1, which may hold a stale line
+struct alignas(16) f32x4 { float x, y, z, w; };
+
+// past the L1, which may hold a stale line
+__device__ __forceinline__ float load_l2(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ f32x4 load4_l2(const float* p) {
+  f32x4 v;
+  asm volatile("ld.global.cg.v4.f32 { %0, %1, %2, %3 }, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// four floats of block `rank`'s shared memory, at the address `p` has in this block's
+__device__ __forceinline__ f32x4 cluster_load4(const float* p, unsigned int rank) {
+  unsigned int remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(p)), "r"(rank));
+  f32x4 v;
+  asm volatile("ld.shared::cluster.v4.f32 { %0, %1, %2, %3 }, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
   return v;
 }
 
@@ -127,13 +145,17 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
   // the block's partials in its shared memory, which the whole cluster reads
   float* part_m = warp_acc + WARPS * GROUP * HEAD_DIM;  // [GROUP]
 #define PARTIAL(r, i) cluster_load(part_m + (i), r)
+#define PARTIAL4(r, i) cluster_load4(part_m + (i), r)
 {% else %}
   // the block's partials in global memory ([KV_HEADS][SPLIT][PART_FLOATS]), read by the kv head's last block
   float* part_m = partials + (kv_head * SPLIT + split) * PART_FLOATS;
 #define PARTIAL(r, i) load_l2(partials + (kv_head * SPLIT + (r)) * PART_FLOATS + (i))
+#define PARTIAL4(r, i) load4_l2(partials + (kv_head * SPLIT + (r)) * PART_FLOATS + (i))
 {% endif %}
   float* part_l = part_m + GROUP;     // [GROUP]
   float* part_acc = part_l + GROUP;   // [GROUP][HEAD_DIM]
+  float* weights = warp_acc + WARPS * GROUP * HEAD_DIM + {{ "PART_FLOATS" if merge == "cluster" else "0" }};  // [SPLIT][GROUP]
+  float* sums = weights + SPLIT * GROUP;                                                                  // [SPLIT][GROUP]
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
 
@@ -322,19 +344,44 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
   __threadfence();
   const int outputs = GROUP * HEAD_DIM, first_output = 0;
 {% endif %}
-  const float out_scale = v_scale[kv_head];
-  for (int own = tid; own < outputs; own += THREADS) {
-    const int o = first_output + own, h = o / HEAD_DIM;
-    float m_max = -1.0e30f;
-    for (int r = 0; r < SPLIT; ++r) m_max = fmaxf(m_max, PARTIAL(r, h));
-    float l_sum = 0.0f, a_sum = 0.0f;
-    for (int r = 0; r < SPLIT; ++r) {  // (m read again: SPLIT registers held across the loops cost occupancy)
-      const float weight = ex2(PARTIAL(r, h) - m_max);
-      l_sum += PARTIAL(r, GROUP + h) * weight;
-      a_sum += PARTIAL(r, 2 * GROUP + o) * weight;
+  // every block's maximum and sum for every head, at once; then each block's weight in a head's
+  // output (normalized, times the V scale), so an output is one weighted sum of loads in flight together
+  for (int i = tid; i < SPLIT * GROUP; i += THREADS) {
+    weights[i] = PARTIAL(i / GROUP, i % GROUP);
+    sums[i] = PARTIAL(i / GROUP, GROUP + i % GROUP);
+  }
+  __syncthreads();
+  if (tid < GROUP) {
+    float m_max = -1.0e30f, l_sum = 0.0f;
+    for (int r = 0; r < SPLIT; ++r) m_max = fmaxf(m_max, weights[r * GROUP + tid]);
+    for (int r = 0; r < SPLIT; ++r) {
+      weights[r * GROUP + tid] = ex2(weights[r * GROUP + tid] - m_max);
+      l_sum += sums[r * GROUP + tid] * weights[r * GROUP + tid];
     }
-    // (the accumulators were stored at their rows' dims of V, so the output needs no unpermuting)
-    out[(kv_head * GROUP) * HEAD_DIM + o] = to_bf16(l_sum == 0.0f ? 0.0f : a_sum / l_sum * out_scale);
+    const float scale = l_sum == 0.0f ? 0.0f : v_scale[kv_head] / l_sum;  // length 0: zeros
+    for (int r = 0; r < SPLIT; ++r) weights[r * GROUP + tid] *= scale;
+  }
+  __syncthreads();
+  // four consecutive outputs a thread (the accumulators were stored at their rows' dims of V: no unpermuting)
+  for (int quad = tid; quad < outputs / 4; quad += THREADS) {
+    const int o = first_output + 4 * quad, h = o / HEAD_DIM;
+    f32x4 a = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r0 = 0; r0 < SPLIT; r0 += 8) {
+      f32x4 p[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) p[r] = r0 + r < SPLIT ? PARTIAL4(r0 + r, 2 * GROUP + o) : f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const float w = r0 + r < SPLIT ? weights[(r0 + r) * GROUP + h] : 0.0f;
+        a.x += p[r].x * w;
+        a.y += p[r].y * w;
+        a.z += p[r].z * w;
+        a.w += p[r].w * w;
+      }
+    }
+    unsigned int* dst = reinterpret_cast<unsigned int*>(out + (kv_head * GROUP) * HEAD_DIM + o);
+    dst[0] = (unsigned int)to_bf16(a.x) | ((unsigned int)to_bf16(a.y) << 16);
+    dst[1] = (unsigned int)to_bf16(a.z) | ((unsigned int)to_bf16(a.w) << 16);
   }
 {% if merge == "cluster" %}
   cluster_barrier();  // no block leaves while another still reads its shared memory
@@ -350,10 +397,10 @@ MERGES = ("cluster", "global")
 
 def shared_bytes(split: int, warps: int, chunk: int, stages: int, merge: str = "cluster",
                  group: int = HEADS // KV_HEADS) -> int:
-    """The kernel's dynamic shared memory: every warp's ring, the warps' partials and, for the
-    cluster merge, the block's."""
+    """The kernel's dynamic shared memory: every warp's ring, the warps' partials, for the cluster
+    merge the block's, and the merge's weights and sums of every block."""
     block = group * (2 + HEAD_DIM) if merge == "cluster" else 0
-    return warps * stages * 2 * chunk * 128 + 4 * (warps * group * (2 + HEAD_DIM) + block)
+    return warps * stages * 2 * chunk * 128 + 4 * (warps * group * (2 + HEAD_DIM) + block + 2 * split * group)
 
 
 def render(split: int, warps: int, chunk: int, stages: int, merge: str = "cluster", group: int = HEADS // KV_HEADS) -> str:
@@ -402,11 +449,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="b1-2048-fp8,b1-32768-fp8,b1-131072-fp8",
                         help="attention_sweep's fp8 cases at batch 1, and " + ", ".join(LONG_CASES))
-    parser.add_argument("--splits", default="8,16", help="blocks a kv head, cluster merge")
-    parser.add_argument("--global-splits", default="16,32,64", help="blocks a kv head, global merge")
+    parser.add_argument("--splits", default="8", help="blocks a kv head, cluster merge")
+    parser.add_argument("--global-splits", default="16,24,32,64", help="blocks a kv head, global merge")
     parser.add_argument("--warps", default="4,8")
-    parser.add_argument("--chunks", default="32,64")
-    parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--chunks", default="16,32")
+    parser.add_argument("--stages", default="2,4")
     parser.add_argument("--advised", type=int, default=4, help="the template's first N points by the advisor")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

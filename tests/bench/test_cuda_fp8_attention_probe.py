@@ -16,6 +16,9 @@ from cuda_fp8_attention_probe import Fp8Attention, render, shared_bytes
 
 from coopt.targets import H200
 
+GPU_POINTS = [(16, 4, 32, 4, "cluster"), (8, 8, 32, 2, "cluster"), (4, 4, 16, 3, "cluster"),
+              (32, 4, 32, 2, "global"), (64, 8, 32, 2, "global"), (7, 4, 16, 3, "global")]
+
 
 def test_the_rings_are_what_grows_and_the_default_sweep_has_points_that_fit():
     # a warp's ring holds STAGES chunks of K and V rows, 128 bytes a row
@@ -25,6 +28,7 @@ def test_the_rings_are_what_grows_and_the_default_sweep_has_points_that_fit():
     assert (4, 64, 3) in fitting and (8, 32, 3) in fitting and (8, 64, 3) not in fitting
     # the global merge keeps no block partials in shared memory: 4 bytes x GROUP x (m, l, 128 dims) less
     assert shared_bytes(16, 4, 32, 2) - shared_bytes(16, 4, 32, 2, "global") == 4 * 4 * 130
+    assert all(shared_bytes(*p) <= H200.smem_per_block_bytes for p in GPU_POINTS)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (nvcc) on this machine")
@@ -42,8 +46,7 @@ def test_the_source_compiles_for_hopper_without_spills(tmp_path, point):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("point", [(16, 4, 32, 4, "cluster"), (8, 8, 32, 2, "cluster"), (4, 4, 16, 3, "cluster"),
-                                   (32, 4, 32, 2, "global"), (64, 8, 64, 2, "global"), (7, 4, 16, 3, "global")])
+@pytest.mark.parametrize("point", GPU_POINTS)
 def test_the_fp8_attention_matches_an_fp32_softmax(point):
     """Every length twice: the global merge's last block must leave its counts at zero for the next call."""
     from attention_sweep import make_inputs, make_region, reference
