@@ -207,6 +207,7 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
   }
   const float score_scale = qk_scale * k_scale[kv_head];
 
+  unsigned int sink = 0;  // (the loads-only form's)
   float m_run = -1.0e30f;  // head g's running maximum (finite: a masked key's ex2(-inf - m) is 0, never NaN)
   float l_run = 0.0f;      // this lane's part of head g's sum
   float acc[8][4];         // O^T: M-block j rows g (dim 16g + 2j) and g + 8 (dim 16g + 2j + 1), heads 2t, 2t + 1
@@ -220,6 +221,10 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
     const unsigned char* k_slot = ring + (i % STAGES) * SLOT_BYTES;
     const unsigned char* v_slot = k_slot + CHUNK * ROW_BYTES;
     const int first = start + (warp + i * WARPS) * CHUNK;
+{% if loads_only %}
+    sink ^= *reinterpret_cast<const unsigned int*>(k_slot + 4 * lane) ^ *reinterpret_cast<const unsigned int*>(v_slot + 4 * lane);
+    if (first < 0) break;  // (never: keeps `first` used)
+{% else %}
 
     // scores of head g: block b's keys 2t, 2t + 1 (s[b][0, 1]) and 8 + 2t, 9 + 2t (s[b][2, 3])
     float s[BLOCKS][4];
@@ -293,9 +298,14 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
         mma(acc[2 * m + 1], y0, y1, y8, y9, p_lo, p_hi);
       }
     }
+{% endif %}
     __syncwarp();  // the slot is refilled by a later issue
   }
   wait_groups<0>();
+{% if loads_only %}
+  if (sink == 0x9e3779b9u) out[tid] = 0;  // the loads' only use: the copies cannot be dropped
+  return;
+{% endif %}
 
   // the warp's partials: head g's (m, l) from lane (g, 0); the accumulators of heads 2t, 2t + 1 < GROUP
   l_run += __shfl_xor_sync(FULL, l_run, 1);
@@ -403,27 +413,30 @@ def shared_bytes(split: int, warps: int, chunk: int, stages: int, merge: str = "
     return warps * stages * 2 * chunk * 128 + 4 * (warps * group * (2 + HEAD_DIM) + block + 2 * split * group)
 
 
-def render(split: int, warps: int, chunk: int, stages: int, merge: str = "cluster", group: int = HEADS // KV_HEADS) -> str:
+def render(split: int, warps: int, chunk: int, stages: int, merge: str = "cluster", group: int = HEADS // KV_HEADS,
+           loads_only: bool = False) -> str:
     """The kernel's source. merge "cluster": one cluster of SPLIT blocks a kv head, partials met in
     distributed shared memory; "global": SPLIT plain blocks a kv head, partials in global memory,
-    the last block to count itself merges them."""
+    the last block to count itself merges them. `loads_only`: the same copies into the same
+    rings, no dots, no softmax, no merge (no output): what the streaming alone costs."""
     from jinja2 import Template
 
     assert merge in MERGES and chunk % 16 == 0 and stages >= 2 and group % 2 == 0 and group <= 8
     assert merge == "global" or (group * HEAD_DIM) % split == 0, "the cluster's blocks share the outputs evenly"
     return Template(SOURCE).render(split=split, warps=warps, chunk=chunk, stages=stages, merge=merge, group=group,
-                                   prelude=PRELUDE)
+                                   loads_only=loads_only, prelude=PRELUDE)
 
 
 class Fp8Attention:
     """The probe kernel compiled for one (SPLIT, WARPS, CHUNK, STAGES, merge):
     run(q, k_cache, v_cache, lengths, k_scale, v_scale, out) with attention_sweep's fp8 inputs."""
 
-    def __init__(self, split: int, warps: int, chunk: int, stages: int, merge: str = "cluster"):
+    def __init__(self, split: int, warps: int, chunk: int, stages: int, merge: str = "cluster", loads_only: bool = False):
         import torch
 
         self.split, self.warps, self.chunk, self.stages, self.merge = split, warps, chunk, stages, merge
-        self.kernel = DriverKernel(render(split, warps, chunk, stages, merge), "coopt_decode_fp8",
+        self.loads_only = loads_only
+        self.kernel = DriverKernel(render(split, warps, chunk, stages, merge, loads_only=loads_only), "coopt_decode_fp8",
                                    shared_bytes(split, warps, chunk, stages, merge),
                                    cluster=split if merge == "cluster" else 1)
         group = HEADS // KV_HEADS
@@ -432,7 +445,8 @@ class Fp8Attention:
         self.counters = torch.zeros(KV_HEADS, device="cuda", dtype=torch.int32)
 
     def label(self) -> str:
-        return f"cuda mma {self.merge} {self.split} w{self.warps} chunk {self.chunk} s{self.stages}"
+        return (("loads only, " if self.loads_only else "cuda mma ")
+                + f"{self.merge} {self.split} w{self.warps} chunk {self.chunk} s{self.stages}")
 
     def run(self, q, k_cache, v_cache, lengths, k_scale, v_scale, out):
         assert q.shape[0] == 1 and q.stride(1) == HEAD_DIM and q.stride(3) == 1, "q [1, H, 1, D], heads contiguous"
@@ -451,6 +465,8 @@ def main() -> int:
                         help="attention_sweep's fp8 cases at batch 1, and " + ", ".join(LONG_CASES))
     parser.add_argument("--splits", default="8", help="blocks a kv head, cluster merge")
     parser.add_argument("--global-splits", default="16,24,32,64", help="blocks a kv head, global merge")
+    parser.add_argument("--loads-only-splits", default="16,32",
+                        help="global splits timed in the loads-only form too (the rings filled, nothing computed)")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--chunks", default="16,32")
     parser.add_argument("--stages", default="2,4")
@@ -486,6 +502,8 @@ def main() -> int:
 
         def record(kind, name, call):
             def err():
+                if kind == "loads":  # no output to check
+                    return 0.0
                 got = call(*sets[0]).float()
                 return ((got - expected).abs().max() / expected.abs().max()).item()
             try:
@@ -512,16 +530,19 @@ def main() -> int:
         shapes = list(itertools.product(*(map(int, getattr(args, name).split(",")) for name in ("warps", "chunks", "stages"))))
         points = [(split, *shape, "cluster") for split in map(int, args.splits.split(",")) for shape in shapes]
         points += [(split, *shape, "global") for split in map(int, args.global_splits.split(",")) for shape in shapes]
-        for point in points:
+        points = [(point, False) for point in points]
+        points += [((split, warps, chunk, stages, "global"), True) for split in map(int, args.loads_only_splits.split(","))
+                   for warps in (4, 8) for chunk in (16, 32) for stages in (2, 4, 6)]
+        for point, loads_only in points:
             if shared_bytes(*point) > H200.smem_per_block_bytes:
                 continue
             try:
-                probe = Fp8Attention(*point)
+                probe = Fp8Attention(*point, loads_only=loads_only)
             except Exception as error:
                 print(f"  cuda {point}: compile FAILED: {type(error).__name__}: {str(error)[:600]}", flush=True)
                 continue
             out = torch.empty(1, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            record("cuda", probe.label(), lambda *t, probe=probe, out=out: probe.run(*t, out))
+            record("loads" if loads_only else "cuda", probe.label(), lambda *t, probe=probe, out=out: probe.run(*t, out))
     print("\nbest of each kind, µs")
     for (case, kind), us in sorted(best.items()):
         print(f"  {case:14s} {kind:7s} {us:8.2f}")
