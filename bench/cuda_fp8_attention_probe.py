@@ -72,21 +72,55 @@ SOURCE = r"""
 
 {{ prelude }}
 
+__device__ __forceinline__ unsigned int prmt(unsigned int a, unsigned int b, unsigned int selector) {
+  unsigned int d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
+{% if widen == "bits" %}
+// e4m3 -> f16 with integer ops: the bytes in the high byte of each 16-bit half of u (the low bytes
+// ignored) as f16 pairs worth 2^-8 of their values, exactly (subnormals too): the magnitude moved one
+// bit down lands e4m3's exponent and mantissa on f16's (biases 7 and 15), the sign stays. A cache
+// holds no NaN. The 2^8 goes back in the score and output scales.
+#define WIDEN_SCALE 256.0f
+__device__ __forceinline__ unsigned int f16x2_from_high_bytes(unsigned int u) {
+  return ((u >> 1) & 0x3f803f80u) | (u & 0x80008000u);
+}
+
+// the four e4m3 bytes of w as two f16 pairs: bytes 0, 1 -> lo, bytes 2, 3 -> hi (lower byte in the lower half)
+__device__ __forceinline__ void widen(unsigned int w, unsigned int& lo, unsigned int& hi) {
+  lo = f16x2_from_high_bytes(prmt(w, w, 0x1000u));
+  hi = f16x2_from_high_bytes(prmt(w, w, 0x3020u));
+}
+
+// d[k]: (byte k of a, byte k of b) as an f16 pair
+__device__ __forceinline__ void widen_pairs(unsigned int a, unsigned int b, unsigned int* d) {
+  d[0] = f16x2_from_high_bytes(prmt(a, b, 0x4000u));
+  d[1] = f16x2_from_high_bytes(prmt(a, b, 0x5010u));
+  d[2] = f16x2_from_high_bytes(prmt(a, b, 0x6020u));
+  d[3] = f16x2_from_high_bytes(prmt(a, b, 0x7030u));
+}
+{% else %}
+// e4m3 -> f16 by the hardware's conversion, one instruction a byte pair
+#define WIDEN_SCALE 1.0f
+
 // the four e4m3 bytes of w as two f16 pairs: bytes 0, 1 -> lo, bytes 2, 3 -> hi (lower byte in the lower half)
 __device__ __forceinline__ void widen(unsigned int w, unsigned int& lo, unsigned int& hi) {
   asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\tcvt.rn.f16x2.e4m3x2 %1, b;\n\t}"
       : "=r"(lo), "=r"(hi) : "r"(w));
 }
 
+// d[k]: (byte k of a, byte k of b) as an f16 pair
+__device__ __forceinline__ void widen_pairs(unsigned int a, unsigned int b, unsigned int* d) {
+  widen(prmt(a, b, 0x5140u), d[0], d[1]);
+  widen(prmt(a, b, 0x7362u), d[2], d[3]);
+}
+{% endif %}
+
 __device__ __forceinline__ unsigned int pack_f16(float lo, float hi) {
   unsigned int d;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
-__device__ __forceinline__ unsigned int prmt(unsigned int a, unsigned int b, unsigned int selector) {
-  unsigned int d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
   return d;
 }
 
@@ -205,7 +239,7 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
       }
     }
   }
-  const float score_scale = qk_scale * k_scale[kv_head];
+  const float score_scale = qk_scale * k_scale[kv_head] * WIDEN_SCALE;
 
   unsigned int sink = 0;  // (the loads-only form's)
   float m_run = -1.0e30f;  // head g's running maximum (finite: a masked key's ex2(-inf - m) is 0, never NaN)
@@ -289,13 +323,11 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
       const unsigned int w8[4] = {v8.x, v8.y, v8.z, v8.w}, w9[4] = {v9.x, v9.y, v9.z, v9.w};
 #pragma unroll
       for (int m = 0; m < 4; ++m) {  // dims 16g + 4m .. + 3: M-blocks 2m (4m, 4m + 1) and 2m + 1 (4m + 2, 4m + 3)
-        unsigned int x0, x1, y0, y1, x8, x9, y8, y9;
-        widen(prmt(w0[m], w1[m], 0x5140u), x0, x1);  // (keys 2t, 2t + 1) at dim 4m -> x0, at 4m + 1 -> x1
-        widen(prmt(w0[m], w1[m], 0x7362u), y0, y1);  // ... at 4m + 2, 4m + 3
-        widen(prmt(w8[m], w9[m], 0x5140u), x8, x9);  // keys 2t + 8, 2t + 9
-        widen(prmt(w8[m], w9[m], 0x7362u), y8, y9);
-        mma(acc[2 * m], x0, x1, x8, x9, p_lo, p_hi);
-        mma(acc[2 * m + 1], y0, y1, y8, y9, p_lo, p_hi);
+        unsigned int x[4], x8[4];
+        widen_pairs(w0[m], w1[m], x);   // (keys 2t, 2t + 1) at dims 4m .. 4m + 3
+        widen_pairs(w8[m], w9[m], x8);  // (keys 2t + 8, 2t + 9)
+        mma(acc[2 * m], x[0], x[1], x8[0], x8[1], p_lo, p_hi);
+        mma(acc[2 * m + 1], x[2], x[3], x8[2], x8[3], p_lo, p_hi);
       }
     }
 {% endif %}
@@ -368,7 +400,7 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
       weights[r * GROUP + tid] = ex2(weights[r * GROUP + tid] - m_max);
       l_sum += sums[r * GROUP + tid] * weights[r * GROUP + tid];
     }
-    const float scale = l_sum == 0.0f ? 0.0f : v_scale[kv_head] / l_sum;  // length 0: zeros
+    const float scale = l_sum == 0.0f ? 0.0f : v_scale[kv_head] * WIDEN_SCALE / l_sum;  // length 0: zeros
     for (int r = 0; r < SPLIT; ++r) weights[r * GROUP + tid] *= scale;
   }
   __syncthreads();
@@ -403,6 +435,7 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
 
 
 MERGES = ("cluster", "global")
+WIDENS = ("cvt", "bits")
 
 
 def shared_bytes(split: int, warps: int, chunk: int, stages: int, merge: str = "cluster",
@@ -414,29 +447,32 @@ def shared_bytes(split: int, warps: int, chunk: int, stages: int, merge: str = "
 
 
 def render(split: int, warps: int, chunk: int, stages: int, merge: str = "cluster", group: int = HEADS // KV_HEADS,
-           loads_only: bool = False) -> str:
+           loads_only: bool = False, widen: str = "cvt") -> str:
     """The kernel's source. merge "cluster": one cluster of SPLIT blocks a kv head, partials met in
     distributed shared memory; "global": SPLIT plain blocks a kv head, partials in global memory,
     the last block to count itself merges them. `loads_only`: the same copies into the same
-    rings, no dots, no softmax, no merge (no output): what the streaming alone costs."""
+    rings, no dots, no softmax, no merge (no output): what the streaming alone costs. `widen`:
+    e4m3 to f16 by the conversion instruction ("cvt") or by integer ops ("bits")."""
     from jinja2 import Template
 
-    assert merge in MERGES and chunk % 16 == 0 and stages >= 2 and group % 2 == 0 and group <= 8
+    assert widen in WIDENS and merge in MERGES and chunk % 16 == 0 and stages >= 2 and group % 2 == 0 and group <= 8
     assert merge == "global" or (group * HEAD_DIM) % split == 0, "the cluster's blocks share the outputs evenly"
     return Template(SOURCE).render(split=split, warps=warps, chunk=chunk, stages=stages, merge=merge, group=group,
-                                   loads_only=loads_only, prelude=PRELUDE)
+                                   loads_only=loads_only, widen=widen, prelude=PRELUDE)
 
 
 class Fp8Attention:
     """The probe kernel compiled for one (SPLIT, WARPS, CHUNK, STAGES, merge):
     run(q, k_cache, v_cache, lengths, k_scale, v_scale, out) with attention_sweep's fp8 inputs."""
 
-    def __init__(self, split: int, warps: int, chunk: int, stages: int, merge: str = "cluster", loads_only: bool = False):
+    def __init__(self, split: int, warps: int, chunk: int, stages: int, merge: str = "cluster", loads_only: bool = False,
+                 widen: str = "cvt"):
         import torch
 
         self.split, self.warps, self.chunk, self.stages, self.merge = split, warps, chunk, stages, merge
-        self.loads_only = loads_only
-        self.kernel = DriverKernel(render(split, warps, chunk, stages, merge, loads_only=loads_only), "coopt_decode_fp8",
+        self.loads_only, self.widen = loads_only, widen
+        self.kernel = DriverKernel(render(split, warps, chunk, stages, merge, loads_only=loads_only, widen=widen),
+                                   "coopt_decode_fp8",
                                    shared_bytes(split, warps, chunk, stages, merge),
                                    cluster=split if merge == "cluster" else 1)
         group = HEADS // KV_HEADS
@@ -445,7 +481,7 @@ class Fp8Attention:
         self.counters = torch.zeros(KV_HEADS, device="cuda", dtype=torch.int32)
 
     def label(self) -> str:
-        return (("loads only, " if self.loads_only else "cuda mma ")
+        return (("loads only, " if self.loads_only else f"cuda mma {self.widen} ")
                 + f"{self.merge} {self.split} w{self.warps} chunk {self.chunk} s{self.stages}")
 
     def run(self, q, k_cache, v_cache, lengths, k_scale, v_scale, out):
@@ -467,6 +503,7 @@ def main() -> int:
     parser.add_argument("--global-splits", default="16,24,32,64", help="blocks a kv head, global merge")
     parser.add_argument("--loads-only-splits", default="16,32",
                         help="global splits timed in the loads-only form too (the rings filled, nothing computed)")
+    parser.add_argument("--widens", default=",".join(WIDENS), help="e4m3 to f16: the conversion instruction, integer ops")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--chunks", default="16,32")
     parser.add_argument("--stages", default="2,4")
@@ -528,24 +565,25 @@ def main() -> int:
             run = load_module_from_file(path).run
             record("triton", "triton " + label(params), lambda *t, run=run: run(*t)[-1])
         shapes = list(itertools.product(*(map(int, getattr(args, name).split(",")) for name in ("warps", "chunks", "stages"))))
-        points = [(split, *shape, "cluster") for split in map(int, args.splits.split(",")) for shape in shapes]
-        points += [(split, *shape, "global") for split in map(int, args.global_splits.split(",")) for shape in shapes]
-        points = [(point, False) for point in points]
-        points += [((split, warps, chunk, stages, "global"), True) for split in map(int, args.loads_only_splits.split(","))
-                   for warps in (4, 8) for chunk in (16, 32) for stages in (2, 4, 6)]
-        for point, loads_only in points:
+        points = [((split, *shape, merge), {"widen": widen}) for widen in args.widens.split(",")
+                  for merge, splits in (("cluster", args.splits), ("global", args.global_splits)) if splits
+                  for split in map(int, splits.split(",")) for shape in shapes]
+        points += [((split, warps, chunk, stages, "global"), {"loads_only": True}) for warps in (4, 8) for chunk in (16, 32)
+                   for stages in (2, 4, 6) for split in map(int, args.loads_only_splits.split(",")) if args.loads_only_splits]
+        for point, options in points:
             if shared_bytes(*point) > H200.smem_per_block_bytes:
                 continue
             try:
-                probe = Fp8Attention(*point, loads_only=loads_only)
+                probe = Fp8Attention(*point, **options)
             except Exception as error:
-                print(f"  cuda {point}: compile FAILED: {type(error).__name__}: {str(error)[:600]}", flush=True)
+                print(f"  cuda {point} {options}: compile FAILED: {type(error).__name__}: {str(error)[:600]}", flush=True)
                 continue
             out = torch.empty(1, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            record("loads" if loads_only else "cuda", probe.label(), lambda *t, probe=probe, out=out: probe.run(*t, out))
+            kind = "loads" if probe.loads_only else f"cuda {probe.widen}"
+            record(kind, probe.label(), lambda *t, probe=probe, out=out: probe.run(*t, out))
     print("\nbest of each kind, µs")
     for (case, kind), us in sorted(best.items()):
-        print(f"  {case:14s} {kind:7s} {us:8.2f}")
+        print(f"  {case:14s} {kind:10s} {us:8.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

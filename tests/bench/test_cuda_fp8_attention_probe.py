@@ -18,6 +18,7 @@ from coopt.targets import H200
 
 GPU_POINTS = [(16, 4, 32, 4, "cluster"), (8, 8, 32, 2, "cluster"), (4, 4, 16, 3, "cluster"),
               (32, 4, 32, 2, "global"), (64, 8, 32, 2, "global"), (7, 4, 16, 3, "global")]
+WIDENS = ["cvt", "bits"]
 
 
 def test_the_rings_are_what_grows_and_the_default_sweep_has_points_that_fit():
@@ -32,11 +33,12 @@ def test_the_rings_are_what_grows_and_the_default_sweep_has_points_that_fit():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (nvcc) on this machine")
-@pytest.mark.parametrize("point", [(16, 4, 32, 4, "cluster"), (8, 4, 64, 3, "cluster"), (16, 8, 16, 4, "cluster"),
-                                   (32, 4, 32, 2, "global"), (64, 8, 32, 3, "global")])
-def test_the_source_compiles_for_hopper_without_spills(tmp_path, point):
+@pytest.mark.parametrize("point,widen", [((16, 4, 32, 4, "cluster"), "cvt"), ((8, 4, 64, 3, "cluster"), "bits"),
+                                         ((16, 8, 16, 4, "cluster"), "cvt"), ((32, 4, 32, 2, "global"), "bits"),
+                                         ((64, 8, 32, 3, "global"), "cvt")])
+def test_the_source_compiles_for_hopper_without_spills(tmp_path, point, widen):
     source = tmp_path / "k.cu"
-    source.write_text(render(*point))
+    source.write_text(render(*point, widen=widen))
     result = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o",
                              str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -46,12 +48,13 @@ def test_the_source_compiles_for_hopper_without_spills(tmp_path, point):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("widen", WIDENS)
 @pytest.mark.parametrize("point", GPU_POINTS)
-def test_the_fp8_attention_matches_an_fp32_softmax(point):
+def test_the_fp8_attention_matches_an_fp32_softmax(point, widen):
     """Every length twice: the global merge's last block must leave its counts at zero for the next call."""
     from attention_sweep import make_inputs, make_region, reference
 
-    probe = Fp8Attention(*point)
+    probe = Fp8Attention(*point, widen=widen)
     for length in (1, 15, 16, 17, 100, 1000, 4096):
         region = make_region(1, length, 4096, True)
         inputs = make_inputs(region, length, seed=length)
@@ -68,7 +71,7 @@ def test_rows_past_the_length_never_reach_the_output():
     so they cannot leak through a zero weight into the accumulator."""
     from attention_sweep import make_inputs, make_region, reference
 
-    probe = Fp8Attention(32, 4, 32, 2, "global")
+    probe = Fp8Attention(32, 4, 32, 2, "global", widen="bits")
     region = make_region(1, 1000, 4096, True)
     q, k, v, lengths, *scales = make_inputs(region, 1000, seed=3)
     expected = reference(region, q, k, v, lengths, *scales).float()
@@ -77,3 +80,19 @@ def test_rows_past_the_length_never_reach_the_output():
     got = probe.run(q, k, v, lengths, *scales, torch.empty(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)).float()
     assert torch.isfinite(got).all()
     assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+def test_the_integer_widening_is_exact_for_every_e4m3_byte():
+    """The "bits" form's f16x2_from_high_bytes, its expression taken from the rendered source and
+    evaluated on every e4m3 byte but NaN in both halves: 2^-8 times the byte's value, exactly."""
+    import numpy as np
+
+    source = render(16, 4, 32, 2, "global", widen="bits")
+    body = re.search(r"f16x2_from_high_bytes\(unsigned int u\) \{\s*return (.*?);", source).group(1)
+    expression = re.sub(r"(0x[0-9a-f]+)u", r"\1", body)
+    codes = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint32)
+    u = (codes << 8) | (codes[::-1] << 24) | 0x00A500A5  # garbage in the low bytes: ignored
+    words = eval(expression, {"u": u})  # noqa: S307 (the test's own rendered source)
+    halves = words.astype(np.uint32).view(np.uint16).reshape(-1, 2).view(np.float16).astype(np.float64)
+    values = torch.tensor(codes.astype(np.uint8)).view(torch.float8_e4m3fn).double().numpy()
+    assert np.array_equal(halves[:, 0], values / 256) and np.array_equal(halves[:, 1], values[::-1] / 256)
