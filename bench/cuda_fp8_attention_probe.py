@@ -564,12 +564,15 @@ def main() -> int:
             path.write_text(family.render(region, params))
             run = load_module_from_file(path).run
             record("triton", "triton " + label(params), lambda *t, run=run: run(*t)[-1])
-        shapes = list(itertools.product(*(map(int, getattr(args, name).split(",")) for name in ("warps", "chunks", "stages"))))
+        def ints(text: str) -> list[int]:
+            return [int(x) for x in text.split(",") if x]
+
+        shapes = list(itertools.product(ints(args.warps), ints(args.chunks), ints(args.stages)))
         points = [((split, *shape, merge), {"widen": widen}) for widen in args.widens.split(",")
-                  for merge, splits in (("cluster", args.splits), ("global", args.global_splits)) if splits
-                  for split in map(int, splits.split(",")) for shape in shapes]
+                  for merge, splits in (("cluster", args.splits), ("global", args.global_splits))
+                  for split in ints(splits) for shape in shapes]
         points += [((split, warps, chunk, stages, "global"), {"loads_only": True}) for warps in (4, 8) for chunk in (16, 32)
-                   for stages in (2, 4, 6) for split in map(int, args.loads_only_splits.split(",")) if args.loads_only_splits]
+                   for stages in (2, 4, 6) for split in ints(args.loads_only_splits)]
         for point, options in points:
             if shared_bytes(*point) > H200.smem_per_block_bytes:
                 continue
