@@ -101,6 +101,13 @@ __device__ __forceinline__ void widen_pairs(unsigned int a, unsigned int b, unsi
   d[2] = f16x2_from_high_bytes(prmt(a, b, 0x6020u));
   d[3] = f16x2_from_high_bytes(prmt(a, b, 0x7030u));
 }
+{% elif widen == "none" %}
+// no widening at all (the bytes passed to the dots as they are: wrong results, for timing only)
+#define WIDEN_SCALE 1.0f
+__device__ __forceinline__ void widen(unsigned int w, unsigned int& lo, unsigned int& hi) { lo = w; hi = w; }
+__device__ __forceinline__ void widen_pairs(unsigned int a, unsigned int b, unsigned int* d) {
+  d[0] = a; d[1] = b; d[2] = a; d[3] = b;
+}
 {% else %}
 // e4m3 -> f16 by the hardware's conversion, one instruction a byte pair
 #define WIDEN_SCALE 1.0f
@@ -435,7 +442,7 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
 
 
 MERGES = ("cluster", "global")
-WIDENS = ("cvt", "bits")
+WIDENS = ("cvt", "bits")  # "none" too, for timing only: the bytes unconverted, the output wrong
 
 
 def shared_bytes(split: int, warps: int, chunk: int, stages: int, merge: str = "cluster",
@@ -455,7 +462,7 @@ def render(split: int, warps: int, chunk: int, stages: int, merge: str = "cluste
     e4m3 to f16 by the conversion instruction ("cvt") or by integer ops ("bits")."""
     from jinja2 import Template
 
-    assert widen in WIDENS and merge in MERGES and chunk % 16 == 0 and stages >= 2 and group % 2 == 0 and group <= 8
+    assert widen in (*WIDENS, "none") and merge in MERGES and chunk % 16 == 0 and stages >= 2 and group % 2 == 0 and group <= 8
     assert merge == "global" or (group * HEAD_DIM) % split == 0, "the cluster's blocks share the outputs evenly"
     return Template(SOURCE).render(split=split, warps=warps, chunk=chunk, stages=stages, merge=merge, group=group,
                                    loads_only=loads_only, widen=widen, prelude=PRELUDE)
@@ -503,7 +510,7 @@ def main() -> int:
     parser.add_argument("--global-splits", default="16,24,32,64", help="blocks a kv head, global merge")
     parser.add_argument("--loads-only-splits", default="16,32",
                         help="global splits timed in the loads-only form too (the rings filled, nothing computed)")
-    parser.add_argument("--widens", default=",".join(WIDENS), help="e4m3 to f16: the conversion instruction, integer ops")
+    parser.add_argument("--widens", default=",".join(WIDENS), help="e4m3 to f16: cvt (the conversion instruction), bits (integer ops); none (no widening: timing only)")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--chunks", default="16,32")
     parser.add_argument("--stages", default="2,4")
@@ -539,7 +546,7 @@ def main() -> int:
 
         def record(kind, name, call):
             def err():
-                if kind == "loads":  # no output to check
+                if kind in ("loads", "cuda none"):  # no output to check
                     return 0.0
                 got = call(*sets[0]).float()
                 return ((got - expected).abs().max() / expected.abs().max()).item()
