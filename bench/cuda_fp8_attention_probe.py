@@ -273,6 +273,9 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
     for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
+{% if ablate == "qk" %}
+        s[b][2 * n] = s[b][2 * n + 1] = 0.25f * (b + n);  // (ablated: no K, no QK dots)
+{% else %}
         const int row = 16 * b + 8 * n + g;
         const u32x4 k0 = load16(k_slot + swizzled(row, 2 * t)), k1 = load16(k_slot + swizzled(row, 2 * t + 1));
         const unsigned int kw[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
@@ -285,8 +288,17 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
         }
         s[b][2 * n] = (even[0] + odd[0]) * score_scale;
         s[b][2 * n + 1] = (even[1] + odd[1]) * score_scale;
+{% endif %}
       }
     }
+{% if ablate == "softmax" %}
+    // (ablated: the scores are the weights; no maximum, shuffles, exponentials or rescale)
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) l_run += s[b][e];
+    }
+{% else %}
     float m_new = m_run;
 #pragma unroll
     for (int b = 0; b < BLOCKS; ++b) {
@@ -320,6 +332,12 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
       acc[j][2] *= alpha_even;
       acc[j][3] *= alpha_odd;
     }
+{% endif %}
+{% if ablate == "pv" %}
+    // (ablated: no V, no PV dots; the weights still used)
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) acc[b & 7][0] += s[b][0] + s[b][1] + s[b][2] + s[b][3];
+{% else %}
 #pragma unroll
     for (int b = 0; b < BLOCKS; ++b) {
       const unsigned int p_lo = pack_f16(s[b][0], s[b][1]), p_hi = pack_f16(s[b][2], s[b][3]);
@@ -337,6 +355,7 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
         mma(acc[2 * m + 1], x[2], x[3], x8[2], x8[3], p_lo, p_hi);
       }
     }
+{% endif %}
 {% endif %}
     __syncwarp();  // the slot is refilled by a later issue
   }
@@ -454,18 +473,19 @@ def shared_bytes(split: int, warps: int, chunk: int, stages: int, merge: str = "
 
 
 def render(split: int, warps: int, chunk: int, stages: int, merge: str = "cluster", group: int = HEADS // KV_HEADS,
-           loads_only: bool = False, widen: str = "cvt") -> str:
+           loads_only: bool = False, widen: str = "cvt", ablate: str = "") -> str:
     """The kernel's source. merge "cluster": one cluster of SPLIT blocks a kv head, partials met in
     distributed shared memory; "global": SPLIT plain blocks a kv head, partials in global memory,
     the last block to count itself merges them. `loads_only`: the same copies into the same
     rings, no dots, no softmax, no merge (no output): what the streaming alone costs. `widen`:
-    e4m3 to f16 by the conversion instruction ("cvt") or by integer ops ("bits")."""
+    e4m3 to f16 by the conversion instruction ("cvt") or by integer ops ("bits"). `ablate` ("qk",
+    "softmax", "pv"): that part of the loop left out, for timing only (the output is wrong)."""
     from jinja2 import Template
 
     assert widen in (*WIDENS, "none") and merge in MERGES and chunk % 16 == 0 and stages >= 2 and group % 2 == 0 and group <= 8
     assert merge == "global" or (group * HEAD_DIM) % split == 0, "the cluster's blocks share the outputs evenly"
     return Template(SOURCE).render(split=split, warps=warps, chunk=chunk, stages=stages, merge=merge, group=group,
-                                   loads_only=loads_only, widen=widen, prelude=PRELUDE)
+                                   loads_only=loads_only, widen=widen, ablate=ablate, prelude=PRELUDE)
 
 
 class Fp8Attention:
@@ -473,12 +493,13 @@ class Fp8Attention:
     run(q, k_cache, v_cache, lengths, k_scale, v_scale, out) with attention_sweep's fp8 inputs."""
 
     def __init__(self, split: int, warps: int, chunk: int, stages: int, merge: str = "cluster", loads_only: bool = False,
-                 widen: str = "cvt"):
+                 widen: str = "cvt", ablate: str = ""):
         import torch
 
         self.split, self.warps, self.chunk, self.stages, self.merge = split, warps, chunk, stages, merge
-        self.loads_only, self.widen = loads_only, widen
-        self.kernel = DriverKernel(render(split, warps, chunk, stages, merge, loads_only=loads_only, widen=widen),
+        self.loads_only, self.widen, self.ablate = loads_only, widen, ablate
+        self.kernel = DriverKernel(render(split, warps, chunk, stages, merge, loads_only=loads_only, widen=widen,
+                                          ablate=ablate),
                                    "coopt_decode_fp8",
                                    shared_bytes(split, warps, chunk, stages, merge),
                                    cluster=split if merge == "cluster" else 1)
@@ -488,7 +509,7 @@ class Fp8Attention:
         self.counters = torch.zeros(KV_HEADS, device="cuda", dtype=torch.int32)
 
     def label(self) -> str:
-        return (("loads only, " if self.loads_only else f"cuda mma {self.widen} ")
+        return (("loads only, " if self.loads_only else f"cuda mma {self.widen} " + (f"no {self.ablate} " if self.ablate else ""))
                 + f"{self.merge} {self.split} w{self.warps} chunk {self.chunk} s{self.stages}")
 
     def run(self, q, k_cache, v_cache, lengths, k_scale, v_scale, out):
@@ -511,6 +532,8 @@ def main() -> int:
     parser.add_argument("--loads-only-splits", default="16,32",
                         help="global splits timed in the loads-only form too (the rings filled, nothing computed)")
     parser.add_argument("--widens", default=",".join(WIDENS), help="e4m3 to f16: cvt (the conversion instruction), bits (integer ops); none (no widening: timing only)")
+    parser.add_argument("--ablate", default="", help="comma list of qk, softmax, pv: the global points timed with "
+                                                       "that part of the loop left out too (timing only)")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--chunks", default="16,32")
     parser.add_argument("--stages", default="2,4")
@@ -546,7 +569,7 @@ def main() -> int:
 
         def record(kind, name, call):
             def err():
-                if kind in ("loads", "cuda none"):  # no output to check
+                if kind == "loads" or kind.startswith("cuda none") or " no " in kind:  # timing only: no output to check
                     return 0.0
                 got = call(*sets[0]).float()
                 return ((got - expected).abs().max() / expected.abs().max()).item()
@@ -573,11 +596,12 @@ def main() -> int:
             record("triton", "triton " + label(params), lambda *t, run=run: run(*t)[-1])
         def ints(text: str) -> list[int]:
             return [int(x) for x in text.split(",") if x]
-
         shapes = list(itertools.product(ints(args.warps), ints(args.chunks), ints(args.stages)))
         points = [((split, *shape, merge), {"widen": widen}) for widen in args.widens.split(",")
                   for merge, splits in (("cluster", args.splits), ("global", args.global_splits))
                   for split in ints(splits) for shape in shapes]
+        points += [((split, *shape, "global"), {"ablate": part}) for part in filter(None, args.ablate.split(","))
+                   for split in ints(args.global_splits) for shape in shapes]
         points += [((split, warps, chunk, stages, "global"), {"loads_only": True}) for warps in (4, 8) for chunk in (16, 32)
                    for stages in (2, 4, 6) for split in ints(args.loads_only_splits)]
         for point, options in points:
@@ -589,7 +613,7 @@ def main() -> int:
                 print(f"  cuda {point} {options}: compile FAILED: {type(error).__name__}: {str(error)[:600]}", flush=True)
                 continue
             out = torch.empty(1, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            kind = "loads" if probe.loads_only else f"cuda {probe.widen}"
+            kind = "loads" if probe.loads_only else f"cuda {probe.widen}" + (f" no {probe.ablate}" if probe.ablate else "")
             record(kind, probe.label(), lambda *t, probe=probe, out=out: probe.run(*t, out))
     print("\nbest of each kind, µs")
     for (case, kind), us in sorted(best.items()):
