@@ -20,6 +20,10 @@ attention on the same inputs.
 Timed graph-replayed over cache copies past the L2 (gemm.graph_ms), checked before and after
 timing against an fp32 softmax (attention_sweep.reference; the folded cases: against the
 template's folded step, output and new rows). Batch 1, Llama-3-8B heads, bf16.
+
+Measured slower than the template (bench/RESULTS.md session 25: 9.46 against 7.58 µs at b1 /
+2048, 69.4 against 36.0 at 32768): the GROUP heads' dots on CUDA cores cost more than the
+cluster merge saves.
 """
 
 from __future__ import annotations

@@ -34,6 +34,12 @@ Shared memory rows are 128 bytes with 16-byte piece p of row r at p ^ (r & 7): b
 loads (one row's pieces 2t, 2t + 1 across rows g; one piece g across rows 2t...) then hit eight
 bank groups a quarter warp. Scores are scaled by softmax scale x log2(e) x the K scale in fp32;
 the V scale multiplies the merged output.
+
+Diagnostic forms, timing only (their outputs are not checked): loads_only (the rings filled,
+nothing computed), widen="none" (the bytes fed to the dots unconverted), ablate="qk" / "softmax" /
+"pv" (that part of the loop left out); --once launches each point once for a profiler (ncu).
+Measured: bench/RESULTS.md session 25 (5-9 % faster than the template; the loop reads the cache
+twice from L2, its loads alone once).
 """
 
 from __future__ import annotations
@@ -528,8 +534,8 @@ def main() -> int:
     parser.add_argument("--cases", default="b1-2048-fp8,b1-32768-fp8,b1-131072-fp8",
                         help="attention_sweep's fp8 cases at batch 1, and " + ", ".join(LONG_CASES))
     parser.add_argument("--splits", default="8", help="blocks a kv head, cluster merge")
-    parser.add_argument("--global-splits", default="16,24,32,64", help="blocks a kv head, global merge")
-    parser.add_argument("--loads-only-splits", default="16,32",
+    parser.add_argument("--global-splits", default="16,32", help="blocks a kv head, global merge")
+    parser.add_argument("--loads-only-splits", default="16",
                         help="global splits timed in the loads-only form too (the rings filled, nothing computed)")
     parser.add_argument("--widens", default=",".join(WIDENS), help="e4m3 to f16: cvt (the conversion instruction), bits (integer ops); none (no widening: timing only)")
     parser.add_argument("--ablate", default="", help="comma list of qk, softmax, pv: the global points timed with "

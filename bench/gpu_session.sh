@@ -55,6 +55,8 @@
 #                                        # (bench/cuda_attention_probe.py, NVRTC): its GPU tests, then against the template, b1 (~4 min)
 #   bash bench/gpu_session.sh cuda-fp8    # a CUDA fp8 decode attention on tensor cores (bench/cuda_fp8_attention_probe.py,
 #                                        # NVRTC): its GPU tests, then against the template's advised points, b1 (~5 min)
+#   bash bench/gpu_session.sh cuda-fp8-ncu  # its L2 -> SM traffic (2x the cache with compute, 1x loads alone)
+#                                        # beside the template's and each ablation's (ncu metrics, ~1 min)
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
 #                                        # (bench/gemv_chain_probe.py) against one launch each and the template GEMVs (~5 min)
 #   bash bench/gpu_session.sh v-layout   # fp8 decode attention with V stored keys-contiguous against row-major, fixed points (~5 min)
@@ -326,6 +328,15 @@ case "${1:-}" in
     cuda-fp8)  # issue 4: the fp8 attention on tensor cores through mma.sync, V's bytes paired by prmt, against the template
         step 150 cuda-fp8-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_fp8_attention_probe.py
         step 400 cuda-fp8 python bench/cuda_fp8_attention_probe.py --json "$OUT/cuda_fp8_attention.json"
+        ;;
+    cuda-fp8-ncu)  # issue 4: every fp8 attention with compute reads 2x its cache from L2 (the probe's loads alone 1x):
+        # the template too? which part of the loop doubles it? (ncu, the GPU's own clocks; ~1 min)
+        step 200 cuda-fp8-ncu /usr/local/cuda/bin/ncu --clock-control none --target-processes all \
+            -k 'regex:coopt_decode_fp8|_decode_split_kernel' --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
+l1tex__m_xbar2l1tex_read_bytes.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,\
+smsp__inst_executed_op_ldgsts.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ldgsts.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum \
+            python bench/cuda_fp8_attention_probe.py --once --cases b1-131072-fp8 --splits "" --global-splits 16 --warps 4 \
+            --chunks 32 --stages 2 --widens cvt,none --ablate qk,pv,softmax --loads-only-splits 16 --advised 1
         ;;
     gemv-chain)  # issue 3: every b1 GEMV pays ~3 µs of ramp and tail: does one launch for a layer's MLP half save them?
         step 420 gemv-chain python bench/gemv_chain_probe.py --stages 4 --json "$OUT/gemv_chain.json"
