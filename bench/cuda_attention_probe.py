@@ -357,8 +357,6 @@ class ClusterAttention:
         return f"cuda cluster {self.split} tile {self.tile} s{self.stages}" + (" folded" if self.fold else "")
 
     def run(self, q, k_cache, v_cache, lengths, out, *fold):
-        import torch
-
         assert q.shape[0] == 1 and q.stride(1) == HEAD_DIM and q.stride(3) == 1, "q [1, H, 1, D], heads contiguous"
         assert k_cache.stride(2) == HEAD_DIM and v_cache.stride(2) == HEAD_DIM and lengths.dtype.itemsize == 4
         assert len(fold) == (5 if self.fold else 0), "folded: cos, sin [D] rows, positions (int64), k_new, v_new"
@@ -388,7 +386,7 @@ def main() -> int:
     import torch
 
     from attention_sweep import CASES, make_inputs, make_region, reference
-    from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies
+    from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, input_copies
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.targets import H200
@@ -399,7 +397,7 @@ def main() -> int:
     family = DecodeAttentionFamily()
     work = Path("/tmp/cuda-attention-probe")
     work.mkdir(exist_ok=True)
-    rows, best = [], {}
+    times = PointTimes(width=40)
     for case in args.cases.split(","):
         batch, length, cache, fp8 = CASES[case][:4]
         fold = len(CASES[case]) > 4 and CASES[case][4]  # the rope cases: the folded kernels
@@ -433,28 +431,16 @@ def main() -> int:
         else:
             expected, new_rows = reference(region, *sets[0]).float(), []
 
+        def check(call):
+            """The output's relative error, or the new rows' where one is larger (the folded cases)."""
+            step = [t.clone() for t in sets[0]]
+            got = call(*step).float()
+            rows_off = [((step[i][0, :, length - 1].float() - row).abs().max() / row.abs().max()).item()
+                        for i, row in zip((1, 2), new_rows)]
+            return max([((got - expected).abs().max() / expected.abs().max()).item(), *rows_off])
+
         def record(kind, name, call):
-            def err():
-                step = [t.clone() for t in sets[0]]
-                got = call(*step).float()
-                rows_off = [((step[i][0, :, length - 1].float() - row).abs().max() / row.abs().max()).item()
-                            for i, row in zip((1, 2), new_rows)]
-                return max([((got - expected).abs().max() / expected.abs().max()).item(), *rows_off])
-            try:
-                before = err()
-                us = graph_ms(call, sets) * 1e3
-                after = err()
-            except Exception as error:  # a compile or launch failure is a result too
-                print(f"  {name:40s} FAILED: {type(error).__name__}: {str(error)[:300]}", flush=True)
-                rows.append({"case": case, "kind": kind, "point": name, "failed": str(error)[:300]})
-                return
-            wrong = not max(before, after) < 2e-2
-            rows.append({"case": case, "kind": kind, "point": name, "us": us, "tb_per_s": traffic / us / 1e6,
-                         "err": max(before, after), "wrong": wrong})
-            print(f"  {name:40s} {us:7.2f} us {traffic / us / 1e6:5.2f} TB/s  err {max(before, after):.1e}"
-                  + ("  WRONG" if wrong else ""), flush=True)
-            if not wrong:
-                best[(case, kind)] = min(best.get((case, kind), us), us)
+            times.record(case, kind, name, call, sets, traffic, lambda: check(call))
 
         for split, run in templates.items():
             record("triton", f"triton split {split} 128 w4 s3", lambda *t, run=run: run(*t)[-1])
@@ -472,11 +458,9 @@ def main() -> int:
             else:
                 call = lambda q, k, v, n, probe=probe, out=out: probe.run(q, k, v, n, out)  # noqa: E731
             record("cuda", probe.label(), call)
-    print("\nbest of each kind, µs")
-    for (case, kind), us in sorted(best.items()):
-        print(f"  {case:10s} {kind:7s} {us:7.2f}")
+    times.print_best()
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(times.rows, indent=1))
     return 0
 
 

@@ -529,6 +529,23 @@ class Fp8Attention:
         return out
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def probe_points(args) -> list[tuple[tuple, dict]]:
+    """(Fp8Attention's arguments, its keyword options) for every point the arguments name."""
+    shapes = list(itertools.product(_ints(args.warps), _ints(args.chunks), _ints(args.stages)))
+    points = [((split, *shape, merge), {"widen": widen}) for widen in args.widens.split(",")
+              for merge, splits in (("cluster", args.splits), ("global", args.global_splits))
+              for split in _ints(splits) for shape in shapes]
+    points += [((split, *shape, "global"), {"ablate": part}) for part in filter(None, args.ablate.split(","))
+               for split in _ints(args.global_splits) for shape in shapes]
+    points += [((split, warps, chunk, stages, "global"), {"loads_only": True}) for warps in (4, 8) for chunk in (16, 32)
+               for stages in (2, 4, 6) for split in _ints(args.loads_only_splits)]
+    return points
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="b1-2048-fp8,b1-32768-fp8,b1-131072-fp8",
@@ -550,7 +567,7 @@ def main() -> int:
     import torch
 
     from attention_sweep import CASES, advised, label, make_inputs, make_region, reference
-    from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies
+    from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, input_copies, relative_error
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.targets import H200
@@ -562,7 +579,8 @@ def main() -> int:
     work = Path("/tmp/cuda-fp8-attention-probe")
     work.mkdir(exist_ok=True)
     cases = {**CASES, **LONG_CASES}
-    rows, best = [], {}
+    times = PointTimes()
+    points = probe_points(args)
     for case in args.cases.split(","):
         batch, length, cache, fp8 = cases[case][:4]
         assert batch == 1 and fp8 and len(cases[case]) == 4, "the probe is batch 1, fp8, unpaged, no rope"
@@ -574,49 +592,20 @@ def main() -> int:
         print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / COPY_BYTES_PER_S * 1e6:.2f} us; "
               f"{len(sets)} cache copies", flush=True)
 
-        def record(kind, name, call):
+        def record(kind, name, call, checked=True):
             if args.once:  # one plain launch each, for a profiler (ncu -k regex:coopt_decode_fp8)
                 call(*sets[0])
                 torch.cuda.synchronize()
                 print(f"  {name}: ran once", flush=True)
                 return
-
-            def err():
-                if kind == "loads" or kind.startswith("cuda none") or " no " in kind:  # timing only: no output to check
-                    return 0.0
-                got = call(*sets[0]).float()
-                return ((got - expected).abs().max() / expected.abs().max()).item()
-            try:
-                before = err()
-                us = graph_ms(call, sets) * 1e3
-                after = err()
-            except Exception as error:  # a compile or launch failure is a result too
-                print(f"  {name:44s} FAILED: {type(error).__name__}: {str(error)[:300]}", flush=True)
-                rows.append({"case": case, "kind": kind, "point": name, "failed": str(error)[:300]})
-                return
-            wrong = not max(before, after) < 2e-2
-            rows.append({"case": case, "kind": kind, "point": name, "us": us, "tb_per_s": traffic / us / 1e6,
-                         "err": max(before, after), "wrong": wrong})
-            print(f"  {name:44s} {us:8.2f} us {traffic / us / 1e6:5.2f} TB/s  err {max(before, after):.1e}"
-                  + ("  WRONG" if wrong else ""), flush=True)
-            if not wrong:
-                best[(case, kind)] = min(best.get((case, kind), us), us)
+            error = (lambda: relative_error(call(*sets[0]), expected)) if checked else None
+            times.record(case, kind, name, call, sets, traffic, error)
 
         for n, params in enumerate(advised(region, family)[:args.advised]):
             path = work / f"{case}_triton_{n}.py"
             path.write_text(family.render(region, params))
             run = load_module_from_file(path).run
             record("triton", "triton " + label(params), lambda *t, run=run: run(*t)[-1])
-        def ints(text: str) -> list[int]:
-            return [int(x) for x in text.split(",") if x]
-        shapes = list(itertools.product(ints(args.warps), ints(args.chunks), ints(args.stages)))
-        points = [((split, *shape, merge), {"widen": widen}) for widen in args.widens.split(",")
-                  for merge, splits in (("cluster", args.splits), ("global", args.global_splits))
-                  for split in ints(splits) for shape in shapes]
-        points += [((split, *shape, "global"), {"ablate": part}) for part in filter(None, args.ablate.split(","))
-                   for split in ints(args.global_splits) for shape in shapes]
-        points += [((split, warps, chunk, stages, "global"), {"loads_only": True}) for warps in (4, 8) for chunk in (16, 32)
-                   for stages in (2, 4, 6) for split in ints(args.loads_only_splits)]
         for point, options in points:
             if shared_bytes(*point) > H200.smem_per_block_bytes:
                 continue
@@ -627,12 +616,11 @@ def main() -> int:
                 continue
             out = torch.empty(1, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             kind = "loads" if probe.loads_only else f"cuda {probe.widen}" + (f" no {probe.ablate}" if probe.ablate else "")
-            record(kind, probe.label(), lambda *t, probe=probe, out=out: probe.run(*t, out))
-    print("\nbest of each kind, µs")
-    for (case, kind), us in sorted(best.items()):
-        print(f"  {case:14s} {kind:10s} {us:8.2f}")
+            timing_only = probe.loads_only or probe.widen == "none" or bool(probe.ablate)  # their outputs are wrong
+            record(kind, probe.label(), lambda *t, probe=probe, out=out: probe.run(*t, out), checked=not timing_only)
+    times.print_best()
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(times.rows, indent=1))
     return 0
 
 

@@ -380,6 +380,39 @@ def timings(call, inputs, input_sets=None) -> tuple:
     return (ms,) if input_sets is None else (ms, graph_ms(call, input_sets))
 
 
+class PointTimes:
+    """A probe's timed points: record() times one graph-replayed over the input sets and, unless
+    it is timing only (error=None), checks it before and after timing with error() (relative
+    error: under 2e-2 passes); prints a row and keeps it (a compile or launch failure is a row
+    too). best[(case, kind)]: each kind's fastest passing time, in µs."""
+
+    def __init__(self, width: int = 44):
+        self.rows, self.best, self.width = [], {}, width
+
+    def record(self, case: str, kind: str, name: str, call, sets, traffic: int, error=None) -> None:
+        try:
+            checks = [error()] if error else []
+            us = graph_ms(call, sets) * 1e3
+            checks += [error()] if error else []  # after thousands of replays
+        except Exception as failure:
+            print(f"  {name:{self.width}s} FAILED: {type(failure).__name__}: {str(failure)[:300]}", flush=True)
+            self.rows.append({"case": case, "kind": kind, "point": name, "failed": str(failure)[:300]})
+            return
+        err = max(checks) if checks else None
+        wrong = err is not None and not err < 2e-2
+        self.rows.append({"case": case, "kind": kind, "point": name, "us": us, "tb_per_s": traffic / us / 1e6,
+                          "err": err, "wrong": wrong})
+        print(f"  {name:{self.width}s} {us:8.2f} us {traffic / us / 1e6:5.2f} TB/s  "
+              + ("timing only" if err is None else f"err {err:.1e}") + ("  WRONG" if wrong else ""), flush=True)
+        if not wrong:
+            self.best[(case, kind)] = min(self.best.get((case, kind), us), us)
+
+    def print_best(self) -> None:
+        print("\nbest of each kind, µs")
+        for (case, kind), us in sorted(self.best.items()):
+            print(f"  {case:14s} {kind:18s} {us:8.2f}")
+
+
 def relative_error(out, expected) -> float:
     return (out.float() - expected).abs().max().item() / expected.abs().max().item()
 
