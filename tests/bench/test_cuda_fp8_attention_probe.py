@@ -17,6 +17,7 @@ from coopt.targets import H200
 GPU_POINTS = [(16, 4, 32, 4, "cluster"), (8, 8, 32, 2, "cluster"), (4, 4, 16, 3, "cluster"),
               (32, 4, 32, 2, "global"), (64, 8, 32, 2, "global"), (7, 4, 16, 3, "global")]
 WIDENS = ["cvt", "bits"]
+COPY_POINTS = [(16, 4, 32, 2, "cluster"), (32, 4, 16, 3, "global"), (7, 8, 32, 2, "global")]
 
 
 def test_the_rings_are_what_grows_and_the_default_sweep_has_points_that_fit():
@@ -28,6 +29,9 @@ def test_the_rings_are_what_grows_and_the_default_sweep_has_points_that_fit():
     # the global merge keeps no block partials in shared memory: 4 bytes x GROUP x (m, l, 128 dims) less
     assert shared_bytes(16, 4, 32, 2) - shared_bytes(16, 4, 32, 2, "global") == 4 * 4 * 130
     assert all(shared_bytes(*p) <= H200.smem_per_block_bytes for p in GPU_POINTS)
+    # bulk copies place rows 144 bytes apart and keep an mbarrier a slot
+    assert shared_bytes(16, 4, 32, 2, copy="bulk") - shared_bytes(16, 4, 32, 2) == 4 * 2 * 2 * 32 * 16 + 8 * 4 * 2
+    assert all(shared_bytes(*p, copy="bulk") <= H200.smem_per_block_bytes for p in COPY_POINTS)
 
 
 @pytest.mark.parametrize("point,widen", [((16, 4, 32, 4, "cluster"), "cvt"), ((8, 4, 64, 3, "cluster"), "bits"),
@@ -35,6 +39,12 @@ def test_the_rings_are_what_grows_and_the_default_sweep_has_points_that_fit():
                                          ((64, 8, 32, 3, "global"), "cvt")])
 def test_the_source_compiles_for_hopper_without_spills(hopper_registers, point, widen):
     assert hopper_registers(render(*point, widen=widen)) * 32 * point[1] <= 65536
+
+
+@pytest.mark.parametrize("copy", ["ca", "bulk"])
+@pytest.mark.parametrize("loads_only", [False, True])
+def test_every_copy_form_compiles_for_hopper_without_spills(hopper_registers, copy, loads_only):
+    assert hopper_registers(render(16, 8, 32, 2, "global", copy=copy, loads_only=loads_only)) * 256 <= 65536
 
 
 @pytest.mark.gpu
@@ -56,12 +66,30 @@ def test_the_fp8_attention_matches_an_fp32_softmax(point, widen):
 
 
 @pytest.mark.gpu
-def test_rows_past_the_length_never_reach_the_output():
-    """NaN bytes (e4m3 0x7f) past the valid length: the kernel zero-fills rows it does not load,
-    so they cannot leak through a zero weight into the accumulator."""
+@pytest.mark.parametrize("copy", ["ca", "bulk"])
+@pytest.mark.parametrize("point", COPY_POINTS)
+def test_every_copy_form_matches_an_fp32_softmax(point, copy):
     from attention_sweep import make_inputs, make_region, reference
 
-    probe = Fp8Attention(32, 4, 32, 2, "global", widen="bits")
+    probe = Fp8Attention(*point, copy=copy)
+    for length in (1, 17, 100, 1000, 4096):
+        region = make_region(1, length, 4096, True)
+        inputs = make_inputs(region, length, seed=length)
+        expected = reference(region, *inputs).float()
+        for _ in range(2):  # twice: the global merge's counts must be back at zero
+            out = torch.full((1, 32, 1, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+            got = probe.run(*inputs, out).float()
+            assert (got - expected).abs().max() <= 2e-2 * expected.abs().max(), (point, copy, length)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy,widen", [("cg", "bits"), ("bulk", "cvt")])
+def test_rows_past_the_length_never_reach_the_output(copy, widen):
+    """NaN bytes (e4m3 0x7f) past the valid length: the cp.async forms zero-fill the rows they do
+    not load, the bulk form reads them as zeros, so none leaks through a zero weight."""
+    from attention_sweep import make_inputs, make_region, reference
+
+    probe = Fp8Attention(32, 4, 32, 2, "global", widen=widen, copy=copy)
     region = make_region(1, 1000, 4096, True)
     q, k, v, lengths, *scales = make_inputs(region, 1000, seed=3)
     expected = reference(region, q, k, v, lengths, *scales).float()
