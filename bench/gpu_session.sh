@@ -59,6 +59,7 @@
 #                                        # beside the template's and each ablation's (ncu metrics, ~1 min)
 #   bash bench/gpu_session.sh cuda-fp8-copies  # its tests, then cp.async past / through the L1 against bulk (TMA)
 #                                        # copies, b1 / 32768 and 131072 (~5 min)
+#   bash bench/gpu_session.sh fp8-l2      # cuda-fp8-ncu then cuda-fp8-copies in one call (~7 min): session 26's first
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
 #                                        # (bench/gemv_chain_probe.py) against one launch each and the template GEMVs (~5 min)
 #   bash bench/gpu_session.sh v-layout   # fp8 decode attention with V stored keys-contiguous against row-major, fixed points (~5 min)
@@ -339,6 +340,10 @@ l1tex__m_xbar2l1tex_read_bytes.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t
 smsp__inst_executed_op_ldgsts.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ldgsts.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum \
             python bench/cuda_fp8_attention_probe.py --once --cases b1-131072-fp8 --splits "" --global-splits 16 --warps 4 \
             --chunks 32 --stages 2 --widens cvt,none --ablate qk,pv,softmax --copies cg,bulk --loads-only-splits 16 --advised 1
+        ;;
+    fp8-l2)  # issue 4, one call: cuda-fp8-ncu's profile, then cuda-fp8-copies (tests and timings; ~7 min)
+        OUT=$OUT bash "$0" cuda-fp8-ncu
+        OUT=$OUT bash "$0" cuda-fp8-copies
         ;;
     cuda-fp8-copies)  # issue 4: the rows into shared memory by cp.async past the L1 (cg), through it (ca), or by bulk (TMA) copies
         step 200 cuda-fp8-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_fp8_attention_probe.py
