@@ -386,7 +386,7 @@ def main() -> int:
     import torch
 
     from attention_sweep import CASES, make_inputs, make_region, reference
-    from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, input_copies
+    from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, input_copies, relative_error
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.targets import H200
@@ -437,7 +437,7 @@ def main() -> int:
             got = call(*step).float()
             rows_off = [((step[i][0, :, length - 1].float() - row).abs().max() / row.abs().max()).item()
                         for i, row in zip((1, 2), new_rows)]
-            return max([((got - expected).abs().max() / expected.abs().max()).item(), *rows_off])
+            return max([relative_error(got, expected), *rows_off])
 
         def record(kind, name, call):
             times.record(case, kind, name, call, sets, traffic, lambda: check(call))

@@ -268,6 +268,9 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
   const unsigned char* k_rows = k_cache + kv_head * stride_kh;
   const unsigned char* v_rows = v_cache + kv_head * stride_vh;
   unsigned char* ring = smem + warp * RING_BYTES;
+  // the warp's i-th chunk: its first key and its slot (K rows, then V rows CHUNK * PITCH on)
+  auto first_key = [&](int i) { return start + (warp + i * WARPS) * CHUNK; };
+  auto slot = [&](int i) { return ring + (i % STAGES) * SLOT_BYTES; };
 {% if copy == "bulk" %}
   unsigned long long* barriers = reinterpret_cast<unsigned long long*>(smem + WARPS * RING_BYTES) + warp * STAGES;
   if (lane == 0) {
@@ -281,9 +284,9 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
   // not copied: the V loads below read zeros for them)
   auto issue = [&](int i) {
     if (i < mine) {
-      unsigned char* k_slot = ring + (i % STAGES) * SLOT_BYTES;
+      unsigned char* k_slot = slot(i);
       unsigned char* v_slot = k_slot + CHUNK * PITCH;
-      const int first = start + (warp + i * WARPS) * CHUNK;
+      const int first = first_key(i);
       const int rows = min(CHUNK, end - first);
       const unsigned int bar = shared_address(barriers + i % STAGES);
       if (lane == 0) expect_bytes(bar, 2 * rows * ROW_BYTES);
@@ -299,9 +302,9 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
   // one commit group a slot, empty past the warp's last chunk: wait_groups' counts stay uniform
   auto issue = [&](int i) {
     if (i < mine) {
-      unsigned char* k_slot = ring + (i % STAGES) * SLOT_BYTES;
+      unsigned char* k_slot = slot(i);
       unsigned char* v_slot = k_slot + CHUNK * PITCH;
-      const int first = start + (warp + i * WARPS) * CHUNK;
+      const int first = first_key(i);
 #pragma unroll
       for (int c = lane; c < CHUNK * 8; c += 32) {
         const int row = c >> 3, piece = c & 7;
@@ -336,7 +339,9 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
   }
   const float score_scale = qk_scale * k_scale[kv_head] * WIDEN_SCALE;
 
-  unsigned int sink = 0;  // (the loads-only form's)
+{% if loads_only %}
+  unsigned int sink = 0;  // what the slots' reads feed, so the copies cannot be dropped
+{% endif %}
   float m_run = -1.0e30f;  // head g's running maximum (finite: a masked key's ex2(-inf - m) is 0, never NaN)
   float l_run = 0.0f;      // this lane's part of head g's sum
   float acc[8][4];         // O^T: M-block j rows g (dim 16g + 2j) and g + 8 (dim 16g + 2j + 1), heads 2t, 2t + 1
@@ -351,14 +356,13 @@ coopt_decode_fp8(const bf16_t* __restrict__ q, const unsigned char* __restrict__
     wait_groups<STAGES - 1>();
     __syncwarp();
 {% endif %}
-    const unsigned char* k_slot = ring + (i % STAGES) * SLOT_BYTES;
+    const unsigned char* k_slot = slot(i);
     const unsigned char* v_slot = k_slot + CHUNK * PITCH;
-    const int first = start + (warp + i * WARPS) * CHUNK;
 {% if loads_only %}
     sink ^= *reinterpret_cast<const unsigned int*>(k_slot + 4 * lane);
     sink ^= *reinterpret_cast<const unsigned int*>(v_slot + 4 * lane);
-    if (first < 0) break;  // (never: keeps `first` used)
 {% else %}
+    const int first = first_key(i);
 
     // scores of head g: block b's keys 2t, 2t + 1 (s[b][0, 1]) and 8 + 2t, 9 + 2t (s[b][2, 3])
     float s[BLOCKS][4];

@@ -48,13 +48,13 @@ def test_every_copy_form_compiles_for_hopper_without_spills(hopper_registers, co
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("widen", WIDENS)
-@pytest.mark.parametrize("point", GPU_POINTS)
-def test_the_fp8_attention_matches_an_fp32_softmax(point, widen):
+@pytest.mark.parametrize("point,options", [(p, {"widen": w}) for p in GPU_POINTS for w in WIDENS]
+                         + [(p, {"copy": c}) for p in COPY_POINTS for c in ("ca", "bulk")])
+def test_the_fp8_attention_matches_an_fp32_softmax(point, options):
     """Every length twice: the global merge's last block must leave its counts at zero for the next call."""
     from attention_sweep import make_inputs, make_region, reference
 
-    probe = Fp8Attention(*point, widen=widen)
+    probe = Fp8Attention(*point, **options)
     for length in (1, 15, 16, 17, 100, 1000, 4096):
         region = make_region(1, length, 4096, True)
         inputs = make_inputs(region, length, seed=length)
@@ -62,24 +62,7 @@ def test_the_fp8_attention_matches_an_fp32_softmax(point, widen):
         for _ in range(2):
             out = torch.full((1, 32, 1, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
             got = probe.run(*inputs, out).float()
-            assert (got - expected).abs().max() <= 2e-2 * expected.abs().max(), (point, length)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("copy", ["ca", "bulk"])
-@pytest.mark.parametrize("point", COPY_POINTS)
-def test_every_copy_form_matches_an_fp32_softmax(point, copy):
-    from attention_sweep import make_inputs, make_region, reference
-
-    probe = Fp8Attention(*point, copy=copy)
-    for length in (1, 17, 100, 1000, 4096):
-        region = make_region(1, length, 4096, True)
-        inputs = make_inputs(region, length, seed=length)
-        expected = reference(region, *inputs).float()
-        for _ in range(2):  # twice: the global merge's counts must be back at zero
-            out = torch.full((1, 32, 1, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
-            got = probe.run(*inputs, out).float()
-            assert (got - expected).abs().max() <= 2e-2 * expected.abs().max(), (point, copy, length)
+            assert (got - expected).abs().max() <= 2e-2 * expected.abs().max(), (point, options, length)
 
 
 @pytest.mark.gpu
