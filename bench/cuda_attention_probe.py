@@ -39,7 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cuda_driver import PRELUDE, DriverKernel, pointers  # noqa: E402
+from coopt.runtime.cuda_kernels import DriverKernel, pointers  # noqa: E402
+from coopt.templates.base import render_template  # noqa: E402
+
+PRELUDE = render_template("cuda/_prelude.cuh.j2")
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 THREADS = 256  # eight warps

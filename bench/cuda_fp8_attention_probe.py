@@ -8,7 +8,7 @@ gathering V's bytes into tl.dot's operand one at a time: bench/NOTES-decode.md.)
 The first probe of this kind (bench/cuda_attention_probe.py, bf16) did the GROUP heads' dots on
 CUDA cores, ~1000 FMAs a key, and ran at half the template's bandwidth: the dots have to be on
 tensor cores. This kernel (CUDA C++, compiled by NVRTC, launched through the driver:
-bench/cuda_driver.py) is batch 1 with per-head scales, no rope and no cache write; the template
+coopt/runtime/cuda_kernels.py) is batch 1 with per-head scales, no rope and no cache write; the template
 is timed beside it on the same inputs.
 
 Layout of the work. SPLIT blocks a kv head, whose partials meet either as one cluster through
@@ -60,7 +60,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cuda_driver import PRELUDE, DriverKernel, pointers  # noqa: E402
+from coopt.runtime.cuda_kernels import DriverKernel, pointers  # noqa: E402
+from coopt.templates.base import render_template  # noqa: E402
+
+PRELUDE = render_template("cuda/_prelude.cuh.j2")
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # the probe's own long case beside attention_sweep's: (batch, valid length, cache positions, fp8)

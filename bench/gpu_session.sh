@@ -59,6 +59,7 @@
 #                                        # beside the template's and each ablation's (ncu metrics, ~1 min)
 #   bash bench/gpu_session.sh cuda-fp8-copies  # its tests, then cp.async past / through the L1 against bulk (TMA)
 #                                        # copies, b1 / 32768 and 131072 (~5 min)
+#   bash bench/gpu_session.sh mma         # the CUDA fp8 decode attention family: GPU tests, b1 / 32768 fp8 built with it
 #   bash bench/gpu_session.sh fp8-l2      # cuda-fp8-ncu then cuda-fp8-copies in one call (~7 min): session 26's first
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
 #                                        # (bench/gemv_chain_probe.py) against one launch each and the template GEMVs (~5 min)
@@ -327,6 +328,13 @@ case "${1:-}" in
     cuda-attention)  # issue 3: the b1 attention's meeting through distributed shared memory instead of global memory
         step 150 cuda-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_attention_probe.py
         step 300 cuda-attention python bench/cuda_attention_probe.py --json "$OUT/cuda_attention.json"
+        ;;
+    mma)  # issue 4: the CUDA fp8 decode attention family's GPU tests (thorough), then b1 / 32768 fp8 built with it (~8 min)
+        COOPT_VERIFY_PROFILE=thorough step 200 mma-tests python -m pytest -q -p no:cacheprovider -x \
+            tests/templates/test_decode_attention_mma.py
+        step 400 decode python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8 \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_mma_b1_32768.json" --build-dir /tmp/coopt-fp8
+        reports reports_mma_b1_32768 coopt-fp8
         ;;
     cuda-fp8)  # issue 4: the fp8 attention on tensor cores through mma.sync, V's bytes paired by prmt, against the template
         step 150 cuda-fp8-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_fp8_attention_probe.py

@@ -7,6 +7,10 @@ anything imports triton.language (its helpers are decorated at import), hence at
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -47,3 +51,23 @@ def plain_model_file(tmp_path):
     path = tmp_path / "model.py"
     path.write_text(PLAIN_MODEL_FILE)
     return path
+
+
+@pytest.fixture
+def hopper_registers(tmp_path):
+    """compile(source) -> registers a thread: the CUDA source compiled for sm_90a by the toolkit's
+    nvcc (the CUDA templates and probes compile with NVRTC on the GPU machine; this machine may
+    have nvcc instead), asserted to compile and not to spill. Skips where no nvcc is installed."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("no CUDA toolkit (nvcc) on this machine")
+
+    def compile_source(source: str) -> int:
+        path = tmp_path / "kernel.cu"
+        path.write_text(source)
+        result = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o",
+                                 str(tmp_path / "kernel.cubin"), str(path)], capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert re.search(r"0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr[-2000:]
+        return int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+
+    return compile_source

@@ -486,6 +486,37 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     )
 
 
+def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
+    """The CUDA fp8 decode attention (templates/decode_attention_mma.py): one block an SM (8 warps
+    and their rings take most of its shared memory), so splits until batch x kv heads x splits
+    covers the SMs, as for the Triton template; cp.async through the L1 at 8 warps, the form
+    measured at 4.02 TB/s (b1 / 131072, split 16, H200: bench/RESULTS.md session 26; past the L1
+    3.44, 4 warps through it 3.42); chunks of 32 keys (21.65 µs against 21.77 for 16 at b1 / 32768,
+    67.47 against 66.86 at 131072: a tie, 16 ranked second), a ring of 2 slots."""
+    q, kv = _shape(request, 0), _shape(request, 1)
+    batch = q[0] if len(q) == 4 else 1
+    kv_heads, max_length = (kv[-3], kv[-2]) if len(kv) >= 3 else (1, 1)
+    length = min(max_length, max(1, int(request.region.attrs.get("example_length") or max_length)))
+    sms = int(request.target.get("num_sms") or 132)
+    split_vals = _numbers(knob(request.space, ("SPLIT",))) or [1]
+    programs = batch * kv_heads
+    # at least 256 keys a split (a chunk for each of 8 warps): shorter shares are all fill and drain
+    most = _largest_at_most(split_vals, max(1, length // 256))
+    filling = [v for v in split_vals if programs * v >= FILL_SHARE * sms]
+    split_t = min(min(filling) if filling else max(split_vals), most)
+
+    def cost(point: dict) -> float:
+        c = 2 * _log_gap(knob(point, ("SPLIT",)), split_t)
+        c += 1.0 if knob(point, ("COPY",)) != "ca" else 0.0
+        c += _log_gap(knob(point, WARPS), 8)
+        c += 0.3 * _log_gap(knob(point, ("CHUNK",)), 32)
+        c += 0.5 * max(0, (knob(point, STAGES) or 2) - 2)
+        return c
+
+    return cost, (f"CUDA fp8 decode attention (length~{length}, {programs} sequence x kv heads): SPLIT~{split_t} "
+                  f"to fill {sms} SMs, 8 warps, cp.async through the L1")
+
+
 def row_reduction(request: AdviceRequest) -> tuple[CostFn, str]:
     x = _shape(request, 0)
     n = x[-1] if x else 1
@@ -579,6 +610,7 @@ RULES: dict[str, Callable[[AdviceRequest], tuple[CostFn, str]]] = {
     "matmul_epilogue": matmul_epilogue,
     "attention": attention,
     "decode_attention": decode_attention,
+    "decode_attention_mma": decode_attention_mma,
     "row_reduction": row_reduction,
     "elementwise": elementwise,
     "rope": rope,

@@ -12,6 +12,7 @@ _BUILTIN = {
     "matmul_epilogue": "coopt.templates.matmul_epilogue:MatmulEpilogueFamily",
     "attention": "coopt.templates.attention:AttentionFamily",
     "decode_attention": "coopt.templates.decode_attention:DecodeAttentionFamily",
+    "decode_attention_mma": "coopt.templates.decode_attention_mma:DecodeAttentionMmaFamily",
     "rope": "coopt.templates.rope:RopeFamily",
     "kv_write": "coopt.templates.kv_write:KvWriteFamily",
 }

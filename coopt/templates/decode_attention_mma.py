@@ -1,0 +1,157 @@
+"""decode_attention_mma: decode attention over an fp8 (e4m3) KV cache in CUDA C++ on tensor cores.
+
+The same regions as `decode_attention` (templates/decode_attention.py documents the schema: q
+[B, H, 1, D], caches [B, Hkv, S_max, D], lengths, optional query RoPE, the step's cache write
+folded in), narrowed to what this kernel implements: both caches float8_e4m3fn with per-tensor or
+per-head scales, unpaged, rows of D = 128 bytes stored contiguously, a bf16 query and output, and
+a head group GROUP = H / Hkv of at most 8. Where it matches it is one more family of candidates
+beside the Triton template, verified and timed like them; the build keeps the fastest that
+verifies.
+
+Why CUDA: the Triton template's fp8 loop costs ~1060 instructions a 128-key tile (widening e4m3
+to fp16 and moving V's bytes into tl.dot's operand one at a time) and streams at 2.5-3.3 TB/s;
+this kernel feeds mma.sync m16n8k16 straight from shared memory and measured 21.65 µs against
+the template's 26.55 at b1 / 32768 and 66.86 (4.02 TB/s, 96 % of the copy bandwidth) against
+82.64 at b1 / 131072 on the H200 (bench/cuda_fp8_attention_probe.py, bench/RESULTS.md session 26).
+
+Layout of the work (as measured in the probe): SPLIT blocks a (sequence, kv head), each taking
+an equal CHUNK-aligned share of the valid keys; each of a block's warps streams its own CHUNK-key
+pieces (chunks warp, warp + WARPS, ...) through its own num_stages-slot cp.async ring, so warps
+never wait for each other inside the loop; rows past the length are zero-filled by the copy. The
+copies go through the L1 (COPY "ca") or past it ("cg"): with "cg" the loop read every cache sector
+twice from L2 (ncu), and "ca" at 8 warps is the form that reached 4 TB/s. The block's warps merge
+in shared memory, the blocks in global memory: the last to arrive merges the SPLIT partials and
+zeroes its counter (one launch, as the Triton template's splits meet).
+
+The dots: scores S[16 rows = heads (GROUP real), 8 keys] = q[16, 16 dims] K^T, eight k-steps
+over the head dim, which is permuted the same way for q and K (so the dot is unchanged) so that a
+lane's K bytes are one 32-byte run; the output O^T[16 dims, 8 heads] = V^T P^T with dims as M (32
+accumulator floats a lane), P^T's fragment being the score fragment itself, V's key pairs
+assembled by prmt. e4m3 widens to f16 exactly (cvt.rn.f16x2.e4m3x2). q goes to fp16 shifted by a
+power of two (its largest |value| into (2^13, 2^14], exact for bf16 values; the shift joins K's
+scale in the score scale, as the Triton template's TILE_FP16 does); P in [0, 1] is rounded to
+fp16 for the PV dot.
+
+Numerics against the Triton template: a query rotated here is rounded to bf16 (as the unfused
+rope stores it) before the shift; the folded write rounds rope(k_new) to bf16, subtracts a
+smooth-k / smooth-v offset, divides by the scale (IEEE) and rounds to e4m3 with the hardware's
+round-to-nearest-even, saturating at 448, which is the kv_write template's result.
+
+Verification needs the GPU: the family offers no point where torch sees no CUDA device (CPU CI
+renders the kernel and compiles it for sm_90a with nvcc where one is installed;
+tests/templates/test_decode_attention_mma.py).
+
+Knobs: SPLIT (blocks a (sequence, kv head)), CHUNK (keys a warp's ring slot), COPY ("ca", "cg"),
+num_warps (4 or 8: at least 4, one thread a head-dim element for the folded write), num_stages
+(ring slots).
+"""
+
+from __future__ import annotations
+
+import math
+
+from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope
+from coopt.targets import Target
+from coopt.templates.attention import FP8_CACHE_DTYPE, kv_scale, page_size
+from coopt.templates.base import TemplateFamily, render_template
+from coopt.templates.decode_attention import DecodeAttentionFamily, _gathered
+
+HEAD_DIM = 128  # the kernel's rows: 128 e4m3 bytes, eight 16-byte pieces
+MAX_GROUP = 8  # query heads a kv head: the PV dot's N (heads 2t, 2t + 1 of the 4 lane columns)
+STATIC_SHARED_BYTES = 16  # the kernel's own __shared__ (the merge's "last" flag, as ptxas counts it)
+
+
+def cuda_runs_here() -> bool:
+    """Whether this process can compile and run CUDA C++ candidates (and so verify them)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def mma_problem(region: RegionSummary) -> str | None:
+    """Why the kernel cannot implement a decode_attention region (None: it can)."""
+    if page_size(region) is not None:
+        return "paged caches are not implemented"
+    if kv_scale(region) not in ("per-tensor", "per-head"):
+        return "needs an fp8 cache with per-tensor or per-head scales"
+    q, k, v = region.inputs[:3]
+    if k.dtype != FP8_CACHE_DTYPE or v.dtype != FP8_CACHE_DTYPE:
+        return "needs both caches in float8_e4m3fn"
+    if q.dtype != "bfloat16" or region.outputs[-1].dtype != "bfloat16":
+        return "needs a bf16 query and output"
+    if q.shape[3] != HEAD_DIM:
+        return f"needs head dim {HEAD_DIM}"
+    group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
+    if group > MAX_GROUP:
+        return f"needs at most {MAX_GROUP} query heads a kv head (has {group})"
+    return None
+
+
+def shared_bytes(params: dict, group: int) -> int:
+    """Dynamic shared memory a block: every warp's ring (K and V rows of a chunk a slot), the
+    warps' partials (m, l, acc of each head), the merge's weights and sums of every split."""
+    warps = params["num_warps"]
+    ring = params["num_stages"] * 2 * params["CHUNK"] * HEAD_DIM
+    return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group)
+
+
+class DecodeAttentionMmaFamily(TemplateFamily):
+    name = "decode_attention_mma"
+
+    def matches(self, region: RegionSummary) -> bool:
+        return (region.family == "decode_attention" and DecodeAttentionFamily().matches(region)
+                and mma_problem(region) is None)
+
+    def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
+        return {
+            "SPLIT": [1, 2, 4, 8, 16, 32],
+            "CHUNK": [16, 32],
+            "COPY": ["ca", "cg"],
+            "num_warps": [4, 8],
+            "num_stages": [2, 3],
+        }
+
+    def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        problem = mma_problem(region)
+        if problem is not None:
+            return problem
+        for knob, values in self.param_space(region, target).items():
+            if params.get(knob) not in values:
+                return f"{knob}={params.get(knob)} is not in the space"
+        if not target.arch.startswith("sm_9"):
+            return "mma.sync on e4m3 widened by cvt.f16x2.e4m3x2 needs sm_89+ (built for sm_90)"
+        group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
+        smem = shared_bytes(params, group) + STATIC_SHARED_BYTES
+        if smem > target.smem_per_block_bytes:
+            return f"{smem} B of shared memory > {target.smem_per_block_bytes} B"
+        if not cuda_runs_here():
+            return "CUDA C++ candidates are verified on an NVIDIA GPU, and this machine has none"
+        return None
+
+    def render(self, region: RegionSummary, params: dict) -> str:
+        written, k_tables = kv_write_inputs(region), kv_write_rope(region)
+        k_offset, v_offset = kv_write_offsets(region)
+        scale = region.attrs.get("scale")
+        group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
+        gathered = _gathered(region)
+        return render_template(
+            "cuda/decode_attention_mma.py.j2",
+            region_name=region.name,
+            p=params,
+            group=group,
+            num_heads=region.attrs["num_heads"],
+            num_kv_heads=region.attrs["num_kv_heads"],
+            scale=repr(float(scale if scale is not None else 1.0 / math.sqrt(HEAD_DIM))),
+            shared_bytes=shared_bytes(params, group),
+            kv_scale=kv_scale(region),
+            lengths_t="int" if region.inputs[3].dtype == "int32" else "long long",
+            positions_t="int" if written is not None and region.inputs[written].dtype == "int32" else "long long",
+            rope=bool(region.attrs.get("rope")),
+            kv_write=written is not None,
+            kv_rope=k_tables is not None,
+            kv_own_tables=k_tables is not None and k_tables == written + 3,  # else the query's
+            k_offset=k_offset is not None,
+            v_offset=v_offset is not None,
+            gathered=gathered,
+            row="table_row" if gathered else "batch",  # the rotary tables' row: the write's position, or the sequence's
+        )

@@ -1,0 +1,208 @@
+"""decode_attention_mma: the CUDA fp8 decode attention. On the CPU: which regions it takes, that it
+offers no point without a GPU (its candidates are verified on one), that every form compiles for
+sm_90a without spills (nvcc, where installed), and that its module refuses CPU tensors clearly.
+On the GPU (@pytest.mark.gpu): agreement with an fp32-softmax reference over drawn batches,
+lengths and heads, the folded cache write stored as the kv_write template stores it, repeated
+launches (the merge's counters reset), and NaN bytes past a length never reaching the output."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_decode_attention import E4M3_MAX, FAMILY, fp8_reference, fp8_region, make_fp8_inputs
+from test_decode_attention_kv_write import folded, write_inputs
+from test_decode_attention_rope import rope_tables, rotated, with_rope
+
+from coopt.ir.region import TensorSpec
+from coopt.llm_advisor.heuristic import HeuristicAdvisor
+from coopt.llm_advisor.protocol import AdviceRequest
+from coopt.targets import H200
+from coopt.templates import decode_attention_mma
+from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily, shared_bytes
+from coopt.templates.registry import families_for
+from coopt.verify.profiles import resolve_profile
+
+MMA = DecodeAttentionMmaFamily()
+ADVISED = {"SPLIT": 16, "CHUNK": 32, "COPY": "ca", "num_warps": 8, "num_stages": 2}
+SMALL = {"SPLIT": 1, "CHUNK": 16, "COPY": "cg", "num_warps": 4, "num_stages": 3}
+FORMS = {"advised": ADVISED, "small": SMALL, "split 4 chunk 16 ca": {**ADVISED, "SPLIT": 4, "CHUNK": 16}}
+
+
+def plain(batch=1, heads=32, kv_heads=8, max_length=4096, granularity="per-head"):
+    return fp8_region(batch, heads, kv_heads, max_length, 128, granularity)
+
+
+def folded_fp8(batch=2, heads=32, kv_heads=8, max_length=512, offsets=("k",), gathered=False, granularity="per-head"):
+    """fuse-kv-write-attention's region over an fp8 cache: query rope, the write with K's rope and offsets."""
+    region = folded(with_rope(fp8_region(batch, heads, kv_heads, max_length, 128, granularity), (1, 128)), offsets=offsets)
+    if gathered:  # whole [S, D] tables read at the write's position
+        tables = TensorSpec((max_length, 128), "bfloat16")
+        at = region.attrs["kv_write"]["rope_tables_input"]
+        inputs = list(region.inputs)
+        inputs[4] = inputs[5] = inputs[at] = inputs[at + 1] = tables
+        region = dataclasses.replace(region, inputs=tuple(inputs), attrs={
+            **region.attrs, "kv_write": {**region.attrs["kv_write"], "gathered_tables": True}})
+    return region
+
+
+@pytest.fixture
+def gpu_points(monkeypatch):
+    """As on a GPU machine: the family offers points."""
+    monkeypatch.setattr(decode_attention_mma, "cuda_runs_here", lambda: True)
+
+
+def test_it_takes_fp8_caches_with_scalar_scales_and_128_wide_rows(gpu_points):
+    assert MMA.matches(plain()) and MMA.matches(folded_fp8()) and MMA.matches(folded_fp8(gathered=True))
+    assert MMA.matches(plain(granularity="per-tensor")) and MMA.matches(plain(heads=56, kv_heads=8))  # group 7
+    bf16_cache = fp8_region(1, 32, 8, 4096, 128, "per-head", cache_dtype="bfloat16")
+    values_only = dataclasses.replace(plain(), inputs=(plain().inputs[0], TensorSpec((1, 8, 4096, 128), "bfloat16"),
+                                                       *plain().inputs[2:]))
+    refused = {
+        "per-token scales": plain(granularity="per-token"),
+        "head dim 64": fp8_region(1, 32, 8, 4096, 64, "per-head"),
+        "group 16": plain(heads=128, kv_heads=8),
+        "bf16 query": fp8_region(1, 32, 8, 4096, 128, "per-head", dtype="float16"),
+        "no cache in fp8": bf16_cache,
+        "values-only": values_only,
+    }
+    assert [name for name, region in refused.items() if MMA.matches(region)] == []
+    # both families offer candidates for the same region; the build measures them side by side
+    assert {f.name for f in families_for(plain())} == {"decode_attention", "decode_attention_mma"}
+
+
+def test_no_point_without_a_gpu_and_every_space_point_checked(monkeypatch):
+    monkeypatch.setattr(decode_attention_mma, "cuda_runs_here", lambda: False)
+    assert MMA.legal_points(plain(), H200) == []
+    assert "NVIDIA GPU" in MMA.check(plain(), ADVISED, H200)
+    monkeypatch.setattr(decode_attention_mma, "cuda_runs_here", lambda: True)
+    points = MMA.legal_points(plain(), H200)
+    assert ADVISED in points and SMALL in points
+    assert MMA.check(plain(), {**ADVISED, "SPLIT": 64}, H200) == "SPLIT=64 is not in the space"
+    small_smem = dataclasses.replace(H200, smem_per_block_bytes=100 * 1024)
+    assert "shared memory" in MMA.check(plain(), ADVISED, small_smem)  # 8 rings of 2 x 8 KiB slots
+    assert MMA.check(plain(), {**ADVISED, "num_warps": 4}, small_smem) is None
+    assert shared_bytes(ADVISED, 4) == 8 * 2 * 2 * 32 * 128 + 4 * (8 * 4 * 130 + 2 * 16 * 4)
+
+
+@pytest.mark.parametrize(("batch", "length", "split"), [(1, 32768, 16), (1, 131072, 16), (32, 2048, 1), (1, 2048, 8)])
+def test_the_heuristic_fills_the_sms_through_the_l1_at_8_warps(gpu_points, batch, length, split):
+    region = plain(batch=batch, max_length=length)
+    legal = tuple(MMA.legal_points(region, H200))
+    request = AdviceRequest(region, MMA.name, MMA.param_space(region, H200), legal, H200.facts(), 3)
+    best = HeuristicAdvisor().advise(request).ranked[0]
+    assert best == {"SPLIT": split, "CHUNK": 32, "COPY": "ca", "num_warps": 8, "num_stages": 2}
+
+
+def cuda_source(module_source: str) -> str:
+    return re.search(r'SOURCE = r"""\n(.*?)"""', module_source, re.S).group(1)
+
+
+REGIONS = {
+    "plain per-head": plain(),
+    "plain per-tensor, int64 lengths": dataclasses.replace(
+        plain(granularity="per-tensor"), inputs=(*plain().inputs[:3], TensorSpec((1,), "int64"), *plain().inputs[4:])),
+    "folded, smooth-k": folded_fp8(),
+    "folded, gathered tables, smooth-k and smooth-v": folded_fp8(offsets=("k", "v"), gathered=True),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("region", REGIONS)
+def test_every_form_compiles_for_hopper_without_spills(hopper_registers, region, form):
+    params = FORMS[form]
+    # one block of the form's warps an SM, whatever its registers
+    assert hopper_registers(cuda_source(MMA.render(REGIONS[region], params))) * 32 * params["num_warps"] <= 65536
+
+
+def test_the_module_refuses_cpu_tensors_with_one_line(load_candidate):
+    region = plain(max_length=64)
+    run = load_candidate(MMA.render(region, SMALL), "mma_cpu").run
+    inputs = make_fp8_inputs(region, [5])
+    with pytest.raises(RuntimeError, match="NVIDIA GPU only"):
+        run(*[t.cpu() for t in inputs])
+
+
+# -- on the GPU --------------------------------------------------------------------------------
+
+
+def run_mma(load_candidate, region, params, inputs, stem):
+    module = load_candidate(MMA.render(region, params), stem)
+    return module.run(*inputs)
+
+
+def check_attention(out, expected):
+    """bf16 output against the fp32 reference: fp16 operands for q (shifted, exact) and P."""
+    assert out.shape == expected.shape and torch.isfinite(out).all()
+    error = (out.float() - expected).abs().max() / expected.abs().max().clamp_min(1e-6)
+    assert error < 2e-2, float(error)
+
+
+@pytest.mark.gpu
+@settings(max_examples=resolve_profile().max_examples, deadline=None)  # COOPT_VERIFY_PROFILE=thorough: 200
+@given(batch=st.integers(1, 3), group=st.sampled_from([1, 4, 7, 8]), form=st.sampled_from(sorted(FORMS)),
+       lengths=st.lists(st.sampled_from([1, 2, 15, 16, 17, 31, 33, 255, 256, 257, 1000, 2048]), min_size=3, max_size=3),
+       granularity=st.sampled_from(["per-tensor", "per-head"]), seed=st.integers(0, 2**16))
+def test_it_agrees_with_an_fp32_softmax(tmp_path_factory, batch, group, form, lengths, granularity, seed):
+    from coopt.runtime.kernel_loader import load_module_from_source
+
+    region = fp8_region(batch, 2 * group, 2, 2048, 128, granularity)
+    lengths = lengths[:batch]
+    inputs = make_fp8_inputs(region, lengths, seed=seed)
+    q = inputs[0] * 37.0  # scores far from 1: the fp16 shift must keep q exact
+    expected = fp8_reference(region, q, *inputs[1:])
+    module = load_module_from_source(MMA.render(region, FORMS[form]), tmp_path_factory.mktemp("mma"), "mma")
+    for _ in range(2):  # the merge's counters are zero again after a launch
+        (out,) = module.run(q, *inputs[1:])
+        check_attention(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+def test_bytes_past_the_length_never_reach_the_output(load_candidate, form):
+    region = plain(batch=2, max_length=1024)
+    inputs = make_fp8_inputs(region, [300, 1])
+    expected = fp8_reference(region, *inputs)
+    for cache in inputs[1:3]:
+        cache[0, :, 300:] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
+        cache[1, :, 1:] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
+    (out,) = run_mma(load_candidate, region, FORMS[form], inputs, "mma_nan")
+    check_attention(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gathered", [False, True], ids=["broadcast tables", "gathered tables"])
+@pytest.mark.parametrize("form", FORMS)
+def test_the_folded_write_stores_the_row_as_the_triton_template_and_attends_to_it(load_candidate, form, gathered):
+    """The same region through the Triton template (fp16 tiles): identical caches after the write
+    (both round rope(k_new) to bf16, less the offset, over the scale, to e4m3 nearest-even,
+    saturating), and outputs that agree with the reference over the written caches."""
+    position, lengths = 300, [301, 120]  # the new row the last key of sequence 0, past sequence 1's
+    region = folded_fp8(offsets=("k", "v"), gathered=gathered)
+    base = fp8_region(2, 32, 8, 512, 128, "per-head")
+    q, k, v, lengths_t, k_scale, v_scale = make_fp8_inputs(base, lengths)
+    table_shape = (512, 128) if gathered else (1, 128)
+    cos, sin = rope_tables(table_shape, torch.bfloat16)
+    k_cos, k_sin = rope_tables(table_shape, torch.bfloat16, seed=2)
+    k_new, v_new = write_inputs(2, 8, 128, torch.bfloat16)
+    k_new[0, 1, 0, 3] = 1e4 * k_scale.max()  # past e4m3's range: stored saturated
+    k_offset, v_offset = (torch.randn(1, 8, 1, 128, generator=torch.Generator().manual_seed(s)).cuda() for s in (7, 8))
+    inputs = [q, k, v, lengths_t, cos, sin, k_scale, v_scale, torch.tensor([position], device="cuda"), k_new, v_new,
+              k_cos, k_sin, k_offset, v_offset]
+    fresh = lambda: [t.clone() if i in (1, 2) else t for i, t in enumerate(inputs)]  # noqa: E731
+    k_out, v_out, out = run_mma(load_candidate, region, FORMS[form], fresh(), "mma_folded")
+    triton_params = {"BLOCK_N": 128, "SPLIT_KV": 4, "USE_DOT": True, "TILE_FP16": True, "num_warps": 4, "num_stages": 2}
+    assert FAMILY.check(region, triton_params, H200) is None
+    k_ref, v_ref, _ = load_candidate(FAMILY.render(region, triton_params), "triton_folded").run(*fresh())
+    assert torch.equal(k_out.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_out.view(torch.uint8), v_ref.view(torch.uint8))
+    assert not torch.equal(k_out[:, :, position], k[:, :, position])  # the row was written
+    assert k_out[0, 1, position, 3].float().abs() == E4M3_MAX
+    row = position if gathered else slice(None)  # a whole table read at the position
+    q_rope = rotated(q, cos[row], sin[row])
+    expected = fp8_reference(base, q_rope, k_out, v_out, lengths_t, k_scale, v_scale)
+    check_attention(out, expected)
