@@ -9,7 +9,9 @@ measurement selects; this times fixed points side by side.
 
     python bench/fold_kernel_times.py --cases b1-32768-fp8,b1-2048-fp8,b1-2048-rope --splits 16,32
 
-fp8 cases time each point twice: V's tiles loaded as bytes and as 16-bit words (V_WORDS).
+fp8 cases time each point twice: V's tiles loaded as bytes and as 16-bit words (V_WORDS), and
+each --mma point of the CUDA family (templates/decode_attention_mma.py) without the query's rope,
+with it, and with the write folded in: what each costs that kernel against the template.
 
 Each case is attention_sweep's (Llama-3-8B heads, the query's rope in the kernel; fp8: per-head
 scales), the new row at the last valid position, K rotated by the query's tables as a Llama
@@ -61,16 +63,47 @@ def folded_region(attention):
                "inplace": [1, 2]})
 
 
+def time_mma(case, points, attention, folded, sets, fresh, traffic, module, attention_inputs, write_step, family):
+    """The CUDA family's points on the same inputs: without the query's rope (its inputs less cos,
+    sin), with it, and folded; the folded output against write-then-attend's."""
+    no_rope = dataclasses.replace(attention, inputs=(*attention.inputs[:4], *attention.inputs[6:]),
+                                  attrs={k: v for k, v in attention.attrs.items() if k != "rope"})
+    rows = []
+    for point in filter(None, points.split(",")):
+        split, chunk, copy, warps, stages = point.split(":")
+        params = {"SPLIT": int(split), "CHUNK": int(chunk), "COPY": copy, "num_warps": int(warps),
+                  "num_stages": int(stages)}
+        name = f"mma{split}_{chunk}{copy}{warps}_{stages}"
+        bare, roped, fold = (module(r, family, params, f"{name}_{form}")
+                             for r, form in ((no_rope, "bare"), (attention, "rope"), (folded, "folded")))
+        bare_ms = graph_ms(lambda *t: bare(*t[:4], *t[6:attention_inputs]), sets)
+        rope_ms = graph_ms(lambda *t: roped(*t[:attention_inputs]), sets)
+        fold_ms = graph_ms(fold, sets)
+        a, b = [t.clone() for t in fresh[0]], [t.clone() for t in fresh[1]]
+        write_step(*a)
+        err = (roped(*a[:attention_inputs])[0].float() - fold(*b)[2].float()).abs().max().item()
+        row = {"case": case, "mma": params, "bare_us": bare_ms * 1e3, "rope_us": rope_ms * 1e3,
+               "folded_us": fold_ms * 1e3, "folded_tb_per_s": traffic / fold_ms / 1e9, "max_abs_diff": err}
+        rows.append(row)
+        print(f"  mma {point}: attention {row['bare_us']:6.2f} us, with rope {row['rope_us']:6.2f} us, folded "
+              f"{row['folded_us']:6.2f} us ({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}", flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="b1-32768-fp8,b1-2048-fp8,b1-2048-rope")
     parser.add_argument("--splits", default="16,32", help="SPLIT_KV values timed (BLOCK_N 128, tl.dot, 4 warps, 3 stages)")
+    parser.add_argument("--mma", default="16:16:ca:8:2,16:32:ca:8:2",
+                        help="fp8 cases: decode_attention_mma points SPLIT:CHUNK:COPY:warps:stages, timed plain, "
+                             "with rope and folded")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     import torch
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.templates.decode_attention import DecodeAttentionFamily, kv_bytes_read
+    from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily
     from coopt.templates.kv_write import KvWriteFamily
     from coopt.targets import H200
 
@@ -80,8 +113,9 @@ def main() -> int:
     work = Path("/tmp/fold-kernel-times")
     work.mkdir(exist_ok=True)
     rows = []
+    cases = {**CASES, "b1-131072-fp8": (1, 131072, 131136, True)}
     for case in args.cases.split(","):
-        batch, length, cache, fp8 = CASES[case][:4]
+        batch, length, cache, fp8 = cases[case][:4]
         attention = make_region(batch, length, cache, fp8, rope=True)
         folded, write = folded_region(attention), write_region(attention)
         inputs = make_inputs(attention, length)
@@ -129,6 +163,9 @@ def main() -> int:
             print(f"  split {split:2d}{' v-words' if words else '        '}: attention {row['plain_us']:6.2f} us, "
                   f"kv_write + attention {row['write_then_plain_us']:6.2f} us, folded {row['folded_us']:6.2f} us "
                   f"({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}", flush=True)
+        if fp8:
+            rows += time_mma(case, args.mma, attention, folded, sets, fresh, traffic, module, attention_inputs,
+                             write_step, DecodeAttentionMmaFamily())
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
