@@ -62,6 +62,7 @@
 #   bash bench/gpu_session.sh mma         # the CUDA fp8 decode attention family: GPU tests, b1 / 32768 fp8 built with it
 #   bash bench/gpu_session.sh mma-131072  # its kernel bare / with rope / folded against the template, then b1 / 131072 fp8
 #   bash bench/gpu_session.sh mma-32768   # its tests, its kernel (q staged in shared memory) bare / rope / folded, b1 / 32768 fp8
+#   bash bench/gpu_session.sh mma-b32     # b32 / 2048 fp8 built with the CUDA family beside the template
 #   bash bench/gpu_session.sh fp8-l2      # cuda-fp8-ncu then cuda-fp8-copies in one call (~7 min): session 26's first
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
 #                                        # (bench/gemv_chain_probe.py) against one launch each and the template GEMVs (~5 min)
@@ -353,6 +354,11 @@ case "${1:-}" in
         step 330 decode python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_mma_b1_32768.json" --build-dir /tmp/coopt-fp8
         reports reports_mma_b1_32768 coopt-fp8
+        ;;
+    mma-b32)  # issue 4: b32 / 2048 fp8 built with the CUDA family beside the template (~5 min)
+        step 380 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
+            --prefill 0 --agreement-steps 4 --out "$OUT/decode_mma_b32.json" --build-dir /tmp/coopt-fp8
+        reports reports_mma_b32 coopt-fp8
         ;;
     cuda-fp8)  # issue 4: the fp8 attention on tensor cores through mma.sync, V's bytes paired by prmt, against the template
         step 150 cuda-fp8-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_fp8_attention_probe.py
