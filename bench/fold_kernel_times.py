@@ -63,7 +63,17 @@ def folded_region(attention):
                "inplace": [1, 2]})
 
 
-def time_mma(case, points, attention, folded, sets, fresh, traffic, module, attention_inputs, write_step, family):
+def launch_once(call, sets) -> float:
+    """--once: one plain launch, untimed (ncu measures it); NaN stands for the time."""
+    import torch
+
+    call(*sets[0])
+    torch.cuda.synchronize()
+    return float("nan")
+
+
+def time_mma(case, points, attention, folded, sets, fresh, traffic, module, attention_inputs, write_step, family,
+             timer):
     """The CUDA family's points on the same inputs: without the query's rope (its inputs less cos,
     sin), with it, and folded; the folded output against write-then-attend's."""
     no_rope = dataclasses.replace(attention, inputs=(*attention.inputs[:4], *attention.inputs[6:]),
@@ -76,9 +86,9 @@ def time_mma(case, points, attention, folded, sets, fresh, traffic, module, atte
         name = f"mma{split}_{chunk}{copy}{warps}_{stages}"
         bare, roped, fold = (module(r, family, params, f"{name}_{form}")
                              for r, form in ((no_rope, "bare"), (attention, "rope"), (folded, "folded")))
-        bare_ms = graph_ms(lambda *t: bare(*t[:4], *t[6:attention_inputs]), sets)
-        rope_ms = graph_ms(lambda *t: roped(*t[:attention_inputs]), sets)
-        fold_ms = graph_ms(fold, sets)
+        bare_ms = timer(lambda *t: bare(*t[:4], *t[6:attention_inputs]), sets)
+        rope_ms = timer(lambda *t: roped(*t[:attention_inputs]), sets)
+        fold_ms = timer(fold, sets)
         a, b = [t.clone() for t in fresh[0]], [t.clone() for t in fresh[1]]
         write_step(*a)
         err = (roped(*a[:attention_inputs])[0].float() - fold(*b)[2].float()).abs().max().item()
@@ -97,6 +107,7 @@ def main() -> int:
     parser.add_argument("--mma", default="16:16:ca:8:2,16:32:ca:8:2",
                         help="fp8 cases: decode_attention_mma points SPLIT:CHUNK:COPY:warps:stages, timed plain, "
                              "with rope and folded")
+    parser.add_argument("--once", action="store_true", help="launch each kernel once, untimed (for ncu)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     import torch
@@ -109,6 +120,7 @@ def main() -> int:
 
     if not announce_gpu("bench/fold_kernel_times.py"):
         return 1
+    timer = launch_once if args.once else graph_ms
     attention_family, write_family = DecodeAttentionFamily(), KvWriteFamily()
     work = Path("/tmp/fold-kernel-times")
     work.mkdir(exist_ok=True)
@@ -140,7 +152,7 @@ def main() -> int:
         def write_step(*t):
             return kv_write(t[1], t[2], t[-3], t[-2], t[-1], t[4], t[5], *t[scales])
 
-        write_ms = graph_ms(write_step, sets)
+        write_ms = timer(write_step, sets)
         print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V; kv_write alone {write_ms * 1e3:.2f} us", flush=True)
         # fp8: fp16 tiles, V loaded as bytes and as words (V_WORDS)
         variants = [{"TILE_FP16": True}, {"TILE_FP16": True, "V_WORDS": True}] if fp8 else [{}]
@@ -149,9 +161,9 @@ def main() -> int:
             words = bool(variant.get("V_WORDS"))
             plain = module(attention, attention_family, params, f"plain{split}{'w' if words else ''}")
             fold = module(folded, attention_family, params, f"folded{split}{'w' if words else ''}")
-            plain_ms = graph_ms(lambda *t: plain(*t[:attention_inputs]), sets)
-            both_ms = graph_ms(lambda *t: (write_step(*t), plain(*t[:attention_inputs])), sets)
-            fold_ms = graph_ms(fold, sets)
+            plain_ms = timer(lambda *t: plain(*t[:attention_inputs]), sets)
+            both_ms = timer(lambda *t: (write_step(*t), plain(*t[:attention_inputs])), sets)
+            fold_ms = timer(fold, sets)
             # the same step both ways from the same caches: the outputs agree (bf16 rounding apart)
             a, b = fresh[0], [t.clone() for t in fresh[1]]
             write_step(*a)
@@ -165,7 +177,7 @@ def main() -> int:
                   f"({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}", flush=True)
         if fp8:
             rows += time_mma(case, args.mma, attention, folded, sets, fresh, traffic, module, attention_inputs,
-                             write_step, DecodeAttentionMmaFamily())
+                             write_step, DecodeAttentionMmaFamily(), timer)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

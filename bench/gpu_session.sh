@@ -63,6 +63,7 @@
 #   bash bench/gpu_session.sh mma-131072  # its kernel bare / with rope / folded against the template, then b1 / 131072 fp8
 #   bash bench/gpu_session.sh mma-32768   # its tests, its kernel (q staged in shared memory) bare / rope / folded, b1 / 32768 fp8
 #   bash bench/gpu_session.sh mma-b32     # b32 / 2048 fp8 built with the CUDA family beside the template
+#   bash bench/gpu_session.sh mma-ncu     # ncu: the family's kernel (bare / rope / folded) beside the probe's, b1 / 32768
 #   bash bench/gpu_session.sh fp8-l2      # cuda-fp8-ncu then cuda-fp8-copies in one call (~7 min): session 26's first
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
 #                                        # (bench/gemv_chain_probe.py) against one launch each and the template GEMVs (~5 min)
@@ -359,6 +360,17 @@ case "${1:-}" in
         step 380 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
             --prefill 0 --agreement-steps 4 --out "$OUT/decode_mma_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_mma_b32 coopt-fp8
+        ;;
+    mma-ncu)  # issue 4: where the family's kernel loses 2-3.5 µs to the probe's at b1 / 32768 (ncu, one launch each; ~2 min)
+        metrics=gpu__time_duration.sum,sm__cycles_elapsed.max,dram__bytes_read.sum,l1tex__m_xbar2l1tex_read_bytes.sum,\
+lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,launch__registers_per_thread,smsp__inst_executed.sum
+        step 150 mma-ncu-family /usr/local/cuda/bin/ncu --clock-control none --target-processes all \
+            -k 'regex:coopt_decode_attention_mma|_decode_split_kernel' --metrics $metrics \
+            python bench/fold_kernel_times.py --once --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2,16:32:ca:8:2
+        step 150 mma-ncu-probe /usr/local/cuda/bin/ncu --clock-control none --target-processes all \
+            -k 'regex:coopt_decode_fp8' --metrics $metrics \
+            python bench/cuda_fp8_attention_probe.py --once --cases b1-32768-fp8 --splits "" --global-splits 16 \
+            --warps 8 --chunks 16,32 --stages 2 --widens cvt --copies cg,ca --loads-only-splits "" --advised 0
         ;;
     cuda-fp8)  # issue 4: the fp8 attention on tensor cores through mma.sync, V's bytes paired by prmt, against the template
         step 150 cuda-fp8-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_fp8_attention_probe.py

@@ -119,7 +119,8 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             if params.get(knob) not in values:
                 return f"{knob}={params.get(knob)} is not in the space"
         if not target.arch.startswith("sm_9"):
-            return "written for Hopper (sm_9x): e4m3 widened by cvt.f16x2.e4m3x2, rings of up to 227 KiB of shared memory"
+            return ("written for Hopper (sm_9x): e4m3 widened by cvt.f16x2.e4m3x2, rings of up to 227 KiB of "
+                    "shared memory")
         group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
         smem = shared_bytes(params, group) + STATIC_SHARED_BYTES
         if smem > target.smem_per_block_bytes:

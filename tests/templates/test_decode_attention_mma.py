@@ -39,7 +39,8 @@ def plain(batch=1, heads=32, kv_heads=8, max_length=4096, granularity="per-head"
 
 def folded_fp8(batch=2, heads=32, kv_heads=8, max_length=512, offsets=("k",), gathered=False, granularity="per-head"):
     """fuse-kv-write-attention's region over an fp8 cache: query rope, the write with K's rope and offsets."""
-    region = folded(with_rope(fp8_region(batch, heads, kv_heads, max_length, 128, granularity), (1, 128)), offsets=offsets)
+    attention = fp8_region(batch, heads, kv_heads, max_length, 128, granularity)
+    region = folded(with_rope(attention, (1, 128)), offsets=offsets)
     if gathered:  # whole [S, D] tables read at the write's position
         tables = TensorSpec((max_length, 128), "bfloat16")
         at = region.attrs["kv_write"]["rope_tables_input"]
