@@ -496,6 +496,10 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
     q, kv = _shape(request, 0), _shape(request, 1)
     batch = q[0] if len(q) == 4 else 1
     kv_heads, max_length = (kv[-3], kv[-2]) if len(kv) >= 3 else (1, 1)
+    page_size = request.region.attrs.get("page_size")
+    if page_size:  # pages: the cache a sequence may fill is what its page table row addresses
+        table = _shape(request, 4)
+        max_length = (table[-1] if table else 1) * page_size
     length = min(max_length, max(1, int(request.region.attrs.get("example_length") or max_length)))
     sms = int(request.target.get("num_sms") or 132)
     split_vals = _numbers(knob(request.space, ("SPLIT",))) or [1]

@@ -2,8 +2,9 @@
 
 The same regions as `decode_attention` (templates/decode_attention.py documents the schema: q
 [B, H, 1, D], caches [B, Hkv, S_max, D], lengths, optional query RoPE, the step's cache write
-folded in), narrowed to what this kernel implements: both caches float8_e4m3fn with per-tensor or
-per-head scales, unpaged, rows of D = 128 bytes stored contiguously, a bf16 query and output, and
+folded in, or caches in pages read through a page table), narrowed to what this kernel implements:
+both caches float8_e4m3fn with per-tensor or per-head scales, rows of D = 128 bytes stored
+contiguously, a bf16 query and output, and
 a head group GROUP = H / Hkv of at most 8. Where it matches it is one more family of candidates
 beside the Triton template, verified and timed like them; the build keeps the fastest that
 verifies.
@@ -21,7 +22,9 @@ never wait for each other inside the loop; rows past the length are zero-filled 
 copies go through the L1 (COPY "ca") or past it ("cg"): with "cg" the loop read every cache sector
 twice from L2 (ncu), and "ca" at 8 warps is the form that reached 4 TB/s. The block's warps merge
 in shared memory, the blocks in global memory: the last to arrive merges the SPLIT partials and
-zeroes its counter (one launch, as the Triton template's splits meet).
+zeroes its counter (one launch, as the Triton template's splits meet). Through a page table each
+copied row looks up its page (an L1-resident load; ids clamped into the pool), so a chunk may span
+pages of any size.
 
 The dots: scores S[16 rows = heads (GROUP real), 8 keys] = q[16, 16 dims] K^T, eight k-steps
 over the head dim, which is permuted the same way for q and K (so the dot is unchanged) so that a
@@ -70,8 +73,6 @@ def cuda_runs_here() -> bool:
 
 def mma_problem(region: RegionSummary) -> str | None:
     """Why the kernel cannot implement a decode_attention region (None: it can)."""
-    if page_size(region) is not None:
-        return "paged caches are not implemented"
     if kv_scale(region) not in ("per-tensor", "per-head"):
         return "needs an fp8 cache with per-tensor or per-head scales"
     q, k, v = region.inputs[:3]
@@ -154,5 +155,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             k_offset=k_offset is not None,
             v_offset=v_offset is not None,
             gathered=gathered,
+            paged=page_size(region) is not None,
+            page_size=page_size(region),
             row="table_row" if gathered else "batch",  # the rotary tables' row: the write's position, or the sequence's
         )

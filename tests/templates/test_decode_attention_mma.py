@@ -14,7 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_decode_attention import E4M3_MAX, FAMILY, fp8_reference, fp8_region, make_fp8_inputs
+from test_decode_attention import (E4M3_MAX, FAMILY, fp8_reference, fp8_region, make_fp8_inputs, make_paged_inputs,
+                                   paged_region)
 from test_decode_attention_kv_write import folded, write_inputs
 from test_decode_attention_rope import rope_tables, rotated, with_rope
 
@@ -60,6 +61,7 @@ def gpu_points(monkeypatch):
 def test_it_takes_fp8_caches_with_scalar_scales_and_128_wide_rows(gpu_points):
     assert MMA.matches(plain()) and MMA.matches(folded_fp8()) and MMA.matches(folded_fp8(gathered=True))
     assert MMA.matches(plain(granularity="per-tensor")) and MMA.matches(plain(heads=56, kv_heads=8))  # group 7
+    assert MMA.matches(paged(16)) and MMA.matches(paged(64))
     bf16_cache = fp8_region(1, 32, 8, 4096, 128, "per-head", cache_dtype="bfloat16")
     values_only = dataclasses.replace(plain(), inputs=(plain().inputs[0], TensorSpec((1, 8, 4096, 128), "bfloat16"),
                                                        *plain().inputs[2:]))
@@ -100,8 +102,20 @@ def test_the_heuristic_fills_the_sms_through_the_l1_at_8_warps(gpu_points, batch
     assert best == {"SPLIT": split, "CHUNK": 32, "COPY": "ca", "num_warps": 8, "num_stages": 2}
 
 
+def test_the_heuristic_plans_a_paged_cache_at_what_its_table_addresses(gpu_points):
+    region = paged(64, batch=1, max_pages=512)  # 32768 positions through the table, pages of 64
+    legal = tuple(MMA.legal_points(region, H200))
+    request = AdviceRequest(region, MMA.name, MMA.param_space(region, H200), legal, H200.facts(), 3)
+    assert HeuristicAdvisor().advise(request).ranked[0]["SPLIT"] == 16  # not the page's 64 positions
+
+
 def cuda_source(module_source: str) -> str:
     return re.search(r'SOURCE = r"""\n(.*?)"""', module_source, re.S).group(1)
+
+
+def paged(page_size, batch=3, max_pages=8):
+    """decode_attention through a page table over a shuffled pool of fp8 pages, per-head scales."""
+    return paged_region(batch, 32, 8, batch * max_pages + 2, page_size, max_pages, 128, "bfloat16", "per-head")
 
 
 REGIONS = {
@@ -110,6 +124,7 @@ REGIONS = {
         plain(granularity="per-tensor"), inputs=(*plain().inputs[:3], TensorSpec((1,), "int64"), *plain().inputs[4:])),
     "folded, smooth-k": folded_fp8(),
     "folded, gathered tables, smooth-k and smooth-v": folded_fp8(offsets=("k", "v"), gathered=True),
+    "paged, pages of 16": paged(16),
 }
 
 
@@ -208,3 +223,17 @@ def test_the_folded_write_stores_the_row_as_the_triton_template_and_attends_to_i
     q_rope = rotated(q, cos[row], sin[row])
     expected = fp8_reference(base, q_rope, k_out, v_out, lengths_t, k_scale, v_scale)
     check_attention(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(("page_size", "lengths"), [(16, [1, 17, 128]), (16, [15, 16, 100]), (64, [64, 200, 3])],
+                         ids=["pages of 16", "page edges", "pages of 64"])
+def test_pages_read_through_the_table(load_candidate, form, page_size, lengths):
+    """Pages of three sequences shuffled in one pool with free pages; NaN past every length and
+    in the free pages: only the table's pages up to each length may be read."""
+    region = paged(page_size, max_pages=-(-max(lengths) // page_size) + 1)
+    inputs, (k, v) = make_paged_inputs(region, lengths)
+    (out,) = run_mma(load_candidate, region, FORMS[form], inputs, "mma_paged")
+    check_attention(out, fp8_reference(plain(batch=3, max_length=k.shape[2]), inputs[0], k, v, inputs[3], *inputs[5:]))
+
