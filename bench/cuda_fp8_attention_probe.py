@@ -43,8 +43,10 @@ the length are not copied, and V's fragment loads read zeros for them).
 Diagnostic forms, timing only (their outputs are not checked): loads_only (the rings filled,
 nothing computed), widen="none" (the bytes fed to the dots unconverted), ablate="qk" / "softmax" /
 "pv" (that part of the loop left out); --once launches each point once for a profiler (ncu).
-Measured: bench/RESULTS.md session 25 (5-9 % faster than the template; the loop reads the cache
-twice from L2, its loads alone once).
+Measured: bench/RESULTS.md sessions 25-26 (past the L1, 5-9 % faster than the template, the loop
+reading the cache twice from L2; through the L1 at 8 warps, 1.23x the template). The production
+form of this kernel is the template family decode_attention_mma (templates/decode_attention_mma.py);
+this probe keeps the diagnostic forms (cluster merge, bulk copies, ablations, loads alone).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@
 #   bash bench/gpu_session.sh mma-131072  # its kernel bare / with rope / folded against the template, then b1 / 131072 fp8
 #   bash bench/gpu_session.sh mma-32768   # its tests, its kernel (q staged in shared memory) bare / rope / folded, b1 / 32768 fp8
 #   bash bench/gpu_session.sh mma-b32     # b32 / 2048 fp8 built with the CUDA family beside the template
+#   bash bench/gpu_session.sh mma-next    # its GPU tests (the paged form's first run), then mma-ncu: session 27's first
 #   bash bench/gpu_session.sh mma-ncu     # ncu: the family's kernel (bare / rope / folded) beside the probe's, b1 / 32768
 #   bash bench/gpu_session.sh fp8-l2      # cuda-fp8-ncu then cuda-fp8-copies in one call (~7 min): session 26's first
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
@@ -360,6 +361,11 @@ case "${1:-}" in
         step 380 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
             --prefill 0 --agreement-steps 4 --out "$OUT/decode_mma_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_mma_b32 coopt-fp8
+        ;;
+    mma-next)  # issue 4, session 27's first call: the family's GPU tests (its paged form's first run), then mma-ncu (~4 min)
+        COOPT_VERIFY_PROFILE=thorough step 200 mma-tests python -m pytest -q -p no:cacheprovider -x \
+            tests/templates/test_decode_attention_mma.py
+        OUT=$OUT bash "$0" mma-ncu
         ;;
     mma-ncu)  # issue 4: where the family's kernel loses 2-3.5 µs to the probe's at b1 / 32768 (ncu, one launch each; ~2 min)
         metrics=gpu__time_duration.sum,sm__cycles_elapsed.max,dram__bytes_read.sum,l1tex__m_xbar2l1tex_read_bytes.sum,\
