@@ -40,9 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from coopt.runtime.cuda_kernels import DriverKernel, pointers  # noqa: E402
-from coopt.templates.base import render_template  # noqa: E402
-
-PRELUDE = render_template("cuda/_prelude.cuh.j2")
+from coopt.templates.base import render_string  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 THREADS = 256  # eight warps
@@ -61,7 +59,7 @@ SOURCE = r"""
 #define TILE_BYTES (TILE * ROW_BYTES)
 #define STAGE_BYTES (2 * TILE_BYTES)
 
-{{ prelude }}
+{% include "cuda/_prelude.cuh.j2" %}
 __device__ __forceinline__ void unpack16(const unsigned char* row, int j, float* x) {
   // this lane's columns of a row: [8j, 8j + 8) and [64 + 8j, 64 + 8j + 8)
   u32x4 a = *reinterpret_cast<const u32x4*>(row + j * 16);
@@ -339,10 +337,8 @@ def shared_bytes(split: int, tile: int, stages: int, group: int = HEADS // KV_HE
 
 def render(split: int, tile: int, stages: int, group: int = HEADS // KV_HEADS, fold: bool = False) -> str:
     """The kernel's source; `fold`: the query's rope and the step's new K/V row written in it."""
-    from jinja2 import Template
-
     assert tile % 32 == 0 and (group * HEAD_DIM) % split == 0 and stages >= 2
-    return Template(SOURCE).render(split=split, tile=tile, stages=stages, group=group, fold=fold, prelude=PRELUDE)
+    return render_string(SOURCE, split=split, tile=tile, stages=stages, group=group, fold=fold)
 
 
 class ClusterAttention:

@@ -63,9 +63,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from coopt.runtime.cuda_kernels import DriverKernel, pointers  # noqa: E402
-from coopt.templates.base import render_template  # noqa: E402
-
-PRELUDE = render_template("cuda/_prelude.cuh.j2")
+from coopt.templates.base import render_string  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # the probe's own long case beside attention_sweep's: (batch, valid length, cache positions, fp8)
@@ -93,13 +91,8 @@ SOURCE = r"""
 #define BLOCKS (CHUNK / 16)                 // 16-key blocks a chunk
 #define PART_FLOATS (GROUP * (2 + HEAD_DIM))  // a block's partials: m, l, acc
 
-{{ prelude }}
-
-__device__ __forceinline__ unsigned int prmt(unsigned int a, unsigned int b, unsigned int selector) {
-  unsigned int d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
-  return d;
-}
+{% include "cuda/_prelude.cuh.j2" %}
+{% include "cuda/_mma_f16.cuh.j2" %}
 
 {% if widen == "bits" %}
 // e4m3 -> f16 with integer ops: the bytes in the high byte of each 16-bit half of u (the low bytes
@@ -134,34 +127,8 @@ __device__ __forceinline__ void widen_pairs(unsigned int a, unsigned int b, unsi
 {% else %}
 // e4m3 -> f16 by the hardware's conversion, one instruction a byte pair
 #define WIDEN_SCALE 1.0f
-
-// the four e4m3 bytes of w as two f16 pairs: bytes 0, 1 -> lo, bytes 2, 3 -> hi (lower byte in the lower half)
-__device__ __forceinline__ void widen(unsigned int w, unsigned int& lo, unsigned int& hi) {
-  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\tcvt.rn.f16x2.e4m3x2 %1, b;\n\t}"
-      : "=r"(lo), "=r"(hi) : "r"(w));
-}
-
-// d[k]: (byte k of a, byte k of b) as an f16 pair
-__device__ __forceinline__ void widen_pairs(unsigned int a, unsigned int b, unsigned int* d) {
-  widen(prmt(a, b, 0x5140u), d[0], d[1]);
-  widen(prmt(a, b, 0x7362u), d[2], d[3]);
-}
+{% include "cuda/_e4m3_to_f16.cuh.j2" %}
 {% endif %}
-
-__device__ __forceinline__ unsigned int pack_f16(float lo, float hi) {
-  unsigned int d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
-// c += A B for one m16n8k16 tile (f16 operands, fp32 accumulator)
-__device__ __forceinline__ void mma(float* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
-                                    unsigned int b0, unsigned int b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 { %0, %1, %2, %3 }, { %4, %5, %6, %7 }, { %8, %9 }, "
-               "{ %0, %1, %2, %3 };"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 {% if copy == "bulk" %}
 // byte offset of 16-byte piece `piece` of row `row` in a slot: rows 144 bytes apart, so the eight
@@ -204,16 +171,7 @@ __device__ __forceinline__ void copy_piece(void* dst, const void* src, bool vali
 }
 {% endif %}
 
-__device__ __forceinline__ u32x4 load16(const unsigned char* p) { return *reinterpret_cast<const u32x4*>(p); }
-
 struct alignas(16) f32x4 { float x, y, z, w; };
-
-// past the L1, which may hold a stale line
-__device__ __forceinline__ float load_l2(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-  return v;
-}
 
 __device__ __forceinline__ f32x4 load4_l2(const float* p) {
   f32x4 v;
@@ -597,13 +555,11 @@ def render(split: int, warps: int, chunk: int, stages: int, merge: str = "cluste
     "softmax", "pv"): that part of the loop left out, for timing only (the output is wrong). `copy`:
     the cache rows into shared memory by cp.async past the L1 ("cg") or through it ("ca"), 16
     bytes a lane, or by one bulk (TMA) copy a row ("bulk"), counted on an mbarrier a slot."""
-    from jinja2 import Template
-
     assert copy in COPIES and widen in (*WIDENS, "none") and merge in MERGES
     assert chunk % 16 == 0 and stages >= 2 and group % 2 == 0 and group <= 8
     assert merge == "global" or (group * HEAD_DIM) % split == 0, "the cluster's blocks share the outputs evenly"
-    return Template(SOURCE).render(split=split, warps=warps, chunk=chunk, stages=stages, merge=merge, group=group,
-                                   loads_only=loads_only, widen=widen, ablate=ablate, copy=copy, prelude=PRELUDE)
+    return render_string(SOURCE, split=split, warps=warps, chunk=chunk, stages=stages, merge=merge, group=group,
+                                   loads_only=loads_only, widen=widen, ablate=ablate, copy=copy)
 
 
 class Fp8Attention:

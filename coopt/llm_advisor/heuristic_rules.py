@@ -372,19 +372,33 @@ def attention(request: AdviceRequest) -> tuple[CostFn, str]:
     )
 
 
+def _decode_lengths(request: AdviceRequest, max_length: int) -> tuple[int, int]:
+    """(the cache a sequence may fill, the length planned for) of a decode attention region:
+    paged, what its page table row addresses (max_pages x page size; dim 2 of the pages is the
+    page size); the length, the region's example length (the cache size when it gives none)."""
+    page_size = request.region.attrs.get("page_size")
+    if page_size:
+        table = _shape(request, 4)
+        max_length = (table[-1] if table else 1) * page_size
+    return max_length, min(max_length, max(1, int(request.region.attrs.get("example_length") or max_length)))
+
+
+def _decode_splits(split_vals: list[float], programs: int, length: int, sms: int, min_keys: int):
+    """Splits of each (sequence, kv head)'s keys: the fewest that give `programs` x splits
+    programs enough to cover the SMs, but at least `min_keys` keys a split."""
+    most = _largest_at_most(split_vals, max(1, length // min_keys))
+    filling = [v for v in split_vals if programs * v >= FILL_SHARE * sms]
+    return min(min(filling) if filling else max(split_vals), most)
+
+
 def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     q, kv = _shape(request, 0), _shape(request, 1)
     batch, heads, _, d = (1,) * (4 - len(q)) + q if len(q) < 4 else q[-4:]
     kv_heads, max_length = (kv[-3], kv[-2]) if len(kv) >= 3 else (heads, 1)
     group = max(1, heads // max(1, kv_heads))
     attrs = request.region.attrs
-    # Paged KV: dim 2 of the pages is the page size; the cache a sequence may fill is what its
-    # page table row addresses (max_pages x page size).
     page_size = attrs.get("page_size")
-    if page_size:
-        table = _shape(request, 4)
-        max_length = (table[-1] if table else 1) * page_size
-    length = min(max_length, max(1, int(attrs.get("example_length") or max_length)))
+    max_length, length = _decode_lengths(request, max_length)
     # K/V element size: 1 for an fp8 cache, whose tiles are widened to q's dtype for tl.dot
     elem = {"float32": 4, "float8_e4m3fn": 1}.get(request.region.inputs[1].dtype, 2)
     sixteen_bit_q = request.region.inputs[0].dtype in ("bfloat16", "float16")
@@ -399,11 +413,8 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     # min_keys keys per split: below that the fixed cost of a split (loading q, writing and
     # merging its fp32 partials, the reduce launch) outweighs the extra bandwidth. The length
     # planned for is the region's example length (the cache size when it gives none).
-    min_keys = 128
     programs = batch * kv_heads
-    most = _largest_at_most(split_vals, max(1, length // min_keys))
-    filling = [v for v in split_vals if programs * v >= FILL_SHARE * sms]
-    split_t = min(min(filling) if filling else max(split_vals), most)
+    split_t = _decode_splits(split_vals, programs, length, sms, min_keys=128)
     # K and V tiles of ~16 KiB each: long contiguous reads, two or three stages in flight in
     # shared memory; never longer than a split's share of the keys. With 1-byte fp8 rows that is
     # twice the keys per tile (BLOCK_N 128 at D 128) for the same bytes in flight. Where each SM
@@ -496,18 +507,12 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
     q, kv = _shape(request, 0), _shape(request, 1)
     batch = q[0] if len(q) == 4 else 1
     kv_heads, max_length = (kv[-3], kv[-2]) if len(kv) >= 3 else (1, 1)
-    page_size = request.region.attrs.get("page_size")
-    if page_size:  # pages: the cache a sequence may fill is what its page table row addresses
-        table = _shape(request, 4)
-        max_length = (table[-1] if table else 1) * page_size
-    length = min(max_length, max(1, int(request.region.attrs.get("example_length") or max_length)))
+    max_length, length = _decode_lengths(request, max_length)
     sms = int(request.target.get("num_sms") or 132)
     split_vals = _numbers(knob(request.space, ("SPLIT",))) or [1]
     programs = batch * kv_heads
     # at least 256 keys a split (a chunk for each of 8 warps): shorter shares are all fill and drain
-    most = _largest_at_most(split_vals, max(1, length // 256))
-    filling = [v for v in split_vals if programs * v >= FILL_SHARE * sms]
-    split_t = min(min(filling) if filling else max(split_vals), most)
+    split_t = _decode_splits(split_vals, programs, length, sms, min_keys=256)
 
     def cost(point: dict) -> float:
         c = 2 * _log_gap(knob(point, ("SPLIT",)), split_t)

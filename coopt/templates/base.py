@@ -41,6 +41,12 @@ def render_template(relative_path: str, **context) -> str:
     return _ENV.get_template(relative_path).render(**context)
 
 
+def render_string(source: str, **context) -> str:
+    """Render a template held in a string (bench/'s probes) like a template file: it may include
+    `templates/*` files (the CUDA helpers in templates/cuda/)."""
+    return _ENV.from_string(source).render(**context)
+
+
 # -- shape facts the families' legality checks share ----------------------------------------
 
 

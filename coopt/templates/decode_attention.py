@@ -224,7 +224,7 @@ def kv_bytes_read(region: RegionSummary, lengths) -> int:
     return sum(int(n) for n in lengths) * kv_heads * row_bytes
 
 
-def _gathered(region: RegionSummary) -> bool:
+def gathered_tables(region: RegionSummary) -> bool:
     """Whether the rotary tables are whole tables the kernel reads at the folded write's
     position (attrs kv_write "gathered_tables", fuse-kv-write-attention), not gathered rows."""
     folded = region.attrs.get("kv_write")
@@ -234,11 +234,11 @@ def _gathered(region: RegionSummary) -> bool:
 def _table_ok(region: RegionSummary, table, rotated) -> bool:
     """A rotary table for the `rotated` input (q, or the folded write's k_new): in its dtype, and
     either a whole table [S, D] (S a static size >= 1) read at the write's position
-    (`_gathered`) or rows that broadcast to it (rank <= 4, each dim 1 or the input's)."""
+    (`gathered_tables`) or rows that broadcast to it (rank <= 4, each dim 1 or the input's)."""
     shape, full = list(table.shape), list(rotated.shape)
     if table.dtype != rotated.dtype:
         return False
-    if _gathered(region):
+    if gathered_tables(region):
         return len(shape) == 2 and isinstance(shape[0], int) and shape[0] >= 1 and shape[1] == full[3]
     return len(shape) <= 4 and all(d == 1 or d == f for d, f in zip(shape[::-1], full[::-1]))
 
@@ -460,5 +460,5 @@ class DecodeAttentionFamily(TemplateFamily):
             v_offset=v_offset is not None,
             kv_rope=k_tables is not None,
             kv_own_tables=k_tables is not None and k_tables == written + 3,  # else the query's
-            gathered=_gathered(region),
+            gathered=gathered_tables(region),
         )

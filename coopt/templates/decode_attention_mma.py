@@ -57,7 +57,7 @@ from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv
 from coopt.targets import Target
 from coopt.templates.attention import FP8_CACHE_DTYPE, kv_scale, page_size
 from coopt.templates.base import TemplateFamily, render_template
-from coopt.templates.decode_attention import DecodeAttentionFamily, _gathered
+from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 
 HEAD_DIM = 128  # the kernel's rows: 128 e4m3 bytes, eight 16-byte pieces
 MAX_GROUP = 8  # query heads a kv head: the PV dot's N (heads 2t, 2t + 1 of the 4 lane columns)
@@ -135,7 +135,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
         k_offset, v_offset = kv_write_offsets(region)
         scale = region.attrs.get("scale")
         group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
-        gathered = _gathered(region)
+        gathered = gathered_tables(region)
         return render_template(
             "cuda/decode_attention_mma.py.j2",
             region_name=region.name,
