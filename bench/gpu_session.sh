@@ -64,6 +64,8 @@
 #   bash bench/gpu_session.sh mma-32768   # its tests, its kernel (q staged in shared memory) bare / rope / folded, b1 / 32768 fp8
 #   bash bench/gpu_session.sh mma-b32     # b32 / 2048 fp8 built with the CUDA family beside the template
 #   bash bench/gpu_session.sh mma-next    # its GPU tests (the paged form's first run), then mma-ncu: session 27's first
+#   bash bench/gpu_session.sh mma-sass    # the SASS of the family's kernel and the probe's as this machine builds them,
+#                                        # and ncu's executed count of each instruction, b1 / 32768 (~3 min)
 #   bash bench/gpu_session.sh mma-ncu     # ncu: the family's kernel (bare / rope / folded) beside the probe's, b1 / 32768
 #   bash bench/gpu_session.sh fp8-l2      # cuda-fp8-ncu then cuda-fp8-copies in one call (~7 min): session 26's first
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
@@ -366,6 +368,22 @@ case "${1:-}" in
         COOPT_VERIFY_PROFILE=thorough step 200 mma-tests python -m pytest -q -p no:cacheprovider -x \
             tests/templates/test_decode_attention_mma.py
         OUT=$OUT bash "$0" mma-ncu
+        ;;
+    mma-sass)  # issue 4: the family's kernel executes 1.6x the probe's instructions at b1 / 32768 (ncu, session 27): where?
+        step 120 mma-sass python bench/cuda_sass.py --out "$OUT/sass"
+        ncu=/usr/local/cuda/bin/ncu
+        step 150 mma-source-family $ncu --clock-control none --target-processes all --section SourceCounters \
+            --section WarpStateStats -k regex:coopt_decode_attention_mma --launch-count 1 -o "$OUT/family" \
+            python bench/fold_kernel_times.py --once --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2
+        step 150 mma-source-probe $ncu --clock-control none --target-processes all --section SourceCounters \
+            --section WarpStateStats -k regex:coopt_decode_fp8 --launch-count 1 -o "$OUT/probe" \
+            python bench/cuda_fp8_attention_probe.py --once --cases b1-32768-fp8 --splits "" --global-splits 16 \
+            --warps 8 --chunks 16 --stages 2 --widens cvt --copies ca --loads-only-splits "" --advised 0
+        for kernel in family probe; do
+            $ncu -i "$OUT/$kernel.ncu-rep" --page source --csv --print-source sass > "$OUT/$kernel-source.csv" 2> "$OUT/$kernel-source.err"
+            $ncu -i "$OUT/$kernel.ncu-rep" --page details > "$OUT/$kernel-details.txt" 2>&1
+            echo "$kernel: $(wc -l < "$OUT/$kernel-source.csv") source lines; $(head -c 300 "$OUT/$kernel-source.err")"
+        done
         ;;
     mma-ncu)  # issue 4: where the family's kernel loses 2-3.5 µs to the probe's at b1 / 32768 (ncu, one launch each; ~2 min)
         metrics=gpu__time_duration.sum,sm__cycles_elapsed.max,dram__bytes_read.sum,l1tex__m_xbar2l1tex_read_bytes.sum,\
