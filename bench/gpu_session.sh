@@ -61,7 +61,7 @@
 #                                        # copies, b1 / 32768 and 131072 (~5 min)
 #   bash bench/gpu_session.sh mma         # the CUDA fp8 decode attention family: GPU tests, b1 / 32768 fp8 built with it
 #   bash bench/gpu_session.sh mma-131072  # its kernel bare / with rope / folded against the template, then b1 / 131072 fp8
-#   bash bench/gpu_session.sh mma-32768   # its tests, its kernel (q staged in shared memory) bare / rope / folded, b1 / 32768 fp8
+#   bash bench/gpu_session.sh mma-32768   # its tests, its kernel bare / rope / folded beside the probe's, b1 / 32768 fp8
 #   bash bench/gpu_session.sh mma-b32     # b32 / 2048 fp8 built with the CUDA family beside the template
 #   bash bench/gpu_session.sh mma-next    # its GPU tests (the paged form's first run), then mma-ncu: session 27's first
 #   bash bench/gpu_session.sh mma-sass    # the SASS of the family's kernel and the probe's as this machine builds them,
@@ -350,11 +350,13 @@ case "${1:-}" in
             --prefill 0 --agreement-steps 4 --out "$OUT/decode_mma_b1_131072.json" --build-dir /tmp/coopt-fp8
         reports reports_mma_b1_131072 coopt-fp8
         ;;
-    mma-32768)  # issue 4: the family's GPU tests, its kernel with q staged in shared memory, b1 / 32768 fp8 built with it (~7 min)
+    mma-32768)  # issue 4: the family's GPU tests, its kernel beside the probe's, b1 / 32768 fp8 built with it (~8 min)
         COOPT_VERIFY_PROFILE=thorough step 150 mma-tests python -m pytest -q -p no:cacheprovider -x \
             tests/templates/test_decode_attention_mma.py
         step 100 fold-times python bench/fold_kernel_times.py --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2 \
             --json "$OUT/fold_times_mma.json"
+        step 90 probe-times python bench/cuda_fp8_attention_probe.py --cases b1-32768-fp8 --splits "" --global-splits 16 \
+            --warps 8 --chunks 16 --stages 2 --widens cvt --copies ca --loads-only-splits "" --advised 0
         step 330 decode python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_mma_b1_32768.json" --build-dir /tmp/coopt-fp8
         reports reports_mma_b1_32768 coopt-fp8
@@ -369,7 +371,8 @@ case "${1:-}" in
             tests/templates/test_decode_attention_mma.py
         OUT=$OUT bash "$0" mma-ncu
         ;;
-    mma-sass)  # issue 4: the family's kernel executes 1.6x the probe's instructions at b1 / 32768 (ncu, session 27): where?
+    mma-sass)  # issue 4: where the family's kernel spends its time at b1 / 32768 beside the probe's (session 27: a quarter of
+        # its warps' stall samples before the loop, q staged through shared memory behind a barrier)
         step 120 mma-sass python bench/cuda_sass.py --out "$OUT/sass"
         ncu=/usr/local/cuda/bin/ncu
         step 150 mma-source-family $ncu --clock-control none --target-processes all --section SourceCounters \

@@ -90,10 +90,10 @@ def mma_problem(region: RegionSummary) -> str | None:
 
 def shared_bytes(params: dict, group: int) -> int:
     """Dynamic shared memory a block: every warp's ring (K and V rows of a chunk a slot), the
-    warps' partials (m, l, acc of each head), the merge's weights and sums of every split, q."""
+    warps' partials (m, l, acc of each head), the merge's weights and sums of every split."""
     warps = params["num_warps"]
     ring = params["num_stages"] * 2 * params["CHUNK"] * HEAD_DIM
-    return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group + group * HEAD_DIM)
+    return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group)
 
 
 class DecodeAttentionMmaFamily(TemplateFamily):

@@ -90,7 +90,7 @@ def test_no_point_without_a_gpu_and_every_space_point_checked(monkeypatch):
     assert "shared memory" in MMA.check(plain(), ADVISED, small_smem)  # 8 rings of 2 x 8 KiB slots
     assert MMA.check(plain(), {**ADVISED, "num_warps": 4}, small_smem) is None
     assert "Hopper" in MMA.check(plain(), ADVISED, dataclasses.replace(H200, arch="sm_80"))
-    assert shared_bytes(ADVISED, 4) == 8 * 2 * 2 * 32 * 128 + 4 * (8 * 4 * 130 + 2 * 16 * 4 + 4 * 128)
+    assert shared_bytes(ADVISED, 4) == 8 * 2 * 2 * 32 * 128 + 4 * (8 * 4 * 130 + 2 * 16 * 4)
 
 
 @pytest.mark.parametrize(("batch", "length", "split"), [(1, 32768, 16), (1, 131072, 16), (32, 2048, 1), (1, 2048, 8)])
