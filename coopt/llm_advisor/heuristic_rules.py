@@ -513,17 +513,24 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
     programs = batch * kv_heads
     # at least 256 keys a split (a chunk for each of 8 warps): shorter shares are all fill and drain
     split_t = _decode_splits(split_vals, programs, length, sms, min_keys=256)
+    # More blocks than SMs (b32: 256 (sequence, kv head) blocks): at 8 warps one block fills an
+    # SM, so they run in waves and the last wave leaves SMs idle; at 4 warps (half the rings)
+    # several blocks share an SM and all run at once. Unmeasured (session 26's b32 build ranked
+    # only 8-warp points: 47.3 µs, the template's 46.7), so 4 warps first and 8 second, both timed.
+    waves = programs * split_t > sms
+    warps_t = 4 if waves else 8
 
     def cost(point: dict) -> float:
         c = 2 * _log_gap(knob(point, ("SPLIT",)), split_t)
         c += 1.0 if knob(point, ("COPY",)) != "ca" else 0.0
-        c += _log_gap(knob(point, WARPS), 8)
+        c += (0.25 if waves else 1.0) * _log_gap(knob(point, WARPS), warps_t)
         c += 0.3 * _log_gap(knob(point, ("CHUNK",)), 32)
         c += 0.5 * max(0, (knob(point, STAGES) or 2) - 2)
         return c
 
     return cost, (f"CUDA fp8 decode attention (length~{length}, {programs} sequence x kv heads): SPLIT~{split_t} "
-                  f"to fill {sms} SMs, 8 warps, cp.async through the L1")
+                  f"to fill {sms} SMs, {warps_t} warps" + (" (several blocks an SM: no waves)" if waves else "")
+                  + ", cp.async through the L1")
 
 
 def row_reduction(request: AdviceRequest) -> tuple[CostFn, str]:
