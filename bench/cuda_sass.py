@@ -3,8 +3,9 @@ side by side: the PTX from torch's NVRTC (what DriverKernel loads), assembled fo
 machine's ptxas, disassembled by cuobjdump, and each loop's length in instructions.
 
 Session 26 found the family's kernel (templates/decode_attention_mma.py) 2-3.5 µs slower than
-the probe's at b1 / 32768 with the same main loop, and ncu (session 27) counted 1.6x the probe's
-executed instructions: which code runs that often?
+the probe's at b1 / 32768; session 27 compared their SASS here (the main loops alike: 325 against
+339 instructions) and found the difference before the loop with ncu's source counters
+(`bash bench/gpu_session.sh mma-sass`).
 
     python bench/cuda_sass.py --out sass/ --chunks 16,32
 
@@ -43,7 +44,9 @@ def family_source(chunk: int) -> str:
 
 
 def tool(name: str) -> str | None:
-    return shutil.which(name) or next((str(p) for p in [Path("/usr/local/cuda/bin") / name] if p.exists()), None)
+    """A CUDA toolkit program on the PATH or in /usr/local/cuda/bin (the GPU machine's), else None."""
+    toolkit = Path("/usr/local/cuda/bin") / name
+    return shutil.which(name) or (str(toolkit) if toolkit.exists() else None)
 
 
 def loops(sass: str) -> tuple[int, list[int]]:
