@@ -66,6 +66,8 @@
 #   bash bench/gpu_session.sh mma-next    # its GPU tests (the paged form's first run), then mma-ncu: session 27's first
 #   bash bench/gpu_session.sh mma-sass    # the SASS of the family's kernel and the probe's as this machine builds them,
 #                                        # and ncu's executed count of each instruction, b1 / 32768 (~3 min)
+#   bash bench/gpu_session.sh mma-rope    # ncu source counters of the family's kernel with the query's rope (its 1.3 µs
+#                                        # over bare, b1 / 32768), then mma-b32 (4 warps ranked first): session 28's first (~8 min)
 #   bash bench/gpu_session.sh mma-ncu     # ncu: the family's kernel (bare / rope / folded) beside the probe's, b1 / 32768
 #   bash bench/gpu_session.sh fp8-l2      # cuda-fp8-ncu then cuda-fp8-copies in one call (~7 min): session 26's first
 #   bash bench/gpu_session.sh gemv-chain  # o, gate|up, down at b1 as one persistent launch with grid-wide meetings
@@ -387,6 +389,15 @@ case "${1:-}" in
             $ncu -i "$OUT/$kernel.ncu-rep" --page details > "$OUT/$kernel-details.txt" 2>&1
             echo "$kernel: $(wc -l < "$OUT/$kernel-source.csv") source lines; $(head -c 300 "$OUT/$kernel-source.err")"
         done
+        ;;
+    mma-rope)  # issue 4: where the rope form loses 1.3 µs to the bare one (session 27), then b32 with 4-warp points
+        ncu=/usr/local/cuda/bin/ncu
+        step 150 mma-source-rope $ncu --clock-control none --target-processes all --section SourceCounters \
+            --section WarpStateStats -k regex:coopt_decode_attention_mma --launch-skip 1 --launch-count 1 -o "$OUT/rope" \
+            python bench/fold_kernel_times.py --once --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2
+        $ncu -i "$OUT/rope.ncu-rep" --page source --csv --print-source sass > "$OUT/rope-source.csv" 2>&1
+        rm -f "$OUT/rope.ncu-rep"  # (a call brings back a few files: the CSV holds what is needed)
+        OUT=$OUT bash "$0" mma-b32
         ;;
     mma-ncu)  # issue 4: where the family's kernel loses 2-3.5 µs to the probe's at b1 / 32768 (ncu, one launch each; ~2 min)
         metrics=gpu__time_duration.sum,sm__cycles_elapsed.max,dram__bytes_read.sum,l1tex__m_xbar2l1tex_read_bytes.sum,\
