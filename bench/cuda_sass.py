@@ -16,7 +16,6 @@ and every backward branch (a loop) with its length.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -29,15 +28,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from attention_sweep import make_region  # noqa: E402
 from cuda_fp8_attention_probe import render  # noqa: E402
+from fold_kernel_times import without_rope  # noqa: E402
 
 
 def family_source(chunk: int) -> str:
     """The family's CUDA source for fold_kernel_times' b1 / 32768 fp8 case without the query's rope."""
     from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily
 
-    region = make_region(1, 32768, 32832, True, rope=True)
-    bare = dataclasses.replace(region, inputs=(*region.inputs[:4], *region.inputs[6:]),
-                               attrs={k: v for k, v in region.attrs.items() if k != "rope"})
+    bare = without_rope(make_region(1, 32768, 32832, True, rope=True))
     params = {"SPLIT": 16, "CHUNK": chunk, "COPY": "ca", "num_warps": 8, "num_stages": 2}
     module = DecodeAttentionMmaFamily().render(bare, params)
     return re.search(r'SOURCE = r"""\n(.*?)"""', module, re.S).group(1)

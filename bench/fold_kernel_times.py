@@ -63,6 +63,12 @@ def folded_region(attention):
                "inplace": [1, 2]})
 
 
+def without_rope(attention):
+    """The attention region less the query's rope (its inputs less cos and sin): the bare form."""
+    return dataclasses.replace(attention, inputs=(*attention.inputs[:4], *attention.inputs[6:]),
+                               attrs={k: v for k, v in attention.attrs.items() if k != "rope"})
+
+
 def launch_once(call, sets) -> float:
     """--once: one plain launch, untimed (ncu measures it); NaN stands for the time."""
     import torch
@@ -76,8 +82,7 @@ def time_mma(case, points, attention, folded, sets, fresh, traffic, module, atte
              timer):
     """The CUDA family's points on the same inputs: without the query's rope (its inputs less cos,
     sin), with it, and folded; the folded output against write-then-attend's."""
-    no_rope = dataclasses.replace(attention, inputs=(*attention.inputs[:4], *attention.inputs[6:]),
-                                  attrs={k: v for k, v in attention.attrs.items() if k != "rope"})
+    no_rope = without_rope(attention)
     rows = []
     for point in filter(None, points.split(",")):
         split, chunk, copy, warps, stages = point.split(":")

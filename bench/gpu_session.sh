@@ -385,10 +385,13 @@ case "${1:-}" in
             python bench/cuda_fp8_attention_probe.py --once --cases b1-32768-fp8 --splits "" --global-splits 16 \
             --warps 8 --chunks 16 --stages 2 --widens cvt --copies ca --loads-only-splits "" --advised 0
         for kernel in family probe; do
-            $ncu -i "$OUT/$kernel.ncu-rep" --page source --csv --print-source sass > "$OUT/$kernel-source.csv" 2> "$OUT/$kernel-source.err"
+            $ncu -i "$OUT/$kernel.ncu-rep" --page source --csv --print-source sass > "$OUT/$kernel-source.csv" 2>&1
             $ncu -i "$OUT/$kernel.ncu-rep" --page details > "$OUT/$kernel-details.txt" 2>&1
-            echo "$kernel: $(wc -l < "$OUT/$kernel-source.csv") source lines; $(head -c 300 "$OUT/$kernel-source.err")"
+            echo "$kernel: $(wc -l < "$OUT/$kernel-source.csv") source lines"
         done
+        # a call brings back only a few files (session 27 lost the probe's CSV): one archive of them all
+        tar -czf "$OUT/mma-sass.tar.gz" -C "$OUT" sass family-source.csv probe-source.csv family-details.txt \
+            probe-details.txt && rm -rf "$OUT/sass" "$OUT"/*.ncu-rep "$OUT"/*-source.csv "$OUT"/*-details.txt
         ;;
     mma-rope)  # issue 4: where the rope form loses 1.3 µs to the bare one (session 27), then b32 with 4-warp points
         ncu=/usr/local/cuda/bin/ncu
