@@ -368,6 +368,11 @@ case "${1:-}" in
             --prefill 0 --agreement-steps 4 --out "$OUT/decode_mma_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_mma_b32 coopt-fp8
         ;;
+    mma-b32-tests)  # issue 4: the family's GPU tests (thorough), then mma-b32 (~7 min)
+        COOPT_VERIFY_PROFILE=thorough step 150 mma-tests python -m pytest -q -p no:cacheprovider -x \
+            tests/templates/test_decode_attention_mma.py
+        OUT=$OUT bash "$0" mma-b32
+        ;;
     mma-b32-8192)  # issue 4: b32 / 8192 fp8 with the CUDA family beside the template (session 23, template only: 2.445 ms)
         step 560 decode python bench/decode.py --cases 32:8192:8256 --modes reduce-overhead,coopt-fp8 \
             --prefill 0 --agreement-steps 4 --out "$OUT/decode_mma_b32_8192.json" --build-dir /tmp/coopt-fp8
