@@ -502,8 +502,9 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
     and their rings take most of its shared memory), so splits until batch x kv heads x splits
     covers the SMs, as for the Triton template; cp.async through the L1 at 8 warps, the form
     measured at 4.02 TB/s (b1 / 131072, split 16, H200: bench/RESULTS.md session 26; past the L1
-    3.44, 4 warps through it 3.42); chunks of 32 keys (21.65 µs against 21.77 for 16 at b1 / 32768,
-    67.47 against 66.86 at 131072: a tie, 16 ranked second), a ring of 2 slots."""
+    3.44, 4 warps through it 3.42); chunks of 16 keys, which every build measured faster than 32
+    (session 28: 23.7 against 24.1 µs at b1 / 32768, 36.8 against 41.7 at b32 / 2048, 127.3
+    against 141.5 at b32 / 8192), 32 ranked second; a ring of 2 slots."""
     q, kv = _shape(request, 0), _shape(request, 1)
     batch = q[0] if len(q) == 4 else 1
     kv_heads, max_length = (kv[-3], kv[-2]) if len(kv) >= 3 else (1, 1)
@@ -514,17 +515,16 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
     # at least 256 keys a split (a chunk for each of 8 warps): shorter shares are all fill and drain
     split_t = _decode_splits(split_vals, programs, length, sms, min_keys=256)
     # More blocks than SMs (b32: 256 (sequence, kv head) blocks): at 8 warps one block fills an
-    # SM, so they run in waves and the last wave leaves SMs idle; at 4 warps (half the rings)
-    # several blocks share an SM and all run at once. Unmeasured (session 26's b32 build ranked
-    # only 8-warp points: 47.3 µs, the template's 46.7), so 4 warps first and 8 second, both timed.
+    # SM, so they run in two waves; at 4 warps three blocks share an SM and all run at once
+    # (session 28, b32 / 2048: 36.8 µs at 4 warps; session 26: 47.3 at 8, the template 46.7)
     waves = programs * split_t > sms
     warps_t = 4 if waves else 8
 
     def cost(point: dict) -> float:
         c = 2 * _log_gap(knob(point, ("SPLIT",)), split_t)
         c += 1.0 if knob(point, ("COPY",)) != "ca" else 0.0
-        c += (0.25 if waves else 1.0) * _log_gap(knob(point, WARPS), warps_t)
-        c += 0.3 * _log_gap(knob(point, ("CHUNK",)), 32)
+        c += _log_gap(knob(point, WARPS), warps_t)
+        c += 0.3 * _log_gap(knob(point, ("CHUNK",)), 16)
         c += 0.5 * max(0, (knob(point, STAGES) or 2) - 2)
         return c
 

@@ -98,18 +98,22 @@ def test_the_heuristic_fills_the_sms_through_the_l1_at_8_warps(gpu_points, batch
     region = plain(batch=batch, max_length=length)
     legal = tuple(MMA.legal_points(region, H200))
     request = AdviceRequest(region, MMA.name, MMA.param_space(region, H200), legal, H200.facts(), 3)
-    best = HeuristicAdvisor().advise(request).ranked[0]
-    assert best == {"SPLIT": split, "CHUNK": 32, "COPY": "ca", "num_warps": 8, "num_stages": 2}
+    ranked = HeuristicAdvisor().advise(request).ranked
+    assert ranked[0] == {"SPLIT": split, "CHUNK": 16, "COPY": "ca", "num_warps": 8, "num_stages": 2}
+    assert ranked[1] == {**ranked[0], "CHUNK": 32}  # measured second in every build (session 28)
 
 
-def test_more_blocks_than_sms_rank_4_warps_first_and_8_second(gpu_points):
-    """b32: 256 (sequence, kv head) blocks on 132 SMs, one block an SM at 8 warps: two waves."""
+def test_more_blocks_than_sms_rank_4_warps_first(gpu_points):
+    """b32: 256 (sequence, kv head) blocks on 132 SMs, one block an SM at 8 warps: two waves; at 4
+    warps three blocks an SM, one wave (session 28: 36.8 µs against session 26's 47.3 at 8)."""
     region = plain(batch=32, max_length=2048)
     legal = tuple(MMA.legal_points(region, H200))
     request = AdviceRequest(region, MMA.name, MMA.param_space(region, H200), legal, H200.facts(), 3)
-    ranked = HeuristicAdvisor().advise(request).ranked[:3]
-    assert ranked[0] == {"SPLIT": 1, "CHUNK": 32, "COPY": "ca", "num_warps": 4, "num_stages": 2}
-    assert ranked[1] == {**ranked[0], "num_warps": 8}  # both timed by a build's top 3
+    ranked = HeuristicAdvisor().advise(request).ranked
+    assert ranked[0] == {"SPLIT": 1, "CHUNK": 16, "COPY": "ca", "num_warps": 4, "num_stages": 2}
+    assert ranked[1] == {**ranked[0], "CHUNK": 32}
+    first_8_warps = next(i for i, point in enumerate(ranked) if point["num_warps"] == 8)
+    assert first_8_warps > 2  # past a build's top 3
 
 
 def test_the_heuristic_plans_a_paged_cache_at_what_its_table_addresses(gpu_points):
