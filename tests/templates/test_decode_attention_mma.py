@@ -212,9 +212,7 @@ def test_the_folded_write_stores_the_row_as_the_triton_template_and_attends_to_i
     """The same region through the Triton template (fp16 tiles): identical caches after the write
     (both round rope(k_new) to bf16, less the offset, over the scale, to e4m3 nearest-even,
     saturating), and outputs that agree with the reference over the written caches."""
-    # the new row the last key of sequence 0, past sequence 1's; SMALL's one split stores it after
-    # its first copies (chunk 18, past the 12 its ring takes first), the other forms before them
-    position, lengths = 300, [301, 120]
+    position, lengths = 300, [301, 120]  # the new row the last key of sequence 0, past sequence 1's
     region = folded_fp8(offsets=("k", "v"), gathered=gathered)
     base = fp8_region(2, 32, 8, 512, 128, "per-head")
     q, k, v, lengths_t, k_scale, v_scale = make_fp8_inputs(base, lengths)
