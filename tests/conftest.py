@@ -53,21 +53,39 @@ def plain_model_file(tmp_path):
     return path
 
 
-@pytest.fixture
-def hopper_registers(tmp_path):
-    """compile(source) -> registers a thread: the CUDA source compiled for sm_90a by the toolkit's
-    nvcc (the CUDA templates and probes compile with NVRTC on the GPU machine; this machine may
-    have nvcc instead), asserted to compile and not to spill. Skips where no nvcc is installed."""
+def nvcc_for_hopper(tmp_path, source: str, output: str, *options: str) -> subprocess.CompletedProcess:
+    """nvcc on `source` for sm_90a, writing tmp_path / output; skips where no nvcc is installed
+    (the CUDA templates and probes compile with NVRTC on the GPU machine; this machine may have
+    nvcc instead), asserts that it compiles."""
     if shutil.which("nvcc") is None:
         pytest.skip("no CUDA toolkit (nvcc) on this machine")
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    result = subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", *options, "-o", str(tmp_path / output), str(path)],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+@pytest.fixture
+def hopper_registers(tmp_path):
+    """compile(source) -> registers a thread: the CUDA source compiled for sm_90a by nvcc, asserted
+    not to spill."""
 
     def compile_source(source: str) -> int:
-        path = tmp_path / "kernel.cu"
-        path.write_text(source)
-        result = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o",
-                                 str(tmp_path / "kernel.cubin"), str(path)], capture_output=True, text=True, check=False)
-        assert result.returncode == 0, result.stderr[-2000:]
+        result = nvcc_for_hopper(tmp_path, source, "kernel.cubin", "-cubin", "-Xptxas", "-v")
         assert re.search(r"0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr[-2000:]
         return int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+
+    return compile_source
+
+
+@pytest.fixture
+def hopper_ptx(tmp_path):
+    """compile(source) -> the PTX nvcc makes of the CUDA source for sm_90a."""
+
+    def compile_source(source: str) -> str:
+        nvcc_for_hopper(tmp_path, source, "kernel.ptx", "-ptx")
+        return (tmp_path / "kernel.ptx").read_text()
 
     return compile_source

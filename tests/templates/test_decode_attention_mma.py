@@ -150,6 +150,15 @@ def test_every_form_compiles_for_hopper_without_spills(hopper_registers, region,
     assert hopper_registers(cuda_source(MMA.render(REGIONS[region], params))) * 32 * params["num_warps"] <= 65536
 
 
+def test_one_split_writes_its_output_without_the_global_meeting(hopper_ptx):
+    """At SPLIT 1 a block is its (sequence, kv head)'s only one: no partials, fence or arrival count."""
+    meeting = ("atom.global", "membar.gl")  # atomicAdd on the counter, __threadfence
+    many = hopper_ptx(cuda_source(MMA.render(plain(), ADVISED)))
+    one = hopper_ptx(cuda_source(MMA.render(plain(batch=32), {**ADVISED, "SPLIT": 1, "num_warps": 4})))
+    assert all(op in many for op in meeting)
+    assert not any(op in one for op in meeting)
+
+
 def test_the_module_refuses_cpu_tensors_with_one_line(load_candidate):
     region = plain(max_length=64)
     run = load_candidate(MMA.render(region, SMALL), "mma_cpu").run
