@@ -62,7 +62,6 @@
 #   bash bench/gpu_session.sh mma         # the CUDA fp8 decode attention family: GPU tests, b1 / 32768 fp8 built with it
 #   bash bench/gpu_session.sh mma-131072  # its kernel bare / with rope / folded against the template, then b1 / 131072 fp8
 #   bash bench/gpu_session.sh mma-32768   # its tests, its kernel bare / rope / folded beside the probe's, b1 / 32768 fp8
-#   bash bench/gpu_session.sh mma-pdl     # the family with PDL: GPU tests, the late-producer test's teeth, b1 / 32768 fp8
 #   bash bench/gpu_session.sh mma-b32     # b32 / 2048 fp8 built with the CUDA family beside the template
 #   bash bench/gpu_session.sh mma-next    # its GPU tests (the paged form's first run), then mma-ncu: session 27's first
 #   bash bench/gpu_session.sh mma-sass    # the SASS of the family's kernel and the probe's as this machine builds them,
@@ -360,20 +359,6 @@ case "${1:-}" in
             --json "$OUT/fold_times_mma.json"
         step 90 probe-times python bench/cuda_fp8_attention_probe.py --cases b1-32768-fp8 --splits "" --global-splits 16 \
             --warps 8 --chunks 16 --stages 2 --widens cvt --copies ca --loads-only-splits "" --advised 0
-        OUT=$OUT bash "$0" mma-32768-build
-        ;;
-    mma-pdl)  # issue 4: the family launched with PDL (its ring's first copies before the wait): its GPU tests, a
-        # check that the late-producer test catches q read before the wait, then b1 / 32768 fp8 (~8 min)
-        step 200 mma-tests python -m pytest -q -p no:cacheprovider tests/templates/test_decode_attention_mma.py \
-            tests/runtime/test_cuda_kernels.py
-        template=coopt/templates/cuda/decode_attention_mma.cu.j2
-        cp "$template" /tmp/mma-template.keep
-        python -c "import pathlib; p = pathlib.Path('$template'); s = p.read_text(); \
-p.write_text(s.replace('#if !PDL\n  load_q();', '#if 1\n  load_q();').replace('visible\n  load_q();', 'visible'))"
-        git diff --stat -- "$template" 2>/dev/null | tail -1
-        step 90 mma-pdl-mutant python -m pytest -q -p no:cacheprovider tests/templates/test_decode_attention_mma.py \
-            -k waits_for_the_kernel
-        cp /tmp/mma-template.keep "$template"
         OUT=$OUT bash "$0" mma-32768-build
         ;;
     mma-32768-build)  # issue 4: b1 / 32768 fp8 built with the CUDA family (~6 min)

@@ -159,29 +159,6 @@ def test_one_split_writes_its_output_without_the_global_meeting(hopper_ptx):
     assert not any(op in one for op in meeting)
 
 
-@pytest.mark.parametrize("region", REGIONS)
-def test_with_pdl_nothing_is_written_before_the_wait(hopper_ptx, region):
-    """The PDL form may run while the previous kernel (the q|k|v GEMV) drains: before
-    griddepcontrol.wait it may copy old cache rows and read lengths, positions, scales and tables,
-    but store nothing; it lets the next kernel launch once (after its loop). The other form has
-    neither instruction."""
-    source = cuda_source(MMA.render(REGIONS[region], ADVISED))
-    with_pdl = hopper_ptx("#define PDL 1\n" + source)
-    assert with_pdl.count("griddepcontrol.wait") == with_pdl.count("griddepcontrol.launch_dependents") == 1
-    before, after = with_pdl.split("griddepcontrol.wait")
-    assert "cp.async" in before and "griddepcontrol.launch_dependents" in after
-    assert not re.search(r"^\s*(st\.global|atom\.|red\.)", before, re.M)
-    assert "griddepcontrol" not in hopper_ptx(source)
-
-
-def test_with_pdl_q_is_read_after_the_wait(hopper_ptx):
-    """q is the previous kernel's output: in the plain form, the only global loads before the wait
-    are the length and the two scales (q's would be 16-byte or 2-byte loads)."""
-    with_pdl = hopper_ptx("#define PDL 1\n" + cuda_source(MMA.render(plain(), ADVISED)))
-    loads = re.findall(r"^\s*(ld\.global[\w.]*)", with_pdl.split("griddepcontrol.wait")[0], re.M)
-    assert sorted(loads) == ["ld.global.nc.f32", "ld.global.nc.f32", "ld.global.nc.u32"], loads
-
-
 def test_the_module_refuses_cpu_tensors_with_one_line(load_candidate):
     region = plain(max_length=64)
     run = load_candidate(MMA.render(region, SMALL), "mma_cpu").run
@@ -209,8 +186,8 @@ def check_attention(out, expected):
 @settings(max_examples=resolve_profile().max_examples, deadline=None)  # COOPT_VERIFY_PROFILE=thorough: 200
 @given(batch=st.integers(1, 3), group=st.sampled_from([1, 4, 7, 8]), form=st.sampled_from(sorted(FORMS)),
        lengths=st.lists(st.sampled_from([1, 2, 15, 16, 17, 31, 33, 255, 256, 257, 1000, 2048]), min_size=3, max_size=3),
-       granularity=st.sampled_from(["per-tensor", "per-head"]), seed=st.integers(0, 2**16), pdl=st.booleans())
-def test_it_agrees_with_an_fp32_softmax(tmp_path_factory, batch, group, form, lengths, granularity, seed, pdl):
+       granularity=st.sampled_from(["per-tensor", "per-head"]), seed=st.integers(0, 2**16))
+def test_it_agrees_with_an_fp32_softmax(tmp_path_factory, batch, group, form, lengths, granularity, seed):
     from coopt.runtime.kernel_loader import load_module_from_source
 
     region = fp8_region(batch, 2 * group, 2, 2048, 128, granularity)
@@ -219,7 +196,6 @@ def test_it_agrees_with_an_fp32_softmax(tmp_path_factory, batch, group, form, le
     q = inputs[0] * 37.0  # scores far from 1: the fp16 shift must keep q exact
     expected = fp8_reference(region, q, *inputs[1:])
     module = load_module_from_source(MMA.render(region, FORMS[form]), tmp_path_factory.mktemp("mma"), "mma")
-    assert module.use_pdl(pdl) == pdl  # sm_90: launched by programmatic dependent launch, or not
     for _ in range(2):  # the merge's counters are zero again after a launch
         (out,) = module.run(q, *inputs[1:])
         check_attention(out, expected)
@@ -284,57 +260,3 @@ def test_pages_read_through_the_table(load_candidate, form, page_size, lengths):
     (out,) = run_mma(load_candidate, region, FORMS[form], inputs, "mma_paged")
     check_attention(out, fp8_reference(plain(batch=3, max_length=k.shape[2]), inputs[0], k, v, inputs[3], *inputs[5:]))
 
-
-
-def late_copy(source, target):
-    """Copy `source` into `target` (flat, same size) in a Triton kernel that lets the next kernel
-    launch at once and copies only after a long spin: a kernel launched with PDL after it runs
-    beside it, and reads the copy's old contents if it reads before its wait."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def copy_late(src, dst, n, spins, BLOCK: tl.constexpr):
-        tl.extra.cuda.gdc_launch_dependents()
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(src + offs, mask=offs < n).to(tl.float32)
-        delay = x * 0.0 + 1.0
-        for _ in range(spins):  # a chain of dependent transcendental ops: tens of µs, then exactly 0 added
-            delay = tl.sin(delay) + 1.0
-        tl.store(dst + offs, (x + delay * 0.0).to(dst.dtype.element_ty), mask=offs < n)
-
-    n = source.numel()
-    copy_late[(triton.cdiv(n, 1024),)](source, target, n, 20000, BLOCK=1024)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("form", FORMS)
-def test_with_pdl_it_waits_for_the_kernel_that_writes_q_and_the_new_row(load_candidate, form):
-    """The folded region launched with PDL right after a slow kernel that writes q, k_new and
-    v_new (NaN until then): the same caches and output, bit for bit, as launched without PDL."""
-    position, lengths = 300, [301, 120]
-    region = folded_fp8(offsets=("k", "v"), gathered=True)
-    q, k, v, lengths_t, k_scale, v_scale = make_fp8_inputs(fp8_region(2, 32, 8, 512, 128, "per-head"), lengths)
-    cos, sin = rope_tables((512, 128), torch.bfloat16)
-    k_cos, k_sin = rope_tables((512, 128), torch.bfloat16, seed=2)
-    k_new, v_new = write_inputs(2, 8, 128, torch.bfloat16)
-    k_offset, v_offset = (torch.randn(1, 8, 1, 128, generator=torch.Generator().manual_seed(s)).cuda() for s in (7, 8))
-    produced = torch.cat([q.flatten(), k_new.flatten(), v_new.flatten()])  # what the previous kernel writes
-    module = load_candidate(MMA.render(region, FORMS[form]), "mma_pdl")
-
-    positions = torch.tensor([position], device="cuda")
-
-    def step(q, k_new, v_new, caches):
-        return module.run(q, *caches, lengths_t, cos, sin, k_scale, v_scale, positions, k_new, v_new, k_cos, k_sin,
-                          k_offset, v_offset)
-
-    assert not module.use_pdl(False)
-    expected = step(q, k_new, v_new, (k.clone(), v.clone()))
-    assert module.use_pdl(True)
-    for _ in range(2):
-        caches, late = (k.clone(), v.clone()), torch.full_like(produced, float("nan"))
-        late_q, late_k, late_v = late.split([q.numel(), k_new.numel(), v_new.numel()])
-        late_copy(produced, late)  # the kernel right before the attention in the stream
-        outputs = step(late_q.view_as(q), late_k.view_as(k_new), late_v.view_as(v_new), caches)
-        for got, want in zip(outputs, expected):
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
