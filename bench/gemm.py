@@ -68,6 +68,9 @@ SHAPES = {
     # batch 32 as the default pipeline builds it (fuse-norm-statistics): the output head and the
     # norm GEMVs read h * g and their rows' chunk sums of squares from the GEMV before them
     "stats32": [(32, 128256, 4096, "stats"), (32, 6144, 4096, "stats"), (32, 14336, 4096, "stats_swiglu")],
+    # the batch-32 residual GEMVs (o + residual, down + residual), the two furthest from their
+    # bytes in a b32 step (session 28: 12.9 and 33.5 µs against 8.0 and 28.0 at 4.2 TB/s)
+    "residual32": [(32, 4096, 4096, "residual"), (32, 4096, 14336, "residual")],
     "fused": [(1, 6144, 4096, "norm"), (1, 14336, 4096, "norm_swiglu"), (32, 6144, 4096, "norm"),
               (32, 14336, 4096, "norm_swiglu"), (1, 128256, 4096, "norm")],
 }

@@ -46,6 +46,7 @@
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
 #   bash bench/gpu_session.sh leads-22   # session 22's three kernel questions in one call: stats32, fp8-stages' two sweeps (~9.5 min)
+#   bash bench/gpu_session.sh residual32 # the b32 o and down GEMVs (+ residual): advised 8 vs 40 sampled (~6 min)
 #   bash bench/gpu_session.sh stats32    # the b32 output head, q|k|v, gate|up (norm statistics' form): advised 8 vs 24 sampled (~6 min)
 #   bash bench/gpu_session.sh fp8-stages # fp8 decode attention at pipeline depths 2-6 (past the space's 4), b1 / 32768 and b32 / 2048,
 #                                        # then split counts 24-48 at b1 / 32768 (~5 min)
@@ -460,6 +461,10 @@ smsp__inst_executed_op_ldgsts.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ldgst
         step 320 probe-2048 python bench/qkv_attention_probe.py --cases 2048 --json "$OUT/qkv_attention_2048.json"
         step 200 probe-32768 python bench/qkv_attention_probe.py --cases 32768 --block-k 256 --gemv-stages 3 \
             --json "$OUT/qkv_attention_32768.json"
+        ;;
+    residual32)  # issue 3/4: the b32 o and down GEMVs (12.9 and 33.5 µs a layer, session 28): advised 8 vs 40 sampled
+        step 560 gemm python bench/gemm.py --shapes residual32 --variants gemv --sample 40 --advised 8 \
+            --json "$OUT/gemm_residual32.json"
         ;;
     stats32)  # issue 3: b32 / 2048 is 5-33 µs over its target; its output head takes 256 µs at 32 rows against
         # 231 at one (session 22's build): is a point of the space (BLOCK_N 256, 8 warps, ...) faster than the advised four?
