@@ -46,6 +46,7 @@
 #                                        # and values-only, b1 / 32768, after the fold's GPU tests (~9 min)
 #   bash bench/gpu_session.sh fp8-fold-profile-b1  # both fp8 b1 / 32768 builds (folded, not) profiled (~8 min)
 #   bash bench/gpu_session.sh leads-22   # session 22's three kernel questions in one call: stats32, fp8-stages' two sweeps (~9.5 min)
+#   bash bench/gpu_session.sh gpu-all    # every test marked gpu (pytest -m gpu), the fast Hypothesis profile (~5 min)
 #   bash bench/gpu_session.sh residual32 # the b32 o and down GEMVs (+ residual): advised 8 vs 40 sampled (~6 min)
 #   bash bench/gpu_session.sh stats32    # the b32 output head, q|k|v, gate|up (norm statistics' form): advised 8 vs 24 sampled (~6 min)
 #   bash bench/gpu_session.sh fp8-stages # fp8 decode attention at pipeline depths 2-6 (past the space's 4), b1 / 32768 and b32 / 2048,
@@ -197,6 +198,9 @@ case "${1:-}" in
             --modes eager,reduce-overhead,coopt --prefill 0 --agreement-steps 8 \
             --out "$OUT/decode_32layers_rest.json" --build-dir /tmp/coopt-32-rest
         reports reports_32layers_rest coopt-32-rest
+        ;;
+    gpu-all)  # every test marked gpu (59 in session 29; last run whole in session 11), the fast profile (~5 min)
+        step 560 pytest python -m pytest -q -p no:cacheprovider -m gpu tests -rs
         ;;
     gpu-tests)  # the GPU runs of this session's kernels and runtime paths (session 5: not run on a GPU yet)
         step 420 pytest python -m pytest -q -p no:cacheprovider tests/templates/test_attention_paged.py \
