@@ -151,12 +151,31 @@ def test_every_form_compiles_for_hopper_without_spills(hopper_registers, region,
 
 
 def test_one_split_writes_its_output_without_the_global_meeting(hopper_ptx):
-    """At SPLIT 1 a block is its (sequence, kv head)'s only one: no partials, fence or arrival count."""
-    meeting = ("atom.global", "membar.gl")  # atomicAdd on the counter, __threadfence
+    """At SPLIT 1 a block is its (sequence, kv head)'s only one: no partials or arrival count. Split,
+    the blocks meet by one thread's acq_rel count after a block barrier, with no fence in every
+    thread."""
+    arrival = "atom.acq_rel.gpu.global.add.s32"
     many = hopper_ptx(cuda_source(MMA.render(plain(), ADVISED)))
     one = hopper_ptx(cuda_source(MMA.render(plain(batch=32), {**ADVISED, "SPLIT": 1, "num_warps": 4})))
-    assert all(op in many for op in meeting)
-    assert not any(op in one for op in meeting)
+    assert many.count(arrival) == 1 and arrival not in one
+    assert "membar.gl" not in many and "fence." not in many
+
+
+@pytest.mark.parametrize(("split", "warps", "in_registers"), [(16, 8, True), (32, 4, False)])
+def test_the_last_block_loads_every_partial_before_it_waits(hopper_ptx, split, warps, in_registers):
+    """Where a thread's partials fit in 64 registers (OUTPUTS_PER_THREAD x SPLIT), the merge issues
+    all its L2 loads (accumulators, then (m, l)) before the block barrier that waits for the
+    weights: one round trip. Past that (group 4 at 4 warps and 32 splits: 4 x 32) it loads the
+    accumulators after the weights, as before."""
+    ptx = hopper_ptx(cuda_source(MMA.render(plain(), {**ADVISED, "SPLIT": split, "num_warps": warps})))
+    merge = ptx.split("atom.acq_rel.gpu.global.add.s32")[1].split("bar.sync")
+    # past the barrier after the arrival, up to the weights' barrier; then after it
+    before, after = merge[1].count("ld.global.cg.f32"), sum(part.count("ld.global.cg.f32") for part in merge[2:])
+    accumulators = 4 * 128 // (32 * warps) * split  # a thread's outputs x splits
+    if in_registers:
+        assert before >= accumulators and after == 0, (before, after)
+    else:
+        assert before < split and after >= accumulators, (before, after)  # only (m, l) before
 
 
 def test_the_module_refuses_cpu_tensors_with_one_line(load_candidate):
