@@ -21,8 +21,9 @@ pieces (chunks warp, warp + WARPS, ...) through its own num_stages-slot cp.async
 never wait for each other inside the loop; rows past the length are zero-filled by the copy. The
 copies go through the L1 (COPY "ca") or past it ("cg"): with "cg" the loop read every cache sector
 twice from L2 (ncu), and "ca" at 8 warps is the form that reached 4 TB/s. The block's warps merge
-in shared memory, the blocks in global memory: the last to arrive merges the SPLIT partials and
-zeroes its counter (one launch, as the Triton template's splits meet); at SPLIT 1 the block
+in shared memory, the blocks in global memory: the last to arrive (one thread's acq_rel count
+after a block barrier, no fence in every thread) merges the SPLIT partials, all loaded in one
+round trip, and zeroes its counter (one launch, as the Triton template's splits meet); at SPLIT 1 the block
 writes its output straight from its warps' merge (no partials, fence or count: -3.7 µs a launch at
 b32 / 2048, session 28). Every load that waits for no other (length, position, scales, q and its
 rope partners) goes out at the start, and every ring slot fills before q is rotated. Through a page table each
