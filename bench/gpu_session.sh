@@ -366,10 +366,13 @@ case "${1:-}" in
             --warps 8 --chunks 16 --stages 2 --widens cvt --copies ca --loads-only-splits "" --advised 0
         OUT=$OUT bash "$0" mma-32768-build
         ;;
-    mma-merge)  # issue 4: the family's GPU tests (fast profile), its kernel alone at b1 / 32768, then the build (~9 min)
+    mma-kernel)  # issue 4: the family's GPU tests (fast profile), its kernel alone at b1 / 32768 (~3 min)
         step 120 mma-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_decode_attention_mma.py
         step 100 fold-times python bench/fold_kernel_times.py --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2 \
             --json "$OUT/fold_times_mma.json"
+        ;;
+    mma-merge)  # issue 4: mma-kernel, then the b1 / 32768 fp8 build (~9 min)
+        OUT=$OUT bash "$0" mma-kernel
         OUT=$OUT bash "$0" mma-32768-build
         ;;
     mma-32768-build)  # issue 4: b1 / 32768 fp8 built with the CUDA family (~6 min)

@@ -178,6 +178,22 @@ def test_the_last_block_loads_every_partial_before_it_waits(hopper_ptx, split, w
         assert before < split and after >= accumulators, (before, after)  # only (m, l) before
 
 
+def test_q_and_the_tables_reach_the_kernel_as_aligned_contiguous_rows(load_candidate):
+    """The kernel reads q and the rotary tables 16 bytes at a time: a view whose rows are so is
+    passed as it is (a GEMV's output, a table broadcast by stride 0); a strided or misaligned one
+    is copied."""
+    rows16 = load_candidate(MMA.render(plain(max_length=64), SMALL), "mma_rows").__dict__["_rows16"]
+    q = torch.randn(2, 32, 1, 128, dtype=torch.bfloat16)
+    table = torch.randn(1, 128, dtype=torch.bfloat16).expand(2, 32, 1, 128)
+    for ready in (q, table, torch.randn(2, 48, 1, 128, dtype=torch.bfloat16)[:, 8:40]):
+        assert rows16(ready) is ready
+    wide = torch.randn(2, 32, 1, 256, dtype=torch.bfloat16)
+    flat = torch.randn(2 * 32 * 128 + 1, dtype=torch.bfloat16)
+    for view in (wide[..., ::2], flat[1:].view(2, 32, 1, 128)):  # strided; one element off 16 bytes
+        copy = rows16(view)
+        assert copy.is_contiguous() and copy.data_ptr() % 16 == 0 and torch.equal(copy, view)
+
+
 def test_the_module_refuses_cpu_tensors_with_one_line(load_candidate):
     region = plain(max_length=64)
     run = load_candidate(MMA.render(region, SMALL), "mma_cpu").run
@@ -218,6 +234,22 @@ def test_it_agrees_with_an_fp32_softmax(tmp_path_factory, batch, group, form, le
     for _ in range(2):  # the merge's counters are zero again after a launch
         (out,) = module.run(q, *inputs[1:])
         check_attention(out, expected)
+
+
+@pytest.mark.gpu
+def test_a_strided_or_misaligned_q_gives_the_contiguous_result(load_candidate):
+    region = plain(batch=2, max_length=1024)
+    inputs = make_fp8_inputs(region, [300, 17])
+    module = load_candidate(MMA.render(region, ADVISED), "mma_strided")
+    (expected,) = module.run(*inputs)
+    q = inputs[0]
+    wide = torch.zeros(*q.shape[:3], 256, dtype=q.dtype, device=q.device)
+    wide[..., ::2] = q
+    flat = torch.zeros(q.numel() + 1, dtype=q.dtype, device=q.device)
+    flat[1:] = q.flatten()
+    for view in (wide[..., ::2], flat[1:].view(q.shape)):
+        (out,) = module.run(view, *inputs[1:])
+        assert torch.equal(out, expected)
 
 
 @pytest.mark.gpu
