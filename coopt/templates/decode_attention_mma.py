@@ -26,7 +26,9 @@ after a block barrier, no fence in every thread) merges the SPLIT partials, all 
 round trip, and zeroes its counter (one launch, as the Triton template's splits meet); at SPLIT 1 the block
 writes its output straight from its warps' merge (no partials, fence or count: -3.7 µs a launch at
 b32 / 2048, session 28). Every load that waits for no other (length, position, scales, q and its
-rope partners) goes out at the start, and every ring slot fills before q is rotated. Through a page table each
+rope partners) goes out at the start, and every ring slot fills before q is rotated; q and the
+rotary tables are read 16 bytes at a time only (run() copies a view whose rows are not
+contiguous and 16-byte aligned: a strided fallback beside each load cost ~1 µs, session 29). Through a page table each
 copied row looks up its page (an L1-resident load; ids clamped into the pool), so a chunk may span
 pages of any size.
 
