@@ -1,9 +1,11 @@
 """decode_attention_mma: the CUDA fp8 decode attention. On the CPU: which regions it takes, that it
 offers no point without a GPU (its candidates are verified on one), that every form compiles for
-sm_90a without spills (nvcc, where installed), and that its module refuses CPU tensors clearly.
+sm_90a without spills (nvcc, where installed), how its blocks meet (read from the PTX), which q
+and table views its module copies, and that the module refuses CPU tensors clearly.
 On the GPU (@pytest.mark.gpu): agreement with an fp32-softmax reference over drawn batches,
 lengths and heads, the folded cache write stored as the kv_write template stores it, repeated
-launches (the merge's counters reset), and NaN bytes past a length never reaching the output."""
+launches (the merge's counters reset), strided and misaligned q, and NaN bytes past a length
+never reaching the output."""
 
 from __future__ import annotations
 
