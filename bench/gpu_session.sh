@@ -385,10 +385,8 @@ case "${1:-}" in
             --prefill 0 --agreement-steps 4 --out "$OUT/decode_mma_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_mma_b32 coopt-fp8
         ;;
-    mma-fold-order)  # issue 4: the family's GPU tests, then its kernel alone at b1 / 32768 (~3 min)
-        step 150 mma-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_decode_attention_mma.py
-        step 100 fold-times python bench/fold_kernel_times.py --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2 \
-            --json "$OUT/fold_times_mma.json"
+    mma-fold-order)  # session 28's name for mma-kernel (its call 5 ran it)
+        OUT=$OUT bash "$0" mma-kernel
         ;;
     mma-b32-tests)  # issue 4: the family's GPU tests (thorough), then mma-b32 (~7 min)
         COOPT_VERIFY_PROFILE=thorough step 150 mma-tests python -m pytest -q -p no:cacheprovider -x \
