@@ -366,6 +366,15 @@ case "${1:-}" in
             --warps 8 --chunks 16 --stages 2 --widens cvt --copies ca --loads-only-splits "" --advised 0
         OUT=$OUT bash "$0" mma-32768-build
         ;;
+    mma-points)  # issue 4, session 30: the family's kernel alone off the heuristic's points (ring depth 3, two
+        # blocks an SM at b1, two splits at b32), then the b32 / 2048 build (~8 min)
+        step 100 points-b1 python bench/fold_kernel_times.py --cases b1-32768-fp8 --splits 32 \
+            --mma 16:16:ca:8:2,16:16:ca:8:3,32:16:ca:8:2,32:16:ca:4:2,32:16:ca:4:3 --json "$OUT/points_b1.json"
+        step 100 points-b32 python bench/fold_kernel_times.py --cases b32-2048-fp8 --splits 1 \
+            --mma 1:16:ca:4:2,1:16:cg:4:2,1:16:ca:4:3,1:16:cg:4:3,2:16:ca:4:2,2:16:cg:4:2,2:16:ca:4:3 \
+            --json "$OUT/points_b32.json"
+        OUT=$OUT bash "$0" mma-b32
+        ;;
     mma-kernel)  # issue 4: the family's GPU tests (fast profile), its kernel alone at b1 / 32768 (~3 min)
         step 120 mma-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_decode_attention_mma.py
         step 100 fold-times python bench/fold_kernel_times.py --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2 \
