@@ -375,6 +375,11 @@ case "${1:-}" in
             --json "$OUT/points_b32.json"
         OUT=$OUT bash "$0" mma-b32
         ;;
+    gemv-pdl)  # issue 3, session 30: a CUDA GEMV chain streaming weights before its PDL wait (~4 min)
+        step 120 gemv-pdl-tests python -m pytest -q -p no:cacheprovider -x tests/bench/test_cuda_gemv_pdl_probe.py \
+            tests/runtime/test_cuda_kernels.py
+        step 300 gemv-pdl python bench/cuda_gemv_pdl_probe.py --json "$OUT/cuda_gemv_pdl.json"
+        ;;
     mma-kernel)  # issue 4: the family's GPU tests (fast profile), its kernel alone at b1 / 32768 (~3 min)
         step 120 mma-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_decode_attention_mma.py
         step 100 fold-times python bench/fold_kernel_times.py --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2 \

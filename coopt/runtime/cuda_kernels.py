@@ -18,6 +18,34 @@ import ctypes
 
 MAX_DYNAMIC_SHARED_SIZE_BYTES, NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 8, 14  # CUfunction_attribute (cuda.h)
 PORTABLE_CLUSTER = 8
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h): launch with PDL
+
+
+class LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes, here only its int flags
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+
+class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: the id, padded to 8 bytes, then the value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", LaunchAttributeValue)]
+
+
+class LaunchConfig(ctypes.Structure):  # CUlaunchConfig, cuLaunchKernelEx's first argument
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def launch_config(grid, block, shared: int, stream: int, pdl: bool) -> LaunchConfig:
+    """cuLaunchKernelEx's configuration; with `pdl`, programmatic stream serialization: the kernel
+    may start while the previous kernel of the stream drains (it must griddepcontrol.wait before
+    reading what that kernel writes). The attribute array is kept alive on the config."""
+    attributes = (LaunchAttribute * 1)()
+    attributes[0].id = PROGRAMMATIC_STREAM_SERIALIZATION
+    attributes[0].value.flag = 1
+    config = LaunchConfig(*grid, *block, shared, stream, attributes, 1 if pdl else 0)
+    config.keep = attributes
+    return config
 
 
 def check(status: int, what: str) -> None:
@@ -80,13 +108,28 @@ class DriverKernel:
             check(self.libcuda.cuFuncSetAttribute(self.func, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
                   "cuFuncSetAttribute(non-portable cluster size)")
 
-    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], values: list) -> None:
-        """Launch on torch's current stream with the kernel's parameters as ctypes values, in order."""
+    def blocks_per_sm(self, threads: int) -> int:
+        """How many blocks of `threads` threads (and this kernel's dynamic shared memory) one SM
+        holds at once: the driver's occupancy calculator."""
+        blocks = ctypes.c_int()
+        check(self.libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), self.func, threads,
+                                                                       ctypes.c_size_t(self.shared)),
+              "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return blocks.value
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], values: list, pdl: bool = False) -> None:
+        """Launch on torch's current stream with the kernel's parameters as ctypes values, in order;
+        with `pdl`, by programmatic dependent launch (launch_config)."""
         import torch
 
         params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        check(self.libcuda.cuLaunchKernel(self.func, *grid, *block, self.shared, stream, params, None), "cuLaunchKernel")
+        stream = torch.cuda.current_stream().cuda_stream
+        if pdl:
+            config = launch_config(grid, block, self.shared, stream, pdl=True)
+            check(self.libcuda.cuLaunchKernelEx(ctypes.byref(config), self.func, params, None), "cuLaunchKernelEx")
+        else:
+            check(self.libcuda.cuLaunchKernel(self.func, *grid, *block, self.shared, ctypes.c_void_p(stream), params, None),
+                  "cuLaunchKernel")
 
 
 def pointers(*tensors) -> list:

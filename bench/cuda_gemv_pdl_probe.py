@@ -1,0 +1,272 @@
+"""Can a GEMV start streaming its weights before the GEMV it depends on has finished? (issue 3:
+every b1 GEMV pays ~3.9 µs over its bytes, the same whether the kernels are separate launches or
+one persistent launch with grid-wide meetings: bench/gemv_chain_probe.py, RESULTS session 24.)
+
+    python bench/cuda_gemv_pdl_probe.py --json cuda_gemv_pdl.json
+
+A decode layer's GEMVs form a chain (o -> gate|up -> down at batch 1), and each waits for the
+whole output of the one before: its first weight bytes leave DRAM only after the previous
+kernel's last program has finished, the launch has gone through and a DRAM round trip has passed.
+But a weight is no kernel's output. With programmatic dependent launch (PDL) a kernel's blocks
+may start while the previous kernel still runs, as SMs free up, and everything before their
+`griddepcontrol.wait` overlaps it. Session 3's Triton try (bench/pdl_probe.py) loaded a first
+weight tile into registers before the wait and broke the loop's software pipeline (12.12 µs a
+4096 x 4096 layer against 11.27 with the wait first); Triton lets no cp.async ring be filled
+before a wait and consumed after it. This probe is written in CUDA C++ so it can:
+
+- a persistent grid (every block resident, so no block of the kernel's own waits for an SM a
+  dependent took), each warp streaming ROWS weight rows at a time, 512 bytes a row a slab,
+  through its own STAGES-slab cp.async ring, the slabs of consecutive row groups back to back;
+- x (or silu(gate) * up for the down GEMV, rounded to bf16 as the template rounds silu's
+  output) staged in shared memory once a block, after the wait;
+- MODE 0: plain launches; MODE 1: PDL with the wait first (the launch and block scheduling
+  overlap the previous kernel's tail); MODE 2: PDL with the ring's first STAGES - 1 slabs issued
+  before the wait (the weight stream overlaps the previous kernel's tail as well).
+  Every PDL block lets dependents in right after its wait (the grid has no later blocks they
+  could crowd out), so at most two kernels of the chain are in flight.
+
+Timed graph-replayed over weight copies past the L2 (gemm.graph_ms), one o -> gate|up -> down
+triple a call, against the GEMV template's three kernels at the heuristic's first points (with
+their residual / norm / SwiGLU epilogues, which this probe's kernels do not have: bias in the
+CUDA kernels' favour of a few tenths of a µs). Each point's outputs are checked against torch's,
+a stage at a time (relative 2e-2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from coopt.templates.base import render_string  # noqa: E402
+
+HIDDEN, FFN = 4096, 14336
+SLAB = 256  # bf16 elements a row a slab: 16 bytes a lane
+MODES = {0: "launches", 1: "pdl, wait first", 2: "pdl, ring before wait"}
+
+SOURCE = r"""
+#define WARPS {{ warps }}
+#define ROWS {{ rows }}        // weight rows a warp streams together (a row group)
+#define STAGES {{ stages }}    // slabs in a warp's ring
+#define K {{ k }}
+#define SLABS (K / 256)        // 512-byte pieces of a row
+#define GLU {{ 1 if glu else 0 }}  // x = silu(x[:K]) * x[K:]
+#define MODE {{ mode }}        // 0 plain, 1 PDL wait first, 2 PDL ring issued before the wait
+
+{% include "cuda/_prelude.cuh.j2" %}
+
+__device__ __forceinline__ float dot8(const u32x4& w, const u32x4& x) {
+  return lo_bf16(w.x) * lo_bf16(x.x) + hi_bf16(w.x) * hi_bf16(x.x) + lo_bf16(w.y) * lo_bf16(x.y)
+       + hi_bf16(w.y) * hi_bf16(x.y) + lo_bf16(w.z) * lo_bf16(x.z) + hi_bf16(w.z) * hi_bf16(x.z)
+       + lo_bf16(w.w) * lo_bf16(x.w) + hi_bf16(w.w) * hi_bf16(x.w);
+}
+
+__device__ __forceinline__ unsigned int glu_pair(unsigned int gate, unsigned int up) {
+  float g0 = lo_bf16(gate), g1 = hi_bf16(gate);
+  float s0 = round_bf16(g0 / (1.0f + __expf(-g0))), s1 = round_bf16(g1 / (1.0f + __expf(-g1)));
+  return (unsigned int)to_bf16(s0 * lo_bf16(up)) | ((unsigned int)to_bf16(s1 * hi_bf16(up)) << 16);
+}
+
+// y[n] = sum_k W[n, k] x[k], W [groups * ROWS, K] bf16 row-major; a persistent grid
+extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv(const u32x4* __restrict__ w, const u32x4* x,
+                                                              bf16_t* y, int groups) {
+  extern __shared__ u32x4 smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  u32x4* xs = smem;                                            // x, K / 8 pieces
+  u32x4* ring = smem + K / 8 + warp * STAGES * ROWS * 32;      // this warp's slabs
+  const int first = blockIdx.x * WARPS + warp, stride = gridDim.x * WARPS;
+  const int mine = first < groups ? (groups - 1 - first) / stride + 1 : 0;
+  const int items = mine * SLABS;  // (row group, slab) pairs this warp streams, in order
+
+  // each lane copies and later reads only its own 16 bytes of a slab: no warp barrier needed
+  auto issue = [&](int i) {
+    if (i < items) {
+      const int group = first + (i / SLABS) * stride, slab = i % SLABS;
+      u32x4* slot = ring + (i % STAGES) * ROWS * 32;
+      const u32x4* src = w + ((size_t)group * ROWS * K + slab * 256) / 8 + lane;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) copy16(slot + r * 32 + lane, src + (size_t)r * K / 8);
+    }
+    commit();  // an empty group past the end keeps wait_groups' count uniform
+  };
+
+#if MODE == 2
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);  // weights: no kernel writes them
+#endif
+#if MODE >= 1
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#if MODE < 2
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+#endif
+  for (int j = threadIdx.x; j < K / 8; j += WARPS * 32) {
+#if GLU
+    const u32x4 gate = x[j], up = x[K / 8 + j];
+    xs[j] = u32x4{glu_pair(gate.x, up.x), glu_pair(gate.y, up.y), glu_pair(gate.z, up.z), glu_pair(gate.w, up.w)};
+#else
+    xs[j] = x[j];
+#endif
+  }
+  __syncthreads();
+
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+  for (int i = 0; i < items; ++i) {
+    issue(i + STAGES - 1);  // into the slot read at i - 1
+    wait_groups<STAGES - 1>();
+    const u32x4* slot = ring + (i % STAGES) * ROWS * 32;
+    const int slab = i % SLABS;
+    const u32x4 xv = xs[slab * 32 + lane];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] += dot8(slot[r * 32 + lane], xv);
+    if (slab == SLABS - 1) {
+      const int group = first + (i / SLABS) * stride;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        float v = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+        if (lane == r) y[group * ROWS + r] = to_bf16(v);
+        acc[r] = 0.0f;
+      }
+    }
+  }
+}
+"""
+
+
+def render(k: int, glu: bool, mode: int, warps: int = 8, rows: int = 2, stages: int = 8) -> str:
+    return render_string(SOURCE, k=k, glu=glu, mode=mode, warps=warps, rows=rows, stages=stages)
+
+
+def shared_bytes(k: int, warps: int = 8, rows: int = 2, stages: int = 8) -> int:
+    """x staged (bf16, K elements), then every warp's ring of STAGES slabs of ROWS x 512 bytes."""
+    return 2 * k + warps * stages * rows * 512
+
+
+class CudaGemv:
+    """One GEMV y = W x (or W (silu(x[:K]) * x[K:])) at one point, a persistent grid of
+    `per_sm` blocks an SM (at most what fits)."""
+
+    def __init__(self, n: int, k: int, glu: bool, mode: int, warps: int, rows: int, stages: int, per_sm: int):
+        import torch
+
+        from coopt.runtime.cuda_kernels import DriverKernel
+
+        assert k % 256 == 0 and n % rows == 0
+        self.kernel = DriverKernel(render(k, glu, mode, warps, rows, stages), "gemv", shared_bytes(k, warps, rows, stages))
+        fits = self.kernel.blocks_per_sm(warps * 32)
+        if fits < 1:
+            raise RuntimeError(f"no block of {warps} warps and {shared_bytes(k, warps, rows, stages)} B fits an SM")
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.groups, self.warps, self.mode = n // rows, warps, mode
+        self.grid = min(sms * min(per_sm, fits), -(-self.groups // warps))
+
+    def __call__(self, w, x, y) -> None:
+        import ctypes
+
+        from coopt.runtime.cuda_kernels import pointers
+
+        self.kernel.launch((self.grid, 1, 1), (self.warps * 32, 1, 1),
+                           [*pointers(w, x, y), ctypes.c_int(self.groups)], pdl=self.mode > 0)
+
+
+class Triple:
+    """o (HIDDEN x HIDDEN) -> gate|up (2 FFN x HIDDEN) -> down (HIDDEN x FFN, silu(gate) * up in)."""
+
+    def __init__(self, mode: int, warps: int, rows: int, stages: int, per_sm: int, hidden: int = HIDDEN,
+                 ffn: int = FFN):
+        import torch
+
+        self.point = dict(mode=mode, warps=warps, rows=rows, stages=stages, per_sm=per_sm)
+        self.stages = [CudaGemv(hidden, hidden, False, mode, warps, rows, stages, per_sm),
+                       CudaGemv(2 * ffn, hidden, False, mode, warps, rows, stages, per_sm),
+                       CudaGemv(hidden, ffn, True, mode, warps, rows, stages, per_sm)]
+        self.y1, self.y3 = (torch.empty(hidden, device="cuda", dtype=torch.bfloat16) for _ in "13")
+        self.y2 = torch.empty(2 * ffn, device="cuda", dtype=torch.bfloat16)
+        self.ffn = ffn
+
+    def label(self) -> str:
+        p = self.point
+        return f"{MODES[p['mode']]:21s} {p['warps']}w {p['rows']}r {p['stages']}s {p['per_sm']}/SM"
+
+    def __call__(self, x, w1, w2, w3):
+        for gemv, (w, a, out) in zip(self.stages, ((w1, x, self.y1), (w2, self.y1, self.y2), (w3, self.y2, self.y3))):
+            gemv(w, a, out)
+        return self.y3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default="0,1,2")
+    parser.add_argument("--points", default="8:2:8:1,8:2:8:2,8:1:8:2,4:2:8:2,8:2:4:2",
+                        help="warps:rows:stages:blocks an SM, each timed in every mode")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    import torch
+    from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, graph_ms, input_copies
+    from gemv_chain_probe import stage_error, template_triple
+
+    if not announce_gpu("bench/cuda_gemv_pdl_probe.py"):
+        return 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    w1, w2, w3 = ((torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)
+                  for n, k in ((HIDDEN, HIDDEN), (2 * FFN, HIDDEN), (HIDDEN, FFN)))
+    weight_bytes = sum(w.numel() * 2 for w in (w1, w2, w3))
+    sets = input_copies([x, w1, w2, w3], weight_bytes)
+    print(f"o + gate|up + down at b1: {weight_bytes / 1e6:.1f} MB of weights, floor "
+          f"{weight_bytes / COPY_BYTES_PER_S * 1e6:.2f} us at 4.2 TB/s; {len(sets)} input copies", flush=True)
+
+    # the template's three GEMVs at their best first point each, in a row (gemv_chain_probe's baseline)
+    work = Path("/tmp/cuda-gemv-pdl-probe")
+    work.mkdir(exist_ok=True)
+    best_runs = []
+    for region, runs, inputs in template_triple(work):
+        copies = input_copies(inputs)
+        times = [graph_ms(run, copies) for run in runs]
+        best_runs.append((runs[min(range(len(runs)), key=times.__getitem__)], copies))
+    rotation = [list(itertools.chain.from_iterable(c[i % len(c)] for _, c in best_runs)) for i in range(len(sets))]
+    sizes = [len(c[0]) for _, c in best_runs]
+
+    def template(*flat):
+        at = 0
+        for (run, _), size in zip(best_runs, sizes):
+            run(*flat[at:at + size])
+            at += size
+
+    template_us = graph_ms(template, rotation) * 1e3
+    rows = [{"kind": "template", "us": template_us, "tb_per_s": weight_bytes / template_us / 1e6}]
+    print(f"  {'template (three launches)':44s} {template_us:7.2f} us {weight_bytes / template_us / 1e6:5.2f} TB/s",
+          flush=True)
+
+    times = PointTimes(width=44)
+    for point in args.points.split(","):
+        warps, nrows, stages, per_sm = map(int, point.split(":"))
+        for mode in map(int, args.modes.split(",")):
+            try:
+                triple = Triple(mode, warps, nrows, stages, per_sm)
+            except Exception as error:  # e.g. no block fits
+                print(f"  {point} mode {mode}: FAILED: {type(error).__name__}: {str(error)[:160]}", flush=True)
+                continue
+            times.record("b1 triple", MODES[mode], triple.label(), triple, sets, weight_bytes,
+                         error=lambda t=triple: stage_error(t, *sets[0]))
+    rows += times.rows
+    print(f"\nbest of each kind, µs (template {template_us:.2f})")
+    for (_, kind), us in sorted(times.best.items(), key=lambda item: item[1]):
+        print(f"  {kind:22s} {us:7.2f}  {weight_bytes / us / 1e6:5.2f} TB/s")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
