@@ -204,16 +204,25 @@ class Triple:
         return self.y3
 
 
+def checked(triple: Triple, inputs) -> float:
+    """The triple's stage-by-stage error on `inputs`, run on them first (the timing's last call
+    ran on another input set, and the first check comes before any run)."""
+    from gemv_chain_probe import stage_error
+
+    triple(*inputs)
+    return stage_error(triple, *inputs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="0,1,2")
-    parser.add_argument("--points", default="8:2:8:1,8:2:8:2,8:1:8:2,4:2:8:2,8:2:4:2",
+    parser.add_argument("--points", default="8:2:8:1,8:1:8:2,8:1:16:1,16:1:8:1,8:2:4:2",
                         help="warps:rows:stages:blocks an SM, each timed in every mode")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     import torch
     from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, graph_ms, input_copies
-    from gemv_chain_probe import stage_error, template_triple
+    from gemv_chain_probe import template_triple
 
     if not announce_gpu("bench/cuda_gemv_pdl_probe.py"):
         return 1
@@ -258,7 +267,7 @@ def main() -> int:
                 print(f"  {point} mode {mode}: FAILED: {type(error).__name__}: {str(error)[:160]}", flush=True)
                 continue
             times.record("b1 triple", MODES[mode], triple.label(), triple, sets, weight_bytes,
-                         error=lambda t=triple: stage_error(t, *sets[0]))
+                         error=lambda t=triple: checked(t, sets[0]))
     rows += times.rows
     print(f"\nbest of each kind, µs (template {template_us:.2f})")
     for (_, kind), us in sorted(times.best.items(), key=lambda item: item[1]):
