@@ -49,6 +49,7 @@ from coopt.templates.base import render_string  # noqa: E402
 HIDDEN, FFN = 4096, 14336
 SLAB = 256  # bf16 elements a row a slab: 16 bytes a lane
 MODES = {0: "launches", 1: "pdl, wait first", 2: "pdl, ring before wait"}
+GEMVS = ("o", "gate|up", "down")
 
 SOURCE = r"""
 #define WARPS {{ warps }}
@@ -198,8 +199,12 @@ class Triple:
         p = self.point
         return f"{MODES[p['mode']]:21s} {p['warps']}w {p['rows']}r {p['stages']}s {p['per_sm']}/SM"
 
+    def operands(self, x, w1, w2, w3) -> list:
+        """(weight, input, output) of each GEMV."""
+        return [(w1, x, self.y1), (w2, self.y1, self.y2), (w3, self.y2, self.y3)]
+
     def __call__(self, x, w1, w2, w3):
-        for gemv, (w, a, out) in zip(self.stages, ((w1, x, self.y1), (w2, self.y1, self.y2), (w3, self.y2, self.y3))):
+        for gemv, (w, a, out) in zip(self.stages, self.operands(x, w1, w2, w3)):
             gemv(w, a, out)
         return self.y3
 
@@ -216,10 +221,12 @@ def checked(triple: Triple, inputs) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="0,1,2")
-    parser.add_argument("--points", default="8:2:8:1,8:1:8:2,8:1:16:1,16:1:8:1,8:2:4:2",
+    parser.add_argument("--points", default="16:1:8:1,16:1:6:1,16:1:12:1,16:2:4:1,12:1:8:1,8:1:8:2",
                         help="warps:rows:stages:blocks an SM, each timed in every mode")
+    parser.add_argument("--alone-modes", default="0,2", help="modes whose GEMVs are also timed alone")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    alone_modes = {int(m) for m in args.alone_modes.split(",") if m}
     import torch
     from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, graph_ms, input_copies
     from gemv_chain_probe import template_triple
@@ -238,11 +245,13 @@ def main() -> int:
     # the template's three GEMVs at their best first point each, in a row (gemv_chain_probe's baseline)
     work = Path("/tmp/cuda-gemv-pdl-probe")
     work.mkdir(exist_ok=True)
-    best_runs = []
-    for region, runs, inputs in template_triple(work):
+    best_runs, alone = [], {}
+    for (region, runs, inputs), name in zip(template_triple(work), GEMVS):
         copies = input_copies(inputs)
         times = [graph_ms(run, copies) for run in runs]
         best_runs.append((runs[min(range(len(runs)), key=times.__getitem__)], copies))
+        alone[name] = min(times) * 1e3
+    print("  template alone, us: " + ", ".join(f"{name} {us:.2f}" for name, us in alone.items()), flush=True)
     rotation = [list(itertools.chain.from_iterable(c[i % len(c)] for _, c in best_runs)) for i in range(len(sets))]
     sizes = [len(c[0]) for _, c in best_runs]
 
@@ -253,7 +262,7 @@ def main() -> int:
             at += size
 
     template_us = graph_ms(template, rotation) * 1e3
-    rows = [{"kind": "template", "us": template_us, "tb_per_s": weight_bytes / template_us / 1e6}]
+    rows = [{"kind": "template", "us": template_us, "tb_per_s": weight_bytes / template_us / 1e6, "alone_us": alone}]
     print(f"  {'template (three launches)':44s} {template_us:7.2f} us {weight_bytes / template_us / 1e6:5.2f} TB/s",
           flush=True)
 
@@ -268,10 +277,16 @@ def main() -> int:
                 continue
             times.record("b1 triple", MODES[mode], triple.label(), triple, sets, weight_bytes,
                          error=lambda t=triple: checked(t, sets[0]))
+            if mode in alone_modes:  # each GEMV alone, back to back with itself (timing only)
+                for name, gemv, (w, a, out) in zip(GEMVS, triple.stages, triple.operands(*sets[0])):
+                    weights = input_copies([w], w.numel() * 2)  # past the L2, as the template's alone times
+                    times.record(name, MODES[mode], f"  {name} alone", lambda w, g=gemv, a=a, out=out: g(w, a, out),
+                                 weights, w.numel() * 2)
     rows += times.rows
-    print(f"\nbest of each kind, µs (template {template_us:.2f})")
-    for (_, kind), us in sorted(times.best.items(), key=lambda item: item[1]):
-        print(f"  {kind:22s} {us:7.2f}  {weight_bytes / us / 1e6:5.2f} TB/s")
+    print(f"\nbest of each kind, µs (template: triple {template_us:.2f}, alone "
+          + ", ".join(f"{name} {us:.2f}" for name, us in alone.items()) + ")")
+    for (case, kind), us in sorted(times.best.items()):
+        print(f"  {case:10s} {kind:22s} {us:7.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
