@@ -26,7 +26,8 @@ before a wait and consumed after it. This probe is written in CUDA C++ so it can
   could crowd out), so at most two kernels of the chain are in flight.
 
 Timed graph-replayed over weight copies past the L2 (gemm.graph_ms), one o -> gate|up -> down
-triple a call, against the GEMV template's three kernels at the heuristic's first points (with
+triple a call, against the GEMV template's three kernels at the heuristic's first points, without
+and with the template's own PDL form (the control: whole steps measured it slower) (with
 their residual and norm epilogues, which this probe's kernels do not have: bias in the CUDA
 kernels' favour of a few tenths of a µs). Each point's outputs are checked against torch's,
 a stage at a time (relative 2e-2).
@@ -236,7 +237,7 @@ def checked(triple: Triple, inputs) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="0,1,2")
-    parser.add_argument("--points", default="16:1:6:1,16:1:8:1,16:2:3:1,16:2:4:1,8:1:8:2",
+    parser.add_argument("--points", default="16:1:6:1,16:1:8:1,16:2:4:1,16:1:4:1",
                         help="warps:rows:stages:blocks an SM, each timed in every mode")
     parser.add_argument("--alone-modes", default="0,2", help="modes whose GEMVs are also timed alone")
     parser.add_argument("--json", type=Path, default=None)
@@ -280,6 +281,18 @@ def main() -> int:
     rows = [{"kind": "template", "us": template_us, "tb_per_s": weight_bytes / template_us / 1e6, "alone_us": alone}]
     print(f"  {'template (three launches)':44s} {template_us:7.2f} us {weight_bytes / template_us / 1e6:5.2f} TB/s",
           flush=True)
+    # the control: the template's own PDL form (templates/triton/_pdl.j2: wait first, released
+    # after the main loop), which whole decode steps measured slower (RESULTS sessions 6-29)
+    for run, _ in best_runs:
+        run.__globals__["use_pdl"](True)
+    template_pdl_us = graph_ms(template, rotation) * 1e3
+    for run, _ in best_runs:
+        run.__globals__["use_pdl"](False)
+    again_us = graph_ms(template, rotation) * 1e3  # the plain triple again: the call's drift
+    print(f"  {'template (three launches) again':44s} {again_us:7.2f} us", flush=True)
+    rows.append({"kind": "template, pdl", "us": template_pdl_us, "tb_per_s": weight_bytes / template_pdl_us / 1e6})
+    print(f"  {'template (three launches, PDL)':44s} {template_pdl_us:7.2f} us "
+          f"{weight_bytes / template_pdl_us / 1e6:5.2f} TB/s", flush=True)
 
     times = PointTimes(width=44)
     for point in args.points.split(","):
@@ -298,7 +311,7 @@ def main() -> int:
                     times.record(name, MODES[mode], f"  {name} alone", lambda w, g=gemv, a=a, out=out: g(w, a, out),
                                  weights, w.numel() * 2)
     rows += times.rows
-    print(f"\nbest of each kind, µs (template: triple {template_us:.2f}, alone "
+    print(f"\nbest of each kind, µs (template: triple {template_us:.2f}, with PDL {template_pdl_us:.2f}, alone "
           + ", ".join(f"{name} {us:.2f}" for name, us in alone.items()) + ")")
     for (case, kind), us in sorted(times.best.items()):
         print(f"  {case:10s} {kind:22s} {us:7.2f}")
