@@ -60,6 +60,7 @@ SOURCE = r"""
 #define SLABS (K / 256)        // 512-byte pieces of a row
 #define GLU {{ 1 if glu else 0 }}  // rows g and g + groups a group, y[g] = silu(gate) * up (ROWS 2)
 #define MODE {{ mode }}        // 0 plain, 1 PDL wait first, 2 PDL ring issued before the wait
+#define DYNAMIC {{ 1 if dynamic else 0 }}  // row groups past a warp's first taken from a counter
 
 {% include "cuda/_prelude.cuh.j2" %}
 
@@ -71,20 +72,47 @@ __device__ __forceinline__ float dot8(const u32x4& w, const u32x4& x) {
 
 // y[n] = sum_k W[n, k] x[k], W [groups * ROWS, K] bf16 row-major; a persistent grid. With GLU the
 // weight is [gate; up] and a group's two rows are gate row g and up row g: y[g] = silu(gate) * up
+//
+// DYNAMIC: a warp's first row group is its own (warp index), each later one the next of a counter
+// (+ the warps' count), so blocks that share an SM (a PDL kernel's blocks land wherever an SM has
+// room, several on one) take less of the work instead of holding the kernel up. The counter's
+// increments a launch come to exactly `groups` (every warp with a first group takes until it
+// draws one past the end), so the thread that draws the last resets it for the next launch.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv(const u32x4* __restrict__ w, const u32x4* x,
-                                                              bf16_t* y, int groups) {
+                                                              bf16_t* y, int groups, int* counter) {
   extern __shared__ u32x4 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   u32x4* xs = smem;                                            // x, K / 8 pieces
   u32x4* ring = smem + K / 8 + warp * STAGES * ROWS * 32;      // this warp's slabs
   const int first = blockIdx.x * WARPS + warp, stride = gridDim.x * WARPS;
+#if DYNAMIC
+  static_assert(SLABS >= STAGES, "a ring spans at most two row groups");
+  int items = first < groups ? 0x7fffffff : 0;  // known once a draw comes back past the end
+  int taken_even = first, taken_odd = first;    // the row groups of items i / SLABS even and odd (registers)
+  auto group_of = [&](int i) { return ((i / SLABS) & 1) ? taken_odd : taken_even; };
+#else
   const int mine = first < groups ? (groups - 1 - first) / stride + 1 : 0;
   const int items = mine * SLABS;  // (row group, slab) pairs this warp streams, in order
+  auto group_of = [&](int i) { return first + (i / SLABS) * stride; };
+#endif
 
   // each lane copies and later reads only its own 16 bytes of a slab: no warp barrier needed
   auto issue = [&](int i) {
+#if DYNAMIC
+    if (i < items && i % SLABS == 0 && i > 0) {  // a new row group: draw it (after the wait)
+      int drawn = 0;
+      if (lane == 0) {
+        drawn = atomicAdd(counter, 1);
+        if (drawn == groups - 1) atomicExch(counter, 0);  // the launch's last draw
+      }
+      drawn = __shfl_sync(FULL, drawn, 0) + stride;
+      if (drawn >= groups) items = i;
+      else if ((i / SLABS) & 1) taken_odd = drawn;
+      else taken_even = drawn;
+    }
+#endif
     if (i < items) {
-      const int group = first + (i / SLABS) * stride, slab = i % SLABS;
+      const int group = group_of(i), slab = i % SLABS;
       u32x4* slot = ring + (i % STAGES) * ROWS * 32;
 #if GLU
       const u32x4* src = w + ((size_t)group * K + slab * 256) / 8 + lane;
@@ -100,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv(const u32x4* __res
   };
 
 #if MODE == 2
-  for (int i = 0; i < STAGES - 1; ++i) issue(i);  // weights: no kernel writes them
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);  // weights: no kernel writes them (first group only)
 #endif
 #if MODE >= 1
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -124,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv(const u32x4* __res
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] += dot8(slot[r * 32 + lane], xv);
     if (slab == SLABS - 1) {
-      const int group = first + (i / SLABS) * stride;
+      const int group = group_of(i);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
@@ -145,8 +173,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv(const u32x4* __res
 """
 
 
-def render(k: int, glu: bool, mode: int, warps: int = 8, rows: int = 2, stages: int = 8) -> str:
-    return render_string(SOURCE, k=k, glu=glu, mode=mode, warps=warps, rows=rows, stages=stages)
+def render(k: int, glu: bool, mode: int, warps: int = 8, rows: int = 2, stages: int = 8, dynamic: bool = False) -> str:
+    return render_string(SOURCE, k=k, glu=glu, mode=mode, warps=warps, rows=rows, stages=stages, dynamic=dynamic)
 
 
 def shared_bytes(k: int, warps: int = 8, rows: int = 2, stages: int = 8) -> int:
@@ -159,13 +187,16 @@ class CudaGemv:
     fits); with `glu`, W = [gate; up] (n rows) and y = silu(gate x) * (up x) (n / 2 outputs, a
     warp's two rows gate row g and up row g)."""
 
-    def __init__(self, n: int, k: int, glu: bool, mode: int, warps: int, rows: int, stages: int, per_sm: int):
+    def __init__(self, n: int, k: int, glu: bool, mode: int, warps: int, rows: int, stages: int, per_sm: int,
+                 dynamic: bool = False):
         import torch
 
         from coopt.runtime.cuda_kernels import DriverKernel
 
-        assert k % 256 == 0 and n % rows == 0 and (rows == 2 or not glu)
-        self.kernel = DriverKernel(render(k, glu, mode, warps, rows, stages), "gemv", shared_bytes(k, warps, rows, stages))
+        assert k % 256 == 0 and n % rows == 0 and (rows == 2 or not glu) and (not dynamic or k // 256 >= stages)
+        self.kernel = DriverKernel(render(k, glu, mode, warps, rows, stages, dynamic), "gemv",
+                                   shared_bytes(k, warps, rows, stages))
+        self.counter = torch.zeros(1, device="cuda", dtype=torch.int32)  # DYNAMIC's draws (zero between launches)
         fits = self.kernel.blocks_per_sm(warps * 32)
         if fits < 1:
             raise RuntimeError(f"no block of {warps} warps and {shared_bytes(k, warps, rows, stages)} B fits an SM")
@@ -179,7 +210,7 @@ class CudaGemv:
         from coopt.runtime.cuda_kernels import pointers
 
         self.kernel.launch((self.grid, 1, 1), (self.warps * 32, 1, 1),
-                           [*pointers(w, x, y), ctypes.c_int(self.groups)], pdl=self.mode > 0)
+                           [*pointers(w, x, y), ctypes.c_int(self.groups), *pointers(self.counter)], pdl=self.mode > 0)
 
 
 class Triple:
@@ -188,20 +219,21 @@ class Triple:
     warp through a ring of the same bytes as the others'."""
 
     def __init__(self, mode: int, warps: int, rows: int, stages: int, per_sm: int, hidden: int = HIDDEN,
-                 ffn: int = FFN):
+                 ffn: int = FFN, dynamic: bool = False):
         import torch
 
-        self.point = dict(mode=mode, warps=warps, rows=rows, stages=stages, per_sm=per_sm)
-        self.stages = [CudaGemv(hidden, hidden, False, mode, warps, rows, stages, per_sm),
-                       CudaGemv(2 * ffn, hidden, True, mode, warps, 2, max(2, stages * rows // 2), per_sm),
-                       CudaGemv(hidden, ffn, False, mode, warps, rows, stages, per_sm)]
+        self.point = dict(mode=mode, warps=warps, rows=rows, stages=stages, per_sm=per_sm, dynamic=dynamic)
+        self.stages = [CudaGemv(hidden, hidden, False, mode, warps, rows, stages, per_sm, dynamic),
+                       CudaGemv(2 * ffn, hidden, True, mode, warps, 2, max(2, stages * rows // 2), per_sm, dynamic),
+                       CudaGemv(hidden, ffn, False, mode, warps, rows, stages, per_sm, dynamic)]
         self.y1, self.y3 = (torch.empty(hidden, device="cuda", dtype=torch.bfloat16) for _ in "13")
         self.y2 = torch.empty(ffn, device="cuda", dtype=torch.bfloat16)
         self.ffn = ffn
 
     def label(self) -> str:
         p = self.point
-        return f"{MODES[p['mode']]:21s} {p['warps']}w {p['rows']}r {p['stages']}s {p['per_sm']}/SM"
+        return (f"{MODES[p['mode']]:21s} {p['warps']}w {p['rows']}r {p['stages']}s {p['per_sm']}/SM"
+                + (" drawn" if p["dynamic"] else ""))
 
     def operands(self, x, w1, w2, w3) -> list:
         """(weight, input, output) of each GEMV."""
@@ -237,8 +269,9 @@ def checked(triple: Triple, inputs) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="0,1,2")
-    parser.add_argument("--points", default="16:1:6:1,16:1:8:1,16:2:4:1,16:1:4:1",
-                        help="warps:rows:stages:blocks an SM, each timed in every mode")
+    parser.add_argument("--points", default="16:1:8:1,16:1:8:1:d,16:1:6:1:d,16:1:4:1:d,16:2:4:1:d,8:1:8:2:d",
+                        help="warps:rows:stages:blocks an SM[:d (row groups drawn from a counter)], each "
+                             "timed in every mode")
     parser.add_argument("--alone-modes", default="0,2", help="modes whose GEMVs are also timed alone")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -296,10 +329,12 @@ def main() -> int:
 
     times = PointTimes(width=44)
     for point in args.points.split(","):
-        warps, nrows, stages, per_sm = map(int, point.split(":"))
+        fields = point.split(":")
+        warps, nrows, stages, per_sm = map(int, fields[:4])
+        dynamic = fields[4:] == ["d"]
         for mode in map(int, args.modes.split(",")):
             try:
-                triple = Triple(mode, warps, nrows, stages, per_sm)
+                triple = Triple(mode, warps, nrows, stages, per_sm, dynamic=dynamic)
             except Exception as error:  # e.g. no block fits
                 print(f"  {point} mode {mode}: FAILED: {type(error).__name__}: {str(error)[:160]}", flush=True)
                 continue

@@ -25,8 +25,15 @@ def test_the_default_points_fit_an_sm_twice():
 
 
 @pytest.mark.parametrize("k,glu", [(4096, False), (4096, True), (14336, False)])
-def test_the_gemv_compiles_for_hopper_without_spills(hopper_registers, k, glu):
-    assert hopper_registers(render(k, glu, 2)) * 256 <= 65536 // 2  # two blocks of 8 warps an SM
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_gemv_compiles_for_hopper_without_spills(hopper_registers, k, glu, dynamic):
+    assert hopper_registers(render(k, glu, 2, dynamic=dynamic)) * 256 <= 65536 // 2  # two blocks of 8 warps an SM
+
+
+def test_a_drawn_row_group_is_taken_after_the_wait_only(hopper_ptx):
+    # the counter is reset by the launch before's last draw: drawing before the wait could see it unreset
+    ptx = hopper_ptx(render(4096, False, 2, dynamic=True))
+    assert "atom.global.add" not in before_wait(ptx) and "atom.global.add" in ptx
 
 
 def test_only_the_ring_first_form_copies_before_its_wait(hopper_ptx):
@@ -41,8 +48,9 @@ def test_only_the_ring_first_form_copies_before_its_wait(hopper_ptx):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("point", [(8, 2, 8, 2), (4, 1, 4, 1)])
-def test_every_mode_computes_the_chain_on_the_gpu(mode, point):
+@pytest.mark.parametrize("point,dynamic", [((8, 2, 8, 2), False), ((4, 1, 4, 1), False), ((4, 1, 2, 1), True),
+                                           ((8, 2, 2, 2), True)])
+def test_every_mode_computes_the_chain_on_the_gpu(mode, point, dynamic):
     import torch
     from cuda_gemv_pdl_probe import Triple, stage_error
 
@@ -51,10 +59,11 @@ def test_every_mode_computes_the_chain_on_the_gpu(mode, point):
     x = torch.randn(hidden, generator=gen, device="cuda").to(torch.bfloat16)
     ws = [(torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)
           for n, k in ((hidden, hidden), (2 * ffn, hidden), (hidden, ffn))]
-    triple = Triple(mode, *point, hidden=hidden, ffn=ffn)
+    triple = Triple(mode, *point, hidden=hidden, ffn=ffn, dynamic=dynamic)
     for _ in range(3):  # the PDL forms back to back: each waits for the one before
         triple(x, *ws)
     torch.cuda.synchronize()
     assert stage_error(triple, x, *ws) < 2e-2
+    assert all(gemv.counter.item() == 0 for gemv in triple.stages)  # every launch's last draw reset it
     triple.y2[: ffn // 2] = -triple.y2[: ffn // 2]  # a SwiGLU output of the wrong sign: stage 2 is wrong
     assert stage_error(triple, x, *ws) > 0.5
