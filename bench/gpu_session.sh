@@ -380,6 +380,15 @@ case "${1:-}" in
             tests/runtime/test_cuda_kernels.py
         step 300 gemv-pdl python bench/cuda_gemv_pdl_probe.py --json "$OUT/cuda_gemv_pdl.json"
         ;;
+    gemv-cuda)  # issue 3, session 30: the CUDA GEMV family's GPU tests, then b1 / 32768 fp8 built with it (~5 min)
+        step 150 gemv-cuda-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_gemv_cuda.py
+        OUT=$OUT bash "$0" mma-32768-build
+        ;;
+    gemv-cuda-2048)  # issue 3, session 30: b1 / 2048 bf16 built with the CUDA GEMV family (~4 min)
+        step 330 decode python bench/decode.py --cases 1:2048:4096 --modes reduce-overhead,coopt \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_gemv_b1_2048.json" --build-dir /tmp/coopt-2048
+        reports reports_gemv_b1_2048 coopt-2048
+        ;;
     mma-kernel)  # issue 4: the family's GPU tests (fast profile), its kernel alone at b1 / 32768 (~3 min)
         step 120 mma-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_decode_attention_mma.py
         step 100 fold-times python bench/fold_kernel_times.py --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2 \

@@ -533,6 +533,26 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
                   + ", cp.async through the L1")
 
 
+def gemv_cuda(request: AdviceRequest) -> tuple[CostFn, str]:
+    """The CUDA batch-1 GEMV (templates/gemv_cuda.py): one block of 16 warps an SM, a warp's ring
+    of 6-8 slabs of one row (a GLU group's two rows at half the slabs: the same bytes), the form
+    that measured fastest launched with PDL (bench/cuda_gemv_pdl_probe.py, session 30: 95.8-96.6
+    µs for a layer's o, gate|up and down against 97.8-99.3 at 8 warps, 2 rows or 4 slabs; rings
+    of 4 slabs lost 40 % under PDL)."""
+    glu = bool(request.region.attrs.get("glu"))
+    stages_t = 4 if glu else 6
+
+    def cost(point: dict) -> float:
+        c = _log_gap(knob(point, WARPS), 16)
+        c += 0.0 if glu else 0.7 * max(0, (knob(point, ("ROWS",)) or 1) - 1)
+        stages = knob(point, STAGES) or stages_t
+        c += 0.25 * abs(stages - stages_t) + (1.5 if stages <= 4 and not glu else 0.0)
+        c += 0.8 * max(0, (knob(point, ("BLOCKS",)) or 1) - 1)
+        return c
+
+    return cost, "CUDA batch-1 GEMV: one block of 16 warps an SM, one row a warp through a ring of 6-8 slabs"
+
+
 def row_reduction(request: AdviceRequest) -> tuple[CostFn, str]:
     x = _shape(request, 0)
     n = x[-1] if x else 1
@@ -627,6 +647,7 @@ RULES: dict[str, Callable[[AdviceRequest], tuple[CostFn, str]]] = {
     "attention": attention,
     "decode_attention": decode_attention,
     "decode_attention_mma": decode_attention_mma,
+    "gemv_cuda": gemv_cuda,
     "row_reduction": row_reduction,
     "elementwise": elementwise,
     "rope": rope,

@@ -1,10 +1,13 @@
-"""Elementwise programs (see coopt.ir.region) rendered as Triton and as torch expressions.
+"""Elementwise programs (see coopt.ir.region) rendered as Triton, CUDA C++ and torch expressions.
 
-Both renderings come from one table so the Triton kernel and the eager reference agree on what
-each fn means. Triton lines compute in fp32: callers load inputs with `.to(tl.float32)`.
+The renderings come from tables side by side so the kernels and the eager reference agree on what
+each fn means. Triton lines compute in fp32: callers load inputs with `.to(tl.float32)`; CUDA
+lines declare `const float` locals over float operands.
 """
 
 from __future__ import annotations
+
+import math
 
 from coopt.ir.region import ELEMENTWISE_FNS
 
@@ -59,13 +62,43 @@ _TORCH = {
     "reciprocal": "torch.reciprocal({0})",
 }
 
-assert set(_TRITON) == set(ELEMENTWISE_FNS) == set(_TORCH)
+# fn -> CUDA C++ expression over float operands (the CUDA templates' epilogues: templates/cuda/),
+# the fast intrinsics where Triton's lowering uses the same approximations (exp, log)
+_CUDA = {
+    "add": "{0} + {1}",
+    "sub": "{0} - {1}",
+    "mul": "{0} * {1}",
+    "div": "{0} / {1}",
+    "maximum": "fmaxf({0}, {1})",
+    "minimum": "fminf({0}, {1})",
+    "pow": "exp2f(log2f({0}) * {1})",
+    "neg": "-{0}",
+    "relu": "fmaxf({0}, 0.0f)",
+    "silu": "{0} / (1.0f + __expf(-{0}))",
+    "sigmoid": "1.0f / (1.0f + __expf(-{0}))",
+    "gelu": "0.5f * {0} * (1.0f + erff({0} * 0.7071067811865476f))",
+    "gelu_tanh": "0.5f * {0} * (1.0f + tanhf(0.7978845608028654f * ({0} + 0.044715f * {0} * {0} * {0})))",
+    "tanh": "tanhf({0})",
+    "exp": "__expf({0})",
+    "log": "__logf({0})",
+    "sqrt": "sqrtf({0})",
+    "rsqrt": "rsqrtf({0})",
+    "abs": "fabsf({0})",
+    "square": "{0} * {0}",
+    "reciprocal": "1.0f / {0}",
+}
+
+assert set(_TRITON) == set(ELEMENTWISE_FNS) == set(_TORCH) == set(_CUDA)
 
 
-def _operand(arg, names: dict[str, str]) -> str:
+def _operand(arg, names: dict[str, str], dialect: str = "triton") -> str:
     if isinstance(arg, (int, float)):
+        if dialect == "cuda":
+            if not math.isfinite(arg):
+                raise ValueError(f"no CUDA literal for {arg}")
+            return f"{float(arg)!r}f"
         return repr(float(arg))
-    return names[arg]
+    return f"({names[arg]})" if dialect == "cuda" else names[arg]
 
 
 def render_program(program: list, names: dict[str, str], dialect: str = "triton") -> list[str]:
@@ -75,13 +108,13 @@ def render_program(program: list, names: dict[str, str], dialect: str = "triton"
     is assigned to a fresh local `v_<name>` and added to `names` (the dict is updated in place,
     so callers can look up the outputs afterwards).
     """
-    table = _TRITON if dialect == "triton" else _TORCH
+    table = {"triton": _TRITON, "torch": _TORCH, "cuda": _CUDA}[dialect]
     lines = []
     for result, fn, args in program:
         if fn not in table:
             raise ValueError(f"unknown elementwise fn '{fn}'")
-        expr = table[fn].format(*(_operand(a, names) for a in args))
+        expr = table[fn].format(*(_operand(a, names, dialect) for a in args))
         local = f"v_{result}"
-        lines.append(f"{local} = {expr}")
+        lines.append(f"const float {local} = {expr};" if dialect == "cuda" else f"{local} = {expr}")
         names[result] = local
     return lines

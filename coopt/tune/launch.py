@@ -25,8 +25,11 @@ import torch
 # Kernel kinds (the PDL_KIND of a generated module: templates/triton/_pdl.j2) launched with PDL,
 # each option tried against launching none with it where the step has every kind it names. The
 # GEMVs alone were the b32 lead (session 12); with the decode attentions too a b1 step measured
-# slower (session 12: +9 µs), so that option must win on its own step to be kept.
-PDL_OPTIONS: tuple[tuple[str, ...], ...] = (("gemv",), ("gemv", "decode_attention"))
+# slower (session 12: +9 µs), so that option must win on its own step to be kept. The CUDA
+# GEMVs (templates/gemv_cuda.py: one wave, weight slabs issued before the wait) are built for PDL
+# (session 30: a layer's three MLP GEMVs 2-3 µs faster with it), alone or with the Triton GEMVs.
+PDL_OPTIONS: tuple[tuple[str, ...], ...] = (("gemv",), ("gemv", "decode_attention"), ("gemv_cuda",),
+                                            ("gemv_cuda", "gemv"))
 MIN_GAIN = 0.005
 
 

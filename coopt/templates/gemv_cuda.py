@@ -1,0 +1,160 @@
+"""gemv_cuda: a batch-1 decode GEMV (y = epilogue(W x), x one row) in CUDA C++, launched by PDL.
+
+The same regions as the Triton `matmul_epilogue` family (templates/matmul_epilogue.py documents
+the schema), narrowed to what this kernel implements: one activation row (static leading dims of
+product 1), bf16 a, b and outputs, b [N, K] row-major with K a multiple of 256, an optional bias,
+an optional RMSNorm prologue (x * g kept in fp32, 1 / rms(x) scaling the accumulator, as the
+Triton GEMV does), an optional GLU ([gate; up] rows, the epilogue program combining acc and
+acc_hi), and an epilogue program of elementwise fns over acc and extra inputs of N elements (a
+residual add), one output. Where it matches it is one more family of candidates beside the Triton
+template's, verified and timed like them; the build keeps the fastest that verifies.
+
+Why: each of a b1 decode layer's GEMVs pays ~3.9 µs over its bytes (bench/RESULTS.md session 30),
+the drain of the kernel before and its own ramp; the Triton template launched with PDL measured
+no better (its grid is several programs an SM, so a successor's early programs crowd out its own).
+This kernel's grid is one wave (a persistent block an SM, each warp streaming row groups through
+its own cp.async ring of 512-byte slabs), it issues its ring's first slabs before
+`griddepcontrol.wait` (a weight is no kernel's output) and lets its successor in right after. On
+the H200 (bench/cuda_gemv_pdl_probe.py, session 30), o -> gate|up -> down of a Llama-3-8B layer:
+95.8-96.6 µs launched with PDL against 98.2-98.7 for the template's three launches (98.5-98.7
+with the template's own PDL); each alone at about the template's time.
+
+PDL: the module's kernels launch with it where the build measured the step faster so
+(selection.json "pdl" naming PDL_KIND "gemv_cuda": tune/launch.py), or where COOPT_PDL says; the
+kernel waits before it reads x, g, the bias or the extra inputs, and is correct either way.
+
+Verification needs the GPU: the family offers no point where torch sees no CUDA device (CPU CI
+renders the kernel and compiles it for sm_90a with nvcc where one is installed;
+tests/templates/test_gemv_cuda.py).
+
+Knobs: num_warps (8 or 16: warps of the one block an SM), ROWS (weight rows a warp streams
+together; a GLU group is always its gate and up rows), num_stages (slabs in a warp's ring),
+BLOCKS (blocks an SM: 2 leaves less room for the successor's blocks under PDL).
+"""
+
+from __future__ import annotations
+
+import math
+
+from coopt.ir.region import RegionSummary
+from coopt.targets import Target
+from coopt.templates.base import TemplateFamily, render_template
+from coopt.templates.ewprogram import render_program
+from coopt.templates.matmul_epilogue import MatmulEpilogueFamily, _first_extra, _n_extra, _norm_prologue
+
+SLAB = 256  # bf16 elements of a row a warp copies at once (16 bytes a lane)
+SLAB_BYTES = 2 * SLAB
+
+
+def cuda_runs_here() -> bool:
+    """Whether this process can compile and run CUDA C++ candidates (and so verify them)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _static_ints(shape) -> bool:
+    return all(isinstance(d, int) for d in shape)
+
+
+def gemv_problem(region: RegionSummary) -> str | None:
+    """Why the kernel cannot implement a matmul_epilogue region (None: it can)."""
+    if not MatmulEpilogueFamily().matches(region):
+        return "not a matmul_epilogue region the GEMM family takes"
+    attrs = region.attrs
+    a, b = region.inputs[0], region.inputs[1]
+    if attrs.get("b_layout") != "nk":
+        return "needs b as [N, K] (an nn.Linear weight)"
+    if any(t.dtype != "bfloat16" for t in (a, b, *region.outputs)):
+        return "needs bf16 activations, weight and output"
+    if not _static_ints(a.shape) or math.prod(a.shape[:-1]) != 1:
+        return "needs one activation row (static leading dims of product 1: batch-1 decode)"
+    if not _static_ints(b.shape) or b.shape[1] % SLAB:
+        return f"needs a static weight whose K is a multiple of {SLAB}"
+    if attrs.get("prologue") is not None and _norm_prologue(region) is None:
+        return "its prologue is not an RMSNorm of the row"
+    if attrs.get("row_squares") is not None:
+        return "writes row statistics (fuse-norm-statistics' producer form)"
+    if len(region.outputs) != 1 or len(attrs.get("outputs", [])) != 1:
+        return "needs one output"
+    width = region.outputs[0].shape[-1]
+    extras = region.inputs[_first_extra(region):_first_extra(region) + _n_extra(region)]
+    if any(not _static_ints(t.shape) or math.prod(t.shape) != width or t.dtype != "bfloat16" for t in extras):
+        return "needs bf16 extra inputs of the output's N elements"
+    try:
+        epilogue_lines(region)
+    except (KeyError, ValueError) as error:
+        return f"its epilogue program has no CUDA form ({error})"
+    return None
+
+
+def epilogue_lines(region: RegionSummary) -> tuple[list[str], str]:
+    """The epilogue program as CUDA statements over v_acc (v_acc_hi) and the extras' element n,
+    and the expression of its output."""
+    names = {"acc": "v_acc", "acc_hi": "v_acc_hi"} if region.attrs.get("glu") else {"acc": "v_acc"}
+    names.update({f"in{i}": f"lo_bf16(in{i}[n])" for i in range(_n_extra(region))})
+    lines = render_program(region.attrs.get("epilogue", []), names, dialect="cuda")
+    return lines, names[region.attrs["outputs"][0]]
+
+
+def shared_bytes(params: dict, k: int, norm: bool, glu: bool) -> int:
+    """x staged for the block (fp32 x * g with a norm, else bf16), then every warp's ring."""
+    rows = 2 if glu else params["ROWS"]
+    return (4 if norm else 2) * k + params["num_warps"] * params["num_stages"] * rows * SLAB_BYTES
+
+
+class GemvCudaFamily(TemplateFamily):
+    name = "gemv_cuda"
+
+    def matches(self, region: RegionSummary) -> bool:
+        return region.family == "matmul_epilogue" and gemv_problem(region) is None
+
+    def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
+        return {"num_warps": [8, 16], "ROWS": [1, 2], "num_stages": [4, 6, 8], "BLOCKS": [1, 2]}
+
+    def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        problem = gemv_problem(region)
+        if problem is not None:
+            return problem
+        for knob, values in self.param_space(region, target).items():
+            if params.get(knob) not in values:
+                return f"{knob}={params.get(knob)} is not in the space"
+        if not target.arch.startswith("sm_9"):
+            return "written for Hopper (sm_9x): griddepcontrol (PDL) and cp.async rings"
+        glu, n_rows = bool(region.attrs.get("glu")), region.inputs[1].shape[0]
+        if glu and params["ROWS"] != 2:
+            return "a GLU row group is its gate and up rows: ROWS=2"
+        if not glu and n_rows % params["ROWS"]:
+            return f"N={n_rows} is not a multiple of ROWS={params['ROWS']}"
+        k = region.inputs[1].shape[1]
+        smem = shared_bytes(params, k, _norm_prologue(region) is not None, glu) + 64
+        if smem > target.smem_per_block_bytes:
+            return f"{smem} B of shared memory > {target.smem_per_block_bytes} B"
+        if not cuda_runs_here():
+            return "CUDA C++ candidates are verified on an NVIDIA GPU, and this machine has none"
+        return None
+
+    def render(self, region: RegionSummary, params: dict) -> str:
+        norm = _norm_prologue(region)
+        glu = bool(region.attrs.get("glu"))
+        n_rows, k = region.inputs[1].shape
+        lines, out_name = epilogue_lines(region)
+        rows = 2 if glu else params["ROWS"]
+        return render_template(
+            "cuda/gemv.py.j2",
+            region_name=region.name,
+            p=params,
+            k=k,
+            n_rows=n_rows,
+            n_out=region.outputs[0].shape[-1],
+            groups=n_rows // rows,
+            norm=norm is not None,
+            norm_weight=bool(norm and norm.get("has_weight")),
+            eps=f"{float(norm['eps']) if norm else 0.0!r}f",
+            glu=glu,
+            bias=bool(region.attrs.get("has_bias")),
+            extras=_n_extra(region),
+            program=lines,
+            out_name=out_name,
+            shared_bytes=shared_bytes(params, k, norm is not None, glu),
+        )
