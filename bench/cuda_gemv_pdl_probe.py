@@ -36,7 +36,6 @@ a stage at a time (relative 2e-2).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -278,7 +277,7 @@ def main() -> int:
     alone_modes = {int(m) for m in args.alone_modes.split(",") if m}
     import torch
     from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, graph_ms, input_copies
-    from gemv_chain_probe import template_triple
+    from gemv_chain_probe import timed_template_triple
 
     if not announce_gpu("bench/cuda_gemv_pdl_probe.py"):
         return 1
@@ -294,32 +293,18 @@ def main() -> int:
     # the template's three GEMVs at their best first point each, in a row (gemv_chain_probe's baseline)
     work = Path("/tmp/cuda-gemv-pdl-probe")
     work.mkdir(exist_ok=True)
-    best_runs, alone = [], {}
-    for (region, runs, inputs), name in zip(template_triple(work), GEMVS):
-        copies = input_copies(inputs)
-        times = [graph_ms(run, copies) for run in runs]
-        best_runs.append((runs[min(range(len(runs)), key=times.__getitem__)], copies))
-        alone[name] = min(times) * 1e3
-    print("  template alone, us: " + ", ".join(f"{name} {us:.2f}" for name, us in alone.items()), flush=True)
-    rotation = [list(itertools.chain.from_iterable(c[i % len(c)] for _, c in best_runs)) for i in range(len(sets))]
-    sizes = [len(c[0]) for _, c in best_runs]
-
-    def template(*flat):
-        at = 0
-        for (run, _), size in zip(best_runs, sizes):
-            run(*flat[at:at + size])
-            at += size
-
+    template, rotation, alone_us, template_runs = timed_template_triple(work, len(sets))
+    alone = dict(zip(GEMVS, alone_us))
     template_us = graph_ms(template, rotation) * 1e3
     rows = [{"kind": "template", "us": template_us, "tb_per_s": weight_bytes / template_us / 1e6, "alone_us": alone}]
     print(f"  {'template (three launches)':44s} {template_us:7.2f} us {weight_bytes / template_us / 1e6:5.2f} TB/s",
           flush=True)
     # the control: the template's own PDL form (templates/triton/_pdl.j2: wait first, released
     # after the main loop), which whole decode steps measured slower (RESULTS sessions 6-29)
-    for run, _ in best_runs:
+    for run in template_runs:
         run.__globals__["use_pdl"](True)
     template_pdl_us = graph_ms(template, rotation) * 1e3
-    for run, _ in best_runs:
+    for run in template_runs:
         run.__globals__["use_pdl"](False)
     again_us = graph_ms(template, rotation) * 1e3  # the plain triple again: the call's drift
     print(f"  {'template (three launches) again':44s} {again_us:7.2f} us", flush=True)

@@ -195,6 +195,32 @@ def template_triple(work: Path):
     return chosen
 
 
+def timed_template_triple(work: Path, rotations: int):
+    """The template's b1 MLP GEMVs, each at the best of its 3 first points timed alone over its
+    own input copies: (triple(*flat) running the three in a row, `rotations` flat input sets for
+    it, the alone times in µs, the three chosen runs)."""
+    from gemm import graph_ms, input_copies
+
+    best_runs, alone_us = [], []
+    for region, runs, inputs in template_triple(work):
+        copies = input_copies(inputs)
+        times = [graph_ms(run, copies) * 1e3 for run in runs]
+        best = min(range(len(runs)), key=times.__getitem__)
+        best_runs.append((runs[best], copies))
+        alone_us.append(times[best])
+        print(f"  template {region.name}: {', '.join(f'{t:.2f}' for t in times)} us (first points)", flush=True)
+    rotation = [list(itertools.chain.from_iterable(c[i % len(c)] for _, c in best_runs)) for i in range(rotations)]
+    sizes = [len(c[0]) for _, c in best_runs]
+
+    def triple(*flat):
+        at = 0
+        for (run, _), size in zip(best_runs, sizes):
+            run(*flat[at:at + size])
+            at += size
+
+    return triple, rotation, alone_us, [run for run, _ in best_runs]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--programs-per-sm", default="1,2")
@@ -224,23 +250,7 @@ def main() -> int:
     rows = []
 
     # the template's three GEMVs, each alone (best of its 3 first points) and the best three in a row
-    best_runs, alone_us = [], []
-    for region, runs, inputs in template_triple(work):
-        copies = input_copies(inputs)
-        times = [graph_ms(run, copies) * 1e3 for run in runs]
-        best = min(range(len(runs)), key=times.__getitem__)
-        best_runs.append((runs[best], copies))
-        alone_us.append(times[best])
-        print(f"  template {region.name}: {', '.join(f'{t:.2f}' for t in times)} us (first points)", flush=True)
-    rotation = [list(itertools.chain.from_iterable(c[i % len(c)] for _, c in best_runs)) for i in range(len(sets))]
-    sizes = [len(c[0]) for _, c in best_runs]
-
-    def triple(*flat):
-        at = 0
-        for (run, _), size in zip(best_runs, sizes):
-            run(*flat[at:at + size])
-            at += size
-
+    triple, rotation, alone_us, _ = timed_template_triple(work, len(sets))
     template_us = graph_ms(triple, rotation) * 1e3
     rows.append({"kind": "template", "us": template_us, "alone_us": alone_us})
     print(f"  template three in a row {template_us:.2f} us ({weight_bytes / template_us / 1e6:.2f} TB/s; "

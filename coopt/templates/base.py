@@ -107,6 +107,24 @@ class Candidate:
         return f"{self.family}[" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items())) + "]"
 
 
+def cuda_runs_here() -> bool:
+    """Whether this process can compile and run CUDA C++ candidates (and so verify them): the
+    CUDA families offer no point without it (tests patch it here)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cuda_point_problem(shared: int, target: Target) -> str | None:
+    """The last checks of a CUDA C++ family's point: its block's shared memory fits the target,
+    and this process can verify it (an unverified candidate never reaches out/)."""
+    if shared > target.smem_per_block_bytes:
+        return f"{shared} B of shared memory > {target.smem_per_block_bytes} B"
+    if not cuda_runs_here():
+        return "CUDA C++ candidates are verified on an NVIDIA GPU, and this machine has none"
+    return None
+
+
 class TemplateFamily:
     """Base class: subclasses set `name` and implement the four methods."""
 
@@ -128,6 +146,14 @@ class TemplateFamily:
         raise NotImplementedError
 
     # -- shared helpers --------------------------------------------------------------
+    def outside_space(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        """The first knob of `params` whose value the space does not list, as a one-line reason
+        (for `check` of families whose points may come from elsewhere: an LLM advisor, a cache)."""
+        for knob, values in self.param_space(region, target).items():
+            if params.get(knob) not in values:
+                return f"{knob}={params.get(knob)} is not in the space"
+        return None
+
     def legal_points(self, region: RegionSummary, target: Target, space: dict[str, list] | None = None) -> list[dict]:
         """Every legal point of the space (`space`: a family's own reduction of it), in a deterministic order."""
         space = self.param_space(region, target) if space is None else space

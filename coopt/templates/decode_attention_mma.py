@@ -62,19 +62,12 @@ import math
 from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope
 from coopt.targets import Target
 from coopt.templates.attention import FP8_CACHE_DTYPE, kv_scale, page_size
-from coopt.templates.base import TemplateFamily, render_template
+from coopt.templates.base import TemplateFamily, cuda_point_problem, render_template
 from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 
 HEAD_DIM = 128  # the kernel's rows: 128 e4m3 bytes, eight 16-byte pieces
 MAX_GROUP = 8  # query heads a kv head: the PV dot's N (heads 2t, 2t + 1 of the 4 lane columns)
 STATIC_SHARED_BYTES = 16  # the kernel's own __shared__ (the merge's "last" flag, as ptxas counts it)
-
-
-def cuda_runs_here() -> bool:
-    """Whether this process can compile and run CUDA C++ candidates (and so verify them)."""
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def mma_problem(region: RegionSummary) -> str | None:
@@ -119,22 +112,14 @@ class DecodeAttentionMmaFamily(TemplateFamily):
         }
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        problem = mma_problem(region)
+        problem = mma_problem(region) or self.outside_space(region, params, target)
         if problem is not None:
             return problem
-        for knob, values in self.param_space(region, target).items():
-            if params.get(knob) not in values:
-                return f"{knob}={params.get(knob)} is not in the space"
         if not target.arch.startswith("sm_9"):
             return ("written for Hopper (sm_9x): e4m3 widened by cvt.f16x2.e4m3x2, rings of up to 227 KiB of "
                     "shared memory")
         group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
-        smem = shared_bytes(params, group) + STATIC_SHARED_BYTES
-        if smem > target.smem_per_block_bytes:
-            return f"{smem} B of shared memory > {target.smem_per_block_bytes} B"
-        if not cuda_runs_here():
-            return "CUDA C++ candidates are verified on an NVIDIA GPU, and this machine has none"
-        return None
+        return cuda_point_problem(shared_bytes(params, group) + STATIC_SHARED_BYTES, target)
 
     def render(self, region: RegionSummary, params: dict) -> str:
         written, k_tables = kv_write_inputs(region), kv_write_rope(region)

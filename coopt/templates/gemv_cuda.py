@@ -39,19 +39,12 @@ import math
 
 from coopt.ir.region import RegionSummary
 from coopt.targets import Target
-from coopt.templates.base import TemplateFamily, render_template
+from coopt.templates.base import TemplateFamily, cuda_point_problem, render_template
 from coopt.templates.ewprogram import render_program
 from coopt.templates.matmul_epilogue import MatmulEpilogueFamily, _first_extra, _n_extra, _norm_prologue
 
 SLAB = 256  # bf16 elements of a row a warp copies at once (16 bytes a lane)
 SLAB_BYTES = 2 * SLAB
-
-
-def cuda_runs_here() -> bool:
-    """Whether this process can compile and run CUDA C++ candidates (and so verify them)."""
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _static_ints(shape) -> bool:
@@ -114,12 +107,9 @@ class GemvCudaFamily(TemplateFamily):
         return {"num_warps": [8, 16], "ROWS": [1, 2], "num_stages": [4, 6, 8], "BLOCKS": [1, 2]}
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        problem = gemv_problem(region)
+        problem = gemv_problem(region) or self.outside_space(region, params, target)
         if problem is not None:
             return problem
-        for knob, values in self.param_space(region, target).items():
-            if params.get(knob) not in values:
-                return f"{knob}={params.get(knob)} is not in the space"
         if not target.arch.startswith("sm_9"):
             return "written for Hopper (sm_9x): griddepcontrol (PDL) and cp.async rings"
         glu, n_rows = bool(region.attrs.get("glu")), region.inputs[1].shape[0]
@@ -128,12 +118,7 @@ class GemvCudaFamily(TemplateFamily):
         if not glu and n_rows % params["ROWS"]:
             return f"N={n_rows} is not a multiple of ROWS={params['ROWS']}"
         k = region.inputs[1].shape[1]
-        smem = shared_bytes(params, k, glu) + 64  # + the norm's warp sums
-        if smem > target.smem_per_block_bytes:
-            return f"{smem} B of shared memory > {target.smem_per_block_bytes} B"
-        if not cuda_runs_here():
-            return "CUDA C++ candidates are verified on an NVIDIA GPU, and this machine has none"
-        return None
+        return cuda_point_problem(shared_bytes(params, k, glu) + 64, target)  # + the norm's warp sums
 
     def render(self, region: RegionSummary, params: dict) -> str:
         norm = _norm_prologue(region)

@@ -25,7 +25,7 @@ from coopt.ir.region import TensorSpec
 from coopt.llm_advisor.heuristic import HeuristicAdvisor
 from coopt.llm_advisor.protocol import AdviceRequest
 from coopt.targets import H200
-from coopt.templates import decode_attention_mma
+from coopt.templates import base as template_base
 from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily, shared_bytes
 from coopt.templates.registry import families_for
 from coopt.verify.profiles import resolve_profile
@@ -57,7 +57,7 @@ def folded_fp8(batch=2, heads=32, kv_heads=8, max_length=512, offsets=("k",), ga
 @pytest.fixture
 def gpu_points(monkeypatch):
     """As on a GPU machine: the family offers points."""
-    monkeypatch.setattr(decode_attention_mma, "cuda_runs_here", lambda: True)
+    monkeypatch.setattr(template_base, "cuda_runs_here", lambda: True)
 
 
 def test_it_takes_fp8_caches_with_scalar_scales_and_128_wide_rows(gpu_points):
@@ -81,10 +81,10 @@ def test_it_takes_fp8_caches_with_scalar_scales_and_128_wide_rows(gpu_points):
 
 
 def test_no_point_without_a_gpu_and_every_space_point_checked(monkeypatch):
-    monkeypatch.setattr(decode_attention_mma, "cuda_runs_here", lambda: False)
+    monkeypatch.setattr(template_base, "cuda_runs_here", lambda: False)
     assert MMA.legal_points(plain(), H200) == []
     assert "NVIDIA GPU" in MMA.check(plain(), ADVISED, H200)
-    monkeypatch.setattr(decode_attention_mma, "cuda_runs_here", lambda: True)
+    monkeypatch.setattr(template_base, "cuda_runs_here", lambda: True)
     points = MMA.legal_points(plain(), H200)
     assert ADVISED in points and SMALL in points
     assert MMA.check(plain(), {**ADVISED, "SPLIT": 64}, H200) == "SPLIT=64 is not in the space"

@@ -19,7 +19,7 @@ from coopt.ir.region import RegionSummary, TensorSpec
 from coopt.llm_advisor.heuristic import HeuristicAdvisor
 from coopt.llm_advisor.protocol import AdviceRequest
 from coopt.targets import H200
-from coopt.templates import gemv_cuda
+from coopt.templates import base as template_base
 from coopt.templates.ewprogram import render_program
 from coopt.templates.gemv_cuda import GemvCudaFamily, gemv_problem, shared_bytes
 from coopt.templates.registry import families_for
@@ -54,7 +54,7 @@ def region(n: int = 512, k: int = 512, form: str = "residual", rows: int = 1, dt
 @pytest.fixture
 def gpu_points(monkeypatch):
     """As on a GPU machine: the family offers points."""
-    monkeypatch.setattr(gemv_cuda, "cuda_runs_here", lambda: True)
+    monkeypatch.setattr(template_base, "cuda_runs_here", lambda: True)
 
 
 def test_it_takes_the_batch_1_decode_gemvs_beside_the_triton_family():
@@ -80,10 +80,10 @@ def test_it_declines_what_the_kernel_does_not_implement_and_says_why(changed, wh
 
 
 def test_no_point_without_a_gpu_and_every_space_point_checked(monkeypatch):
-    monkeypatch.setattr(gemv_cuda, "cuda_runs_here", lambda: False)
+    monkeypatch.setattr(template_base, "cuda_runs_here", lambda: False)
     assert GEMV.legal_points(region(), H200) == []
     assert "NVIDIA GPU" in GEMV.check(region(), ADVISED, H200)
-    monkeypatch.setattr(gemv_cuda, "cuda_runs_here", lambda: True)
+    monkeypatch.setattr(template_base, "cuda_runs_here", lambda: True)
     assert ADVISED in GEMV.legal_points(region(), H200)
     assert GEMV.check(region(), {**ADVISED, "num_warps": 4}, H200) == "num_warps=4 is not in the space"
     assert "ROWS=2" in GEMV.check(region(form="norm_swiglu"), ADVISED, H200)
