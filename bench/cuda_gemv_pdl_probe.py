@@ -25,6 +25,11 @@ before a wait and consumed after it. This probe is written in CUDA C++ so it can
   Every PDL block lets dependents in right after its wait (the grid has no later blocks they
   could crowd out), so at most two kernels of the chain are in flight.
 
+The product form of this kernel is the template family gemv_cuda (templates/gemv_cuda.py: MODE 2
+always, launched with PDL where the build measures it faster, with the norm prologue and the
+epilogue programs a build's regions carry); this probe keeps the modes and the counter-drawn
+form that session 30 compared.
+
 Timed graph-replayed over weight copies past the L2 (gemm.graph_ms), one o -> gate|up -> down
 triple a call, against the GEMV template's three kernels at the heuristic's first points, without
 and with the template's own PDL form (the control: whole steps measured it slower) (with
