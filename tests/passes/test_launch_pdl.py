@@ -143,3 +143,29 @@ def test_a_graph_replayed_build_measures_and_records_its_launch(tmp_path):
     expected = ["gemv"] if times["gemv"] < times["none"] * (1 - MIN_GAIN) else []
     assert launch_record["pdl"] == expected == json.loads((out / "selection.json").read_text())["pdl"]
     assert "- launch: " in (out / "report.md").read_text()
+
+
+def fake_kernel(kind: str):
+    """A generated module's run() and its PDL switch, as kernel_modules finds them (no GPU needed)."""
+    space = {"PDL": False, "PDL_KIND": kind}
+    exec("def use_pdl(on):\n    global PDL\n    PDL = bool(on)\n    return PDL\n\n\ndef run(*inputs):\n    return None\n",
+         space)
+    return space["run"]
+
+
+def test_the_default_options_time_the_cuda_gemvs_alone_and_with_the_triton_ones():
+    """A step with CUDA GEMVs (templates/gemv_cuda.py, built for PDL) beside Triton ones: both
+    gemv_cuda options are timed, and the one that wins is what the step launches with."""
+    from types import SimpleNamespace
+
+    built = SimpleNamespace(_kernels={"r0": fake_kernel("gemv"), "r1": fake_kernel("gemv_cuda")})
+    timed = []
+
+    def timer(steps):
+        timed.append(sorted(steps))
+        return {label: 0.9 if label == "gemv_cuda" else 1.0 for label in steps}
+
+    choice = choose_pdl(built, (), graph=lambda: (lambda *a: None), timer=timer)
+    assert timed == [["gemv", "gemv_cuda", "gemv_cuda,gemv", "none"]]  # no decode attention: not its option
+    assert choice["pdl"] == ["gemv_cuda"]
+    assert {space["PDL_KIND"]: space["PDL"] for space in kernel_modules(built)} == {"gemv": False, "gemv_cuda": True}
