@@ -68,12 +68,6 @@ SOURCE = r"""
 
 {% include "cuda/_prelude.cuh.j2" %}
 
-__device__ __forceinline__ float dot8(const u32x4& w, const u32x4& x) {
-  return lo_bf16(w.x) * lo_bf16(x.x) + hi_bf16(w.x) * hi_bf16(x.x) + lo_bf16(w.y) * lo_bf16(x.y)
-       + hi_bf16(w.y) * hi_bf16(x.y) + lo_bf16(w.z) * lo_bf16(x.z) + hi_bf16(w.z) * hi_bf16(x.z)
-       + lo_bf16(w.w) * lo_bf16(x.w) + hi_bf16(w.w) * hi_bf16(x.w);
-}
-
 // y[n] = sum_k W[n, k] x[k], W [groups * ROWS, K] bf16 row-major; a persistent grid. With GLU the
 // weight is [gate; up] and a group's two rows are gate row g and up row g: y[g] = silu(gate) * up
 //

@@ -18,7 +18,9 @@ its own cp.async ring of 512-byte slabs), it issues its ring's first slabs befor
 `griddepcontrol.wait` (a weight is no kernel's output) and lets its successor in right after. On
 the H200 (bench/cuda_gemv_pdl_probe.py, session 30), o -> gate|up -> down of a Llama-3-8B layer:
 95.8-96.6 µs launched with PDL against 98.2-98.7 for the template's three launches (98.5-98.7
-with the template's own PDL); each alone at about the template's time.
+with the template's own PDL); each alone at about the template's time. In a b1 / 32768 fp8 build
+(bench/RESULTS.md session 30) it won the o GEMV (10.1 against 11.0 µs) and lost every region with
+an RMSNorm prologue (q|k|v 16.7 against 15.0, gate|up 60.6 against 56.6): not yet understood.
 
 PDL: the module's kernels launch with it where the build measured the step faster so
 (selection.json "pdl" naming PDL_KIND "gemv_cuda": tune/launch.py), or where COOPT_PDL says; the
