@@ -5,6 +5,7 @@
     python bench/gemm.py                          # every legal point (hours: narrow it down)
     python bench/gemm.py --shapes up,down --variants tma --limit 40 --json gemm.json
     python bench/gemm.py --shapes layer --variants stream-k --advised 2  # stream-K GEMVs beside their twins
+    python bench/gemm.py --shapes b1cuda --family both --variants gemv --sample 1 --advised 3  # the CUDA GEMV's points
 
 Shapes (bf16, M x N x K): `up` 4096x16384x4096 + bias, gelu (the MLP up-projection); `down`
 4096x4096x16384 + bias + residual; `decode` M = 1, 8, 32 with N = 4096 / 14336, K = 4096 (a
@@ -16,7 +17,9 @@ head, q|k|v, gate|up + SwiGLU read h * g and the chunk sums of h^2); `fused` the
 GEMVs with what fuse-decode-gemv puts in them: an RMSNorm prologue (`norm`: q|k|v 6144 wide,
 lm_head) and SwiGLU over the merged gate|up
 (`norm_swiglu`: N = 14336 outputs from a [2 x 14336, 4096] weight), against eager running
-F.rms_norm, the GEMM, silu and mul as separate kernels. Each point is rendered by the family, checked against eager PyTorch,
+F.rms_norm, the GEMM, silu and mul as separate kernels; `b1cuda` the batch-1 GEMVs with and without
+their norm, for `--family gemv_cuda` (the CUDA GEMV's legal points, then CUDA_WIDE's fewer warps
+and deeper rings) or `--family both` (beside the template's). Each point is rendered by the family, checked against eager PyTorch,
 then timed with triton.testing.do_bench (median, L2 flushed). References: `cublas` is the bare
 matmul (torch.matmul), `eager` the whole region (F.linear plus the epilogue) as the model runs it.
 
@@ -71,6 +74,10 @@ SHAPES = {
     # the batch-32 residual GEMVs (o + residual, down + residual), the two furthest from their
     # bytes in a b32 step (session 28: 12.9 and 33.5 µs against 8.0 and 28.0 at 4.2 TB/s)
     "residual32": [(32, 4096, 4096, "residual"), (32, 4096, 14336, "residual")],
+    # the batch-1 GEMVs of a layer and the head, with and without their RMSNorm prologue, for the
+    # CUDA family (`--family gemv_cuda`): does the norm cost it, and which rings stream best
+    "b1cuda": [(1, 128256, 4096, "norm"), (1, 14336, 4096, "norm_swiglu"), (1, 6144, 4096, "norm"),
+               (1, 6144, 4096, "plain"), (1, 14336, 4096, "swiglu"), (1, 4096, 14336, "residual")],
     "fused": [(1, 6144, 4096, "norm"), (1, 14336, 4096, "norm_swiglu"), (32, 6144, 4096, "norm"),
               (32, 14336, 4096, "norm_swiglu"), (1, 128256, 4096, "norm")],
 }
@@ -154,6 +161,9 @@ def parse_args():
     parser.add_argument("--variants", default="all", choices=["all", "plain", "persistent", "tma", "gemv", "stream-k"],
                         help="full mode: keep only points of this kernel variant; stream-k: the advisor's first "
                              "--advised GEMV points, each beside its stream-K twins")
+    parser.add_argument("--family", default="matmul_epilogue", choices=["matmul_epilogue", "gemv_cuda", "both"],
+                        help="whose points: the Triton template's (the modes above), the CUDA GEMV's (its legal "
+                             "points, then a wider grid of warps and ring depths), or both")
     parser.add_argument("--limit", type=int, default=None, help="full mode: at most this many points per shape")
     parser.add_argument("--advised", type=int, default=3,
                         help="quick and --sample modes: also the heuristic advisor's first N points per shape")
@@ -278,6 +288,37 @@ def select_points(region, args) -> list[dict]:
     return points[: args.limit] if args.limit else points
 
 
+# gemv_cuda points past the family's space: fewer warps and deeper rings keep more of each row's
+# bytes in flight with fewer rows at once (what the family's space could grow into)
+CUDA_WIDE = {"num_warps": [4, 8, 16], "ROWS": [1, 2], "num_stages": [4, 8, 12, 16], "BLOCKS": [1]}
+
+
+def cuda_points(region) -> list[dict]:
+    """gemv_cuda's legal points for the region, then the CUDA_WIDE grid's points that fit an SM."""
+    from coopt.targets import H200
+    from coopt.templates.base import cuda_point_problem
+    from coopt.templates.gemv_cuda import GemvCudaFamily, gemv_problem, shared_bytes
+
+    if gemv_problem(region) is not None:
+        return []
+    points = GemvCudaFamily().legal_points(region, H200)
+    glu, (n_rows, k) = bool(region.attrs.get("glu")), region.inputs[1].shape
+    for values in itertools.product(*CUDA_WIDE.values()):
+        params = dict(zip(CUDA_WIDE, values))
+        if (glu and params["ROWS"] != 2) or n_rows % params["ROWS"] or params in points:
+            continue
+        if cuda_point_problem(shared_bytes(params, k, glu) + 64, H200) is None:
+            points.append(params)
+    return points
+
+
+def family_points(region, args) -> list[tuple[str, dict]]:
+    """(family name, point) pairs --family asks for."""
+    template = [] if args.family == "gemv_cuda" else [("matmul_epilogue", p) for p in select_points(region, args)]
+    cuda = [] if args.family == "matmul_epilogue" else [("gemv_cuda", p) for p in cuda_points(region)]
+    return template + cuda
+
+
 def stream_k_pairs(region, count: int) -> list[dict]:
     """The advisor's first `count` GEMV points of one program a tile (no SPLIT_K), each followed by
     its stream-K twins: the same tile with the weight's (tile, K step) pairs shared out equally
@@ -320,6 +361,8 @@ def advised_points(region, count: int) -> list[dict]:
 
 
 def label(params: dict) -> str:
+    if "ROWS" in params:  # a gemv_cuda point
+        return f"cuda w{params['num_warps']} r{params['ROWS']} s{params['num_stages']} b{params['BLOCKS']}"
     text = f"{params['BLOCK_M']}x{params['BLOCK_N']}x{params['BLOCK_K']} w{params['num_warps']} s{params['num_stages']}"
     text += f" g{params['GROUP_M']}" + (f" splitk{params['SPLIT_K']}" if params["SPLIT_K"] > 1 else "")
     flags = [name for name, on in (("persistent", params.get("PERSISTENT")), ("tma", params.get("USE_TMA"))) if on]
@@ -473,30 +516,32 @@ def main() -> int:
     args = parse_args()
     shapes = list(dict.fromkeys(shape for name in args.shapes.split(",") for shape in SHAPES[name]))
     if args.list:
-        print_points({shape: select_points(make_region(*shape), args) for shape in shapes}, label)
+        print_points({shape: [p for _, p in family_points(make_region(*shape), args)] for shape in shapes}, label)
         return 0
     if not announce_gpu("bench/gemm.py", mode="quick" if args.quick else "full"):
         return 2
     import torch
 
     from coopt.runtime.kernel_loader import load_module_from_file
-    from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
+    from coopt.templates.registry import template_families
 
-    family = MatmulEpilogueFamily()
     work_dir = Path(tempfile.mkdtemp(prefix="coopt_gemm_"))
 
-    # 1. render every (shape, point) and compile them in parallel
+    # 1. render every (shape, point) and compile the Triton ones in parallel (NVRTC compiles a
+    # CUDA point in the process that runs it: nothing a worker could leave behind)
     plan = []
     for shape in shapes:
         region = make_region(*shape)
-        for i, params in enumerate(select_points(region, args)):
+        for i, (family, params) in enumerate(family_points(region, args)):
             path = work_dir / f"{region.name}__{i}.py"
-            path.write_text(family.render(region, params))
-            plan.append((shape, params, str(path)))
+            path.write_text(template_families()[family].render(region, params))
+            plan.append((shape, family, params, str(path)))
     started = time.time()
-    print(f"compiling {len(plan)} kernels in {args.jobs} processes ...", flush=True)
+    triton_jobs = [(path, shape) for shape, family, _, path in plan if family == "matmul_epilogue"]
+    print(f"compiling {len(triton_jobs)} Triton kernels in {args.jobs} processes ...", flush=True)
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        warm_errors = list(pool.map(_warm, [(path, shape) for shape, _, path in plan]))
+        warmed = dict(zip([path for path, _ in triton_jobs], pool.map(_warm, triton_jobs)))
+    warm_errors = [warmed.get(path) for *_, path in plan]
     print(f"compiled in {time.time() - started:.0f} s", flush=True)
 
     # 2. per shape: references, then every point (checked, timed, checked again)
@@ -518,7 +563,7 @@ def main() -> int:
         report("cublas (torch.matmul, no epilogue)", cublas)
         report("eager (F.linear + epilogue)", reference)
         results = []
-        for (s, params, path), warm_error in zip(plan, warm_errors):
+        for (s, _, params, path), warm_error in zip(plan, warm_errors):
             if s != shape:
                 continue
             name = label(params)
@@ -540,6 +585,8 @@ def main() -> int:
             results.append((measured[-1], name, measured, err))
         for _, name, measured, err in sorted(results):
             report(name, measured, err, versus=(cublas, reference))
+        if args.json:  # after every shape: a run cut short by a time limit keeps what it measured
+            args.json.write_text(json.dumps(rows, indent=1))
     print(f"\ntotal {time.time() - started:.0f} s", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -27,6 +27,7 @@
 #   bash bench/gpu_session.sh capacity   # bench/capacity.py --throughput: PagedDecoder.step() (graph-replayed) at capacity,
 #                                        # paged bf16 / static / paged fp8, 8 layers, 4 GiB of KV (~6-8 min)
 #   bash bench/gpu_session.sh accuracy-smooth   # the harness: bf16, per-head, smoothed K, smoothed K and V only
+#   bash bench/gpu_session.sh gemv-sweep # the CUDA GEMV's GPU tests and points on the b1 GEMVs, norm or not (~8 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
 #   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
@@ -383,6 +384,12 @@ case "${1:-}" in
     gemv-cuda)  # issue 3, session 30: the CUDA GEMV family's GPU tests, then b1 / 32768 fp8 built with it (~5 min)
         step 150 gemv-cuda-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_gemv_cuda.py
         OUT=$OUT bash "$0" mma-32768-build
+        ;;
+    gemv-sweep)  # issue 3, session 31: the CUDA GEMV's GPU tests, then its points (the family's and fewer warps /
+                 # deeper rings) on the b1 GEMVs with and without their norm, beside the template's first (~8 min)
+        step 120 gemv-cuda-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_gemv_cuda.py
+        step 420 gemv-sweep python bench/gemm.py --shapes b1cuda --family both --variants gemv --sample 1 \
+            --advised 3 --json "$OUT/gemv_sweep.json"
         ;;
     gemv-cuda-2048)  # issue 3, session 30: b1 / 2048 bf16 built with the CUDA GEMV family (~4 min)
         step 330 decode python bench/decode.py --cases 1:2048:4096 --modes reduce-overhead,coopt \

@@ -69,6 +69,8 @@ def gemv_problem(region: RegionSummary) -> str | None:
         return f"needs a static weight whose K is a multiple of {SLAB}"
     if attrs.get("prologue") is not None and _norm_prologue(region) is None:
         return "its prologue is not an RMSNorm of the row"
+    if region.input_names and not all(region.input_names[i] for i in read_before_wait(region)):
+        return "reads its weight and norm weight before its PDL wait: they must be the model's parameters"
     if attrs.get("row_squares") is not None:
         return "writes row statistics (fuse-norm-statistics' producer form)"
     if len(region.outputs) != 1 or len(attrs.get("outputs", [])) != 1:
@@ -82,6 +84,14 @@ def gemv_problem(region: RegionSummary) -> str | None:
     except (KeyError, ValueError) as error:
         return f"its epilogue program has no CUDA form ({error})"
     return None
+
+
+def read_before_wait(region: RegionSummary) -> list[int]:
+    """Inputs the kernel reads before griddepcontrol.wait: b, and the norm weight where there is
+    one (after b and the bias). Only parameters may be: no kernel before writes them."""
+    norm = _norm_prologue(region)
+    has_g = bool(norm and norm.get("has_weight"))
+    return [1] + ([2 + int(bool(region.attrs.get("has_bias")))] if has_g else [])
 
 
 def epilogue_lines(region: RegionSummary) -> tuple[list[str], str]:

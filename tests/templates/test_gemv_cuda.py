@@ -129,13 +129,27 @@ def test_every_form_compiles_for_hopper_without_spills(hopper_registers, form):
     assert hopper_registers(kernel_source(GEMV.render(region(4096, 4096, form), params))) * 512 <= 65536
 
 
-def test_only_weight_copies_go_out_before_the_wait(hopper_ptx):
-    """x, g, the bias and the residual are the kernel before's outputs (or may be): read after
-    griddepcontrol.wait; the weight's first slabs are copied before it."""
-    ptx = hopper_ptx(kernel_source(GEMV.render(region(4096, 4096, "norm"), ADVISED)))
-    before = ptx.split("griddepcontrol.wait")[0]
-    assert before.count("cp.async.cg.shared.global") >= 1 and "ld.global" not in before
-    assert "griddepcontrol.launch_dependents" in ptx.split("griddepcontrol.wait")[1]
+def test_only_parameter_reads_go_out_before_the_wait(hopper_ptx):
+    """x, the bias and the residual are the kernel before's outputs (or may be): read after
+    griddepcontrol.wait; the weight's first slabs are copied before it, and with a norm the norm
+    weight's pieces (one 16-byte load a thread at 16 warps and K 4096) are loaded before it too."""
+    for form, loads_before in (("residual", 0), ("bias", 0), ("norm", 1), ("norm_no_weight", 0)):
+        ptx = hopper_ptx(kernel_source(GEMV.render(region(4096, 4096, form), ADVISED)))
+        before, after = ptx.split("griddepcontrol.wait")
+        assert before.count("cp.async.cg.shared.global") >= 1, form
+        assert before.count("ld.global") == loads_before, form
+        assert "griddepcontrol.launch_dependents" in after
+
+
+def test_it_declines_a_region_whose_weights_a_kernel_computes():
+    """Read before the PDL wait, b and the norm weight must be parameters (named in input_names)."""
+    norm = region(form="norm")
+    assert gemv_problem(dataclasses.replace(norm, input_names=("", "w.weight", "norm.weight"))) is None
+    for names in (("", "", "norm.weight"), ("", "w.weight", "")):
+        problem = gemv_problem(dataclasses.replace(norm, input_names=names))
+        assert problem is not None and "parameters" in problem
+    residual = region(form="residual")  # its extra input is the kernel before's output: fine
+    assert gemv_problem(dataclasses.replace(residual, input_names=("", "w.weight", ""))) is None
 
 
 def test_the_module_refuses_cpu_tensors_with_one_line(load_candidate):
