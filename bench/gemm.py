@@ -290,7 +290,7 @@ def select_points(region, args) -> list[dict]:
 
 # gemv_cuda points past the family's space: fewer warps and deeper rings keep more of each row's
 # bytes in flight with fewer rows at once (what the family's space could grow into)
-CUDA_WIDE = {"num_warps": [4, 8, 16], "ROWS": [1, 2], "num_stages": [4, 8, 12, 16], "BLOCKS": [1]}
+CUDA_WIDE = {"num_warps": [4, 8, 16], "ROWS": [1, 2], "num_stages": [4, 8, 12, 16], "BLOCKS": [1], "STAGGER": [0, 1]}
 
 
 def cuda_points(region) -> list[dict]:
@@ -362,7 +362,8 @@ def advised_points(region, count: int) -> list[dict]:
 
 def label(params: dict) -> str:
     if "ROWS" in params:  # a gemv_cuda point
-        return f"cuda w{params['num_warps']} r{params['ROWS']} s{params['num_stages']} b{params['BLOCKS']}"
+        return (f"cuda w{params['num_warps']} r{params['ROWS']} s{params['num_stages']} b{params['BLOCKS']}"
+                + (" stagger" if params.get("STAGGER") else ""))
     text = f"{params['BLOCK_M']}x{params['BLOCK_N']}x{params['BLOCK_K']} w{params['num_warps']} s{params['num_stages']}"
     text += f" g{params['GROUP_M']}" + (f" splitk{params['SPLIT_K']}" if params["SPLIT_K"] > 1 else "")
     flags = [name for name, on in (("persistent", params.get("PERSISTENT")), ("tma", params.get("USE_TMA"))) if on]

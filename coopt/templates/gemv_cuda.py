@@ -32,7 +32,9 @@ tests/templates/test_gemv_cuda.py).
 
 Knobs: num_warps (8 or 16: warps of the one block an SM), ROWS (weight rows a warp streams
 together; a GLU group is always its gate and up rows), num_stages (slabs in a warp's ring),
-BLOCKS (blocks an SM: 2 leaves less room for the successor's blocks under PDL).
+BLOCKS (blocks an SM: 2 leaves less room for the successor's blocks under PDL), STAGGER (1: each
+warp starts its rows at its own slab, so the grid's reads at a moment are not all at one offset of
+rows 8 KB apart).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class GemvCudaFamily(TemplateFamily):
         return region.family == "matmul_epilogue" and gemv_problem(region) is None
 
     def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
-        return {"num_warps": [8, 16], "ROWS": [1, 2], "num_stages": [4, 6, 8], "BLOCKS": [1, 2]}
+        return {"num_warps": [8, 16], "ROWS": [1, 2], "num_stages": [4, 6, 8], "BLOCKS": [1, 2], "STAGGER": [0, 1]}
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
         problem = gemv_problem(region) or self.outside_space(region, params, target)

@@ -26,7 +26,7 @@ from coopt.templates.registry import families_for
 from coopt.verify.profiles import resolve_profile
 
 GEMV = GemvCudaFamily()
-ADVISED = {"num_warps": 16, "ROWS": 1, "num_stages": 6, "BLOCKS": 1}
+ADVISED = {"num_warps": 16, "ROWS": 1, "num_stages": 6, "BLOCKS": 1, "STAGGER": 0}
 FORMS = ("plain", "bias", "residual", "norm", "norm_no_weight", "norm_swiglu")
 
 
