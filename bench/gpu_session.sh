@@ -28,6 +28,7 @@
 #                                        # paged bf16 / static / paged fp8, 8 layers, 4 GiB of KV (~6-8 min)
 #   bash bench/gpu_session.sh accuracy-smooth   # the harness: bf16, per-head, smoothed K, smoothed K and V only
 #   bash bench/gpu_session.sh gemv-sweep # the CUDA GEMV's GPU tests and points on the b1 GEMVs, norm or not (~8 min)
+#   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
 #   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
@@ -390,6 +391,19 @@ case "${1:-}" in
         step 120 gemv-cuda-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_gemv_cuda.py
         step 420 gemv-sweep python bench/gemm.py --shapes b1cuda --family both --variants gemv --sample 1 \
             --advised 3 --json "$OUT/gemv_sweep.json"
+        ;;
+    gemv-ncu)  # issue 3, session 31: why the CUDA GEMV with a norm prologue streams slower at 16 warps (ncu, ~2 min)
+        step 150 gemv-cuda-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_gemv_cuda.py
+        ncu=/usr/local/cuda/bin/ncu
+        step 200 gemv-ncu $ncu --clock-control none --target-processes all --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+            --section SchedulerStats --section SourceCounters -k regex:coopt_gemv -o "$OUT/gemv" \
+            python bench/gemv_cuda_ncu.py
+        $ncu -i "$OUT/gemv.ncu-rep" --page details > "$OUT/gemv-details.txt" 2>&1
+        $ncu -i "$OUT/gemv.ncu-rep" --page source --csv --print-source sass > "$OUT/gemv-source.csv" 2>&1
+        grep -E "^  coopt_gemv|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" \
+            "$OUT/gemv-details.txt" | head -80
+        tar -czf "$OUT/gemv-ncu.tar.gz" -C "$OUT" gemv-details.txt gemv-source.csv && rm -f "$OUT"/gemv.ncu-rep "$OUT"/gemv-source.csv
         ;;
     gemv-cuda-2048)  # issue 3, session 30: b1 / 2048 bf16 built with the CUDA GEMV family (~4 min)
         step 330 decode python bench/decode.py --cases 1:2048:4096 --modes reduce-overhead,coopt \

@@ -203,12 +203,15 @@ def reference(r: RegionSummary, inputs: list[torch.Tensor]) -> torch.Tensor:
 @settings(max_examples=resolve_profile().max_examples, deadline=None)  # COOPT_VERIFY_PROFILE=thorough: 200
 @given(form=st.sampled_from(FORMS), n=st.sampled_from([64, 512, 1000, 4096]), k=st.sampled_from([256, 768, 4096]),
        warps=st.sampled_from([8, 16]), rows=st.sampled_from([1, 2]), stages=st.sampled_from([4, 6, 8]),
-       blocks=st.sampled_from([1, 2]), pdl=st.booleans(), seed=st.integers(0, 2**16))
-def test_it_agrees_with_an_fp32_reference(tmp_path_factory, form, n, k, warps, rows, stages, blocks, pdl, seed):
+       blocks=st.sampled_from([1, 2]), stagger=st.sampled_from([0, 1]), pdl=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_it_agrees_with_an_fp32_reference(tmp_path_factory, form, n, k, warps, rows, stages, blocks, stagger, pdl,
+                                          seed):
     from coopt.runtime.kernel_loader import load_module_from_source
 
     r = region(n, k, form)
-    params = {"num_warps": warps, "ROWS": 2 if form == "norm_swiglu" else rows, "num_stages": stages, "BLOCKS": blocks}
+    params = {"num_warps": warps, "ROWS": 2 if form == "norm_swiglu" else rows, "num_stages": stages, "BLOCKS": blocks,
+              "STAGGER": stagger}
     assert GEMV.check(r, params, H200) is None  # every drawn point is legal: none is skipped untested
     module = load_module_from_source(GEMV.render(r, params), tmp_path_factory.mktemp("gemv"), "gemv")
     module.use_pdl(pdl)
