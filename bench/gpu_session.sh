@@ -28,6 +28,7 @@
 #                                        # paged bf16 / static / paged fp8, 8 layers, 4 GiB of KV (~6-8 min)
 #   bash bench/gpu_session.sh accuracy-smooth   # the harness: bf16, per-head, smoothed K, smoothed K and V only
 #   bash bench/gpu_session.sh gemv-sweep # the CUDA GEMV's GPU tests and points on the b1 GEMVs, norm or not (~8 min)
+#   bash bench/gpu_session.sh gemv-align # the CUDA families' GPU tests, fp8 attention alone, the CUDA GEMV's sweep (~8 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
@@ -391,6 +392,15 @@ case "${1:-}" in
         step 120 gemv-cuda-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_gemv_cuda.py
         step 420 gemv-sweep python bench/gemm.py --shapes b1cuda --family both --variants gemv --sample 1 \
             --advised 3 --json "$OUT/gemv_sweep.json"
+        ;;
+    gemv-align)  # issue 3, session 31: the CUDA families without static shared memory (rings on 128-byte boundaries):
+                 # their GPU tests, the fp8 attention alone at b1 / 32768, the CUDA GEMV's sweep (~8 min)
+        step 150 cuda-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_gemv_cuda.py \
+            tests/templates/test_decode_attention_mma.py
+        step 100 fold-times python bench/fold_kernel_times.py --cases b1-32768-fp8 --splits 32 --mma 16:16:ca:8:2 \
+            --json "$OUT/fold_times_mma.json"
+        step 300 gemv-sweep python bench/gemm.py --shapes b1cuda --family both --variants gemv --sample 1 \
+            --advised 2 --json "$OUT/gemv_sweep.json"
         ;;
     gemv-ncu)  # issue 3, session 31: why the CUDA GEMV with a norm prologue streams slower at 16 warps (ncu, ~2 min)
         step 150 gemv-cuda-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_gemv_cuda.py

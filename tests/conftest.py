@@ -81,6 +81,21 @@ def hopper_registers(tmp_path):
 
 
 @pytest.fixture
+def hopper_static_shared(tmp_path):
+    """compile(source) -> bytes of static __shared__ a block of the kernel holds (ptxas's count).
+    The CUDA templates keep none: it goes before the dynamic part and moves their cp.async rings
+    off a 128-byte boundary, where each slab's write takes twice the wavefronts (session 31)."""
+
+    def compile_source(source: str) -> int:
+        result = nvcc_for_hopper(tmp_path, source, "kernel.cubin", "-cubin", "-Xptxas", "-v")
+        used = re.search(r"Used \d+ registers[^\n]*", result.stderr).group(0)
+        found = re.search(r"(\d+) bytes smem", used)
+        return int(found.group(1)) if found else 0
+
+    return compile_source
+
+
+@pytest.fixture
 def hopper_ptx(tmp_path):
     """compile(source) -> the PTX nvcc makes of the CUDA source for sm_90a."""
 

@@ -534,23 +534,29 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
 
 
 def gemv_cuda(request: AdviceRequest) -> tuple[CostFn, str]:
-    """The CUDA batch-1 GEMV (templates/gemv_cuda.py): one block of 16 warps an SM, a warp's ring
-    of 6-8 slabs of one row (a GLU group's two rows at half the slabs: the same bytes), the form
-    that measured fastest launched with PDL (bench/cuda_gemv_pdl_probe.py, session 30: 95.8-96.6
-    µs for a layer's o, gate|up and down against 97.8-99.3 at 8 warps, 2 rows or 4 slabs; rings
-    of 4 slabs lost 40 % under PDL)."""
+    """The CUDA batch-1 GEMV (templates/gemv_cuda.py): one block an SM, 16 warps of one row or 8
+    warps of two rows (the same bytes in flight), rings of 6 slabs (4 for a GLU's two rows), each
+    warp starting at its own slab. Session 31's sweep (bench/gemm.py --shapes b1cuda --family
+    gemv_cuda): those forms within ~1 % of each other and the best on q|k|v, gate|up, down and
+    the head; STAGGER gained up to 10 µs of the head's ~245 and never lost more than ~0.5 µs;
+    4 warps, one row at 8 warps and second blocks an SM were slower. Both warp counts lead the
+    ranking: which wins changes with the region and the measured build picks."""
     glu = bool(request.region.attrs.get("glu"))
     stages_t = 4 if glu else 6
 
     def cost(point: dict) -> float:
-        c = _log_gap(knob(point, WARPS), 16)
-        c += 0.0 if glu else 0.7 * max(0, (knob(point, ("ROWS",)) or 1) - 1)
+        warps = knob(point, WARPS) or 16
+        c = 0.5 * max(0.0, _log_gap(warps, 16) - 1)  # 8 and 16 alike, fewer worse
+        rows_t = 2 if glu or warps < 16 else 1
+        c += 0.7 * abs((knob(point, ("ROWS",)) or rows_t) - rows_t)
         stages = knob(point, STAGES) or stages_t
         c += 0.25 * abs(stages - stages_t) + (1.5 if stages <= 4 and not glu else 0.0)
         c += 0.8 * max(0, (knob(point, ("BLOCKS",)) or 1) - 1)
+        c += 0.5 * (1 - (knob(point, ("STAGGER",)) or 0))
         return c
 
-    return cost, "CUDA batch-1 GEMV: one block of 16 warps an SM, one row a warp through a ring of 6-8 slabs"
+    return cost, ("CUDA batch-1 GEMV: one block an SM, 16 warps of a row or 8 of two rows, rings of 6 slabs, "
+                  "each warp starting at its own slab")
 
 
 def row_reduction(request: AdviceRequest) -> tuple[CostFn, str]:

@@ -67,7 +67,6 @@ from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tab
 
 HEAD_DIM = 128  # the kernel's rows: 128 e4m3 bytes, eight 16-byte pieces
 MAX_GROUP = 8  # query heads a kv head: the PV dot's N (heads 2t, 2t + 1 of the 4 lane columns)
-STATIC_SHARED_BYTES = 16  # the kernel's own __shared__ (the merge's "last" flag, as ptxas counts it)
 
 
 def mma_problem(region: RegionSummary) -> str | None:
@@ -88,11 +87,12 @@ def mma_problem(region: RegionSummary) -> str | None:
 
 
 def shared_bytes(params: dict, group: int) -> int:
-    """Dynamic shared memory a block: every warp's ring (K and V rows of a chunk a slot), the
-    warps' partials (m, l, acc of each head), the merge's weights and sums of every split."""
+    """Dynamic shared memory a block (the kernel has no static __shared__: it would move the rings
+    off a 128-byte boundary): every warp's ring (K and V rows of a chunk a slot), the warps'
+    partials (m, l, acc of each head), the merge's weights and sums of every split, its flag."""
     warps = params["num_warps"]
     ring = params["num_stages"] * 2 * params["CHUNK"] * HEAD_DIM
-    return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group)
+    return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group) + 16
 
 
 class DecodeAttentionMmaFamily(TemplateFamily):
@@ -119,7 +119,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             return ("written for Hopper (sm_9x): e4m3 widened by cvt.f16x2.e4m3x2, rings of up to 227 KiB of "
                     "shared memory")
         group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
-        return cuda_point_problem(shared_bytes(params, group) + STATIC_SHARED_BYTES, target)
+        return cuda_point_problem(shared_bytes(params, group), target)
 
     def render(self, region: RegionSummary, params: dict) -> str:
         written, k_tables = kv_write_inputs(region), kv_write_rope(region)

@@ -92,7 +92,7 @@ def test_no_point_without_a_gpu_and_every_space_point_checked(monkeypatch):
     assert "shared memory" in MMA.check(plain(), ADVISED, small_smem)  # 8 rings of 2 x 8 KiB slots
     assert MMA.check(plain(), {**ADVISED, "num_warps": 4}, small_smem) is None
     assert "Hopper" in MMA.check(plain(), ADVISED, dataclasses.replace(H200, arch="sm_80"))
-    assert shared_bytes(ADVISED, 4) == 8 * 2 * 2 * 32 * 128 + 4 * (8 * 4 * 130 + 2 * 16 * 4)
+    assert shared_bytes(ADVISED, 4) == 8 * 2 * 2 * 32 * 128 + 4 * (8 * 4 * 130 + 2 * 16 * 4) + 16
 
 
 @pytest.mark.parametrize(("batch", "length", "split"), [(1, 32768, 16), (1, 131072, 16), (1, 2048, 8)])
@@ -150,6 +150,13 @@ def test_every_form_compiles_for_hopper_without_spills(hopper_registers, region,
     params = FORMS[form]
     # one block of the form's warps an SM, whatever its registers
     assert hopper_registers(cuda_source(MMA.render(REGIONS[region], params))) * 32 * params["num_warps"] <= 65536
+
+
+@pytest.mark.parametrize("region", ["plain per-head", "paged, pages of 16"])
+def test_its_rings_start_on_a_128_byte_boundary(hopper_static_shared, region):
+    """No static __shared__ (the merge's flag sits after its sums): one would move the rings off a
+    128-byte boundary, where a cp.async's write takes twice the wavefronts (session 31)."""
+    assert hopper_static_shared(cuda_source(MMA.render(REGIONS[region], ADVISED))) == 0
 
 
 def test_one_split_writes_its_output_without_the_global_meeting(hopper_ptx):

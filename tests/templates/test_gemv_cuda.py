@@ -92,20 +92,22 @@ def test_no_point_without_a_gpu_and_every_space_point_checked(monkeypatch):
     big = {**ADVISED, "num_stages": 8}  # 16 warps x 8 slabs x 512 B + x: 65 KiB
     assert "shared memory" in GEMV.check(region(), big, small) and GEMV.check(region(), ADVISED, small) is None
     # x staged in bf16 (normalised under a norm); every warp's ring of 512-byte slabs
-    assert shared_bytes(ADVISED, 4096, glu=False) == 2 * 4096 + 16 * 6 * 512
-    assert shared_bytes({**ADVISED, "ROWS": 2}, 4096, glu=True) == 2 * 4096 + 16 * 6 * 2 * 512
+    assert shared_bytes(ADVISED, 4096, glu=False) == 2 * 4096 + 16 * 6 * 512 + 16 * 4
+    assert shared_bytes({**ADVISED, "ROWS": 2}, 4096, glu=True) == 2 * 4096 + 16 * 6 * 2 * 512 + 16 * 4
 
 
-def test_the_heuristic_ranks_16_warps_one_row_and_a_deep_ring_first(gpu_points):
-    for form, first in (("residual", {"num_warps": 16, "ROWS": 1, "num_stages": 6, "BLOCKS": 1}),
-                        ("norm_swiglu", {"num_warps": 16, "ROWS": 2, "num_stages": 4, "BLOCKS": 1})):
+def test_the_heuristic_ranks_both_warp_counts_staggered_first(gpu_points):
+    """16 warps of a row and 8 of two rows (the same bytes in flight) lead, each warp at its own
+    slab, one block an SM; a GLU's rings at 4 slabs of two rows (session 31's sweep)."""
+    for form, first in (("residual", [(16, 1, 6), (8, 2, 6)]), ("norm_swiglu", [(16, 2, 4), (8, 2, 4)])):
         r = region(n=4096, k=4096, form=form)
         legal = tuple(GEMV.legal_points(r, H200))
         request = AdviceRequest(r, GEMV.name, GEMV.param_space(r, H200), legal, H200.facts(), 4)
         ranked = HeuristicAdvisor().advise(request).ranked
-        assert ranked[0] == first, form
-        if form == "residual":  # the probe's two best rings (session 30) next to each other
-            assert ranked[1] == {**first, "num_stages": 8}
+        lead = {(p["num_warps"], p["ROWS"], p["num_stages"]) for p in ranked[:2]}
+        assert lead == set(first), form
+        assert all(p["STAGGER"] == 1 and p["BLOCKS"] == 1 for p in ranked[:2]), form
+        assert ranked[-1]["STAGGER"] == 0 or ranked[-1]["BLOCKS"] == 2
 
 
 def test_the_epilogue_program_renders_as_cuda_floats():
@@ -127,6 +129,14 @@ def kernel_source(module_source: str) -> str:
 def test_every_form_compiles_for_hopper_without_spills(hopper_registers, form):
     params = {**ADVISED, "ROWS": 2} if form == "norm_swiglu" else ADVISED
     assert hopper_registers(kernel_source(GEMV.render(region(4096, 4096, form), params))) * 512 <= 65536
+
+
+@pytest.mark.parametrize("form", ["norm", "norm_swiglu"])
+def test_its_rings_start_on_a_128_byte_boundary(hopper_static_shared, form):
+    """No static __shared__ (the norm's warp sums sit after the rings): with one, the rings moved
+    off a 128-byte boundary and gate|up with its norm streamed 70.5 µs against 57.8 without."""
+    params = {**ADVISED, "ROWS": 2} if form == "norm_swiglu" else ADVISED
+    assert hopper_static_shared(kernel_source(GEMV.render(region(4096, 4096, form), params))) == 0
 
 
 def test_only_parameter_reads_go_out_before_the_wait(hopper_ptx):
