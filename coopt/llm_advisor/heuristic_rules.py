@@ -534,31 +534,34 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
 
 
 def gemv_cuda(request: AdviceRequest) -> tuple[CostFn, str]:
-    """The CUDA batch-1 GEMV (templates/gemv_cuda.py): one block an SM, 16 warps of one row or 8
-    warps of two rows (the same bytes in flight), rings of 6 slabs (4 for a GLU's two rows), each
-    warp starting at its own slab where rows are short (K <= 4096). Session 31's sweep
-    (bench/gemm.py --shapes b1cuda --family gemv_cuda, rings on 128-byte boundaries): those forms
-    within ~1 % of the best on q|k|v (14.6 µs), gate|up (55.7) and the head (238-239); STAGGER
-    gained up to 10 µs of the head's but cost down (K 14336) 1-3 µs of its 30; 4 warps, one row
-    at 8 warps and second blocks an SM were no faster. Both warp counts lead the ranking: which
-    wins changes with the region, and the build measures them."""
+    """The CUDA batch-1 GEMV (templates/gemv_cuda.py): 16 warps of a row or 8 of two rows (the
+    same bytes in flight), one or two blocks an SM, rings of 6 slabs (4 for a GLU's two rows),
+    each warp starting at its own slab where rows are short (K <= 4096). Session 31's sweep
+    (bench/gemm.py --shapes b1cuda --family gemv_cuda, rings on 128-byte boundaries) had those
+    forms within ~1 % of the best on q|k|v (14.6 µs), gate|up (55.7) and the head (238);
+    STAGGER gained up to 10 µs of the head's but cost down (K 14336) 1-3 µs of its 30; 4 warps
+    and one row at 8 warps were no faster. Which of them wins changes with the region (the o
+    GEMV's best had two blocks an SM: 10.1 µs against 11.2, session 30), and a build measures
+    only its top-k distinct kernels (candidates.diverse_top_k: warps and ring depth set aside),
+    so the ranking puts one and two blocks, one and two rows, first; a block's warps come to 16
+    an SM where the rows allow."""
     glu = bool(request.region.attrs.get("glu"))
     b = _shape(request, 1)
     short_rows = not b or b[-1] <= 4096
     stages_t = 4 if glu else 6
 
     def cost(point: dict) -> float:
-        warps = knob(point, WARPS) or 16
+        warps, blocks = knob(point, WARPS) or 16, knob(point, ("BLOCKS",)) or 1
         c = 0.5 * max(0.0, _log_gap(warps, 16) - 1)  # 8 and 16 alike, fewer worse
         rows_t = 2 if glu or warps < 16 else 1
         c += 0.7 * abs((knob(point, ("ROWS",)) or rows_t) - rows_t)
         stages = knob(point, STAGES) or stages_t
         c += 0.25 * abs(stages - stages_t) + (1.5 if stages <= 4 and not glu else 0.0)
-        c += 0.8 * max(0, (knob(point, ("BLOCKS",)) or 1) - 1)
+        c += 0.3 * (blocks - 1) + 0.1 * _log_gap(warps * blocks, 16)
         c += 0.5 * abs((knob(point, ("STAGGER",)) or 0) - int(short_rows))
         return c
 
-    return cost, ("CUDA batch-1 GEMV: one block an SM, 16 warps of a row or 8 of two rows, rings of 6 slabs, "
+    return cost, ("CUDA batch-1 GEMV: 16 warps of a row or 8 of two rows, one or two blocks an SM, rings of 6 slabs, "
                   + ("each warp starting at its own slab" if short_rows else "rows read in order (long rows)"))
 
 
