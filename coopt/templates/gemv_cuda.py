@@ -3,12 +3,13 @@
 The same regions as the Triton `matmul_epilogue` family (templates/matmul_epilogue.py documents
 the schema), narrowed to what this kernel implements: one activation row (static leading dims of
 product 1), bf16 a, b and outputs, b [N, K] row-major with K a multiple of 256, an optional bias,
-an optional RMSNorm prologue (the row's 1 / rms first, then x / rms * g staged rounded to bf16
-once, as the unfused norm writes it: the Triton GEMV keeps x * g in fp32 and scales the
-accumulator instead, which cost this kernel ~10 % on a 16-bit slab loop: session 30's first build), an optional GLU ([gate; up] rows, the epilogue program combining acc and
-acc_hi), and an epilogue program of elementwise fns over acc and extra inputs of N elements (a
-residual add), one output. Where it matches it is one more family of candidates beside the Triton
-template's, verified and timed like them; the build keeps the fastest that verifies.
+an optional RMSNorm prologue (the norm weight loaded before the PDL wait, x read once after it:
+the row's 1 / rms, then x / rms * g staged rounded to bf16 once, as the unfused norm writes it),
+an optional GLU ([gate; up] rows, the epilogue program combining acc and acc_hi), and an epilogue
+program of elementwise fns over acc and extra inputs of N elements (a residual add), one output.
+b and the norm weight must be parameters (they are read before the wait). Where it matches it is
+one more family of candidates beside the Triton template's, verified and timed like them; the
+build keeps the fastest that verifies.
 
 Why: each of a b1 decode layer's GEMVs pays ~3.9 µs over its bytes (bench/RESULTS.md session 30),
 the drain of the kernel before and its own ramp; the Triton template launched with PDL measured
@@ -18,13 +19,20 @@ its own cp.async ring of 512-byte slabs), it issues its ring's first slabs befor
 `griddepcontrol.wait` (a weight is no kernel's output) and lets its successor in right after. On
 the H200 (bench/cuda_gemv_pdl_probe.py, session 30), o -> gate|up -> down of a Llama-3-8B layer:
 95.8-96.6 µs launched with PDL against 98.2-98.7 for the template's three launches (98.5-98.7
-with the template's own PDL); each alone at about the template's time. In a b1 / 32768 fp8 build
-(bench/RESULTS.md session 30) it won the o GEMV (10.1 against 11.0 µs) and lost every region with
-an RMSNorm prologue (q|k|v 16.7 against 15.0, gate|up 60.6 against 56.6): not yet understood.
+with the template's own PDL). Alone (session 31, bench/gemm.py --shapes b1cuda): q|k|v with its
+norm 14.6 µs against the template's 15.4, gate|up 55.7 against 57.3, down and the head even.
+
+The kernel has no static __shared__ (the norm's per-warp sums sit after the rings): static
+shared memory goes before the dynamic part, and 64 bytes of it put every ring slot off a
+128-byte boundary, where each slab's cp.async took twice the write wavefronts (ncu, session 31:
+gate|up with its norm 70.5 µs against 57.8 without: what session 30's builds lost every norm
+region to).
 
 PDL: the module's kernels launch with it where the build measured the step faster so
 (selection.json "pdl" naming PDL_KIND "gemv_cuda": tune/launch.py), or where COOPT_PDL says; the
-kernel waits before it reads x, g, the bias or the extra inputs, and is correct either way.
+kernel waits before it reads x, the bias or the extra inputs (b and g, parameters, go before),
+and is correct either way. The launch step measures it: on session 31's b1 / 32768 selection
+(two-block GEMVs among them) PDL cost 280 µs a step, and the build kept it off.
 
 Verification needs the GPU: the family offers no point where torch sees no CUDA device (CPU CI
 renders the kernel and compiles it for sm_90a with nvcc where one is installed;
