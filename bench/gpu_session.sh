@@ -29,6 +29,7 @@
 #   bash bench/gpu_session.sh accuracy-smooth   # the harness: bf16, per-head, smoothed K, smoothed K and V only
 #   bash bench/gpu_session.sh gemv-sweep # the CUDA GEMV's GPU tests and points on the b1 GEMVs, norm or not (~8 min)
 #   bash bench/gpu_session.sh gemv-align # the CUDA families' GPU tests, fp8 attention alone, the CUDA GEMV's sweep (~8 min)
+#   bash bench/gpu_session.sh gemv-pdl-chain  # the family's o -> gate|up -> down with and without PDL (~2 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
@@ -401,6 +402,10 @@ case "${1:-}" in
             --json "$OUT/fold_times_mma.json"
         step 300 gemv-sweep python bench/gemm.py --shapes b1cuda --family both --variants gemv --sample 1 \
             --advised 2 --json "$OUT/gemv_sweep.json"
+        ;;
+    gemv-pdl-chain)  # issue 3, session 31: o -> gate|up -> down in the family's modules, PDL off / on, one or two
+                     # blocks an SM, beside the template's three GEMVs (~2 min)
+        step 200 gemv-pdl-chain python bench/gemv_cuda_pdl_chain.py --json "$OUT/gemv_pdl_chain.json"
         ;;
     gemv-ncu)  # issue 3, session 31: why the CUDA GEMV with a norm prologue streams slower at 16 warps (ncu, ~2 min)
         step 150 gemv-cuda-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_gemv_cuda.py
