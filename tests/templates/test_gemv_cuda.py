@@ -161,7 +161,7 @@ def test_it_declines_a_region_whose_weights_a_kernel_computes():
     """Read before the PDL wait, b and the norm weight must be parameters (named in input_names)."""
     norm = region(form="norm")
     assert gemv_problem(dataclasses.replace(norm, input_names=("", "w.weight", "norm.weight"))) is None
-    for names in (("", "", "norm.weight"), ("", "w.weight", "")):
+    for names in (("", "", "norm.weight"), ("", "w.weight", ""), ("", "w.weight")):
         problem = gemv_problem(dataclasses.replace(norm, input_names=names))
         assert problem is not None and "parameters" in problem
     residual = region(form="residual")  # its extra input is the kernel before's output: fine
