@@ -541,7 +541,7 @@ def gemv_cuda(request: AdviceRequest) -> tuple[CostFn, str]:
     forms within ~1 % of the best on q|k|v (14.6 µs), gate|up (55.7) and the head (238);
     STAGGER gained up to 10 µs of the head's but cost down (K 14336) 1-3 µs of its 30; 4 warps
     and one row at 8 warps were no faster. Which of them wins changes with the region (the o
-    GEMV's best had two blocks an SM: 10.1 µs against 11.2, session 30), and a build measures
+    GEMV: 10.1 µs at two blocks an SM against 11.2 at one, session 30), and a build measures
     only its top-k distinct kernels (candidates.diverse_top_k: warps and ring depth set aside),
     so the ranking puts one and two blocks, one and two rows, first; a block's warps come to 16
     an SM where the rows allow."""
