@@ -293,6 +293,14 @@ def select_points(region, args) -> list[dict]:
 CUDA_WIDE = {"num_warps": [8, 16], "ROWS": [1, 2], "num_stages": [4, 8, 12, 16], "BLOCKS": [1], "STAGGER": [0, 1]}
 
 
+CUDA_KNOBS = ("num_warps", "ROWS", "num_stages", "BLOCKS", "STAGGER")  # a point as WARPS:ROWS:STAGES:BLOCKS:STAGGER
+
+
+def cuda_point(fields: list[str]) -> dict:
+    """A gemv_cuda point from its five knob values (the probes' WARPS:ROWS:STAGES:BLOCKS:STAGGER)."""
+    return dict(zip(CUDA_KNOBS, map(int, fields), strict=True))
+
+
 def cuda_points(region) -> list[dict]:
     """gemv_cuda's legal points for the region, then the CUDA_WIDE grid's points that fit an SM."""
     from coopt.targets import H200

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from gemm import cuda_point  # noqa: E402
+
 DEFAULT_CASES = ("14336:norm_swiglu:16:2:6:1:0,14336:swiglu:16:2:6:1:0,"
                  "14336:norm_swiglu:8:2:6:1:0,14336:swiglu:8:2:6:1:0,"
                  "128256:norm:16:1:6:1:0,128256:norm:8:2:6:1:1")
@@ -36,10 +38,8 @@ def parse_case(text: str) -> tuple[tuple, dict]:
     if len(fields) != 7:
         raise ValueError(f"a case is N:EPILOGUE:WARPS:ROWS:STAGES:BLOCKS:STAGGER, got {text!r}")
     n, epilogue, *knobs = fields
-    warps, rows, stages, blocks, stagger = map(int, knobs)
     k = 14336 if epilogue == "residual" else 4096
-    point = {"num_warps": warps, "ROWS": rows, "num_stages": stages, "BLOCKS": blocks, "STAGGER": stagger}
-    return (1, int(n), k, epilogue), point
+    return (1, int(n), k, epilogue), cuda_point(knobs)
 
 
 def main() -> int:

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from gemm import cuda_point, label  # noqa: E402
+
 HIDDEN, FFN = 4096, 14336
 SHAPES = ((1, HIDDEN, HIDDEN, "residual"), (1, FFN, HIDDEN, "norm_swiglu"), (1, HIDDEN, FFN, "residual"))
 DEFAULT_SETS = ("16:1:6:1:1/16:2:4:1:1/16:1:6:1:0;"  # one block an SM throughout
@@ -39,14 +41,12 @@ def parse_sets(text: str) -> list[list[dict]]:
         points = chunk.split("/")
         if len(points) != 3 or any(len(p.split(":")) != 5 for p in points):
             raise ValueError(f"a set is three WARPS:ROWS:STAGES:BLOCKS:STAGGER points joined by '/', got {chunk!r}")
-        sets.append([dict(zip(("num_warps", "ROWS", "num_stages", "BLOCKS", "STAGGER"), map(int, p.split(":"))))
-                     for p in points])
+        sets.append([cuda_point(p.split(":")) for p in points])
     return sets
 
 
-def label(points: list[dict]) -> str:
-    return " / ".join(f"w{p['num_warps']} r{p['ROWS']} s{p['num_stages']} b{p['BLOCKS']}"
-                      + (" st" if p["STAGGER"] else "") for p in points)
+def set_label(points: list[dict]) -> str:
+    return " / ".join(label(p).removeprefix("cuda ") for p in points)
 
 
 def main() -> int:
@@ -93,12 +93,12 @@ def main() -> int:
     template, rotation, alone_us, _ = timed_template_triple(work, len(copies))
     template_us = graph_ms(template, rotation) * 1e3
     rows = [{"kind": "template", "us": template_us, "alone_us": alone_us}]
-    print(f"  {'template (three launches)':58s} {template_us:7.2f} us", flush=True)
+    print(f"  {'template (three launches)':76s} {template_us:7.2f} us", flush=True)
 
     for i, points in enumerate(sets):
         problems = [family.check(r, p, H200) for r, p in zip(regions, points)]
         if any(problems):
-            print(f"  {label(points)}: {'; '.join(filter(None, problems))}", flush=True)
+            print(f"  {set_label(points)}: {'; '.join(filter(None, problems))}", flush=True)
             continue
         modules = [load_module_from_source(family.render(r, p), work / f"set{i}", f"gemv{j}")
                    for j, (r, p) in enumerate(zip(regions, points))]
@@ -118,8 +118,8 @@ def main() -> int:
                       for got, e in zip((y1, y2, y3), expected(*copies[0], y1, y2)))
             us = graph_ms(lambda *ops: chain(*ops), copies) * 1e3
             rows.append({"kind": "gemv_cuda", "points": points, "pdl": pdl, "us": us, "err": err})
-            name = f"{label(points)}{', PDL' if pdl else ''}"
-            print(f"  {name:58s} {us:7.2f} us {weight_bytes / us / 1e6:5.2f} TB/s  err {err:.1e}"
+            name = f"{set_label(points)}{', PDL' if pdl else ''}"
+            print(f"  {name:76s} {us:7.2f} us {weight_bytes / us / 1e6:5.2f} TB/s  err {err:.1e}"
                   + ("" if err < 2e-2 else "  WRONG"), flush=True)
         for m in modules:
             m.use_pdl(False)

@@ -27,7 +27,9 @@ import torch
 # GEMVs alone were the b32 lead (session 12); with the decode attentions too a b1 step measured
 # slower (session 12: +9 µs), so that option must win on its own step to be kept. The CUDA
 # GEMVs (templates/gemv_cuda.py: one wave, weight slabs issued before the wait) are built for PDL
-# (session 30: a layer's three MLP GEMVs 2-3 µs faster with it), alone or with the Triton GEMVs.
+# (session 30: a layer's three MLP GEMVs 2-3 µs faster with it), alone or with the Triton GEMVs;
+# only at one block an SM with an 8-warp gate|up, though (session 31: 15-50 µs slower otherwise),
+# so a build whose fastest GEMVs alone are other points measures these options slower.
 PDL_OPTIONS: tuple[tuple[str, ...], ...] = (("gemv",), ("gemv", "decode_attention"), ("gemv_cuda",),
                                             ("gemv_cuda", "gemv"))
 MIN_GAIN = 0.005
