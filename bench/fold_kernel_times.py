@@ -9,9 +9,10 @@ measurement selects; this times fixed points side by side.
 
     python bench/fold_kernel_times.py --cases b1-32768-fp8,b1-2048-fp8,b1-2048-rope --splits 16,32
 
-fp8 cases time each point twice: V's tiles loaded as bytes and as 16-bit words (V_WORDS), and
-each --mma point of the CUDA family (templates/decode_attention_mma.py) without the query's rope,
-with it, and with the write folded in: what each costs that kernel against the template.
+fp8 cases time each point twice: V's tiles loaded as bytes and as 16-bit words (V_WORDS). Every
+case the CUDA family (templates/decode_attention_mma.py) takes (fp8 with per-head scales, and
+bf16 since session 32) times each --mma point it admits without the query's rope, with it, and
+with the write folded in: what each costs that kernel against the template.
 
 Each case is attention_sweep's (Llama-3-8B heads, the query's rope in the kernel; fp8: per-head
 scales), the new row at the last valid position, K rotated by the query's tables as a Llama
@@ -33,6 +34,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from attention_sweep import CASES, HEAD_DIM, KV_HEADS, advised, make_inputs, make_region  # noqa: E402
 from gemm import announce_gpu, graph_ms, input_copies  # noqa: E402
+
+from coopt.targets import H200  # noqa: E402
 
 
 def write_region(attention):
@@ -88,6 +91,10 @@ def time_mma(case, points, attention, folded, sets, fresh, traffic, module, atte
         split, chunk, copy, warps, stages = point.split(":")
         params = {"SPLIT": int(split), "CHUNK": int(chunk), "COPY": copy, "num_warps": int(warps),
                   "num_stages": int(stages)}
+        problem = family.check(attention, params, H200)
+        if problem is not None:  # e.g. 32-key bf16 chunks at 8 warps: past the shared memory
+            print(f"  mma {point}: skipped ({problem})", flush=True)
+            continue
         name = f"mma{split}_{chunk}{copy}{warps}_{stages}"
         bare, roped, fold = (module(r, family, params, f"{name}_{form}")
                              for r, form in ((no_rope, "bare"), (attention, "rope"), (folded, "folded")))
@@ -110,8 +117,8 @@ def main() -> int:
     parser.add_argument("--cases", default="b1-32768-fp8,b1-2048-fp8,b1-2048-rope")
     parser.add_argument("--splits", default="16,32", help="SPLIT_KV values timed (BLOCK_N 128, tl.dot, 4 warps, 3 stages)")
     parser.add_argument("--mma", default="16:16:ca:8:2,16:32:ca:8:2",
-                        help="fp8 cases: decode_attention_mma points SPLIT:CHUNK:COPY:warps:stages, timed plain, "
-                             "with rope and folded")
+                        help="decode_attention_mma points SPLIT:CHUNK:COPY:warps:stages, timed plain, with rope and "
+                             "folded (cases it takes; points it does not admit are skipped)")
     parser.add_argument("--once", action="store_true", help="launch each kernel once, untimed (for ncu)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -119,9 +126,8 @@ def main() -> int:
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.templates.decode_attention import DecodeAttentionFamily, kv_bytes_read
-    from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily
+    from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily, mma_problem
     from coopt.templates.kv_write import KvWriteFamily
-    from coopt.targets import H200
 
     if not announce_gpu("bench/fold_kernel_times.py"):
         return 1
@@ -180,7 +186,7 @@ def main() -> int:
             print(f"  split {split:2d}{' v-words' if words else '        '}: attention {row['plain_us']:6.2f} us, "
                   f"kv_write + attention {row['write_then_plain_us']:6.2f} us, folded {row['folded_us']:6.2f} us "
                   f"({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}", flush=True)
-        if fp8:
+        if mma_problem(attention) is None:
             rows += time_mma(case, args.mma, attention, folded, sets, fresh, traffic, module, attention_inputs,
                              write_step, DecodeAttentionMmaFamily(), timer)
     if args.json:

@@ -30,6 +30,8 @@
 #   bash bench/gpu_session.sh gemv-sweep # the CUDA GEMV's GPU tests and points on the b1 GEMVs, norm or not (~8 min)
 #   bash bench/gpu_session.sh gemv-align # the CUDA families' GPU tests, fp8 attention alone, the CUDA GEMV's sweep (~8 min)
 #   bash bench/gpu_session.sh gemv-pdl-chain  # the family's o -> gate|up -> down with and without PDL (~2 min)
+#   bash bench/gpu_session.sh mma-bf16   # the CUDA attention over bf16 caches: GPU tests, its kernel beside the template's (~4 min)
+#   bash bench/gpu_session.sh mma-bf16-2048  # b1 / 2048 bf16 built with both CUDA families (~4 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
@@ -424,6 +426,16 @@ case "${1:-}" in
         step 330 decode python bench/decode.py --cases 1:2048:4096 --modes reduce-overhead,coopt \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_gemv_b1_2048.json" --build-dir /tmp/coopt-2048
         reports reports_gemv_b1_2048 coopt-2048
+        ;;
+    mma-bf16)  # issue 3, session 32: the CUDA attention over bf16 caches: the family's GPU tests, then its kernel
+               # beside the Triton template's at b1 / 2048, b32 / 2048 and b1 / 32768 (bare, rope, folded; ~4 min)
+        step 200 mma-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_decode_attention_mma.py
+        step 200 fold-times python bench/fold_kernel_times.py --cases b1-2048,b32-2048,b1-32768 --splits 8,16 \
+            --mma 8:16:ca:8:2,16:16:ca:8:2,32:16:ca:8:2,16:16:ca:4:2,32:16:ca:4:2,1:16:ca:4:2,16:16:ca:8:3 \
+            --json "$OUT/fold_times_mma_bf16.json"
+        ;;
+    mma-bf16-2048)  # issue 3, session 32: b1 / 2048 bf16 built with both CUDA families (= gemv-cuda-2048; ~4 min)
+        OUT=$OUT bash "$0" gemv-cuda-2048
         ;;
     mma-kernel)  # issue 4: the family's GPU tests (fast profile), its kernel alone at b1 / 32768 (~3 min)
         step 120 mma-tests python -m pytest -q -p no:cacheprovider -x tests/templates/test_decode_attention_mma.py

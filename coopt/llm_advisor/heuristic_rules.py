@@ -498,13 +498,15 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
 
 
 def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
-    """The CUDA fp8 decode attention (templates/decode_attention_mma.py): one block an SM (8 warps
+    """The CUDA decode attention (templates/decode_attention_mma.py): one block an SM (8 warps
     and their rings take most of its shared memory), so splits until batch x kv heads x splits
     covers the SMs, as for the Triton template; cp.async through the L1 at 8 warps, the form
     measured at 4.02 TB/s (b1 / 131072, split 16, H200: bench/RESULTS.md session 26; past the L1
     3.44, 4 warps through it 3.42); chunks of 16 keys, which every build measured faster than 32
     (session 28: 23.7 against 24.1 µs at b1 / 32768, 36.8 against 41.7 at b32 / 2048, 127.3
-    against 141.5 at b32 / 8192), 32 ranked second; a ring of 2 slots."""
+    against 141.5 at b32 / 8192), 32 ranked second; a ring of 2 slots. A split takes at least
+    32 KiB of each cache: 256 fp8 keys, 128 bf16 keys (a bf16 cache, session 32: the same bytes
+    a warp's chunks)."""
     q, kv = _shape(request, 0), _shape(request, 1)
     batch = q[0] if len(q) == 4 else 1
     kv_heads, max_length = (kv[-3], kv[-2]) if len(kv) >= 3 else (1, 1)
@@ -512,8 +514,10 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
     sms = int(request.target.get("num_sms") or 132)
     split_vals = _numbers(knob(request.space, ("SPLIT",))) or [1]
     programs = batch * kv_heads
-    # at least 256 keys a split (a chunk for each of 8 warps): shorter shares are all fill and drain
-    split_t = _decode_splits(split_vals, programs, length, sms, min_keys=256)
+    element_bytes = 1 if request.region.inputs[1].dtype == "float8_e4m3fn" else 2
+    # at least 32 KiB a split (256 fp8 keys: a chunk for each of 8 warps): shorter shares are all
+    # fill and drain
+    split_t = _decode_splits(split_vals, programs, length, sms, min_keys=256 // element_bytes)
     # More blocks than SMs (b32: 256 (sequence, kv head) blocks): at 8 warps one block fills an
     # SM, so they run in two waves; at 4 warps three blocks share an SM and all run at once
     # (session 28, b32 / 2048: 36.8 µs at 4 warps; session 26: 47.3 at 8, the template 46.7)
@@ -528,7 +532,7 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
         c += 0.5 * max(0, (knob(point, STAGES) or 2) - 2)
         return c
 
-    return cost, (f"CUDA fp8 decode attention (length~{length}, {programs} sequence x kv heads): SPLIT~{split_t} "
+    return cost, (f"CUDA {'fp8' if element_bytes == 1 else 'bf16'} decode attention (length~{length}, {programs} sequence x kv heads): SPLIT~{split_t} "
                   f"to fill {sms} SMs, {warps_t} warps" + (" (several blocks an SM: no waves)" if waves else "")
                   + ", cp.async through the L1")
 

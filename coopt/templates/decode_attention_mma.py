@@ -1,10 +1,10 @@
-"""decode_attention_mma: decode attention over an fp8 (e4m3) KV cache in CUDA C++ on tensor cores.
+"""decode_attention_mma: decode attention over an fp8 (e4m3) or bf16 KV cache in CUDA C++ on tensor cores.
 
 The same regions as `decode_attention` (templates/decode_attention.py documents the schema: q
 [B, H, 1, D], caches [B, Hkv, S_max, D], lengths, optional query RoPE, the step's cache write
 folded in, or caches in pages read through a page table), narrowed to what this kernel implements:
-both caches float8_e4m3fn with per-tensor or per-head scales, rows of D = 128 bytes stored
-contiguously, a bf16 query and output, and
+both caches float8_e4m3fn with per-tensor or per-head scales, or both bf16 (no scales), rows of
+D = 128 elements stored contiguously, a bf16 query and output, and
 a head group GROUP = H / Hkv of at most 8. Where it matches it is one more family of candidates
 beside the Triton template, verified and timed like them; the build keeps the fastest that
 verifies.
@@ -41,6 +41,13 @@ power of two (its largest |value| into (2^13, 2^14], exact for bf16 values; the 
 scale in the score scale, as the Triton template's TILE_FP16 does); P in [0, 1] is rounded to
 fp16 for the PV dot.
 
+A bf16 cache (session 32) runs the same kernel with rows of 256 bytes (16 pieces, the second
+half's swizzle flipping one more bit so a warp's loads meet no bank twice), the dots on bf16
+operands (mma.sync m16n8k16 bf16: q as it is, no shift; K's words straight from shared memory;
+V's key pairs by prmt; P rounded to bf16, as the Triton template's tl.dot(p.to(v.dtype), v)). It
+is after the b1 / 2048 step's attention latency (~8 µs a layer over 2 µs of bytes in the Triton
+template, bench/NOTES-decode.md).
+
 Numerics against the Triton template: a query rotated here is rounded to bf16 (as the unfused
 rope stores it) before the shift; the folded write rounds rope(k_new) to bf16, subtracts a
 smooth-k / smooth-v offset, divides by the scale (IEEE) and rounds to e4m3 with the hardware's
@@ -65,17 +72,23 @@ from coopt.templates.attention import FP8_CACHE_DTYPE, kv_scale, page_size
 from coopt.templates.base import TemplateFamily, cuda_point_problem, render_template
 from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 
-HEAD_DIM = 128  # the kernel's rows: 128 e4m3 bytes, eight 16-byte pieces
+HEAD_DIM = 128  # the kernel's rows: 128 elements (e4m3: eight 16-byte pieces; bf16: sixteen)
 MAX_GROUP = 8  # query heads a kv head: the PV dot's N (heads 2t, 2t + 1 of the 4 lane columns)
+
+
+def bf16_cache(region: RegionSummary) -> bool:
+    """Both caches bf16 (no scales): the kernel's 256-byte rows and bf16 dots."""
+    return kv_scale(region) is None and all(c.dtype == "bfloat16" for c in region.inputs[1:3])
 
 
 def mma_problem(region: RegionSummary) -> str | None:
     """Why the kernel cannot implement a decode_attention region (None: it can)."""
-    if kv_scale(region) not in ("per-tensor", "per-head"):
-        return "needs an fp8 cache with per-tensor or per-head scales"
     q, k, v = region.inputs[:3]
-    if k.dtype != FP8_CACHE_DTYPE or v.dtype != FP8_CACHE_DTYPE:
-        return "needs both caches in float8_e4m3fn"
+    if not bf16_cache(region):
+        if kv_scale(region) not in ("per-tensor", "per-head"):
+            return "needs both caches in bf16, or in fp8 with per-tensor or per-head scales"
+        if k.dtype != FP8_CACHE_DTYPE or v.dtype != FP8_CACHE_DTYPE:
+            return "needs both caches in float8_e4m3fn (or both in bf16)"
     if q.dtype != "bfloat16" or region.outputs[-1].dtype != "bfloat16":
         return "needs a bf16 query and output"
     if q.shape[3] != HEAD_DIM:
@@ -86,12 +99,13 @@ def mma_problem(region: RegionSummary) -> str | None:
     return None
 
 
-def shared_bytes(params: dict, group: int) -> int:
+def shared_bytes(params: dict, group: int, element_bytes: int = 1) -> int:
     """Dynamic shared memory a block (the kernel has no static __shared__: it would move the rings
-    off a 128-byte boundary): every warp's ring (K and V rows of a chunk a slot), the warps'
-    partials (m, l, acc of each head), the merge's weights and sums of every split, its flag."""
+    off a 128-byte boundary): every warp's ring (K and V rows of a chunk a slot, `element_bytes`
+    a cache element), the warps' partials (m, l, acc of each head), the merge's weights and sums
+    of every split, its flag."""
     warps = params["num_warps"]
-    ring = params["num_stages"] * 2 * params["CHUNK"] * HEAD_DIM
+    ring = params["num_stages"] * 2 * params["CHUNK"] * HEAD_DIM * element_bytes
     return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group) + 16
 
 
@@ -118,8 +132,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
         if not target.arch.startswith("sm_9"):
             return ("written for Hopper (sm_9x): e4m3 widened by cvt.f16x2.e4m3x2, rings of up to 227 KiB of "
                     "shared memory")
-        group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
-        return cuda_point_problem(shared_bytes(params, group), target)
+        return cuda_point_problem(region_shared_bytes(region, params), target)
 
     def render(self, region: RegionSummary, params: dict) -> str:
         written, k_tables = kv_write_inputs(region), kv_write_rope(region)
@@ -135,7 +148,8 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             num_heads=region.attrs["num_heads"],
             num_kv_heads=region.attrs["num_kv_heads"],
             scale=repr(float(scale if scale is not None else 1.0 / math.sqrt(HEAD_DIM))),
-            shared_bytes=shared_bytes(params, group),
+            shared_bytes=region_shared_bytes(region, params),
+            bf16=bf16_cache(region),
             kv_scale=kv_scale(region),
             lengths_t="int" if region.inputs[3].dtype == "int32" else "long long",
             positions_t="int" if written is not None and region.inputs[written].dtype == "int32" else "long long",
@@ -150,3 +164,9 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             page_size=page_size(region),
             row="table_row" if gathered else "batch",  # the rotary tables' row: the write's position, or the sequence's
         )
+
+
+def region_shared_bytes(region: RegionSummary, params: dict) -> int:
+    """`shared_bytes` of a point on a region: its head group, its cache's element size."""
+    group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
+    return shared_bytes(params, group, 2 if bf16_cache(region) else 1)

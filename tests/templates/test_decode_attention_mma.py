@@ -16,8 +16,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_decode_attention import (E4M3_MAX, FAMILY, fp8_reference, fp8_region, make_fp8_inputs, make_paged_inputs,
-                                   paged_region)
+from test_decode_attention import (E4M3_MAX, FAMILY, fp8_reference, fp8_region, make_fp8_inputs, make_inputs,
+                                   make_paged_inputs, make_region, paged_region, reference)
 from test_decode_attention_kv_write import folded, write_inputs
 from test_decode_attention_rope import rope_tables, rotated, with_rope
 
@@ -40,18 +40,31 @@ def plain(batch=1, heads=32, kv_heads=8, max_length=4096, granularity="per-head"
     return fp8_region(batch, heads, kv_heads, max_length, 128, granularity)
 
 
+def plain_bf16(batch=1, heads=32, kv_heads=8, max_length=4096):
+    return make_region(batch, heads, kv_heads, max_length, 128, "bfloat16")
+
+
+def folded_bf16(batch=2, heads=32, kv_heads=8, max_length=512, gathered=False):
+    """fuse-kv-write-attention's region over a bf16 cache: query rope, the write with K's rope."""
+    return gather_tables(folded(with_rope(plain_bf16(batch, heads, kv_heads, max_length), (1, 128))), gathered)
+
+
+def gather_tables(region, gathered):
+    """The region reading whole [S, D] rotary tables at the write's position, where `gathered`."""
+    if not gathered:
+        return region
+    tables = TensorSpec((region.inputs[1].shape[2], 128), "bfloat16")
+    at = region.attrs["kv_write"]["rope_tables_input"]
+    inputs = list(region.inputs)
+    inputs[4] = inputs[5] = inputs[at] = inputs[at + 1] = tables
+    return dataclasses.replace(region, inputs=tuple(inputs), attrs={
+        **region.attrs, "kv_write": {**region.attrs["kv_write"], "gathered_tables": True}})
+
+
 def folded_fp8(batch=2, heads=32, kv_heads=8, max_length=512, offsets=("k",), gathered=False, granularity="per-head"):
     """fuse-kv-write-attention's region over an fp8 cache: query rope, the write with K's rope and offsets."""
     attention = fp8_region(batch, heads, kv_heads, max_length, 128, granularity)
-    region = folded(with_rope(attention, (1, 128)), offsets=offsets)
-    if gathered:  # whole [S, D] tables read at the write's position
-        tables = TensorSpec((max_length, 128), "bfloat16")
-        at = region.attrs["kv_write"]["rope_tables_input"]
-        inputs = list(region.inputs)
-        inputs[4] = inputs[5] = inputs[at] = inputs[at + 1] = tables
-        region = dataclasses.replace(region, inputs=tuple(inputs), attrs={
-            **region.attrs, "kv_write": {**region.attrs["kv_write"], "gathered_tables": True}})
-    return region
+    return gather_tables(folded(with_rope(attention, (1, 128)), offsets=offsets), gathered)
 
 
 @pytest.fixture
@@ -60,11 +73,12 @@ def gpu_points(monkeypatch):
     monkeypatch.setattr(template_base, "cuda_runs_here", lambda: True)
 
 
-def test_it_takes_fp8_caches_with_scalar_scales_and_128_wide_rows(gpu_points):
+def test_it_takes_fp8_caches_with_scalar_scales_or_bf16_caches_and_128_wide_rows(gpu_points):
     assert MMA.matches(plain()) and MMA.matches(folded_fp8()) and MMA.matches(folded_fp8(gathered=True))
+    assert MMA.matches(plain_bf16()) and MMA.matches(folded_bf16()) and MMA.matches(paged_bf16(16))
     assert MMA.matches(plain(granularity="per-tensor")) and MMA.matches(plain(heads=56, kv_heads=8))  # group 7
     assert MMA.matches(paged(16)) and MMA.matches(paged(64))
-    bf16_cache = fp8_region(1, 32, 8, 4096, 128, "per-head", cache_dtype="bfloat16")
+    bf16_with_scales = fp8_region(1, 32, 8, 4096, 128, "per-head", cache_dtype="bfloat16")
     values_only = dataclasses.replace(plain(), inputs=(plain().inputs[0], TensorSpec((1, 8, 4096, 128), "bfloat16"),
                                                        *plain().inputs[2:]))
     refused = {
@@ -72,8 +86,10 @@ def test_it_takes_fp8_caches_with_scalar_scales_and_128_wide_rows(gpu_points):
         "head dim 64": fp8_region(1, 32, 8, 4096, 64, "per-head"),
         "group 16": plain(heads=128, kv_heads=8),
         "bf16 query": fp8_region(1, 32, 8, 4096, 128, "per-head", dtype="float16"),
-        "no cache in fp8": bf16_cache,
+        "a bf16 cache with scales": bf16_with_scales,
         "values-only": values_only,
+        "fp16 caches": make_region(1, 32, 8, 4096, 128, "float16"),
+        "bf16, head dim 64": make_region(1, 32, 8, 4096, 64, "bfloat16"),
     }
     assert [name for name, region in refused.items() if MMA.matches(region)] == []
     # both families offer candidates for the same region; the build measures them side by side
@@ -93,6 +109,9 @@ def test_no_point_without_a_gpu_and_every_space_point_checked(monkeypatch):
     assert MMA.check(plain(), {**ADVISED, "num_warps": 4}, small_smem) is None
     assert "Hopper" in MMA.check(plain(), ADVISED, dataclasses.replace(H200, arch="sm_80"))
     assert shared_bytes(ADVISED, 4) == 8 * 2 * 2 * 32 * 128 + 4 * (8 * 4 * 130 + 2 * 16 * 4) + 16
+    # bf16 rows are twice the bytes: 8 warps' rings of 2 slots of 32-key chunks no longer fit
+    assert "shared memory" in MMA.check(plain_bf16(), ADVISED, H200)
+    assert MMA.check(plain_bf16(), {**ADVISED, "CHUNK": 16}, H200) is None
 
 
 @pytest.mark.parametrize(("batch", "length", "split"), [(1, 32768, 16), (1, 131072, 16), (1, 2048, 8)])
@@ -103,6 +122,16 @@ def test_the_heuristic_fills_the_sms_through_the_l1_at_8_warps(gpu_points, batch
     ranked = HeuristicAdvisor().advise(request).ranked
     assert ranked[0] == {"SPLIT": split, "CHUNK": 16, "COPY": "ca", "num_warps": 8, "num_stages": 2}
     assert ranked[1] == {**ranked[0], "CHUNK": 32}  # measured second in every build (session 28)
+
+
+@pytest.mark.parametrize(("length", "split"), [(2048, 16), (32768, 16), (256, 2)])
+def test_a_bf16_split_takes_the_bytes_of_an_fp8_one(gpu_points, length, split):
+    """At least 32 KiB of each cache a split: 128 bf16 keys (256 fp8 keys)."""
+    region = plain_bf16(max_length=length)
+    legal = tuple(MMA.legal_points(region, H200))
+    request = AdviceRequest(region, MMA.name, MMA.param_space(region, H200), legal, H200.facts(), 3)
+    ranked = HeuristicAdvisor().advise(request).ranked
+    assert ranked[0] == {"SPLIT": split, "CHUNK": 16, "COPY": "ca", "num_warps": 8, "num_stages": 2}
 
 
 def test_more_blocks_than_sms_rank_4_warps_first(gpu_points):
@@ -134,6 +163,11 @@ def paged(page_size, batch=3, max_pages=8):
     return paged_region(batch, 32, 8, batch * max_pages + 2, page_size, max_pages, 128, "bfloat16", "per-head")
 
 
+def paged_bf16(page_size, batch=3, max_pages=8):
+    """decode_attention through a page table over a shuffled pool of bf16 pages."""
+    return paged_region(batch, 32, 8, batch * max_pages + 2, page_size, max_pages, 128, "bfloat16")
+
+
 REGIONS = {
     "plain per-head": plain(),
     "plain per-tensor, int64 lengths": dataclasses.replace(
@@ -141,6 +175,9 @@ REGIONS = {
     "folded, smooth-k": folded_fp8(),
     "folded, gathered tables, smooth-k and smooth-v": folded_fp8(offsets=("k", "v"), gathered=True),
     "paged, pages of 16": paged(16),
+    "bf16 plain": plain_bf16(),
+    "bf16 folded, gathered tables": folded_bf16(gathered=True),
+    "bf16 paged, pages of 16": paged_bf16(16),
 }
 
 
@@ -148,6 +185,8 @@ REGIONS = {
 @pytest.mark.parametrize("region", REGIONS)
 def test_every_form_compiles_for_hopper_without_spills(hopper_registers, region, form):
     params = FORMS[form]
+    if MMA.check(REGIONS[region], params, H200) is not None:
+        params = {**params, "CHUNK": 16}  # bf16: 32-key chunks at 8 warps past the shared memory
     # one block of the form's warps an SM, whatever its registers
     assert hopper_registers(cuda_source(MMA.render(REGIONS[region], params))) * 32 * params["num_warps"] <= 65536
 
@@ -320,3 +359,77 @@ def test_pages_read_through_the_table(load_candidate, form, page_size, lengths):
     (out,) = run_mma(load_candidate, region, FORMS[form], inputs, "mma_paged")
     check_attention(out, fp8_reference(plain(batch=3, max_length=k.shape[2]), inputs[0], k, v, inputs[3], *inputs[5:]))
 
+
+
+# -- bf16 caches on the GPU ----------------------------------------------------------------------
+
+BF16_FORMS = {name: {**params, "CHUNK": 16} for name, params in FORMS.items()}  # 32-key chunks: see check()
+
+
+@pytest.mark.gpu
+@settings(max_examples=resolve_profile().max_examples, deadline=None)
+@given(batch=st.integers(1, 3), group=st.sampled_from([1, 4, 7, 8]), form=st.sampled_from(sorted(BF16_FORMS)),
+       lengths=st.lists(st.sampled_from([1, 2, 15, 16, 17, 31, 33, 255, 256, 257, 1000, 2048]), min_size=3, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_bf16_caches_agree_with_an_fp32_softmax(tmp_path_factory, batch, group, form, lengths, seed):
+    from coopt.runtime.kernel_loader import load_module_from_source
+
+    region = make_region(batch, 2 * group, 2, 2048, 128, "bfloat16")
+    lengths = lengths[:batch]
+    q, k, v, lengths_t = make_inputs(region, lengths, seed=seed)
+    q = q * 37.0  # scores far from 1
+    expected = reference(region, q, k, v, lengths_t)
+    module = load_module_from_source(MMA.render(region, BF16_FORMS[form]), tmp_path_factory.mktemp("mma16"), "mma16")
+    for _ in range(2):  # the merge's counters are zero again after a launch
+        (out,) = module.run(q, k, v, lengths_t)
+        check_attention(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", BF16_FORMS)
+def test_bf16_bytes_past_the_length_never_reach_the_output(load_candidate, form):
+    region = plain_bf16(batch=2, max_length=1024)
+    q, k, v, lengths = make_inputs(region, [300, 1])
+    expected = reference(region, q, k, v, lengths)
+    k[0, :, 300:] = v[0, :, 300:] = float("nan")
+    k[1, :, 1:] = v[1, :, 1:] = float("nan")
+    (out,) = run_mma(load_candidate, region, BF16_FORMS[form], [q, k, v, lengths], "mma16_nan")
+    check_attention(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gathered", [False, True], ids=["broadcast tables", "gathered tables"])
+@pytest.mark.parametrize("form", BF16_FORMS)
+def test_the_bf16_folded_write_stores_the_row_as_the_triton_template(load_candidate, form, gathered):
+    """rope(k_new) rounded to bf16 and v_new stored bit for bit as the Triton template stores
+    them, and the output agreeing with the reference over the written caches."""
+    position, lengths = 300, [301, 120]
+    region = folded_bf16(gathered=gathered)
+    q, k, v, lengths_t = make_inputs(plain_bf16(batch=2, max_length=512), lengths)
+    table_shape = (512, 128) if gathered else (1, 128)
+    cos, sin = rope_tables(table_shape, torch.bfloat16)
+    k_cos, k_sin = rope_tables(table_shape, torch.bfloat16, seed=2)
+    k_new, v_new = write_inputs(2, 8, 128, torch.bfloat16)
+    inputs = [q, k, v, lengths_t, cos, sin, torch.tensor([position], device="cuda"), k_new, v_new, k_cos, k_sin]
+    fresh = lambda: [t.clone() if i in (1, 2) else t for i, t in enumerate(inputs)]  # noqa: E731
+    k_out, v_out, out = run_mma(load_candidate, region, BF16_FORMS[form], fresh(), "mma16_folded")
+    triton_params = {"BLOCK_N": 64, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
+    assert FAMILY.check(region, triton_params, H200) is None
+    k_ref, v_ref, _ = load_candidate(FAMILY.render(region, triton_params), "triton16_folded").run(*fresh())
+    assert torch.equal(k_out.view(torch.int16), k_ref.view(torch.int16))
+    assert torch.equal(v_out.view(torch.int16), v_ref.view(torch.int16))
+    assert not torch.equal(k_out[:, :, position], k[:, :, position])  # the row was written
+    row = position if gathered else slice(None)
+    check_attention(out, reference(plain_bf16(batch=2, max_length=512), rotated(q, cos[row], sin[row]), k_out, v_out,
+                                   lengths_t))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", BF16_FORMS)
+@pytest.mark.parametrize(("page_size", "lengths"), [(16, [1, 17, 128]), (64, [64, 200, 3])],
+                         ids=["pages of 16", "pages of 64"])
+def test_bf16_pages_read_through_the_table(load_candidate, form, page_size, lengths):
+    region = paged_bf16(page_size, max_pages=-(-max(lengths) // page_size) + 1)
+    inputs, (k, v) = make_paged_inputs(region, lengths)
+    (out,) = run_mma(load_candidate, region, BF16_FORMS[form], inputs, "mma16_paged")
+    check_attention(out, reference(plain_bf16(batch=3, max_length=k.shape[2]), inputs[0], k, v, inputs[3]))
