@@ -32,7 +32,9 @@
 #   bash bench/gpu_session.sh gemv-pdl-chain  # the family's o -> gate|up -> down with and without PDL (~2 min)
 #   bash bench/gpu_session.sh mma-bf16   # the CUDA attention over bf16 caches: GPU tests, its kernel beside the template's (~4 min)
 #   bash bench/gpu_session.sh mma-bf16-2048  # b1 / 2048 bf16 built with both CUDA families (~4 min)
-#   bash bench/gpu_session.sh mma-bf16-b32 / mma-bf16-b32-32  # b32 / 2048 bf16 with the CUDA attention, 8 / 32 layers
+#   bash bench/gpu_session.sh mma-bf16-b32  # b32 / 2048 bf16 with the CUDA attention (~5 min)
+#   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
+#   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
@@ -440,10 +442,15 @@ case "${1:-}" in
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_mma_bf16_b32.json" --build-dir /tmp/coopt-b32
         reports reports_mma_bf16_b32 coopt-b32
         ;;
-    mma-bf16-b32-32)  # issue 3, session 32: the same at 32 layers (~9 min)
-        step 580 decode python bench/decode.py --layers 32 --cases 32:2048:4096 --modes reduce-overhead,coopt \
-            --prefill 0 --agreement-steps 8 --out "$OUT/decode_mma_bf16_b32_32.json" --build-dir /tmp/coopt-b32-32
-        reports reports_mma_bf16_b32_32 coopt-b32-32
+    layers32-2048-quick)  # issue 3, session 32 call 4: 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
+        step 575 decode python bench/decode.py --layers 32 --cases 32:2048:4096,1:2048:4096 --modes reduce-overhead,coopt \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_32layers_2048.json" --build-dir /tmp/coopt-32-2048
+        reports reports_32 coopt-32-2048
+        ;;
+    layers32-fp8)  # issue 4, session 32 call 5: 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
+        step 500 decode python bench/decode.py --layers 32 --cases 1:32768:32832 --modes coopt-fp8 \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_32layers_fp8.json" --build-dir /tmp/coopt-32-fp8
+        reports reports_32fp8 coopt-32-fp8
         ;;
     mma-bf16-2048)  # issue 3, session 32: b1 / 2048 bf16 built with both CUDA families (= gemv-cuda-2048; ~4 min)
         OUT=$OUT bash "$0" gemv-cuda-2048
