@@ -532,7 +532,8 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
         c += 0.5 * max(0, (knob(point, STAGES) or 2) - 2)
         return c
 
-    return cost, (f"CUDA {'fp8' if element_bytes == 1 else 'bf16'} decode attention (length~{length}, {programs} sequence x kv heads): SPLIT~{split_t} "
+    cache = "fp8" if element_bytes == 1 else "bf16"
+    return cost, (f"CUDA {cache} decode attention (length~{length}, {programs} sequence x kv heads): SPLIT~{split_t} "
                   f"to fill {sms} SMs, {warps_t} warps" + (" (several blocks an SM: no waves)" if waves else "")
                   + ", cp.async through the L1")
 
