@@ -31,6 +31,7 @@
 #   bash bench/gpu_session.sh gemv-align # the CUDA families' GPU tests, fp8 attention alone, the CUDA GEMV's sweep (~8 min)
 #   bash bench/gpu_session.sh gemv-pdl-chain  # the family's o -> gate|up -> down with and without PDL (~2 min)
 #   bash bench/gpu_session.sh mma-bf16   # the CUDA attention over bf16 caches: GPU tests, its kernel beside the template's (~4 min)
+#   bash bench/gpu_session.sh mma-bf16-sass  # ncu source counters of the bf16 CUDA attention's bare / rope / folded launches (~3 min)
 #   bash bench/gpu_session.sh mma-bf16-2048  # b1 / 2048 bf16 built with both CUDA families (~4 min)
 #   bash bench/gpu_session.sh mma-bf16-b32  # b32 / 2048 bf16 with the CUDA attention (~5 min)
 #   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
@@ -511,6 +512,17 @@ case "${1:-}" in
         # a call brings back only a few files (session 27 lost the probe's CSV): one archive of them all
         tar -czf "$OUT/mma-sass.tar.gz" -C "$OUT" sass family-source.csv probe-source.csv family-details.txt \
             probe-details.txt && rm -rf "$OUT/sass" "$OUT"/*.ncu-rep "$OUT"/*-source.csv "$OUT"/*-details.txt
+        ;;
+    mma-bf16-sass)  # issue 3, session 32's lead: where the bf16 CUDA attention's rope and fold cost 0.8 µs at b1 / 2048
+                    # (its bare, rope and folded launches under ncu's source counters, one launch each; ~3 min)
+        ncu=/usr/local/cuda/bin/ncu
+        step 200 mma-bf16-source $ncu --clock-control none --target-processes all --section SourceCounters \
+            --section WarpStateStats -k regex:coopt_decode_attention_mma --launch-count 3 -o "$OUT/bf16" \
+            python bench/fold_kernel_times.py --once --cases b1-2048 --splits 16 --mma 8:16:ca:8:2
+        $ncu -i "$OUT/bf16.ncu-rep" --page source --csv --print-source sass > "$OUT/bf16-source.csv" 2>&1
+        $ncu -i "$OUT/bf16.ncu-rep" --page details > "$OUT/bf16-details.txt" 2>&1
+        tar -czf "$OUT/mma-bf16-sass.tar.gz" -C "$OUT" bf16-source.csv bf16-details.txt \
+            && rm -f "$OUT"/*.ncu-rep "$OUT"/bf16-source.csv "$OUT"/bf16-details.txt
         ;;
     mma-rope)  # issue 4: where the rope form loses 1.3 µs to the bare one (session 27), then b32 with 4-warp points
         ncu=/usr/local/cuda/bin/ncu
