@@ -18,6 +18,7 @@ rotated, each element mixes all channels and the rounding errors average out.
 
     python bench/fp8_kv_probe.py --device cuda --out probe.json      # GPU, ~1 min with training
     python bench/fp8_kv_probe.py --config tiny --steps 30 --windows 4  # CPU smoke run
+    python bench/fp8_kv_probe.py --per-layer   # the default with each layer's K in bf16 in turn
 """
 
 from __future__ import annotations
@@ -121,12 +122,13 @@ def _run_calibration(model, windows: torch.Tensor, record) -> None:
 
 
 def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smooth_k: bool = False,
-            smooth_v: bool = False, rotate: bool = False):
+            smooth_v: bool = False, rotate: bool = False, bf16_k_layers: frozenset = frozenset()):
     """transform for attention_hook: K and V each None (kept bf16), "head" (one scale per kv head)
     or "channel" (one per kv head and channel); smooth_k subtracts K's calibrated channel means;
     smooth_v rounds v - mean and adds the mean back (what adding it to the attention's output
     does: the probabilities of a query sum to 1); rotate stores (x - mean) @ H (H: hadamard(D))
-    and reads it back times H, which attention does by rotating q and its output alike."""
+    and reads it back times H, which attention does by rotating q and its output alike. The
+    layers in bf16_k_layers keep their K in bf16 (V as the others')."""
     def scale(absmax, granularity):
         per = absmax if granularity == "channel" else absmax.amax(dim=1, keepdim=True)
         return per.clamp_min(1e-12) / FP8_MAX
@@ -145,6 +147,8 @@ def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smo
         return (rounded + (mean if name == "v" else 0.0)).to(x.dtype)
 
     def transform(call, key, value):
+        if call % layers in bf16_k_layers:
+            return variant(stats, layers, k=None, v=v, smooth_v=smooth_v, rotate=rotate)(call, key, value)
         layer = stats[call % layers]
         if rotate:
             return (key if k is None else rotated(key, layer, "k", k, smooth_k),
@@ -176,6 +180,14 @@ VARIANTS = {
     "K+V per-head, K and V smoothed, rotated": dict(k="head", v="head", smooth_k=True, smooth_v=True, rotate=True),
     "K per-head only, smoothed, rotated": dict(k="head", v=None, smooth_k=True, rotate=True),
 }
+# --per-layer: the build's default (K smoothed) with one layer's K kept in bf16 at a time, which
+# says whether K's cost sits in a few layers that a mixed cache could spare
+PER_LAYER_BASE = dict(k="head", v="head", smooth_k=True)
+
+
+def per_layer_variants(layers: int) -> dict:
+    return {f"K+V per-head, K smoothed, layer {layer}'s K bf16": {**PER_LAYER_BASE, "bf16_k_layers": frozenset({layer})}
+            for layer in range(layers)}
 
 
 def main(argv=None) -> dict:
@@ -189,6 +201,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--calibration-windows", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--per-layer", action="store_true",
+                        help="only the build's default and it with each layer's K in bf16 in turn")
     args = parser.parse_args(argv)
     corpus = load_corpus()
     seq_len = train.CONFIGS[args.config]["max_position_embeddings"]
@@ -206,7 +220,9 @@ def main(argv=None) -> dict:
           f"| flips under {metrics.NEAR_TIE_NATS} nats |")
     print("| --- | ---: | ---: | ---: | ---: |")
     plain = metrics.model_logits_fn(bf16)
-    for name, knobs in VARIANTS.items():
+    variants = ({"K+V per-head, K smoothed (--kv-cache fp8)": PER_LAYER_BASE, **per_layer_variants(layers)}
+                if args.per_layer else VARIANTS)
+    for name, knobs in variants.items():
         def quantized(tokens, transform=variant(stats, layers, **knobs)):
             with attention_hook(transform):  # only the candidate's calls: the reference stays plain bf16
                 return plain(tokens)

@@ -62,3 +62,15 @@ def test_rotating_spreads_a_dominant_channel_so_fp8_scores_err_less():
     plain_error = ((q * rounded(k)).sum(-1) - exact).abs().mean()
     rotated_error = ((q @ h * rounded(k @ h)).sum(-1) - exact).abs().mean()  # q rotated alike: (qH) . (kH) = q . k
     assert rotated_error < plain_error / 2, (rotated_error, plain_error)
+
+
+def test_a_layer_in_bf16_k_layers_keeps_its_k_and_rounds_its_v():
+    heads, dim = 2, 8
+    stats = [{"k_absmax": torch.full((heads, dim), 4.0), "v_absmax": torch.full((heads, dim), 4.0),
+              "k_mean": torch.zeros(heads, dim), "v_mean": torch.zeros(heads, dim)} for _ in range(2)]
+    transform = probe.variant(stats, 2, k="head", v="head", bf16_k_layers=frozenset({1}))
+    k, v = torch.full((1, heads, 3, dim), 1.05), torch.full((1, heads, 3, dim), 1.05)  # e4m3: 1.0 or 1.125
+    for call, k_kept in ((0, False), (1, True), (2, False), (3, True)):  # layer = call % 2
+        key, value = transform(call, k, v)
+        assert torch.equal(key, k) == k_kept and not torch.equal(value, v)
+    assert set(probe.per_layer_variants(3)) == {f"K+V per-head, K smoothed, layer {i}'s K bf16" for i in range(3)}
