@@ -146,9 +146,12 @@ def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smo
         rounded = fake_fp8((x.float() - mean) @ rotation, scale(absmax, granularity)).float() @ rotation
         return (rounded + (mean if name == "v" else 0.0)).to(x.dtype)
 
+    # the spared layers' transform, made once: K kept, V as the others'
+    spared = variant(stats, layers, k=None, v=v, smooth_v=smooth_v, rotate=rotate) if bf16_k_layers else None
+
     def transform(call, key, value):
         if call % layers in bf16_k_layers:
-            return variant(stats, layers, k=None, v=v, smooth_v=smooth_v, rotate=rotate)(call, key, value)
+            return spared(call, key, value)
         layer = stats[call % layers]
         if rotate:
             return (key if k is None else rotated(key, layer, "k", k, smooth_k),
