@@ -42,6 +42,7 @@
 #   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
 #   bash bench/gpu_session.sh fp8-values / accuracy-values  # values-only fp8 KV: latency at b32 / 2048, accuracy
 #   bash bench/gpu_session.sh normstats-b32  # b32 / 2048: default against default without fuse-norm-statistics, profiled (~9 min)
+#   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh fold-tests  # the folded fp32 steps' GPU tests, first failure with its traceback (~1 min)
@@ -320,6 +321,14 @@ case "${1:-}" in
         for build in b32-pos2048 b32-pos2048-rownorms; do
             step 100 "profile_$build" python bench/profile_step.py "/tmp/coopt-decode/$build" --batch 32 --out "$OUT/profile_$build.json"
         done
+        ;;
+    values-now)  # issue 4: values-only fp8 (V fp8, K bf16) re-measured with today's kernels beside reduce-overhead,
+        # b1 / 32768 then b32 / 2048 (sessions 14 and 19 measured them before both CUDA families; ~9 min)
+        step 290 values-b1 python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8-values \
+            --prefill 0 --agreement-steps 8 --out "$OUT/values_b1.json" --build-dir /tmp/coopt-values
+        step 290 values-b32 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8-values \
+            --prefill 0 --agreement-steps 8 --out "$OUT/values_b32.json" --build-dir /tmp/coopt-values
+        reports values-reports coopt-values
         ;;
     fp8-values-b1)  # issue 4: values-only fp8 (V fp8, K bf16) against both caches fp8, b1 at 32768 and 131072 (~8 min)
         step 560 decode python bench/decode.py --cases 1:32768:32832,1:131072:131136 --modes coopt-fp8,coopt-fp8-values \
