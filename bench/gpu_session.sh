@@ -43,6 +43,7 @@
 #   bash bench/gpu_session.sh fp8-values / accuracy-values  # values-only fp8 KV: latency at b32 / 2048, accuracy
 #   bash bench/gpu_session.sh normstats-b32  # b32 / 2048: default against default without fuse-norm-statistics, profiled (~9 min)
 #   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
+#   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh fold-tests  # the folded fp32 steps' GPU tests, first failure with its traceback (~1 min)
@@ -327,6 +328,16 @@ case "${1:-}" in
         step 290 values-b1 python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8-values \
             --prefill 0 --agreement-steps 8 --out "$OUT/values_b1.json" --build-dir /tmp/coopt-values
         step 290 values-b32 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8-values \
+            --prefill 0 --agreement-steps 8 --out "$OUT/values_b32.json" --build-dir /tmp/coopt-values
+        reports values-reports coopt-values
+        ;;
+    mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then
+        # values-only b1 / 32768 and b32 / 2048 built with it beside reduce-overhead (~9.5 min)
+        step 150 pytest-mma-values python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+            tests/templates/test_decode_attention_mma.py -k "values_only"
+        step 210 values-b1 python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8-values \
+            --prefill 0 --agreement-steps 8 --out "$OUT/values_b1.json" --build-dir /tmp/coopt-values
+        step 230 values-b32 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8-values \
             --prefill 0 --agreement-steps 8 --out "$OUT/values_b32.json" --build-dir /tmp/coopt-values
         reports values-reports coopt-values
         ;;
