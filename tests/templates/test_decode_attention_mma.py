@@ -544,3 +544,35 @@ def test_values_only_pages_read_through_the_table(load_candidate, form, page_siz
     (out,) = run_mma(load_candidate, region, BF16_FORMS[form], inputs, "mma_vo_paged")
     reference_region = values_only(plain(batch=3, max_length=k.shape[2]))
     check_attention(out, fp8_reference(reference_region, inputs[0], k.to(torch.bfloat16), v, inputs[3], *inputs[5:]))
+
+
+# -- the prologue's machine code (CPU, where nvcc is installed) ----------------------------------
+
+PROLOGUE_REGIONS = ["plain per-head", "bf16 plain", "folded, smooth-k", "bf16 folded, gathered tables",
+                    "values-only plain", "values-only folded, gathered tables, smooth-v"]
+
+
+@pytest.mark.parametrize("region", PROLOGUE_REGIONS)
+def test_the_ring_fills_before_q_is_rotated_and_before_the_new_row_is_written(hopper_sass, region):
+    """The first cp.async goes out within ~300 instructions of the kernel's start, before any
+    tensor-core op and any store of the folded row: ptxas used to hoist q's unpacking, rope and
+    packing above the copies (407 instructions before the first one in the bare bf16 form, 816
+    folded), and the folded row was stored behind a block barrier before them (session 34's
+    device call: b1 / 2048 bf16 folded 7.57 µs against 8.45)."""
+    bf16_keys = REGIONS[region].inputs[1].dtype == "bfloat16"
+    sass = hopper_sass(cuda_source(MMA.render(REGIONS[region], BF16_FORMS["advised"] if bf16_keys else ADVISED)))
+    first_copy = next(i for i, op in enumerate(sass) if op.startswith("LDGSTS"))
+    first_store = next((i for i, op in enumerate(sass) if op.startswith("STG")), len(sass))
+    assert first_copy < 300 and first_copy < first_store, (first_copy, first_store)
+    assert first_copy < next(i for i, op in enumerate(sass) if op.startswith("HMMA"))
+
+
+def test_a_full_chunk_copies_its_rows_from_per_lane_addresses(hopper_sass):
+    """A chunk every row of which lies below the length (all but a split's last) is copied with
+    no zero-fill operand, each copy's addresses a base and a constant: the bare bf16 form's ring
+    fill takes under 100 instructions for its 16 copies of a chunk (the general loop ~200)."""
+    sass = hopper_sass(cuda_source(MMA.render(REGIONS["bf16 plain"], BF16_FORMS["advised"])))
+    copies = [i for i, op in enumerate(sass) if op.startswith("LDGSTS")]
+    first_chunk = copies[:16]
+    assert all(", !P" not in sass[i] for i in first_chunk)  # no ignore-src predicate: every row valid
+    assert first_chunk[-1] - first_chunk[0] < 100, first_chunk
