@@ -115,7 +115,7 @@ def time_mma(case, points, attention, folded, sets, fresh, traffic, module, atte
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="b1-32768-fp8,b1-2048-fp8,b1-2048-rope")
-    parser.add_argument("--splits", default="16,32", help="SPLIT_KV values timed (BLOCK_N 128, tl.dot, 4 warps, 3 stages)")
+    parser.add_argument("--splits", default="16,32", help="SPLIT_KV values timed (BLOCK_N 128, tl.dot, 4 warps, 3 stages); empty: none")
     parser.add_argument("--mma", default="16:16:ca:8:2,16:32:ca:8:2",
                         help="decode_attention_mma points SPLIT:CHUNK:COPY:warps:stages, timed plain, with rope and "
                              "folded (cases it takes; points it does not admit are skipped)")
@@ -167,7 +167,7 @@ def main() -> int:
         print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V; kv_write alone {write_ms * 1e3:.2f} us", flush=True)
         # fp8: fp16 tiles, V loaded as bytes and as words (V_WORDS)
         variants = [{"TILE_FP16": True}, {"TILE_FP16": True, "V_WORDS": True}] if fp8 else [{}]
-        for split, variant in ((s, v) for s in map(int, args.splits.split(",")) for v in variants):
+        for split, variant in ((s, v) for s in (int(x) for x in args.splits.split(",") if x) for v in variants):
             params = {"BLOCK_N": 128, "SPLIT_KV": split, "USE_DOT": True, "num_warps": 4, "num_stages": 3, **variant}
             words = bool(variant.get("V_WORDS"))
             plain = module(attention, attention_family, params, f"plain{split}{'w' if words else ''}")

@@ -43,6 +43,8 @@
 #   bash bench/gpu_session.sh fp8-values / accuracy-values  # values-only fp8 KV: latency at b32 / 2048, accuracy
 #   bash bench/gpu_session.sh normstats-b32  # b32 / 2048: default against default without fuse-norm-statistics, profiled (~9 min)
 #   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
+#   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
+#   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
 #   bash bench/gpu_session.sh fold-tests  # the folded fp32 steps' GPU tests, first failure with its traceback (~1 min)
@@ -327,6 +329,30 @@ case "${1:-}" in
         step 290 values-b1 python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8-values \
             --prefill 0 --agreement-steps 8 --out "$OUT/values_b1.json" --build-dir /tmp/coopt-values
         step 290 values-b32 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8-values \
+            --prefill 0 --agreement-steps 8 --out "$OUT/values_b32.json" --build-dir /tmp/coopt-values
+        reports values-reports coopt-values
+        ;;
+    mma-prologues)  # issue 3, session 34: the CUDA attention's prologue (q's math after the first copies, full
+        # chunks copied from per-lane addresses, the folded row patched into its ring slot): every GPU test of
+        # the family, then its kernel (bare / rope / folded) beside $BASE's (a snapshot of main), twice each (~6 min)
+        step 240 mma-tests python -m pytest -q -p no:cacheprovider --tb=short tests/templates/test_decode_attention_mma.py
+        for run in 1 2; do
+            for tree in "$PWD" "${BASE:-}"; do
+                [ -n "$tree" ] || continue
+                name=$([ "$tree" = "$PWD" ] && echo this || echo base)
+                step 120 "fold-times-$name-$run" python "$tree/bench/fold_kernel_times.py" \
+                    --cases b1-2048,b1-2048-fp8,b1-32768-fp8 --splits "" --mma 16:16:ca:8:2 \
+                    --json "$OUT/fold_times_${name}_$run.json"
+            done
+        done
+        ;;
+    mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then
+        # values-only b1 / 32768 and b32 / 2048 built with it beside reduce-overhead (~9.5 min)
+        step 150 pytest-mma-values python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+            tests/templates/test_decode_attention_mma.py -k "values_only"
+        step 210 values-b1 python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8-values \
+            --prefill 0 --agreement-steps 8 --out "$OUT/values_b1.json" --build-dir /tmp/coopt-values
+        step 230 values-b32 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8-values \
             --prefill 0 --agreement-steps 8 --out "$OUT/values_b32.json" --build-dir /tmp/coopt-values
         reports values-reports coopt-values
         ;;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,24 @@ def hopper_ptx(tmp_path):
         return (tmp_path / "kernel.ptx").read_text()
 
     return compile_source
+
+
+@pytest.fixture
+def hopper_sass(tmp_path):
+    """compile(source) -> the kernel's sm_90a machine instructions in order (opcode and operands,
+    one string each): nvcc's cubin through the cuobjdump that ships with Triton. ptxas reorders
+    across branches and inline asm, so the order a test asserts is read here, not in the PTX."""
+
+    def compile_source(source: str) -> list[str]:
+        import triton
+
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if not tool.exists():
+            pytest.skip("no cuobjdump beside Triton")
+        nvcc_for_hopper(tmp_path, source, "kernel.cubin", "-cubin")
+        listing = subprocess.run([str(tool), "-sass", str(tmp_path / "kernel.cubin")], capture_output=True,
+                                 text=True, check=True).stdout
+        return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", listing)]
+
+    return compile_source
+

@@ -532,7 +532,7 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
         c += 0.5 * max(0, (knob(point, STAGES) or 2) - 2)
         return c
 
-    cache = "fp8" if element_bytes == 1 else "bf16"
+    cache = "fp8" if element_bytes == 1 else "bf16" if request.region.inputs[2].dtype != "float8_e4m3fn" else "values-only"
     return cost, (f"CUDA {cache} decode attention (length~{length}, {programs} sequence x kv heads): SPLIT~{split_t} "
                   f"to fill {sms} SMs, {warps_t} warps" + (" (several blocks an SM: no waves)" if waves else "")
                   + ", cp.async through the L1")

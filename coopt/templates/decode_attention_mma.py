@@ -3,7 +3,8 @@
 The same regions as `decode_attention` (templates/decode_attention.py documents the schema: q
 [B, H, 1, D], caches [B, Hkv, S_max, D], lengths, optional query RoPE, the step's cache write
 folded in, or caches in pages read through a page table), narrowed to what this kernel implements:
-both caches float8_e4m3fn with per-tensor or per-head scales, or both bf16 (no scales), rows of
+both caches float8_e4m3fn with per-tensor or per-head scales, K bf16 beside an e4m3 V with such
+scales (fp8-kv-cache's values-only; K's scale is ones), or both bf16 (no scales), rows of
 D = 128 elements stored contiguously, a bf16 query and output, and
 a head group GROUP = H / Hkv of at most 8. Where it matches it is one more family of candidates
 beside the Triton template, verified and timed like them; the build keeps the fastest that
@@ -46,7 +47,9 @@ half's swizzle flipping one more bit so a warp's loads meet no bank twice), the 
 operands (mma.sync m16n8k16 bf16: q as it is, no shift; K's words straight from shared memory;
 V's key pairs by prmt; P rounded to bf16, as the Triton template's tl.dot(p.to(v.dtype), v)). It
 is after the b1 / 2048 step's attention latency (~8 µs a layer over 2 µs of bytes in the Triton
-template, bench/NOTES-decode.md).
+template, bench/NOTES-decode.md). A values-only cache (session 34) takes each cache's own path:
+K's 256-byte rows and the bf16 score dots, V's 128-byte rows and the fp16 PV dots over widened
+e4m3 (the rows of the two caches copied by separate loops where their sizes differ).
 
 Numerics against the Triton template: a query rotated here is rounded to bf16 (as the unfused
 rope stores it) before the shift; the folded write rounds rope(k_new) to bf16, subtracts a
@@ -81,14 +84,19 @@ def bf16_cache(region: RegionSummary) -> bool:
     return kv_scale(region) is None and all(c.dtype == "bfloat16" for c in region.inputs[1:3])
 
 
+def element_bytes(region: RegionSummary) -> tuple[int, int]:
+    """Bytes of a K and of a V cache element: 2 (bf16), 1 (e4m3)."""
+    return tuple(1 if cache.dtype == FP8_CACHE_DTYPE else 2 for cache in region.inputs[1:3])
+
+
 def mma_problem(region: RegionSummary) -> str | None:
     """Why the kernel cannot implement a decode_attention region (None: it can)."""
     q, k, v = region.inputs[:3]
     if not bf16_cache(region):
         if kv_scale(region) not in ("per-tensor", "per-head"):
             return "needs both caches in bf16, or in fp8 with per-tensor or per-head scales"
-        if k.dtype != FP8_CACHE_DTYPE or v.dtype != FP8_CACHE_DTYPE:
-            return "needs both caches in float8_e4m3fn (or both in bf16)"
+        if v.dtype != FP8_CACHE_DTYPE or k.dtype not in (FP8_CACHE_DTYPE, "bfloat16"):
+            return "needs V in float8_e4m3fn and K in float8_e4m3fn or bf16 (or both in bf16)"
     if q.dtype != "bfloat16" or region.outputs[-1].dtype != "bfloat16":
         return "needs a bf16 query and output"
     if q.shape[3] != HEAD_DIM:
@@ -99,13 +107,13 @@ def mma_problem(region: RegionSummary) -> str | None:
     return None
 
 
-def shared_bytes(params: dict, group: int, element_bytes: int = 1) -> int:
+def shared_bytes(params: dict, group: int, k_bytes: int = 1, v_bytes: int = 1) -> int:
     """Dynamic shared memory a block (the kernel has no static __shared__: it would move the rings
-    off a 128-byte boundary): every warp's ring (K and V rows of a chunk a slot, `element_bytes`
-    a cache element), the warps' partials (m, l, acc of each head), the merge's weights and sums
-    of every split, its flag."""
+    off a 128-byte boundary): every warp's ring (K and V rows of a chunk a slot, `k_bytes` and
+    `v_bytes` a cache element), the warps' partials (m, l, acc of each head), the merge's weights
+    and sums of every split, its flag."""
     warps = params["num_warps"]
-    ring = params["num_stages"] * 2 * params["CHUNK"] * HEAD_DIM * element_bytes
+    ring = params["num_stages"] * params["CHUNK"] * HEAD_DIM * (k_bytes + v_bytes)
     return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group) + 16
 
 
@@ -150,6 +158,8 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             scale=repr(float(scale if scale is not None else 1.0 / math.sqrt(HEAD_DIM))),
             shared_bytes=region_shared_bytes(region, params),
             bf16=bf16_cache(region),
+            k16=element_bytes(region)[0] == 2,
+            v16=element_bytes(region)[1] == 2,
             kv_scale=kv_scale(region),
             lengths_t="int" if region.inputs[3].dtype == "int32" else "long long",
             positions_t="int" if written is not None and region.inputs[written].dtype == "int32" else "long long",
@@ -167,6 +177,6 @@ class DecodeAttentionMmaFamily(TemplateFamily):
 
 
 def region_shared_bytes(region: RegionSummary, params: dict) -> int:
-    """`shared_bytes` of a point on a region: its head group, its cache's element size."""
+    """`shared_bytes` of a point on a region: its head group, its caches' element sizes."""
     group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
-    return shared_bytes(params, group, 2 if bf16_cache(region) else 1)
+    return shared_bytes(params, group, *element_bytes(region))

@@ -73,21 +73,35 @@ def gpu_points(monkeypatch):
     monkeypatch.setattr(template_base, "cuda_runs_here", lambda: True)
 
 
+def values_only(region):
+    """fp8-kv-cache{values-only}'s form of an fp8 region: K in bf16 beside the e4m3 V."""
+    keys = TensorSpec(region.inputs[1].shape, "bfloat16")
+    return dataclasses.replace(region, inputs=(region.inputs[0], keys, *region.inputs[2:]))
+
+
+def folded_values(batch=2, heads=32, kv_heads=8, max_length=512, gathered=False):
+    """fuse-kv-write-attention's region over a values-only cache: query rope, K's rope, V's offset."""
+    attention = values_only(fp8_region(batch, heads, kv_heads, max_length, 128, "per-head"))
+    return gather_tables(folded(with_rope(attention, (1, 128)), offsets=("v",)), gathered)
+
+
 def test_it_takes_fp8_caches_with_scalar_scales_or_bf16_caches_and_128_wide_rows(gpu_points):
     assert MMA.matches(plain()) and MMA.matches(folded_fp8()) and MMA.matches(folded_fp8(gathered=True))
+    assert MMA.matches(values_only(plain())) and MMA.matches(folded_values())
     assert MMA.matches(plain_bf16()) and MMA.matches(folded_bf16()) and MMA.matches(paged_bf16(16))
     assert MMA.matches(plain(granularity="per-tensor")) and MMA.matches(plain(heads=56, kv_heads=8))  # group 7
     assert MMA.matches(paged(16)) and MMA.matches(paged(64))
     bf16_with_scales = fp8_region(1, 32, 8, 4096, 128, "per-head", cache_dtype="bfloat16")
-    values_only = dataclasses.replace(plain(), inputs=(plain().inputs[0], TensorSpec((1, 8, 4096, 128), "bfloat16"),
-                                                       *plain().inputs[2:]))
+    keys_fp8_values_bf16 = dataclasses.replace(plain(), inputs=(*plain().inputs[:2], TensorSpec((1, 8, 4096, 128), "bfloat16"),
+                                                                *plain().inputs[3:]))
     refused = {
         "per-token scales": plain(granularity="per-token"),
         "head dim 64": fp8_region(1, 32, 8, 4096, 64, "per-head"),
         "group 16": plain(heads=128, kv_heads=8),
         "bf16 query": fp8_region(1, 32, 8, 4096, 128, "per-head", dtype="float16"),
         "a bf16 cache with scales": bf16_with_scales,
-        "values-only": values_only,
+        "fp8 keys beside bf16 values": keys_fp8_values_bf16,
+        "values-only, per-token scales": values_only(plain(granularity="per-token")),
         "fp16 caches": make_region(1, 32, 8, 4096, 128, "float16"),
         "bf16, head dim 64": make_region(1, 32, 8, 4096, 64, "bfloat16"),
     }
@@ -112,6 +126,9 @@ def test_no_point_without_a_gpu_and_every_space_point_checked(monkeypatch):
     # bf16 rows are twice the bytes: 8 warps' rings of 2 slots of 32-key chunks no longer fit
     assert "shared memory" in MMA.check(plain_bf16(), ADVISED, H200)
     assert MMA.check(plain_bf16(), {**ADVISED, "CHUNK": 16}, H200) is None
+    # values-only: 256-byte K rows and 128-byte V rows a key
+    assert shared_bytes(ADVISED, 4, 2, 1) == 8 * 2 * 32 * (256 + 128) + 4 * (8 * 4 * 130 + 2 * 16 * 4) + 16
+    assert MMA.check(values_only(plain()), {**ADVISED, "CHUNK": 16}, H200) is None
 
 
 @pytest.mark.parametrize(("batch", "length", "split"), [(1, 32768, 16), (1, 131072, 16), (1, 2048, 8)])
@@ -178,13 +195,16 @@ REGIONS = {
     "bf16 plain": plain_bf16(),
     "bf16 folded, gathered tables": folded_bf16(gathered=True),
     "bf16 paged, pages of 16": paged_bf16(16),
+    "values-only plain": values_only(plain()),
+    "values-only folded, gathered tables, smooth-v": folded_values(gathered=True),
+    "values-only paged, pages of 16": values_only(paged(16)),
 }
 
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("region", REGIONS)
 def test_every_form_compiles_for_hopper_without_spills(hopper_registers, region, form):
-    bf16 = REGIONS[region].inputs[1].dtype == "bfloat16"  # its forms at 16-key chunks (BF16_FORMS)
+    bf16 = REGIONS[region].inputs[1].dtype == "bfloat16"  # bf16 keys: forms at 16-key chunks (BF16_FORMS)
     params = (BF16_FORMS if bf16 else FORMS)[form]
     # one block of the form's warps an SM, whatever its registers
     assert hopper_registers(cuda_source(MMA.render(REGIONS[region], params))) * 32 * params["num_warps"] <= 65536
@@ -432,3 +452,127 @@ def test_bf16_pages_read_through_the_table(load_candidate, form, page_size, leng
     inputs, (k, v) = make_paged_inputs(region, lengths)
     (out,) = run_mma(load_candidate, region, BF16_FORMS[form], inputs, "mma16_paged")
     check_attention(out, reference(plain_bf16(batch=3, max_length=k.shape[2]), inputs[0], k, v, inputs[3]))
+
+
+# -- values-only caches (K bf16, V e4m3) on the GPU ----------------------------------------------
+
+
+def values_only_inputs(region, lengths, seed=0):
+    """make_fp8_inputs with K drawn in bf16 (N(0, 1), like a dequantized fp8 cache's) and its scale ones, as
+    fp8-kv-cache{values-only} builds them."""
+    q, k, v, lengths_t, k_scale, v_scale = make_fp8_inputs(region, lengths, seed=seed)
+    keys = torch.randn(k.shape, generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16).to(k.device)
+    return [q, keys, v, lengths_t, torch.ones_like(k_scale), v_scale]
+
+
+@pytest.mark.gpu
+@settings(max_examples=resolve_profile().max_examples, deadline=None)
+@given(batch=st.integers(1, 3), group=st.sampled_from([1, 4, 7, 8]), form=st.sampled_from(sorted(BF16_FORMS)),
+       lengths=st.lists(st.sampled_from([1, 2, 15, 16, 17, 31, 33, 255, 256, 257, 1000, 2048]), min_size=3, max_size=3),
+       granularity=st.sampled_from(["per-tensor", "per-head"]), seed=st.integers(0, 2**16))
+def test_values_only_caches_agree_with_an_fp32_softmax(tmp_path_factory, batch, group, form, lengths, granularity,
+                                                       seed):
+    from coopt.runtime.kernel_loader import load_module_from_source
+
+    base = fp8_region(batch, 2 * group, 2, 2048, 128, granularity)
+    region = values_only(base)
+    inputs = values_only_inputs(base, lengths[:batch], seed=seed)
+    inputs[0] = inputs[0] * 37.0  # scores far from 1
+    expected = fp8_reference(region, *inputs)
+    module = load_module_from_source(MMA.render(region, BF16_FORMS[form]), tmp_path_factory.mktemp("mma_vo"), "mma_vo")
+    for _ in range(2):  # the merge's counters are zero again after a launch
+        (out,) = module.run(*inputs)
+        check_attention(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", BF16_FORMS)
+def test_values_only_bytes_past_the_length_never_reach_the_output(load_candidate, form):
+    base = plain(batch=2, max_length=1024)
+    inputs = values_only_inputs(base, [300, 1])
+    expected = fp8_reference(values_only(base), *inputs)
+    k, v = inputs[1:3]
+    k[0, :, 300:] = k[1, :, 1:] = float("nan")
+    v[0, :, 300:] = v[1, :, 1:] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
+    (out,) = run_mma(load_candidate, values_only(base), BF16_FORMS[form], inputs, "mma_vo_nan")
+    check_attention(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gathered", [False, True], ids=["broadcast tables", "gathered tables"])
+@pytest.mark.parametrize("form", BF16_FORMS)
+def test_the_values_only_folded_write_stores_the_rows_as_the_triton_template(load_candidate, form, gathered):
+    """rope(k_new) rounded to bf16, v_new less its offset over the scale to e4m3, bit for bit as
+    the Triton template stores them; the output agrees with the reference over the written caches."""
+    position, lengths = 300, [301, 120]
+    region = folded_values(gathered=gathered)
+    base = fp8_region(2, 32, 8, 512, 128, "per-head")
+    q, k, v, lengths_t, k_scale, v_scale = values_only_inputs(base, lengths)
+    table_shape = (512, 128) if gathered else (1, 128)
+    cos, sin = rope_tables(table_shape, torch.bfloat16)
+    k_cos, k_sin = rope_tables(table_shape, torch.bfloat16, seed=2)
+    k_new, v_new = write_inputs(2, 8, 128, torch.bfloat16)
+    v_new[0, 1, 0, 3] = 1e4 * v_scale.max()  # past e4m3's range: stored saturated
+    v_offset = torch.randn(1, 8, 1, 128, generator=torch.Generator().manual_seed(8)).cuda()
+    inputs = [q, k, v, lengths_t, cos, sin, k_scale, v_scale, torch.tensor([position], device="cuda"), k_new, v_new,
+              k_cos, k_sin, v_offset]
+    fresh = lambda: [t.clone() if i in (1, 2) else t for i, t in enumerate(inputs)]  # noqa: E731
+    k_out, v_out, out = run_mma(load_candidate, region, BF16_FORMS[form], fresh(), "mma_vo_folded")
+    triton_params = {"BLOCK_N": 64, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
+    assert FAMILY.check(region, triton_params, H200) is None
+    k_ref, v_ref, _ = load_candidate(FAMILY.render(region, triton_params), "triton_vo_folded").run(*fresh())
+    assert torch.equal(k_out.view(torch.int16), k_ref.view(torch.int16))
+    assert torch.equal(v_out.view(torch.uint8), v_ref.view(torch.uint8))
+    assert not torch.equal(k_out[:, :, position], k[:, :, position])  # the rows were written
+    assert v_out[0, 1, position, 3].float().abs() == E4M3_MAX
+    row = position if gathered else slice(None)
+    expected = fp8_reference(values_only(base), rotated(q, cos[row], sin[row]), k_out, v_out, lengths_t, k_scale,
+                             v_scale)
+    check_attention(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", BF16_FORMS)
+@pytest.mark.parametrize(("page_size", "lengths"), [(16, [1, 17, 128]), (64, [64, 200, 3])],
+                         ids=["pages of 16", "pages of 64"])
+def test_values_only_pages_read_through_the_table(load_candidate, form, page_size, lengths):
+    """The fp8 pool's K pages widened to bf16 (its NaN past every length and in the free pages stays NaN)."""
+    region = values_only(paged(page_size, max_pages=-(-max(lengths) // page_size) + 1))
+    inputs, (k, v) = make_paged_inputs(paged(page_size, max_pages=-(-max(lengths) // page_size) + 1), lengths)
+    inputs[1] = inputs[1].to(torch.bfloat16)
+    inputs[5] = torch.ones_like(inputs[5])
+    (out,) = run_mma(load_candidate, region, BF16_FORMS[form], inputs, "mma_vo_paged")
+    reference_region = values_only(plain(batch=3, max_length=k.shape[2]))
+    check_attention(out, fp8_reference(reference_region, inputs[0], k.to(torch.bfloat16), v, inputs[3], *inputs[5:]))
+
+
+# -- the prologue's machine code (CPU, where nvcc is installed) ----------------------------------
+
+PROLOGUE_REGIONS = ["plain per-head", "bf16 plain", "folded, smooth-k", "bf16 folded, gathered tables",
+                    "values-only plain", "values-only folded, gathered tables, smooth-v"]
+
+
+@pytest.mark.parametrize("region", PROLOGUE_REGIONS)
+def test_the_ring_fills_before_q_is_rotated_and_before_the_new_row_is_written(hopper_sass, region):
+    """The first cp.async goes out within ~300 instructions of the kernel's start, before any
+    tensor-core op and any store of the folded row: ptxas used to hoist q's unpacking, rope and
+    packing above the copies (407 instructions before the first one in the bare bf16 form, 816
+    folded), and the folded row was stored behind a block barrier before them (session 34's
+    device call: b1 / 2048 bf16 folded 7.57 µs against 8.45)."""
+    bf16_keys = REGIONS[region].inputs[1].dtype == "bfloat16"
+    sass = hopper_sass(cuda_source(MMA.render(REGIONS[region], BF16_FORMS["advised"] if bf16_keys else ADVISED)))
+    first_copy = next(i for i, op in enumerate(sass) if op.startswith("LDGSTS"))
+    first_store = next((i for i, op in enumerate(sass) if op.startswith("STG")), len(sass))
+    assert first_copy < 300 and first_copy < first_store, (first_copy, first_store)
+    assert first_copy < next(i for i, op in enumerate(sass) if op.startswith("HMMA"))
+
+
+def test_a_full_chunk_copies_its_rows_from_per_lane_addresses(hopper_sass):
+    """A chunk every row of which lies below the length (all but a split's last) is copied with
+    no zero-fill operand, each copy's addresses a base and a constant: the bare bf16 form's ring
+    fill takes under 100 instructions for its 16 copies of a chunk (the general loop ~200)."""
+    sass = hopper_sass(cuda_source(MMA.render(REGIONS["bf16 plain"], BF16_FORMS["advised"])))
+    copies = [i for i, op in enumerate(sass) if op.startswith("LDGSTS")]
+    first_chunk = copies[:16]
+    assert all(", !P" not in sass[i] for i in first_chunk)  # no ignore-src predicate: every row valid
+    assert first_chunk[-1] - first_chunk[0] < 100, first_chunk
