@@ -27,7 +27,13 @@ after a block barrier, no fence in every thread) merges the SPLIT partials, all 
 round trip, and zeroes its counter (one launch, as the Triton template's splits meet); at SPLIT 1 the block
 writes its output straight from its warps' merge (no partials, fence or count: -3.7 µs a launch at
 b32 / 2048, session 28). Every load that waits for no other (length, position, scales, q and its
-rope partners) goes out at the start, and every ring slot fills before q is rotated; q and the
+rope partners) goes out at the start, and every ring slot fills before q is rotated (q's math
+sits under `if (mine > 0)`: without the branch ptxas hoisted it above the copies, session 34's
+SASS); a chunk whose rows all lie below the length is copied from per-lane addresses (a lane's
+piece is the same in every row it copies), without zero-fill operands; the step's new row
+(the folded write) is computed by the warp whose chunk holds it, stored, and written into its
+ring slot when that chunk lands, so no block waits at a barrier for it (b1 / 2048 bf16 folded
+7.57 µs against 8.45, bench/RESULTS.md session 34); q and the
 rotary tables are read 16 bytes at a time only (run() copies a view whose rows are not
 contiguous and 16-byte aligned: a strided fallback beside each load cost ~1 µs, session 29). Through a page table each
 copied row looks up its page (an L1-resident load; ids clamped into the pool), so a chunk may span
