@@ -67,6 +67,16 @@ def folded_fp8(batch=2, heads=32, kv_heads=8, max_length=512, offsets=("k",), ga
     return gather_tables(folded(with_rope(attention, (1, 128)), offsets=offsets), gathered)
 
 
+# where the folded write's row falls: (position, the two sequences' lengths). The warp whose chunk
+# holds the row writes it into its ring slot; where a sequence's keys do not reach it, warp 0 of
+# the last split stores it
+WRITES = {
+    "the last key, past sequence 1's": (300, [301, 120]),
+    "a chunk's last row, inside sequence 1's keys": (255, [256, 300]),
+    "row 0": (0, [1, 5]),
+}
+
+
 @pytest.fixture
 def gpu_points(monkeypatch):
     """As on a GPU machine: the family offers points."""
@@ -335,11 +345,12 @@ def test_bytes_past_the_length_never_reach_the_output(load_candidate, form):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gathered", [False, True], ids=["broadcast tables", "gathered tables"])
 @pytest.mark.parametrize("form", FORMS)
-def test_the_folded_write_stores_the_row_as_the_triton_template_and_attends_to_it(load_candidate, form, gathered):
+@pytest.mark.parametrize("write", WRITES)
+def test_the_folded_write_stores_the_row_as_the_triton_template_and_attends_to_it(load_candidate, form, gathered, write):
     """The same region through the Triton template (fp16 tiles): identical caches after the write
     (both round rope(k_new) to bf16, less the offset, over the scale, to e4m3 nearest-even,
     saturating), and outputs that agree with the reference over the written caches."""
-    position, lengths = 300, [301, 120]  # the new row the last key of sequence 0, past sequence 1's
+    position, lengths = WRITES[write]
     region = folded_fp8(offsets=("k", "v"), gathered=gathered)
     base = fp8_region(2, 32, 8, 512, 128, "per-head")
     q, k, v, lengths_t, k_scale, v_scale = make_fp8_inputs(base, lengths)
@@ -419,10 +430,11 @@ def test_bf16_bytes_past_the_length_never_reach_the_output(load_candidate, form)
 @pytest.mark.gpu
 @pytest.mark.parametrize("gathered", [False, True], ids=["broadcast tables", "gathered tables"])
 @pytest.mark.parametrize("form", BF16_FORMS)
-def test_the_bf16_folded_write_stores_the_row_as_the_triton_template(load_candidate, form, gathered):
+@pytest.mark.parametrize("write", WRITES)
+def test_the_bf16_folded_write_stores_the_row_as_the_triton_template(load_candidate, form, gathered, write):
     """rope(k_new) rounded to bf16 and v_new stored bit for bit as the Triton template stores
     them, and the output agreeing with the reference over the written caches."""
-    position, lengths = 300, [301, 120]
+    position, lengths = WRITES[write]
     region = folded_bf16(gathered=gathered)
     q, k, v, lengths_t = make_inputs(plain_bf16(batch=2, max_length=512), lengths)
     table_shape = (512, 128) if gathered else (1, 128)
@@ -501,10 +513,11 @@ def test_values_only_bytes_past_the_length_never_reach_the_output(load_candidate
 @pytest.mark.gpu
 @pytest.mark.parametrize("gathered", [False, True], ids=["broadcast tables", "gathered tables"])
 @pytest.mark.parametrize("form", BF16_FORMS)
-def test_the_values_only_folded_write_stores_the_rows_as_the_triton_template(load_candidate, form, gathered):
+@pytest.mark.parametrize("write", WRITES)
+def test_the_values_only_folded_write_stores_the_rows_as_the_triton_template(load_candidate, form, gathered, write):
     """rope(k_new) rounded to bf16, v_new less its offset over the scale to e4m3, bit for bit as
     the Triton template stores them; the output agrees with the reference over the written caches."""
-    position, lengths = 300, [301, 120]
+    position, lengths = WRITES[write]
     region = folded_values(gathered=gathered)
     base = fp8_region(2, 32, 8, 512, 128, "per-head")
     q, k, v, lengths_t, k_scale, v_scale = values_only_inputs(base, lengths)
