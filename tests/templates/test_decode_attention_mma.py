@@ -342,6 +342,24 @@ def test_bytes_past_the_length_never_reach_the_output(load_candidate, form):
     check_attention(out, expected)
 
 
+def write_tables(gathered):
+    """The query's and K's rotary tables: one row broadcast, or whole [512, 128] tables read at the position."""
+    shape = (512, 128) if gathered else (1, 128)
+    return (*rope_tables(shape, torch.bfloat16), *rope_tables(shape, torch.bfloat16, seed=2))
+
+
+def fold_beside_triton(load_candidate, region, params, triton_params, inputs, stem):
+    """The folded region through this family and through the Triton template from the same caches:
+    the caches after the write equal byte for byte; this family's (k_cache, v_cache, out)."""
+    fresh = lambda: [t.clone() if i in (1, 2) else t for i, t in enumerate(inputs)]  # noqa: E731
+    k_out, v_out, out = run_mma(load_candidate, region, params, fresh(), stem)
+    assert FAMILY.check(region, triton_params, H200) is None
+    k_ref, v_ref, _ = load_candidate(FAMILY.render(region, triton_params), f"triton_{stem}").run(*fresh())
+    assert torch.equal(k_out.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_out.view(torch.uint8), v_ref.view(torch.uint8))
+    return k_out, v_out, out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gathered", [False, True], ids=["broadcast tables", "gathered tables"])
 @pytest.mark.parametrize("form", FORMS)
@@ -354,21 +372,14 @@ def test_the_folded_write_stores_the_row_as_the_triton_template_and_attends_to_i
     region = folded_fp8(offsets=("k", "v"), gathered=gathered)
     base = fp8_region(2, 32, 8, 512, 128, "per-head")
     q, k, v, lengths_t, k_scale, v_scale = make_fp8_inputs(base, lengths)
-    table_shape = (512, 128) if gathered else (1, 128)
-    cos, sin = rope_tables(table_shape, torch.bfloat16)
-    k_cos, k_sin = rope_tables(table_shape, torch.bfloat16, seed=2)
+    cos, sin, k_cos, k_sin = write_tables(gathered)
     k_new, v_new = write_inputs(2, 8, 128, torch.bfloat16)
     k_new[0, 1, 0, 3] = 1e4 * k_scale.max()  # past e4m3's range: stored saturated
     k_offset, v_offset = (torch.randn(1, 8, 1, 128, generator=torch.Generator().manual_seed(s)).cuda() for s in (7, 8))
     inputs = [q, k, v, lengths_t, cos, sin, k_scale, v_scale, torch.tensor([position], device="cuda"), k_new, v_new,
               k_cos, k_sin, k_offset, v_offset]
-    fresh = lambda: [t.clone() if i in (1, 2) else t for i, t in enumerate(inputs)]  # noqa: E731
-    k_out, v_out, out = run_mma(load_candidate, region, FORMS[form], fresh(), "mma_folded")
     triton_params = {"BLOCK_N": 128, "SPLIT_KV": 4, "USE_DOT": True, "TILE_FP16": True, "num_warps": 4, "num_stages": 2}
-    assert FAMILY.check(region, triton_params, H200) is None
-    k_ref, v_ref, _ = load_candidate(FAMILY.render(region, triton_params), "triton_folded").run(*fresh())
-    assert torch.equal(k_out.view(torch.uint8), k_ref.view(torch.uint8))
-    assert torch.equal(v_out.view(torch.uint8), v_ref.view(torch.uint8))
+    k_out, v_out, out = fold_beside_triton(load_candidate, region, FORMS[form], triton_params, inputs, "mma_folded")
     assert not torch.equal(k_out[:, :, position], k[:, :, position])  # the row was written
     assert k_out[0, 1, position, 3].float().abs() == E4M3_MAX
     row = position if gathered else slice(None)  # a whole table read at the position
@@ -394,6 +405,7 @@ def test_pages_read_through_the_table(load_candidate, form, page_size, lengths):
 # -- bf16 caches on the GPU ----------------------------------------------------------------------
 
 BF16_FORMS = {name: {**params, "CHUNK": 16} for name, params in FORMS.items()}  # 32-key chunks: see check()
+BF16_TILES = {"BLOCK_N": 64, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 4, "num_stages": 2}  # the Triton template's
 
 
 @pytest.mark.gpu
@@ -437,18 +449,10 @@ def test_the_bf16_folded_write_stores_the_row_as_the_triton_template(load_candid
     position, lengths = WRITES[write]
     region = folded_bf16(gathered=gathered)
     q, k, v, lengths_t = make_inputs(plain_bf16(batch=2, max_length=512), lengths)
-    table_shape = (512, 128) if gathered else (1, 128)
-    cos, sin = rope_tables(table_shape, torch.bfloat16)
-    k_cos, k_sin = rope_tables(table_shape, torch.bfloat16, seed=2)
+    cos, sin, k_cos, k_sin = write_tables(gathered)
     k_new, v_new = write_inputs(2, 8, 128, torch.bfloat16)
     inputs = [q, k, v, lengths_t, cos, sin, torch.tensor([position], device="cuda"), k_new, v_new, k_cos, k_sin]
-    fresh = lambda: [t.clone() if i in (1, 2) else t for i, t in enumerate(inputs)]  # noqa: E731
-    k_out, v_out, out = run_mma(load_candidate, region, BF16_FORMS[form], fresh(), "mma16_folded")
-    triton_params = {"BLOCK_N": 64, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
-    assert FAMILY.check(region, triton_params, H200) is None
-    k_ref, v_ref, _ = load_candidate(FAMILY.render(region, triton_params), "triton16_folded").run(*fresh())
-    assert torch.equal(k_out.view(torch.int16), k_ref.view(torch.int16))
-    assert torch.equal(v_out.view(torch.int16), v_ref.view(torch.int16))
+    k_out, v_out, out = fold_beside_triton(load_candidate, region, BF16_FORMS[form], BF16_TILES, inputs, "mma16_folded")
     assert not torch.equal(k_out[:, :, position], k[:, :, position])  # the row was written
     row = position if gathered else slice(None)
     check_attention(out, reference(plain_bf16(batch=2, max_length=512), rotated(q, cos[row], sin[row]), k_out, v_out,
@@ -521,21 +525,13 @@ def test_the_values_only_folded_write_stores_the_rows_as_the_triton_template(loa
     region = folded_values(gathered=gathered)
     base = fp8_region(2, 32, 8, 512, 128, "per-head")
     q, k, v, lengths_t, k_scale, v_scale = values_only_inputs(base, lengths)
-    table_shape = (512, 128) if gathered else (1, 128)
-    cos, sin = rope_tables(table_shape, torch.bfloat16)
-    k_cos, k_sin = rope_tables(table_shape, torch.bfloat16, seed=2)
+    cos, sin, k_cos, k_sin = write_tables(gathered)
     k_new, v_new = write_inputs(2, 8, 128, torch.bfloat16)
     v_new[0, 1, 0, 3] = 1e4 * v_scale.max()  # past e4m3's range: stored saturated
     v_offset = torch.randn(1, 8, 1, 128, generator=torch.Generator().manual_seed(8)).cuda()
     inputs = [q, k, v, lengths_t, cos, sin, k_scale, v_scale, torch.tensor([position], device="cuda"), k_new, v_new,
               k_cos, k_sin, v_offset]
-    fresh = lambda: [t.clone() if i in (1, 2) else t for i, t in enumerate(inputs)]  # noqa: E731
-    k_out, v_out, out = run_mma(load_candidate, region, BF16_FORMS[form], fresh(), "mma_vo_folded")
-    triton_params = {"BLOCK_N": 64, "SPLIT_KV": 4, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
-    assert FAMILY.check(region, triton_params, H200) is None
-    k_ref, v_ref, _ = load_candidate(FAMILY.render(region, triton_params), "triton_vo_folded").run(*fresh())
-    assert torch.equal(k_out.view(torch.int16), k_ref.view(torch.int16))
-    assert torch.equal(v_out.view(torch.uint8), v_ref.view(torch.uint8))
+    k_out, v_out, out = fold_beside_triton(load_candidate, region, BF16_FORMS[form], BF16_TILES, inputs, "mma_vo_folded")
     assert not torch.equal(k_out[:, :, position], k[:, :, position])  # the rows were written
     assert v_out[0, 1, position, 3].float().abs() == E4M3_MAX
     row = position if gathered else slice(None)
