@@ -351,8 +351,9 @@ case "${1:-}" in
         # test of the family (the cluster form among them), then the kernel at 16 splits meeting in global
         # memory, 8 in global memory and 8 in a cluster, bare / rope / folded (~5 min)
         step 300 mma-tests python -m pytest -q -p no:cacheprovider --tb=short tests/templates/test_decode_attention_mma.py
-        step 150 fold-times python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 --splits "" \
-            --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster --json "$OUT/fold_times_cluster.json"
+        step 150 fold-times env COOPT_MMA_CLUSTER=1 python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
+            --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
+            --json "$OUT/fold_times_cluster.json"
         ;;
     mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then
         # values-only b1 / 32768 and b32 / 2048 built with it beside reduce-overhead (~9.5 min)

@@ -26,7 +26,7 @@ from coopt.llm_advisor.heuristic import HeuristicAdvisor
 from coopt.llm_advisor.protocol import AdviceRequest
 from coopt.targets import H200
 from coopt.templates import base as template_base
-from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily, shared_bytes
+from coopt.templates.decode_attention_mma import CLUSTER_FLAG, DecodeAttentionMmaFamily, shared_bytes
 from coopt.templates.registry import families_for
 from coopt.verify.profiles import resolve_profile
 
@@ -80,8 +80,9 @@ WRITES = {
 
 @pytest.fixture
 def gpu_points(monkeypatch):
-    """As on a GPU machine: the family offers points."""
+    """As on a GPU machine: the family offers points (the cluster meeting's among them)."""
     monkeypatch.setattr(template_base, "cuda_runs_here", lambda: True)
+    monkeypatch.setenv(CLUSTER_FLAG, "1")
 
 
 def values_only(region):
@@ -253,7 +254,7 @@ def test_a_cluster_of_splits_meets_in_distributed_shared_memory(hopper_ptx, regi
     assert "atom." not in ptx and "ld.global.cg.f32" not in ptx
 
 
-def test_a_cluster_takes_2_to_8_splits(gpu_points):
+def test_a_cluster_takes_2_to_8_splits_and_is_offered_only_where_the_flag_is_set(gpu_points, monkeypatch):
     cluster = FORMS["cluster of 8"]
     assert MMA.check(plain(), cluster, H200) is None and MMA.check(plain(), {**cluster, "SPLIT": 2}, H200) is None
     for split in (1, 16):
@@ -261,6 +262,9 @@ def test_a_cluster_takes_2_to_8_splits(gpu_points):
     # a point without the knob (an older cache's) meets in global memory
     assert MMA.check(plain(), {k: v for k, v in ADVISED.items() if k != "MEET"}, H200) is None
     assert shared_bytes(cluster, 4) == shared_bytes({**cluster, "MEET": "global"}, 4) + 4 * 4 * 130
+    monkeypatch.delenv(CLUSTER_FLAG)  # not yet run on a GPU: no build meets in a cluster unless asked
+    assert MMA.check(plain(), cluster, H200) == "MEET=cluster is not in the space"
+    assert all(point["MEET"] == "global" for point in MMA.legal_points(plain(), H200))
 
 
 @pytest.mark.parametrize(("split", "warps", "in_registers"), [(16, 8, True), (32, 4, False)])
