@@ -357,11 +357,11 @@ case "${1:-}" in
         ;;
     mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then
         # values-only b1 / 32768 and b32 / 2048 built with it beside reduce-overhead (~9.5 min)
-        step 150 pytest-mma-values python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+        step 90 pytest-mma-values python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
             tests/templates/test_decode_attention_mma.py -k "values_only"
-        step 210 values-b1 python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8-values \
+        step 200 values-b1 python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8-values \
             --prefill 0 --agreement-steps 8 --out "$OUT/values_b1.json" --build-dir /tmp/coopt-values
-        step 230 values-b32 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8-values \
+        step 290 values-b32 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8-values \
             --prefill 0 --agreement-steps 8 --out "$OUT/values_b32.json" --build-dir /tmp/coopt-values
         reports values-reports coopt-values
         ;;
