@@ -88,14 +88,14 @@ def time_mma(case, points, attention, folded, sets, fresh, traffic, module, atte
     no_rope = without_rope(attention)
     rows = []
     for point in filter(None, points.split(",")):
-        split, chunk, copy, warps, stages = point.split(":")
+        split, chunk, copy, warps, stages, *meet = point.split(":")
         params = {"SPLIT": int(split), "CHUNK": int(chunk), "COPY": copy, "num_warps": int(warps),
-                  "num_stages": int(stages)}
+                  "num_stages": int(stages), "MEET": meet[0] if meet else "global"}
         problem = family.check(attention, params, H200)
         if problem is not None:  # e.g. 32-key bf16 chunks at 8 warps: past the shared memory
             print(f"  mma {point}: skipped ({problem})", flush=True)
             continue
-        name = f"mma{split}_{chunk}{copy}{warps}_{stages}"
+        name = f"mma{split}_{chunk}{copy}{warps}_{stages}{'_cluster' if meet == ['cluster'] else ''}"
         bare, roped, fold = (module(r, family, params, f"{name}_{form}")
                              for r, form in ((no_rope, "bare"), (attention, "rope"), (folded, "folded")))
         bare_ms = timer(lambda *t: bare(*t[:4], *t[6:attention_inputs]), sets)
@@ -117,7 +117,7 @@ def main() -> int:
     parser.add_argument("--cases", default="b1-32768-fp8,b1-2048-fp8,b1-2048-rope")
     parser.add_argument("--splits", default="16,32", help="SPLIT_KV values timed (BLOCK_N 128, tl.dot, 4 warps, 3 stages); empty: none")
     parser.add_argument("--mma", default="16:16:ca:8:2,16:32:ca:8:2",
-                        help="decode_attention_mma points SPLIT:CHUNK:COPY:warps:stages, timed plain, with rope and "
+                        help="decode_attention_mma points SPLIT:CHUNK:COPY:warps:stages[:MEET], timed plain, with rope and "
                              "folded (cases it takes; points it does not admit are skipped)")
     parser.add_argument("--once", action="store_true", help="launch each kernel once, untimed (for ncu)")
     parser.add_argument("--json", type=Path, default=None)

@@ -44,6 +44,7 @@
 #   bash bench/gpu_session.sh normstats-b32  # b32 / 2048: default against default without fuse-norm-statistics, profiled (~9 min)
 #   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
+#   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
@@ -346,13 +347,21 @@ case "${1:-}" in
             done
         done
         ;;
+    mma-cluster)  # issue 3: the CUDA attention's splits meeting in a thread-block cluster (MEET=cluster): every GPU
+        # test of the family (the cluster form among them), then the kernel at 16 splits meeting in global
+        # memory, 8 in global memory and 8 in a cluster, bare / rope / folded (~5 min)
+        step 300 mma-tests python -m pytest -q -p no:cacheprovider --tb=short tests/templates/test_decode_attention_mma.py
+        step 150 fold-times env COOPT_MMA_CLUSTER=1 python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
+            --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
+            --json "$OUT/fold_times_cluster.json"
+        ;;
     mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then
         # values-only b1 / 32768 and b32 / 2048 built with it beside reduce-overhead (~9.5 min)
-        step 150 pytest-mma-values python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+        step 90 pytest-mma-values python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
             tests/templates/test_decode_attention_mma.py -k "values_only"
-        step 210 values-b1 python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8-values \
+        step 200 values-b1 python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8-values \
             --prefill 0 --agreement-steps 8 --out "$OUT/values_b1.json" --build-dir /tmp/coopt-values
-        step 230 values-b32 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8-values \
+        step 290 values-b32 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8-values \
             --prefill 0 --agreement-steps 8 --out "$OUT/values_b32.json" --build-dir /tmp/coopt-values
         reports values-reports coopt-values
         ;;

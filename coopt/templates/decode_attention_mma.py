@@ -67,13 +67,17 @@ renders the kernel and compiles it for sm_90a with nvcc where one is installed;
 tests/templates/test_decode_attention_mma.py).
 
 Knobs: SPLIT (blocks a (sequence, kv head)), CHUNK (keys a warp's ring slot), COPY ("ca", "cg"),
-num_warps (4 or 8: at least 4, one thread a head-dim element for the folded write), num_stages
-(ring slots).
+num_warps (4 or 8), num_stages (ring slots), MEET (how 2-8 splits meet: "global", the partials
+in global memory and the last block to arrive merging them, or "cluster", the splits one
+thread-block cluster merging through distributed shared memory, each block 1/SPLIT of the
+outputs; optional, "global" where a point lacks it; "cluster" offered only where the environment
+sets COOPT_MMA_CLUSTER=1 until it has run on a GPU).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope
 from coopt.targets import Target
@@ -81,6 +85,11 @@ from coopt.templates.attention import FP8_CACHE_DTYPE, kv_scale, page_size
 from coopt.templates.base import TemplateFamily, cuda_point_problem, render_template
 from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 
+OPTIONAL_KNOBS = {"MEET": "global"}  # a point without it (from a cache, an older advisor) meets in global memory
+# MEET=cluster has passed no GPU run yet (written in session 34, when no device time was left): the
+# space offers it only where this is set, as `bash bench/gpu_session.sh mma-cluster` does
+CLUSTER_FLAG = "COOPT_MMA_CLUSTER"
+MAX_CLUSTER = 8  # the portable cluster size: past it the launch needs a non-portable attribute and whole GPCs free
 HEAD_DIM = 128  # the kernel's rows: 128 elements (e4m3: eight 16-byte pieces; bf16: sixteen)
 MAX_GROUP = 8  # query heads a kv head: the PV dot's N (heads 2t, 2t + 1 of the 4 lane columns)
 
@@ -117,10 +126,11 @@ def shared_bytes(params: dict, group: int, k_bytes: int = 1, v_bytes: int = 1) -
     """Dynamic shared memory a block (the kernel has no static __shared__: it would move the rings
     off a 128-byte boundary): every warp's ring (K and V rows of a chunk a slot, `k_bytes` and
     `v_bytes` a cache element), the warps' partials (m, l, acc of each head), the merge's weights
-    and sums of every split, its flag."""
+    and sums of every split, its flag; meeting in a cluster, the block's partials too."""
     warps = params["num_warps"]
     ring = params["num_stages"] * params["CHUNK"] * HEAD_DIM * (k_bytes + v_bytes)
-    return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group) + 16
+    cluster = 4 * group * (2 + HEAD_DIM) if params.get("MEET", OPTIONAL_KNOBS["MEET"]) == "cluster" else 0
+    return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group) + 16 + cluster
 
 
 class DecodeAttentionMmaFamily(TemplateFamily):
@@ -137,12 +147,15 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             "COPY": ["ca", "cg"],
             "num_warps": [4, 8],
             "num_stages": [2, 3],
+            "MEET": ["global", "cluster"] if os.environ.get(CLUSTER_FLAG) == "1" else ["global"],
         }
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        problem = mma_problem(region) or self.outside_space(region, params, target)
+        problem = mma_problem(region) or self.outside_space(region, {**OPTIONAL_KNOBS, **params}, target)
         if problem is not None:
             return problem
+        if params.get("MEET") == "cluster" and not 2 <= params["SPLIT"] <= MAX_CLUSTER:
+            return f"MEET=cluster needs 2 to {MAX_CLUSTER} splits (a portable cluster; one split has no meeting)"
         if not target.arch.startswith("sm_9"):
             return ("written for Hopper (sm_9x): e4m3 widened by cvt.f16x2.e4m3x2, rings of up to 227 KiB of "
                     "shared memory")
@@ -158,6 +171,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             "cuda/decode_attention_mma.py.j2",
             region_name=region.name,
             p=params,
+            cluster={**OPTIONAL_KNOBS, **params}["MEET"] == "cluster",
             group=group,
             num_heads=region.attrs["num_heads"],
             num_kv_heads=region.attrs["num_kv_heads"],

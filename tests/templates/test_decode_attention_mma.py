@@ -26,14 +26,15 @@ from coopt.llm_advisor.heuristic import HeuristicAdvisor
 from coopt.llm_advisor.protocol import AdviceRequest
 from coopt.targets import H200
 from coopt.templates import base as template_base
-from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily, shared_bytes
+from coopt.templates.decode_attention_mma import CLUSTER_FLAG, DecodeAttentionMmaFamily, shared_bytes
 from coopt.templates.registry import families_for
 from coopt.verify.profiles import resolve_profile
 
 MMA = DecodeAttentionMmaFamily()
-ADVISED = {"SPLIT": 16, "CHUNK": 32, "COPY": "ca", "num_warps": 8, "num_stages": 2}
-SMALL = {"SPLIT": 1, "CHUNK": 16, "COPY": "cg", "num_warps": 4, "num_stages": 3}
-FORMS = {"advised": ADVISED, "small": SMALL, "split 4 chunk 16 ca": {**ADVISED, "SPLIT": 4, "CHUNK": 16}}
+ADVISED = {"SPLIT": 16, "CHUNK": 32, "COPY": "ca", "num_warps": 8, "num_stages": 2, "MEET": "global"}
+SMALL = {"SPLIT": 1, "CHUNK": 16, "COPY": "cg", "num_warps": 4, "num_stages": 3, "MEET": "global"}
+FORMS = {"advised": ADVISED, "small": SMALL, "split 4 chunk 16 ca": {**ADVISED, "SPLIT": 4, "CHUNK": 16},
+         "cluster of 8": {**ADVISED, "SPLIT": 8, "CHUNK": 16, "MEET": "cluster"}}
 
 
 def plain(batch=1, heads=32, kv_heads=8, max_length=4096, granularity="per-head"):
@@ -79,8 +80,9 @@ WRITES = {
 
 @pytest.fixture
 def gpu_points(monkeypatch):
-    """As on a GPU machine: the family offers points."""
+    """As on a GPU machine: the family offers points (the cluster meeting's among them)."""
     monkeypatch.setattr(template_base, "cuda_runs_here", lambda: True)
+    monkeypatch.setenv(CLUSTER_FLAG, "1")
 
 
 def values_only(region):
@@ -147,8 +149,10 @@ def test_the_heuristic_fills_the_sms_through_the_l1_at_8_warps(gpu_points, batch
     legal = tuple(MMA.legal_points(region, H200))
     request = AdviceRequest(region, MMA.name, MMA.param_space(region, H200), legal, H200.facts(), 3)
     ranked = HeuristicAdvisor().advise(request).ranked
-    assert ranked[0] == {"SPLIT": split, "CHUNK": 16, "COPY": "ca", "num_warps": 8, "num_stages": 2}
-    assert ranked[1] == {**ranked[0], "CHUNK": 32}  # measured second in every build (session 28)
+    assert ranked[0] == {"SPLIT": split, "CHUNK": 16, "COPY": "ca", "num_warps": 8, "num_stages": 2, "MEET": "global"}
+    # the same point meeting in a cluster where its splits make one (not yet measured in a build),
+    # else 32-key chunks (measured second in every build, session 28)
+    assert ranked[1] == ({**ranked[0], "MEET": "cluster"} if split <= 8 else {**ranked[0], "CHUNK": 32})
 
 
 @pytest.mark.parametrize(("length", "split"), [(2048, 16), (32768, 16), (256, 2)])
@@ -158,7 +162,7 @@ def test_a_bf16_split_takes_the_bytes_of_an_fp8_one(gpu_points, length, split):
     legal = tuple(MMA.legal_points(region, H200))
     request = AdviceRequest(region, MMA.name, MMA.param_space(region, H200), legal, H200.facts(), 3)
     ranked = HeuristicAdvisor().advise(request).ranked
-    assert ranked[0] == {"SPLIT": split, "CHUNK": 16, "COPY": "ca", "num_warps": 8, "num_stages": 2}
+    assert ranked[0] == {"SPLIT": split, "CHUNK": 16, "COPY": "ca", "num_warps": 8, "num_stages": 2, "MEET": "global"}
 
 
 def test_more_blocks_than_sms_rank_4_warps_first(gpu_points):
@@ -168,7 +172,7 @@ def test_more_blocks_than_sms_rank_4_warps_first(gpu_points):
     legal = tuple(MMA.legal_points(region, H200))
     request = AdviceRequest(region, MMA.name, MMA.param_space(region, H200), legal, H200.facts(), 3)
     ranked = HeuristicAdvisor().advise(request).ranked
-    assert ranked[0] == {"SPLIT": 1, "CHUNK": 16, "COPY": "ca", "num_warps": 4, "num_stages": 2}
+    assert ranked[0] == {"SPLIT": 1, "CHUNK": 16, "COPY": "ca", "num_warps": 4, "num_stages": 2, "MEET": "global"}
     assert ranked[1] == {**ranked[0], "CHUNK": 32}
     first_8_warps = next(i for i, point in enumerate(ranked) if point["num_warps"] == 8)
     assert first_8_warps > 2  # past a build's top 3
@@ -236,6 +240,31 @@ def test_one_split_writes_its_output_without_the_global_meeting(hopper_ptx):
     one = hopper_ptx(cuda_source(MMA.render(plain(batch=32), {**ADVISED, "SPLIT": 1, "num_warps": 4})))
     assert many.count(arrival) == 1 and arrival not in one
     assert "membar.gl" not in many and "fence." not in many
+
+
+@pytest.mark.parametrize("region", ["plain per-head", "bf16 folded, gathered tables"])
+def test_a_cluster_of_splits_meets_in_distributed_shared_memory(hopper_ptx, region):
+    """MEET=cluster: the splits of a (sequence, kv head) are one cluster (.reqnctapercluster), read
+    each other's partials through ld.shared::cluster between two cluster barriers, and touch no
+    global partials or arrival count."""
+    params = FORMS["cluster of 8"]
+    ptx = hopper_ptx(cuda_source(MMA.render(REGIONS[region], params)))
+    assert ".reqnctapercluster 8, 1, 1" in ptx
+    assert ptx.count("barrier.cluster.arrive") == 2 and "ld.shared::cluster" in ptx and "mapa" in ptx
+    assert "atom." not in ptx and "ld.global.cg.f32" not in ptx
+
+
+def test_a_cluster_takes_2_to_8_splits_and_is_offered_only_where_the_flag_is_set(gpu_points, monkeypatch):
+    cluster = FORMS["cluster of 8"]
+    assert MMA.check(plain(), cluster, H200) is None and MMA.check(plain(), {**cluster, "SPLIT": 2}, H200) is None
+    for split in (1, 16):
+        assert "2 to 8 splits" in MMA.check(plain(), {**cluster, "SPLIT": split}, H200)
+    # a point without the knob (an older cache's) meets in global memory
+    assert MMA.check(plain(), {k: v for k, v in ADVISED.items() if k != "MEET"}, H200) is None
+    assert shared_bytes(cluster, 4) == shared_bytes({**cluster, "MEET": "global"}, 4) + 4 * 4 * 130
+    monkeypatch.delenv(CLUSTER_FLAG)  # not yet run on a GPU: no build meets in a cluster unless asked
+    assert MMA.check(plain(), cluster, H200) == "MEET=cluster is not in the space"
+    assert all(point["MEET"] == "global" for point in MMA.legal_points(plain(), H200))
 
 
 @pytest.mark.parametrize(("split", "warps", "in_registers"), [(16, 8, True), (32, 4, False)])
