@@ -45,6 +45,7 @@
 #   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
+#   bash bench/gpu_session.sh gemv-prologue  # the CUDA GEMV's first slabs from one base: GPU tests, its layer GEMVs both ways (~5 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
@@ -354,6 +355,17 @@ case "${1:-}" in
         step 150 fold-times env COOPT_MMA_CLUSTER=1 python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
             --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
             --json "$OUT/fold_times_cluster.json"
+        ;;
+    gemv-prologue)  # issue 3: the CUDA GEMV's first slabs from one base address (session 34; no GPU has run it,
+        # so it renders only under COOPT_GEMV_EARLY_SLABS=1): its GPU tests (both forms), then the layer GEMVs at
+        # the advisor's first two points in each form, twice each way (~5 min)
+        step 150 gemv-tests python -m pytest -q -p no:cacheprovider --tb=short tests/templates/test_gemv_cuda.py
+        for run in 1 2; do
+            for early in 1 0; do
+                step 90 "gemv-early$early-$run" env COOPT_GEMV_EARLY_SLABS=$early python bench/gemm.py --shapes layer \
+                    --family gemv_cuda --variants gemv --advised 2 --sample 0 --json "$OUT/gemv_early${early}_$run.json"
+            done
+        done
         ;;
     mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then
         # values-only b1 / 32768 and b32 / 2048 built with it beside reduce-overhead (~9.5 min)

@@ -48,6 +48,7 @@ rows 8 KB apart).
 from __future__ import annotations
 
 import math
+import os
 
 from coopt.ir.region import RegionSummary
 from coopt.targets import Target
@@ -114,6 +115,12 @@ def epilogue_lines(region: RegionSummary) -> tuple[list[str], str]:
     return lines, names[region.attrs["outputs"][0]]
 
 
+# The ring's first slabs from one base address (session 34: the last of them 100-153 instructions
+# into the kernel against 142-221 through issue()) has passed no GPU run yet: rendered only where
+# this is set, as `bash bench/gpu_session.sh gemv-prologue` does for its timing
+EARLY_SLABS_FLAG = "COOPT_GEMV_EARLY_SLABS"
+
+
 def shared_bytes(params: dict, k: int, glu: bool) -> int:
     """x staged for the block in bf16 (normalised where there is a norm), every warp's ring, then
     the norm's per-warp sums of squares (one float a warp, room kept with or without a norm)."""
@@ -167,4 +174,5 @@ class GemvCudaFamily(TemplateFamily):
             program=lines,
             out_name=out_name,
             shared_bytes=shared_bytes(params, k, glu),
+            early_slabs=os.environ.get(EARLY_SLABS_FLAG) == "1",
         )
