@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -114,9 +113,9 @@ def hopper_sass(tmp_path):
     across branches and inline asm, so the order a test asserts is read here, not in the PTX."""
 
     def compile_source(source: str) -> list[str]:
-        import triton
+        from template_helpers import triton_cuobjdump  # tests/templates/, where its users live, is on sys.path
 
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        tool = triton_cuobjdump()
         if not tool.exists():
             pytest.skip("no cuobjdump beside Triton")
         nvcc_for_hopper(tmp_path, source, "kernel.cubin", "-cubin")

@@ -167,6 +167,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
         scale = region.attrs.get("scale")
         group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
         gathered = gathered_tables(region)
+        k_bytes, v_bytes = element_bytes(region)
         return render_template(
             "cuda/decode_attention_mma.py.j2",
             region_name=region.name,
@@ -178,8 +179,8 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             scale=repr(float(scale if scale is not None else 1.0 / math.sqrt(HEAD_DIM))),
             shared_bytes=region_shared_bytes(region, params),
             bf16=bf16_cache(region),
-            k16=element_bytes(region)[0] == 2,
-            v16=element_bytes(region)[1] == 2,
+            k16=k_bytes == 2,
+            v16=v_bytes == 2,
             kv_scale=kv_scale(region),
             lengths_t="int" if region.inputs[3].dtype == "int32" else "long long",
             positions_t="int" if written is not None and region.inputs[written].dtype == "int32" else "long long",

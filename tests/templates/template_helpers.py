@@ -165,12 +165,17 @@ def _compile_launches(path: str, inputs, machine_code: bool) -> dict:
     return results
 
 
+def triton_cuobjdump() -> Path:
+    """The cuobjdump that ships with Triton (it may not run on this machine)."""
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
 def _machine_code_facts(cubin: bytes) -> dict:
     """Registers, spills and tensor-core instructions of a cubin, from the cuobjdump that ships
     with Triton (empty when it cannot run here)."""
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = triton_cuobjdump()
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
