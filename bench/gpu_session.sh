@@ -46,6 +46,8 @@
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
 #   bash bench/gpu_session.sh gemv-prologue  # the CUDA GEMV's first slabs from one base: GPU tests, its layer GEMVs both ways (~5 min)
+#   bash bench/gpu_session.sh gemm-skinny  # the batch-32 CUDA GEMM probe: its GPU tests, then the layer GEMMs and the head
+#                                        # beside cuBLAS and the GEMM template at M = 32 (~6 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
@@ -366,6 +368,15 @@ case "${1:-}" in
                     --family gemv_cuda --variants gemv --advised 2 --sample 0 --json "$OUT/gemv_early${early}_$run.json"
             done
         done
+        ;;
+    gemm-skinny)  # issues 3 and 4: the b32 rows' lever (NOTES-decode.md, session 34): a CUDA GEMM for M = 32
+        # whose cluster splits K and meets through distributed shared memory (bench/cuda_gemm_skinny_probe.py;
+        # no GPU has run it): its GPU tests (first failure with its traceback), then every shape at the default
+        # points beside cuBLAS and the template's first two advised points, the layer shapes with PDL too (~6 min)
+        step 150 gemm-skinny-tests python -m pytest -q -x -p no:cacheprovider --tb=long tests/bench/test_cuda_gemm_skinny_probe.py
+        step 240 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
+        step 120 gemm-skinny-pdl python bench/cuda_gemm_skinny_probe.py --shapes o,down --advised 0 --pdl \
+            --json "$OUT/gemm_skinny_pdl.json"
         ;;
     mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then
         # values-only b1 / 32768 and b32 / 2048 built with it beside reduce-overhead (~9.5 min)

@@ -18,11 +18,11 @@ import ctypes
 
 MAX_DYNAMIC_SHARED_SIZE_BYTES, NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 8, 14  # CUfunction_attribute (cuda.h)
 PORTABLE_CLUSTER = 8
-PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h): launch with PDL
+CLUSTER_DIMENSION, PROGRAMMATIC_STREAM_SERIALIZATION = 4, 6  # CUlaunchAttributeID (cuda.h)
 
 
-class LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes, here only its int flags
-    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+class LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes, here its int flags and cluster dims
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int), ("dims", ctypes.c_uint * 3)]
 
 
 class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: the id, padded to 8 bytes, then the value
@@ -116,6 +116,19 @@ class DriverKernel:
                                                                        ctypes.c_size_t(self.shared)),
               "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return blocks.value
+
+    def max_active_clusters(self, threads: int, cluster: int) -> int:
+        """How many clusters of `cluster` blocks of `threads` threads (and this kernel's dynamic
+        shared memory) the GPU holds at once: the driver's count, which knows how the GPCs' SMs
+        group (a cluster's blocks share one GPC)."""
+        attributes = (LaunchAttribute * 1)()
+        attributes[0].id = CLUSTER_DIMENSION
+        attributes[0].value.dims[:] = [cluster, 1, 1]
+        config = LaunchConfig(cluster, 1, 1, threads, 1, 1, self.shared, None, attributes, 1)
+        count = ctypes.c_int()
+        check(self.libcuda.cuOccupancyMaxActiveClusters(ctypes.byref(count), self.func, ctypes.byref(config)),
+              "cuOccupancyMaxActiveClusters")
+        return count.value
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], values: list, pdl: bool = False) -> None:
         """Launch on torch's current stream with the kernel's parameters as ctypes values, in order;
