@@ -24,14 +24,15 @@ cluster of C blocks shares row groups, each block holding its K / C slice of x i
   cluster meets (split barrier: arrive after storing, wait only after the next round's loop),
   and each block sums 1/C of the round's outputs over the C blocks' partials through distributed
   shared memory (mapa + ld.shared::cluster, rank order: deterministic) and stores them in bf16;
-  partials are double-buffered across rounds;
+  with two partials buffers (PARTS 2) a round's meeting waits only after the next round's loop,
+  with one (less shared memory: K = 14336's x slice is 115 KB at C = 8) its reduction comes first;
 - the grid is one wave of clusters (the driver's count of co-resident clusters); the ring's first
   slabs go out before griddepcontrol.wait when launched with PDL (`pdl`).
 
 Each point is checked against torch's fp32 product (relative 2e-2, before and after timing), then
 timed graph-replayed over weight copies past the L2 (bench/gemm.graph_ms) beside cuBLAS
 (torch.matmul) and the GEMM template (templates/matmul_epilogue.py) at the heuristic advisor's
-first points on the same plain region, in the same process. A point is C:WARPS:STAGES:KW.
+first points on the same plain region, in the same process. A point is C:WARPS:STAGES:KW[:PARTS].
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ GROUP_ROWS = 32  # weight rows a warp's group: two m16 tiles
 # and the output head
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}
-DEFAULT_POINTS = "8:8:3:64,8:4:4:64,4:4:6:64,16:4:4:64,16:8:3:64,8:4:6:64,16:4:6:64"
+DEFAULT_POINTS = "8:8:3:64,8:8:4:64:1,8:4:4:64,4:4:6:64,16:4:4:64,16:8:3:64,16:8:4:64:1,8:6:4:64,8:12:2:64:1"
 
 SOURCE = r"""
 #define M {{ m }}                // activation rows (the batch)
@@ -62,6 +63,7 @@ SOURCE = r"""
 #define STAGES {{ stages }}      // slabs in a warp's ring
 #define KW {{ kw }}              // columns of a slab (KW * 2 bytes of each of its rows)
 #define PDL {{ 1 if pdl else 0 }}  // the ring's first slabs before griddepcontrol.wait
+#define PARTS {{ parts }}        // partials buffers: 2 lets a round's meeting wait until after the next round's loop
 #define RG 32                    // weight rows a group (a warp's unit of work): two m16 tiles
 #define TM (RG / 16)
 #define NT (M / 8)               // n8 tiles of the batch
@@ -126,7 +128,7 @@ coopt_gemm_skinny(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x, bf
 
   const unsigned int xs = shared_address(smem);                                       // M x XROW bf16
   const unsigned int ring = xs + M * XROW * 2 + warp * STAGES * RING_BYTES;           // this warp's slabs
-  float* part = reinterpret_cast<float*>(smem + M * XROW * 2 + WARPS * STAGES * RING_BYTES);  // 2 x M x RP
+  float* part = reinterpret_cast<float*>(smem + M * XROW * 2 + WARPS * STAGES * RING_BYTES);  // PARTS x M x RP
 
   // Slab i of this warp: group first + (i / SLABS) * WARPS + warp, columns rank * KS + (i % SLABS) * KW.
   // Lane l copies piece l % CHUNKS of rows l / CHUNKS + 32 / CHUNKS * j, at piece ^ (row & 7).
@@ -172,7 +174,7 @@ coopt_gemm_skinny(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x, bf
     const int base = first + r * WARPS;                   // the round's first group
     if (red_row >= min(WARPS, end - base) * RG) return;   // past the last group of a short round
     constexpr int VEC = V >= 4 ? 4 : 2;
-    const unsigned int at = shared_address(part + (r & 1) * M * RP + red_m * RP + red_row);
+    const unsigned int at = shared_address(part + (r % PARTS) * M * RP + red_m * RP + red_row);
     float sum[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) sum[v] = 0.0f;
@@ -224,14 +226,21 @@ coopt_gemm_skinny(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x, bf
         }
       }
     }
+#if PARTS == 2
     if (r > 0) {
-      __syncwarp();
+      __syncwarp();    // the barriers are .aligned: every lane of the warp at the same one
       cluster_wait();  // every block's partials of round r - 1
       reduce(r - 1);
     }
+#else
+    if (r > 0) {
+      __syncwarp();
+      cluster_wait();  // every block has read round r - 1's partials: the buffer is free
+    }
+#endif
     if (r < mine) {
       // c0 c1: weight row g, batch rows 2c, 2c + 1; c2 c3: weight row g + 8
-      float* buf = part + (r & 1) * M * RP + warp * RG + (lane >> 2);
+      float* buf = part + (r % PARTS) * M * RP + warp * RG + (lane >> 2);
       const int col = 2 * (lane & 3);
 #pragma unroll
       for (int t = 0; t < TM; ++t)
@@ -244,30 +253,38 @@ coopt_gemm_skinny(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x, bf
           at[RP + 8] = acc[t][j][3];
         }
     }
-    __syncwarp();  // the barriers are .aligned: every lane of the warp at the same one
+    __syncwarp();
     cluster_arrive();
+#if PARTS == 1
+    cluster_wait();  // every block's partials of round r
+    reduce(r);
+    __syncwarp();
+    cluster_arrive();  // done reading them (waited for before the next round's stores)
+#endif
   }
+#if PARTS == 2
   cluster_wait();
   reduce(rounds - 1);
   __syncwarp();
   cluster_arrive();  // no block leaves while another still reads its shared memory
+#endif
   cluster_wait();
 }
 """
 
 
-def render(m: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, pdl: bool = False) -> str:
-    return render_string(SOURCE, m=m, k=k, cluster=cluster, warps=warps, stages=stages, kw=kw, pdl=pdl)
+def render(m: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2, pdl: bool = False) -> str:
+    return render_string(SOURCE, m=m, k=k, cluster=cluster, warps=warps, stages=stages, kw=kw, parts=parts, pdl=pdl)
 
 
-def shared_bytes(m: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64) -> int:
-    """x's slice (rows padded 16 bytes), every warp's ring, two rounds of partials (fp32, rows
+def shared_bytes(m: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2) -> int:
+    """x's slice (rows padded 16 bytes), every warp's ring, `parts` rounds of partials (fp32, rows
     padded 16 bytes)."""
     rows = warps * GROUP_ROWS
-    return m * (k // cluster + 8) * 2 + warps * stages * GROUP_ROWS * kw * 2 + 2 * m * (rows + 4) * 4
+    return m * (k // cluster + 8) * 2 + warps * stages * GROUP_ROWS * kw * 2 + parts * m * (rows + 4) * 4
 
 
-def point_problem(m: int, n: int, k: int, cluster: int, warps: int, stages: int, kw: int,
+def point_problem(m: int, n: int, k: int, cluster: int, warps: int, stages: int, kw: int, parts: int = 2,
                   shared_limit: int = 227 * 1024) -> str | None:
     """Why the kernel cannot run this point (None: it can); the source's static_asserts and more."""
     per_thread = warps * GROUP_ROWS // cluster // (warps * 32 // m) if warps * 32 % m == 0 else 0
@@ -276,9 +293,9 @@ def point_problem(m: int, n: int, k: int, cluster: int, warps: int, stages: int,
         (k % (cluster * kw) or kw % 64, f"K={k} is not whole slabs of {kw} columns in {cluster} shares (KW a multiple of 64)"),
         (m % 16 or warps * 32 % m, f"M={m}: needs a multiple of 16 dividing the block's {warps * 32} threads"),
         (per_thread < 2 or GROUP_ROWS % per_thread, f"{per_thread} outputs a thread in the reduction (needs 2-32)"),
-        (cluster > 16 or stages < 2, "at most 16 blocks a cluster, 2 or more slabs a ring"),
-        (shared_bytes(m, k, cluster, warps, stages, kw) > shared_limit,
-         f"{shared_bytes(m, k, cluster, warps, stages, kw)} B of shared memory a block"),
+        (cluster not in (1, 2, 4, 8, 16) or stages < 2 or parts not in (1, 2), "1-16 blocks a cluster (a power of 2), 2 or more slabs a ring, 1-2 partials"),
+        (shared_bytes(m, k, cluster, warps, stages, kw, parts) > shared_limit,
+         f"{shared_bytes(m, k, cluster, warps, stages, kw, parts)} B of shared memory a block"),
     ]
     return next((why for bad, why in problems if bad), None)
 
@@ -286,16 +303,17 @@ def point_problem(m: int, n: int, k: int, cluster: int, warps: int, stages: int,
 class SkinnyGemm:
     """y = x W^T at one point (x [m, k], W [n, k], y [m, n]; bf16): one wave of clusters."""
 
-    def __init__(self, m: int, n: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, pdl: bool = False):
+    def __init__(self, m: int, n: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2,
+                 pdl: bool = False):
         import torch
 
         from coopt.runtime.cuda_kernels import DriverKernel
 
-        problem = point_problem(m, n, k, cluster, warps, stages, kw)
+        problem = point_problem(m, n, k, cluster, warps, stages, kw, parts)
         if problem:
             raise ValueError(problem)
-        self.shared = shared_bytes(m, k, cluster, warps, stages, kw)
-        self.kernel = DriverKernel(render(m, k, cluster, warps, stages, kw, pdl), "coopt_gemm_skinny", self.shared,
+        self.shared = shared_bytes(m, k, cluster, warps, stages, kw, parts)
+        self.kernel = DriverKernel(render(m, k, cluster, warps, stages, kw, parts, pdl), "coopt_gemm_skinny", self.shared,
                                    cluster=cluster)
         self.m, self.n, self.k, self.cluster, self.warps, self.pdl = m, n, k, cluster, warps, pdl
         self.groups = n // GROUP_ROWS
@@ -320,10 +338,10 @@ class SkinnyGemm:
         return y
 
 
-def parse_point(text: str) -> tuple[int, int, int, int]:
-    """C:WARPS:STAGES:KW."""
-    cluster, warps, stages, kw = map(int, text.split(":"))
-    return cluster, warps, stages, kw
+def parse_point(text: str) -> tuple[int, int, int, int, int]:
+    """C:WARPS:STAGES:KW[:PARTS] (PARTS 2 unless given)."""
+    fields = [int(f) for f in text.split(":")]
+    return tuple(fields + [2] * (5 - len(fields)))
 
 
 def triton_points(m: int, n: int, k: int, count: int) -> list:
@@ -385,15 +403,15 @@ def main() -> int:
             first_output = (lambda a, b, run=run: run(a, b)[0])
             times.record(name, "template", label_text, first_output, sets, traffic, error=lambda f=first_output: error(f))
         for text in args.points.split(","):
-            cluster, warps, stages, kw = parse_point(text)
+            cluster, warps, stages, kw, parts = parse_point(text)
             for pdl in (False, True) if args.pdl else (False,):
-                point = f"cuda c{cluster} w{warps} s{stages} kw{kw}" + (" pdl" if pdl else "")
-                problem = point_problem(args.m, n, k, cluster, warps, stages, kw)
+                point = f"cuda c{cluster} w{warps} s{stages} kw{kw} p{parts}" + (" pdl" if pdl else "")
+                problem = point_problem(args.m, n, k, cluster, warps, stages, kw, parts)
                 if problem:
                     print(f"  {point:44s} skipped: {problem}", flush=True)
                     continue
                 try:
-                    gemm = SkinnyGemm(args.m, n, k, cluster, warps, stages, kw, pdl)
+                    gemm = SkinnyGemm(args.m, n, k, cluster, warps, stages, kw, parts, pdl)
                 except Exception as failure:
                     print(f"  {point:44s} FAILED: {type(failure).__name__}: {str(failure)[:200]}", flush=True)
                     continue

@@ -373,9 +373,9 @@ case "${1:-}" in
         # whose cluster splits K and meets through distributed shared memory (bench/cuda_gemm_skinny_probe.py;
         # no GPU has run it): its GPU tests (first failure with its traceback), then every shape at the default
         # points beside cuBLAS and the template's first two advised points, the layer shapes with PDL too (~6 min)
-        step 150 gemm-skinny-tests python -m pytest -q -x -p no:cacheprovider --tb=long tests/bench/test_cuda_gemm_skinny_probe.py
-        step 240 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
-        step 120 gemm-skinny-pdl python bench/cuda_gemm_skinny_probe.py --shapes o,down --advised 0 --pdl \
+        step 120 gemm-skinny-tests python -m pytest -q -x -p no:cacheprovider --tb=long tests/bench/test_cuda_gemm_skinny_probe.py
+        step 300 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
+        step 120 gemm-skinny-pdl python bench/cuda_gemm_skinny_probe.py --shapes o,down --advised 0 --pdl --points 8:8:3:64,16:8:4:64:1,8:4:4:64 \
             --json "$OUT/gemm_skinny_pdl.json"
         ;;
     mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then

@@ -3,7 +3,7 @@ without spilling (nvcc, where installed); its PTX meets through the cluster by a
 distributed shared memory, with no atomics and no global partials; only weight copies go out
 before its PDL wait; and on a GPU (CUDA C++ does not run in Triton's interpreter) it agrees with
 an fp32 product over drawn shapes and points: short last rounds, several rounds a cluster, every
-cluster size, PDL launches back to back."""
+cluster size, one and two partials buffers, PDL launches back to back."""
 
 from __future__ import annotations
 
@@ -39,19 +39,20 @@ def test_points_the_kernel_cannot_run_are_refused_with_the_reason(m, n, k, point
     assert why in point_problem(m, n, k, *point)
 
 
-@pytest.mark.parametrize("m,k,point", [(32, 4096, (8, 8, 3, 64)), (32, 14336, (16, 4, 4, 64)),
-                                       (32, 4096, (4, 4, 6, 128)), (64, 4096, (8, 4, 4, 64)),
-                                       (16, 4096, (2, 8, 4, 64))])
+@pytest.mark.parametrize("m,k,point", [(32, 4096, (8, 8, 3, 64, 2)), (32, 14336, (16, 8, 4, 64, 1)),
+                                       (32, 4096, (4, 4, 6, 128, 2)), (64, 4096, (8, 4, 4, 64, 2)),
+                                       (16, 4096, (2, 8, 4, 64, 1)), (32, 4096, (8, 12, 2, 64, 1))])
 def test_it_compiles_for_hopper_without_spills(hopper_registers, m, k, point):
     registers = hopper_registers(render(m, k, *point))
     assert registers * point[1] * 32 <= 65536  # the block's registers fit an SM
 
 
-def test_the_cluster_meets_through_shared_memory_only(hopper_ptx):
-    ptx = hopper_ptx(render(32, 4096, 8, 8, 3, 64, pdl=True))
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_cluster_meets_through_shared_memory_only(hopper_ptx, parts):
+    ptx = hopper_ptx(render(32, 4096, 8, 8, 3, 64, parts, pdl=True))
     assert ".reqnctapercluster 8, 1, 1" in ptx
     assert "ld.shared::cluster.v4.f32" in ptx and "mapa.shared::cluster" in ptx
-    # split: arrive after a round's partials, wait only after the next round's loop
+    # split barriers: arrive after storing (or reading) a round's partials, wait where they are needed
     assert "barrier.cluster.arrive.release" in ptx and "barrier.cluster.wait.acquire" in ptx
     assert not re.search(r"\batom\.|\bred\.|st\.global\.f32", ptx)  # no counters, no partials in global memory
     # a slab's 4 column steps, each 2 row tiles x 4 batch tiles
@@ -64,15 +65,15 @@ def test_the_cluster_meets_through_shared_memory_only(hopper_ptx):
 @settings(max_examples=resolve_profile().max_examples, deadline=None)  # COOPT_VERIFY_PROFILE=thorough: 200
 @given(m=st.sampled_from([16, 32, 64]), groups=st.sampled_from([1, 7, 40, 129, 600]),
        shares=st.sampled_from([1, 2, 3, 7]), cluster=st.sampled_from([1, 2, 4, 8, 16]),
-       warps=st.sampled_from([2, 4, 8]), stages=st.sampled_from([2, 3, 4]), kw=st.sampled_from([64, 128]),
-       pdl=st.booleans(), seed=st.integers(0, 2**16))
-def test_it_agrees_with_an_fp32_product(m, groups, shares, cluster, warps, stages, kw, pdl, seed):
+       warps=st.sampled_from([2, 4, 6, 8, 12]), stages=st.sampled_from([2, 3, 4]), kw=st.sampled_from([64, 128]),
+       parts=st.sampled_from([1, 2]), pdl=st.booleans(), seed=st.integers(0, 2**16))
+def test_it_agrees_with_an_fp32_product(m, groups, shares, cluster, warps, stages, kw, parts, pdl, seed):
     import torch
     from cuda_gemm_skinny_probe import SkinnyGemm
 
     n, k = 32 * groups, cluster * kw * shares  # a block's share of K: 1, 2, 3 or 7 slabs
-    assume(point_problem(m, n, k, cluster, warps, stages, kw) is None)  # e.g. M 16 over 16 blocks: 1 output a thread
-    gemm = SkinnyGemm(m, n, k, cluster, warps, stages, kw, pdl)
+    assume(point_problem(m, n, k, cluster, warps, stages, kw, parts) is None)  # e.g. M 16 over 16 blocks: 1 output a thread
+    gemm = SkinnyGemm(m, n, k, cluster, warps, stages, kw, parts, pdl)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
     w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)
