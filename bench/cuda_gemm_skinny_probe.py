@@ -27,7 +27,12 @@ cluster of C blocks shares row groups, each block holding its K / C slice of x i
   with two partials buffers (PARTS 2) a round's meeting waits only after the next round's loop,
   with one (less shared memory: K = 14336's x slice is 115 KB at C = 8) its reduction comes first;
 - the grid is one wave of clusters (the driver's count of co-resident clusters); the ring's first
-  slabs go out before griddepcontrol.wait when launched with PDL (`pdl`).
+  slabs go out before griddepcontrol.wait, which matters when launched with PDL (`--pdl`).
+
+The kernel is the template family gemm_skinny_cuda's (templates/cuda/gemm_skinny.cu.j2) in its
+plain form; the family adds the epilogues a b32 build's regions carry (residual, the norm
+statistics in and out, GLU) and is kept out of builds (COOPT_GEMM_SKINNY_CUDA) until this probe
+and its GPU tests have run.
 
 Each point is checked against torch's fp32 product (relative 2e-2, before and after timing), then
 timed graph-replayed over weight copies past the L2 (bench/gemm.graph_ms) beside cuBLAS
@@ -46,8 +51,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from coopt.templates.base import render_string  # noqa: E402
-
 GROUP_ROWS = 32  # weight rows a warp's group: two m16 tiles
 # Llama-3-8B's decode GEMMs (N, K): a layer's four (gate|up is its [gate; up] weight, plain here)
 # and the output head
@@ -55,249 +58,41 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "head": (128256, 4096)}
 DEFAULT_POINTS = "8:8:3:64,8:8:4:64:1,8:4:4:64,4:4:6:64,16:4:4:64,16:8:3:64,16:8:4:64:1,8:6:4:64,8:12:2:64:1"
 
-SOURCE = r"""
-#define M {{ m }}                // activation rows (the batch)
-#define K {{ k }}
-#define C {{ cluster }}          // blocks of a cluster: K split C ways
-#define WARPS {{ warps }}
-#define STAGES {{ stages }}      // slabs in a warp's ring
-#define KW {{ kw }}              // columns of a slab (KW * 2 bytes of each of its rows)
-#define PDL {{ 1 if pdl else 0 }}  // the ring's first slabs before griddepcontrol.wait
-#define PARTS {{ parts }}        // partials buffers: 2 lets a round's meeting wait until after the next round's loop
-#define RG 32                    // weight rows a group (a warp's unit of work): two m16 tiles
-#define TM (RG / 16)
-#define NT (M / 8)               // n8 tiles of the batch
-#define KS (K / C)               // a block's share of K
-#define SLABS (KS / KW)          // slabs of a group's rows in that share
-#define CHUNKS (KW / 8)          // 16-byte pieces of a slab's row
-#define XROW (KS + 8)            // bf16 elements of a staged x row: +16 bytes, so ldmatrix's 8 rows meet no bank twice
-#define R (WARPS * RG)           // weight rows of a round (a group a warp)
-#define RP (R + 4)               // floats of a partials row (one batch row): +4, so fragment stores meet no bank twice
-#define TPM (WARPS * 32 / M)     // threads that reduce one batch row
-#define V (R / C / TPM)          // consecutive outputs a thread reduces and stores
-#define RING_BYTES (RG * KW * 2)
-
-static_assert(K % (C * KW) == 0 && KW % 16 == 0 && CHUNKS >= 8, "a block's share of K is whole slabs of 128 bytes or more");
-static_assert(M % 16 == 0 && WARPS * 32 % M == 0, "M is whole n16 pairs, a whole number of threads a batch row");
-static_assert(V >= 2 && RG % V == 0, "a thread reduces 2 or more outputs, inside one group");
-
-{% include "cuda/_prelude.cuh.j2" %}
-{% include "cuda/_mma_f16.cuh.j2" %}
-
-__device__ __forceinline__ void copy16_to(unsigned int dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, unsigned int address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
-}
-
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-
-__device__ __forceinline__ unsigned int cluster_rank() {
-  unsigned int r;
-  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// `n` floats (2 or 4) at shared address `p` of block `rank` of the cluster
-template <int N> __device__ __forceinline__ void cluster_load_floats(float* v, unsigned int p, unsigned int rank) {
-  unsigned int remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(p), "r"(rank));
-  if (N == 4)
-    asm volatile("ld.shared::cluster.v4.f32 { %0, %1, %2, %3 }, [%4];"
-                 : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(remote) : "memory");
-  else
-    asm volatile("ld.shared::cluster.v2.f32 { %0, %1 }, [%2];" : "=f"(v[0]), "=f"(v[1]) : "r"(remote) : "memory");
-}
-
-extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(WARPS * 32, 1)
-coopt_gemm_skinny(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x, bf16_t* __restrict__ y, int groups) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned int rank = cluster_rank();
-  const int cluster = blockIdx.x / C, clusters = gridDim.x / C;
-  // the cluster's row groups: a contiguous share, the same in each of its blocks
-  const int first = (int)((long long)groups * cluster / clusters);
-  const int end = (int)((long long)groups * (cluster + 1) / clusters);
-  const int rounds = (end - first + WARPS - 1) / WARPS;
-  const int mine = max(0, (end - first - warp + WARPS - 1) / WARPS);  // groups first + r * WARPS + warp < end
-  if (rounds == 0) return;  // the whole cluster alike: no barrier is left waiting
-
-  const unsigned int xs = shared_address(smem);                                       // M x XROW bf16
-  const unsigned int ring = xs + M * XROW * 2 + warp * STAGES * RING_BYTES;           // this warp's slabs
-  float* part = reinterpret_cast<float*>(smem + M * XROW * 2 + WARPS * STAGES * RING_BYTES);  // PARTS x M x RP
-
-  // Slab i of this warp: group first + (i / SLABS) * WARPS + warp, columns rank * KS + (i % SLABS) * KW.
-  // Lane l copies piece l % CHUNKS of rows l / CHUNKS + 32 / CHUNKS * j, at piece ^ (row & 7).
-  const bf16_t* w_share = w + (size_t)rank * KS + (lane % CHUNKS) * 8;
-  auto issue = [&](int i) {
-    if (i < mine * SLABS) {
-      const int group = first + (i / SLABS) * WARPS + warp;
-      const bf16_t* src = w_share + (size_t)group * RG * K + (i % SLABS) * KW;
-      const unsigned int slot = ring + (i % STAGES) * RING_BYTES;
-#pragma unroll
-      for (int j = 0; j < RG * CHUNKS / 32; ++j) {
-        const int row = lane / CHUNKS + 32 / CHUNKS * j;
-        copy16_to(slot + row * KW * 2 + (((lane % CHUNKS) ^ (row & 7)) << 4), src + (size_t)row * K);
-      }
-    }
-    commit();  // an empty group past the end keeps wait_groups' count uniform
-  };
-
-  for (int i = 0; i < STAGES - 1; ++i) issue(i);  // weights: no kernel writes them
-#if PDL
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  // the block's slice of x, once (after the wait: it is the kernel before's output)
-  for (int j = threadIdx.x; j < M * (KS / 8); j += WARPS * 32) {
-    const int row = j / (KS / 8), piece = j % (KS / 8);
-    copy16_to(xs + (row * XROW + piece * 8) * 2, x + (size_t)row * K + rank * KS + piece * 8);
-  }
-  commit();
-  wait_groups<0>();
-  __syncthreads();
-
-  // ldmatrix.x4 addresses: A (a tile's 16 rows x 16 columns: rows 0-7 / 8-15, columns 0-7 / 8-15
-  // in a0..a3's order) and B (x rows 0-7 columns 0-7, 0-7 / 8-15, 8-15 / 0-7, 8-15 / 8-15: b0 b1
-  // of the n8 tile 2p, then of 2p + 1)
-  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_half = lane >> 4;
-  const unsigned int b_lane = xs + (((lane & 7) + (lane >> 4) * 8) * XROW + ((lane >> 3) & 1) * 8) * 2;
-
-  // a round's partials, then the sum of this block's 1/C of them over the cluster: thread t sums
-  // V outputs of batch row t / TPM (rows rank * R / C + (t % TPM) * V of the round's R)
-  const int red_m = threadIdx.x / TPM, red_row = rank * (R / C) + (threadIdx.x % TPM) * V;
-  auto reduce = [&](int r) {
-    const int base = first + r * WARPS;                   // the round's first group
-    if (red_row >= min(WARPS, end - base) * RG) return;   // past the last group of a short round
-    constexpr int VEC = V >= 4 ? 4 : 2;
-    const unsigned int at = shared_address(part + (r % PARTS) * M * RP + red_m * RP + red_row);
-    float sum[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) sum[v] = 0.0f;
-#pragma unroll
-    for (int q = 0; q < C; ++q) {
-#pragma unroll
-      for (int v = 0; v < V; v += VEC) {
-        float got[VEC];
-        cluster_load_floats<VEC>(got, at + v * 4, q);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) sum[v + e] += got[e];
-      }
-    }
-    unsigned int* out = reinterpret_cast<unsigned int*>(y + (size_t)red_m * groups * RG + base * RG + red_row);
-#pragma unroll
-    for (int v = 0; v < V; v += 2) out[v / 2] = pack_bf16(sum[v], sum[v + 1]);
-  };
-
-  int i = 0;  // this warp's slab count
-  for (int r = 0; r < rounds; ++r) {
-    float acc[TM][NT][4];
-#pragma unroll
-    for (int t = 0; t < TM; ++t)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) acc[t][j][0] = acc[t][j][1] = acc[t][j][2] = acc[t][j][3] = 0.0f;
-    if (r < mine) {
-      for (int s = 0; s < SLABS; ++s, ++i) {
-        __syncwarp();  // every lane has read the slot the next copy refills
-        issue(i + STAGES - 1);
-        wait_groups<STAGES - 1>();
-        __syncwarp();  // every lane's copies of slab i have landed
-        const unsigned int slot = ring + (i % STAGES) * RING_BYTES;
-        const unsigned int b_at = b_lane + s * KW * 2;
-#pragma unroll
-        for (int kk = 0; kk < KW / 16; ++kk) {
-          unsigned int a[TM][4], b[NT / 2][4];
-#pragma unroll
-          for (int t = 0; t < TM; ++t) {
-            const int row = t * 16 + a_row, piece = 2 * kk + a_half;
-            ldmatrix_x4(a[t], slot + row * KW * 2 + ((piece ^ (row & 7)) << 4));
-          }
-#pragma unroll
-          for (int p = 0; p < NT / 2; ++p) ldmatrix_x4(b[p], b_at + (p * 16 * XROW + kk * 16) * 2);
-#pragma unroll
-          for (int t = 0; t < TM; ++t)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-              mma_bf16(acc[t][j], a[t][0], a[t][1], a[t][2], a[t][3], b[j / 2][2 * (j & 1)], b[j / 2][2 * (j & 1) + 1]);
-        }
-      }
-    }
-#if PARTS == 2
-    if (r > 0) {
-      __syncwarp();    // the barriers are .aligned: every lane of the warp at the same one
-      cluster_wait();  // every block's partials of round r - 1
-      reduce(r - 1);
-    }
-#else
-    if (r > 0) {
-      __syncwarp();
-      cluster_wait();  // every block has read round r - 1's partials: the buffer is free
-    }
-#endif
-    if (r < mine) {
-      // c0 c1: weight row g, batch rows 2c, 2c + 1; c2 c3: weight row g + 8
-      float* buf = part + (r % PARTS) * M * RP + warp * RG + (lane >> 2);
-      const int col = 2 * (lane & 3);
-#pragma unroll
-      for (int t = 0; t < TM; ++t)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          float* at = buf + (j * 8 + col) * RP + t * 16;
-          at[0] = acc[t][j][0];
-          at[RP] = acc[t][j][1];
-          at[8] = acc[t][j][2];
-          at[RP + 8] = acc[t][j][3];
-        }
-    }
-    __syncwarp();
-    cluster_arrive();
-#if PARTS == 1
-    cluster_wait();  // every block's partials of round r
-    reduce(r);
-    __syncwarp();
-    cluster_arrive();  // done reading them (waited for before the next round's stores)
-#endif
-  }
-#if PARTS == 2
-  cluster_wait();
-  reduce(rounds - 1);
-  __syncwarp();
-  cluster_arrive();  // no block leaves while another still reads its shared memory
-#endif
-  cluster_wait();
-}
-"""
+PARAM_KNOBS = ("CLUSTER", "num_warps", "num_stages", "KW", "PARTS")
 
 
-def render(m: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2, pdl: bool = False) -> str:
-    return render_string(SOURCE, m=m, k=k, cluster=cluster, warps=warps, stages=stages, kw=kw, parts=parts, pdl=pdl)
+def params_of(cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2) -> dict:
+    return dict(zip(PARAM_KNOBS, (cluster, warps, stages, kw, parts)))
 
 
-def shared_bytes(m: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2) -> int:
-    """x's slice (rows padded 16 bytes), every warp's ring, `parts` rounds of partials (fp32, rows
-    padded 16 bytes)."""
-    rows = warps * GROUP_ROWS
-    return m * (k // cluster + 8) * 2 + warps * stages * GROUP_ROWS * kw * 2 + parts * m * (rows + 4) * 4
+def render(m: int, n: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2) -> str:
+    """The family's kernel (templates/cuda/gemm_skinny.cu.j2) in its plain form: y = x W^T."""
+    from coopt.templates.base import render_template
+    from coopt.templates.gemm_skinny_cuda import layout
+
+    params = params_of(cluster, warps, stages, kw, parts)
+    return render_template("cuda/gemm_skinny.cu.j2", p=params, L=layout(m, k, n, False, 0, params), glu=False,
+                           stats=None, bias=False, extras=[], program=[], out_name="v_acc", produce=None)
 
 
-def point_problem(m: int, n: int, k: int, cluster: int, warps: int, stages: int, kw: int, parts: int = 2,
+def shared_bytes(m: int, n: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2) -> int:
+    """x's slice (rows padded 16 bytes), every warp's ring, `parts` rounds of partials."""
+    from coopt.templates.gemm_skinny_cuda import layout
+
+    return layout(m, k, n, False, 0, params_of(cluster, warps, stages, kw, parts)).shared
+
+
+def point_problem(m: int, n: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2,
                   shared_limit: int = 227 * 1024) -> str | None:
-    """Why the kernel cannot run this point (None: it can); the source's static_asserts and more."""
-    per_thread = warps * GROUP_ROWS // cluster // (warps * 32 // m) if warps * 32 % m == 0 else 0
-    problems = [
-        (n % GROUP_ROWS, f"N={n} is not whole groups of {GROUP_ROWS} rows"),
-        (k % (cluster * kw) or kw % 64, f"K={k} is not whole slabs of {kw} columns in {cluster} shares (KW a multiple of 64)"),
-        (m % 16 or warps * 32 % m, f"M={m}: needs a multiple of 16 dividing the block's {warps * 32} threads"),
-        (per_thread < 2 or GROUP_ROWS % per_thread, f"{per_thread} outputs a thread in the reduction (needs 2-32)"),
-        (cluster not in (1, 2, 4, 8, 16) or stages < 2 or parts not in (1, 2), "1-16 blocks a cluster (a power of 2), 2 or more slabs a ring, 1-2 partials"),
-        (shared_bytes(m, k, cluster, warps, stages, kw, parts) > shared_limit,
-         f"{shared_bytes(m, k, cluster, warps, stages, kw, parts)} B of shared memory a block"),
-    ]
-    return next((why for bad, why in problems if bad), None)
+    """Why the kernel cannot run this point (None: it can): the family's layout checks, then the
+    block's shared memory."""
+    from coopt.templates.gemm_skinny_cuda import layout
+
+    try:
+        shared = layout(m, k, n, False, 0, params_of(cluster, warps, stages, kw, parts)).shared
+    except ValueError as error:
+        return str(error)
+    return f"{shared} B of shared memory a block" if shared > shared_limit else None
 
 
 class SkinnyGemm:
@@ -312,8 +107,8 @@ class SkinnyGemm:
         problem = point_problem(m, n, k, cluster, warps, stages, kw, parts)
         if problem:
             raise ValueError(problem)
-        self.shared = shared_bytes(m, k, cluster, warps, stages, kw, parts)
-        self.kernel = DriverKernel(render(m, k, cluster, warps, stages, kw, parts, pdl), "coopt_gemm_skinny", self.shared,
+        self.shared = shared_bytes(m, n, k, cluster, warps, stages, kw, parts)
+        self.kernel = DriverKernel(render(m, n, k, cluster, warps, stages, kw, parts), "coopt_gemm_skinny", self.shared,
                                    cluster=cluster)
         self.m, self.n, self.k, self.cluster, self.warps, self.pdl = m, n, k, cluster, warps, pdl
         self.groups = n // GROUP_ROWS
@@ -324,8 +119,6 @@ class SkinnyGemm:
         self.device = torch.cuda.current_device()
 
     def __call__(self, x, w, y=None):
-        import ctypes
-
         import torch
 
         from coopt.runtime.cuda_kernels import pointers
@@ -333,8 +126,8 @@ class SkinnyGemm:
         assert x.shape == (self.m, self.k) and w.shape == (self.n, self.k) and x.is_contiguous() and w.is_contiguous()
         if y is None:
             y = torch.empty((self.m, self.n), device=x.device, dtype=torch.bfloat16)
-        self.kernel.launch((self.clusters * self.cluster, 1, 1), (self.warps * 32, 1, 1),
-                           [*pointers(w, x, y), ctypes.c_int(self.groups)], pdl=self.pdl)
+        self.kernel.launch((self.clusters * self.cluster, 1, 1), (self.warps * 32, 1, 1), pointers(w, x, y),
+                           pdl=self.pdl)
         return y
 
 

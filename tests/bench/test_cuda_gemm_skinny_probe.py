@@ -2,7 +2,8 @@
 without spilling (nvcc, where installed); its PTX meets through the cluster by a split barrier and
 distributed shared memory, with no atomics and no global partials; only weight copies go out
 before its PDL wait; and on a GPU (CUDA C++ does not run in Triton's interpreter) it agrees with
-an fp32 product over drawn shapes and points: short last rounds, several rounds a cluster, every
+an fp32 product over drawn shapes and points (the kernel is the template family gemm_skinny_cuda's
+plain form: tests/templates/test_gemm_skinny_cuda.py tests its other forms): short last rounds, several rounds a cluster, every
 cluster size, one and two partials buffers, PDL launches back to back."""
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ def test_the_default_points_fit_the_layer_shapes_that_need_them():
         assert len(fitting) >= 3, (n, k)
     assert point_problem(32, 4096, 14336, 8, 8, 3, 64) is not None  # 112 KB of x beside 96 KB of rings
     # x's slice padded 16 bytes a row, 8 warps x 3 slabs x 32 rows x 128 bytes, two rounds of partials
-    assert shared_bytes(32, 4096, 8, 8, 3, 64) == 32 * 520 * 2 + 8 * 3 * 32 * 128 + 2 * 32 * 260 * 4
+    assert shared_bytes(32, 4096, 4096, 8, 8, 3, 64) == 32 * 520 * 2 + 8 * 3 * 32 * 128 + 2 * 32 * 260 * 4
 
 
 @pytest.mark.parametrize("m,n,k,point,why", [
     (32, 4100, 4096, (8, 8, 3, 64), "groups of 32"),
     (32, 4096, 3072, (16, 4, 3, 128), "whole slabs"),     # 192 columns a share: not whole 128-column slabs
-    (24, 4096, 4096, (8, 8, 3, 64), "multiple of 16"),
+    (48, 4096, 4096, (8, 4, 3, 64), "split evenly"),     # 128 threads over 48 batch rows
     (16, 4096, 4096, (16, 4, 3, 64), "outputs a thread"),  # 128 rows a round over 16 blocks: 1 a thread
     (32, 4096, 14336, (4, 8, 4, 64), "shared memory"),
 ])
@@ -43,13 +44,13 @@ def test_points_the_kernel_cannot_run_are_refused_with_the_reason(m, n, k, point
                                        (32, 4096, (4, 4, 6, 128, 2)), (64, 4096, (8, 4, 4, 64, 2)),
                                        (16, 4096, (2, 8, 4, 64, 1)), (32, 4096, (8, 12, 2, 64, 1))])
 def test_it_compiles_for_hopper_without_spills(hopper_registers, m, k, point):
-    registers = hopper_registers(render(m, k, *point))
+    registers = hopper_registers(render(m, 4096, k, *point))
     assert registers * point[1] * 32 <= 65536  # the block's registers fit an SM
 
 
 @pytest.mark.parametrize("parts", [1, 2])
 def test_the_cluster_meets_through_shared_memory_only(hopper_ptx, parts):
-    ptx = hopper_ptx(render(32, 4096, 8, 8, 3, 64, parts, pdl=True))
+    ptx = hopper_ptx(render(32, 4096, 4096, 8, 8, 3, 64, parts))
     assert ".reqnctapercluster 8, 1, 1" in ptx
     assert "ld.shared::cluster.v4.f32" in ptx and "mapa.shared::cluster" in ptx
     # split barriers: arrive after storing (or reading) a round's partials, wait where they are needed
