@@ -21,7 +21,9 @@ F.rms_norm, the GEMM, silu and mul as separate kernels; `b1cuda` the batch-1 GEM
 their norm, for `--family gemv_cuda` (the CUDA GEMV's legal points, then CUDA_WIDE's deeper
 rings) or `--family both` (beside the template's). Each point is rendered by the family, checked against eager PyTorch,
 then timed with triton.testing.do_bench (median, L2 flushed). References: `cublas` is the bare
-matmul (torch.matmul), `eager` the whole region (F.linear plus the epilogue) as the model runs it.
+matmul (torch.matmul), `eager` the whole region (F.linear plus the epilogue) as the model runs it. `b32cuda` is a b32 layer's GEMVs and the head
+as the default pipeline builds them (norm statistics in and out), for `--family gemm_skinny_cuda`
+(the CUDA decode-batch GEMM, not yet in builds) or `both`.
 
 Skinny shapes (M <= 64) are weight-bandwidth bound and their kernels run for microseconds: they
 are also timed replayed in a CUDA graph (triton.testing.do_bench_cudagraph; the same signature in
@@ -74,6 +76,11 @@ SHAPES = {
     # the batch-32 residual GEMVs (o + residual, down + residual), the two furthest from their
     # bytes in a b32 step (session 28: 12.9 and 33.5 µs against 8.0 and 28.0 at 4.2 TB/s)
     "residual32": [(32, 4096, 4096, "residual"), (32, 4096, 14336, "residual")],
+    # a b32 decode layer's four GEMVs and the head as the default pipeline builds them: the norms'
+    # consumers (q|k|v, gate|up + SwiGLU, the head) and the residual GEMVs producing the next
+    # norm's h * g and chunk sums (o, down), for `--family gemm_skinny_cuda` / `both`
+    "b32cuda": [(32, 6144, 4096, "stats"), (32, 4096, 4096, "producer"), (32, 14336, 4096, "stats_swiglu"),
+                (32, 4096, 14336, "producer"), (32, 128256, 4096, "stats")],
     # the batch-1 GEMVs of a layer and the head, with and without their RMSNorm prologue, for the
     # CUDA family (`--family gemv_cuda`): does the norm cost it, and which rings stream best
     "b1cuda": [(1, 128256, 4096, "norm"), (1, 14336, 4096, "norm_swiglu"), (1, 6144, 4096, "norm"),
@@ -161,9 +168,12 @@ def parse_args():
     parser.add_argument("--variants", default="all", choices=["all", "plain", "persistent", "tma", "gemv", "stream-k"],
                         help="full mode: keep only points of this kernel variant; stream-k: the advisor's first "
                              "--advised GEMV points, each beside its stream-K twins")
-    parser.add_argument("--family", default="matmul_epilogue", choices=["matmul_epilogue", "gemv_cuda", "both"],
+    parser.add_argument("--family", default="matmul_epilogue",
+                        choices=["matmul_epilogue", "gemv_cuda", "gemm_skinny_cuda", "both"],
                         help="whose points: the Triton template's (the modes above), the CUDA GEMV's (its legal "
-                             "points, then a wider grid of warps and ring depths), or both")
+                             "points, then a wider grid of warps and ring depths), the CUDA decode-batch GEMM's "
+                             "(the heuristic's first --advised, plus --sample more), or the template's and the CUDA "
+                             "family's that takes the shape")
     parser.add_argument("--limit", type=int, default=None, help="full mode: at most this many points per shape")
     parser.add_argument("--advised", type=int, default=3,
                         help="quick and --sample modes: also the heuristic advisor's first N points per shape")
@@ -191,6 +201,12 @@ def make_region(m: int, n: int, k: int, epilogue: str):
     elif epilogue.startswith("stats"):  # fuse-norm-statistics' consumer: a = h * g, the rows' chunk sums of h^2
         inputs.append(TensorSpec((k // STATS_CHUNK, m), "float32"))
         extra_attrs["prologue"] = {"kind": "rms_norm_stats", "eps": 1e-5, "squares_input": len(inputs) - 1}
+    outputs = [TensorSpec((m, n), "bfloat16")]
+    if epilogue == "producer":  # fuse-norm-statistics' producer: h = acc + residual, then h * g and h's chunk sums
+        inputs += [TensorSpec((m, n), "bfloat16"), TensorSpec((n,), "bfloat16")]
+        program = [["y", "add", ["acc", "in0"]]]
+        outputs += [TensorSpec((m, n), "bfloat16"), TensorSpec((n // STATS_CHUNK, m), "float32")]
+        extra_attrs["row_squares"] = {"chunk": STATS_CHUNK, "weight_input": len(inputs) - 1, "output": 0}
     if swiglu:
         extra_attrs["glu"] = True
         program = [["t0", "silu", ["acc"]], ["y", "mul", ["t0", "acc_hi"]]]
@@ -199,11 +215,10 @@ def make_region(m: int, n: int, k: int, epilogue: str):
     elif epilogue == "residual":
         inputs.append(TensorSpec((m, n), "bfloat16"))
         program = [["y", "add", ["acc", "in0"]]]
-    outputs = ["y"] if program else ["acc"]
     return RegionSummary(
-        name=f"gemm_{m}x{n}x{k}_{epilogue}", family="matmul_epilogue", inputs=tuple(inputs),
-        outputs=(TensorSpec((m, n), "bfloat16"),),
-        attrs={"b_layout": "nk", "has_bias": has_bias, "epilogue": program, "outputs": outputs, **extra_attrs},
+        name=f"gemm_{m}x{n}x{k}_{epilogue}", family="matmul_epilogue", inputs=tuple(inputs), outputs=tuple(outputs),
+        attrs={"b_layout": "nk", "has_bias": has_bias, "epilogue": program, "outputs": ["y"] if program else ["acc"],
+               **extra_attrs},
     )
 
 
@@ -246,8 +261,8 @@ def eager(region, inputs):
         return F.silu(gate) * up
     if program and program[0][1] == "gelu":
         y = F.gelu(y)
-    elif program and program[0][1] == "add":
-        y = y + inputs[3]
+    elif program and program[0][1] == "add":  # the residual, after a, b and a bias where there is one
+        y = y + inputs[2 + int(region.attrs["has_bias"])]
     return y
 
 
@@ -320,11 +335,40 @@ def cuda_points(region) -> list[dict]:
     return points
 
 
+def skinny_points(region, args) -> list[dict]:
+    """gemm_skinny_cuda's points for the region (its flag set here: it matches nothing until a GPU
+    has run it): the heuristic's first --advised distinct kernels, then a seeded sample of
+    --sample more legal points."""
+    from coopt.targets import H200
+    from coopt.templates.gemm_skinny_cuda import FLAG, GemmSkinnyCudaFamily, skinny_problem
+
+    os.environ[FLAG] = "1"
+    if skinny_problem(region) is not None:
+        return []
+    family = GemmSkinnyCudaFamily()
+    legal = family.legal_points(region, H200)
+    try:
+        from coopt.candidates import diverse_top_k
+        from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
+
+        request = AdviceRequest(region, family.name, family.param_space(region, H200), tuple(legal), H200.facts())
+        points = [p for _, p in diverse_top_k(HeuristicAdvisor().advise(request).ranked, args.advised)]
+    except ImportError as error:  # the advisor needs pydantic, absent on the GPU image unless carried
+        print(f"no advised points ({error}): a sample only", flush=True)
+        points = []
+    rest = [p for p in legal if p not in points]
+    points += random.Random(0).sample(rest, min(len(rest), args.sample or 0))
+    return points
+
+
 def family_points(region, args) -> list[tuple[str, dict]]:
     """(family name, point) pairs --family asks for."""
-    template = [] if args.family == "gemv_cuda" else [("matmul_epilogue", p) for p in select_points(region, args)]
-    cuda = [] if args.family == "matmul_epilogue" else [("gemv_cuda", p) for p in cuda_points(region)]
-    return template + cuda
+    template = [] if args.family in ("gemv_cuda", "gemm_skinny_cuda") else [
+        ("matmul_epilogue", p) for p in select_points(region, args)]
+    cuda = [] if args.family in ("matmul_epilogue", "gemm_skinny_cuda") else [("gemv_cuda", p) for p in cuda_points(region)]
+    skinny = [] if args.family in ("matmul_epilogue", "gemv_cuda") else [
+        ("gemm_skinny_cuda", p) for p in skinny_points(region, args)]
+    return template + cuda + skinny
 
 
 def stream_k_pairs(region, count: int) -> list[dict]:
@@ -369,6 +413,9 @@ def advised_points(region, count: int) -> list[dict]:
 
 
 def label(params: dict) -> str:
+    if "CLUSTER" in params:  # a gemm_skinny_cuda point
+        return (f"cuda-skinny c{params['CLUSTER']} w{params['num_warps']} s{params['num_stages']} kw{params['KW']} "
+                f"p{params['PARTS']}")
     if "ROWS" in params:  # a gemv_cuda point
         return (f"cuda w{params['num_warps']} r{params['ROWS']} s{params['num_stages']} b{params['BLOCKS']}"
                 + (" stagger" if params.get("STAGGER") else ""))

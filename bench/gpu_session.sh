@@ -47,7 +47,9 @@
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
 #   bash bench/gpu_session.sh gemv-prologue  # the CUDA GEMV's first slabs from one base: GPU tests, its layer GEMVs both ways (~5 min)
 #   bash bench/gpu_session.sh gemm-skinny  # the batch-32 CUDA GEMM probe: its GPU tests, then the layer GEMMs and the head
-#                                        # beside cuBLAS and the GEMM template at M = 32 (~6 min)
+#                                        # beside cuBLAS and the GEMM template at M = 32 (~7 min)
+#   bash bench/gpu_session.sh gemm-skinny-b32  # the family gemm_skinny_cuda: GPU tests, a b32 layer's regions against the
+#                                        # template's points, the probe under PDL (~9 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
@@ -372,11 +374,20 @@ case "${1:-}" in
     gemm-skinny)  # issues 3 and 4: the b32 rows' lever (NOTES-decode.md, session 34): a CUDA GEMM for M = 32
         # whose cluster splits K and meets through distributed shared memory (bench/cuda_gemm_skinny_probe.py;
         # no GPU has run it): its GPU tests (first failure with its traceback), then every shape at the default
-        # points beside cuBLAS and the template's first two advised points, the layer shapes with PDL too (~6 min)
+        # points beside cuBLAS and the template's first two advised points (~7 min)
         step 120 gemm-skinny-tests python -m pytest -q -x -p no:cacheprovider --tb=long tests/bench/test_cuda_gemm_skinny_probe.py
-        step 300 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
-        step 120 gemm-skinny-pdl python bench/cuda_gemm_skinny_probe.py --shapes o,down --advised 0 --pdl --points 8:8:3:64,16:8:4:64:1,8:4:4:64 \
-            --json "$OUT/gemm_skinny_pdl.json"
+        step 330 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
+        ;;
+    gemm-skinny-b32)  # issues 3 and 4: the family gemm_skinny_cuda (the probe's kernel with a b32 build's epilogues,
+        # behind COOPT_GEMM_SKINNY_CUDA=1): its GPU tests, then a b32 layer's regions as the default pipeline builds
+        # them, its heuristic's first 3 kernels and 3 sampled beside the template's first 3, then the probe's
+        # o and down launched with PDL back to back (~9 min)
+        step 150 skinny-tests env COOPT_GEMM_SKINNY_CUDA=1 python -m pytest -q -x -p no:cacheprovider --tb=long \
+            tests/templates/test_gemm_skinny_cuda.py
+        step 300 gemm-b32cuda python bench/gemm.py --shapes b32cuda --family both --variants gemv --advised 3 \
+            --sample 3 --json "$OUT/gemm_b32cuda.json"
+        step 90 gemm-skinny-pdl python bench/cuda_gemm_skinny_probe.py --shapes o,down --advised 0 --pdl \
+            --points 8:8:3:64,16:8:3:64,16:8:4:64:1 --json "$OUT/gemm_skinny_pdl.json"
         ;;
     mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then
         # values-only b1 / 32768 and b32 / 2048 built with it beside reduce-overhead (~9.5 min)
