@@ -62,7 +62,7 @@ class Layout:
     """How a point lays a problem out (the kernel's compile-time numbers; names as its macros)."""
 
     m: int  # activation rows
-    m_pad: int  # rows the tensor cores see: a multiple of 16
+    m_pad: int  # rows the tensor cores see: 16, 32 or 64
     k: int
     n_out: int  # output columns
     opg: int  # outputs a group: 32, or 16 for a GLU's gate and up halves
@@ -78,7 +78,8 @@ def layout(m: int, k: int, n_out: int, glu: bool, chunk: int, params: dict) -> L
     statistics (if `chunk`) cover `chunk` columns; ValueError with the reason where the kernel
     cannot run it."""
     c, warps, stages, kw, parts = (params[knob] for knob in ("CLUSTER", "num_warps", "num_stages", "KW", "PARTS"))
-    m_pad, opg, threads = 16 * math.ceil(m / 16), 16 if glu else 32, 32 * warps
+    # rows the tensor cores see: 16, 32 or 64 (48 would leave no even split of a unit's outputs)
+    m_pad, opg, threads = next(r for r in (16, 32, 64, m) if m <= r), 16 if glu else 32, 32 * warps
 
     def need(ok: bool, why: str) -> None:
         if not ok:

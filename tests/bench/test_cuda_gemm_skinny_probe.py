@@ -32,7 +32,7 @@ def test_the_default_points_fit_the_layer_shapes_that_need_them():
 @pytest.mark.parametrize("m,n,k,point,why", [
     (32, 4100, 4096, (8, 8, 3, 64), "groups of 32"),
     (32, 4096, 3072, (16, 4, 3, 128), "whole slabs"),     # 192 columns a share: not whole 128-column slabs
-    (48, 4096, 4096, (8, 4, 3, 64), "split evenly"),     # 128 threads over 48 batch rows
+    (40, 4096, 4096, (8, 3, 3, 64), "split evenly"),     # 96 threads over 64 batch rows
     (16, 4096, 4096, (16, 4, 3, 64), "outputs a thread"),  # 128 rows a round over 16 blocks: 1 a thread
     (32, 4096, 14336, (4, 8, 4, 64), "shared memory"),
 ])

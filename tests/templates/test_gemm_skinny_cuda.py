@@ -117,16 +117,17 @@ def test_a_points_layout():
     # thread, a chunk's 8 threads in one warp, cluster shares of whole chunks (2 groups)
     producer = layout(32, 4096, 4096, False, 64, POINT)
     assert (producer.unit, producer.v, producer.lanes, producer.grain) == (64, 8, 8, 2)
-    # a GLU's group is 16 outputs (its gate and up halves); 17 rows run as 32
+    # a GLU's group is 16 outputs (its gate and up halves); 17 rows run as 32, 33 as 64
     glu = layout(17, 4096, 14336, True, 0, {**POINT, "num_warps": 6})
     assert (glu.m_pad, glu.opg, glu.unit, glu.v) == (32, 16, 12, 2)
+    assert layout(33, 4096, 4096, False, 0, {**POINT, "CLUSTER": 4}).m_pad == 64
 
 
 @pytest.mark.parametrize(("args", "params", "why"), [
     ((16, 4096, 4096, False, 0), {**POINT, "CLUSTER": 16, "num_warps": 4}, "outputs a thread"),  # 8 over 8 threads
     ((32, 3072, 4096, False, 0), {**POINT, "CLUSTER": 16, "KW": 128}, "whole slabs"),  # K 3072: 192 columns a share
     ((32, 4096, 4096, False, 64), {**POINT, "num_warps": 6}, "over 6 threads a row"),  # a chunk of 64 over 6
-    ((48, 4096, 4096, False, 0), {**POINT, "num_warps": 4}, "split evenly"),
+    ((40, 4096, 4096, False, 0), {**POINT, "num_warps": 3}, "split evenly"),  # 96 threads over 64 rows
 ])
 def test_layouts_the_kernel_cannot_run_are_refused_with_the_reason(args, params, why):
     with pytest.raises(ValueError, match=why):
@@ -148,6 +149,15 @@ def test_a_b32_layers_regions_have_legal_points_and_the_heuristic_ranks_them(gpu
     assert built and all(p in legal for p in built)
 
 
+@pytest.mark.parametrize("m", [2, 16, 17, 33, 48, 64])
+@pytest.mark.parametrize("form", ["residual", "producer", "stats_swiglu"])
+def test_every_batch_it_takes_has_points(gpu_points, m, form):
+    """Rows run as 16, 32 or 64 (48 would split no unit of outputs evenly over its threads: no
+    point at all for 33-48 rows)."""
+    r = region(m, 4096, 4096, form)
+    assert skinny_problem(r) is None and SKINNY.legal_points(r, H200), (m, form)
+
+
 def kernel_source(module_source: str) -> str:
     start = module_source.index('SOURCE = r"""') + len('SOURCE = r"""')
     return module_source[start:module_source.index('"""', start)]
@@ -155,10 +165,11 @@ def kernel_source(module_source: str) -> str:
 
 @pytest.mark.parametrize(("form", "m", "k", "params"), [
     ("plain", 32, 4096, POINT), ("bias", 17, 4096, POINT), ("residual", 64, 4096, {**POINT, "num_warps": 4}),
+    ("producer", 17, 4096, POINT),
     ("stats", 32, 4096, {**POINT, "num_warps": 12, "num_stages": 2, "PARTS": 1}),
     ("stats_swiglu", 32, 4096, POINT), ("producer", 32, 4096, POINT),
     ("producer", 32, 14336, {**POINT, "CLUSTER": 16, "num_stages": 4, "PARTS": 1}),
-], ids=["plain", "bias-m17", "residual-m64", "stats-12w", "gate|up", "o", "down"])
+], ids=["plain", "bias-m17", "residual-m64", "producer-m17", "stats-12w", "gate|up", "o", "down"])
 def test_every_form_compiles_for_hopper_without_spills(hopper_registers, enabled, form, m, k, params):
     source = kernel_source(SKINNY.render(region(m, 4096, k, form), params))
     assert hopper_registers(source) * params["num_warps"] * 32 <= 65536
