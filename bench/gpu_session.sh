@@ -46,6 +46,8 @@
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
 #   bash bench/gpu_session.sh gemv-prologue  # the CUDA GEMV's first slabs from one base: GPU tests, its layer GEMVs both ways (~5 min)
+#   bash bench/gpu_session.sh pending    # the GPU tests of everything no GPU has run yet (cluster meeting, early slabs,
+#                                        # the fold's write positions, the batch-32 GEMM probe and family; ~8 min)
 #   bash bench/gpu_session.sh gemm-skinny  # the batch-32 CUDA GEMM probe: its GPU tests, then the layer GEMMs and the head
 #                                        # beside cuBLAS and the GEMM template at M = 32 (~7 min)
 #   bash bench/gpu_session.sh gemm-skinny-b32  # the family gemm_skinny_cuda: GPU tests, a b32 layer's regions against the
@@ -351,6 +353,14 @@ case "${1:-}" in
                     --json "$OUT/fold_times_${name}_$run.json"
             done
         done
+        ;;
+    pending)  # everything written since session 33 that no GPU has run, GPU tests only, in one call: the CUDA
+        # attention's family (the cluster meeting, the fold at three write positions), the CUDA GEMV (its early
+        # slabs), the batch-32 GEMM probe and its family; each file's failures with short tracebacks (~8 min)
+        step 270 pending-mma python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_decode_attention_mma.py
+        step 90 pending-gemv python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_gemv_cuda.py
+        step 150 pending-skinny python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs \
+            tests/bench/test_cuda_gemm_skinny_probe.py tests/templates/test_gemm_skinny_cuda.py
         ;;
     mma-cluster)  # issue 3: the CUDA attention's splits meeting in a thread-block cluster (MEET=cluster): every GPU
         # test of the family (the cluster form among them), then the kernel at 16 splits meeting in global

@@ -165,6 +165,11 @@ def _compile_launches(path: str, inputs, machine_code: bool) -> dict:
     return results
 
 
+def kernel_source(module_source: str) -> str:
+    """The CUDA C++ source a CUDA family's generated module holds (its SOURCE string)."""
+    return re.search(r'SOURCE = r"""\n(.*?)"""', module_source, re.S).group(1)
+
+
 def triton_cuobjdump() -> Path:
     """The cuobjdump that ships with Triton (it may not run on this machine)."""
     import triton

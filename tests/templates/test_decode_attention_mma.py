@@ -10,7 +10,6 @@ never reaching the output."""
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from coopt.templates import base as template_base
 from coopt.templates.decode_attention_mma import CLUSTER_FLAG, DecodeAttentionMmaFamily, shared_bytes
 from coopt.templates.registry import families_for
 from coopt.verify.profiles import resolve_profile
+from template_helpers import kernel_source
 
 MMA = DecodeAttentionMmaFamily()
 ADVISED = {"SPLIT": 16, "CHUNK": 32, "COPY": "ca", "num_warps": 8, "num_stages": 2, "MEET": "global"}
@@ -185,10 +185,6 @@ def test_the_heuristic_plans_a_paged_cache_at_what_its_table_addresses(gpu_point
     assert HeuristicAdvisor().advise(request).ranked[0]["SPLIT"] == 16  # not the page's 64 positions
 
 
-def cuda_source(module_source: str) -> str:
-    return re.search(r'SOURCE = r"""\n(.*?)"""', module_source, re.S).group(1)
-
-
 def paged(page_size, batch=3, max_pages=8):
     """decode_attention through a page table over a shuffled pool of fp8 pages, per-head scales."""
     return paged_region(batch, 32, 8, batch * max_pages + 2, page_size, max_pages, 128, "bfloat16", "per-head")
@@ -221,14 +217,14 @@ def test_every_form_compiles_for_hopper_without_spills(hopper_registers, region,
     bf16 = REGIONS[region].inputs[1].dtype == "bfloat16"  # bf16 keys: forms at 16-key chunks (BF16_FORMS)
     params = (BF16_FORMS if bf16 else FORMS)[form]
     # one block of the form's warps an SM, whatever its registers
-    assert hopper_registers(cuda_source(MMA.render(REGIONS[region], params))) * 32 * params["num_warps"] <= 65536
+    assert hopper_registers(kernel_source(MMA.render(REGIONS[region], params))) * 32 * params["num_warps"] <= 65536
 
 
 @pytest.mark.parametrize("region", ["plain per-head", "paged, pages of 16"])
 def test_its_rings_start_on_a_128_byte_boundary(hopper_static_shared, region):
     """No static __shared__ (the merge's flag sits after its sums): one would move the rings off a
     128-byte boundary, where a cp.async's write takes twice the wavefronts (session 31)."""
-    assert hopper_static_shared(cuda_source(MMA.render(REGIONS[region], ADVISED))) == 0
+    assert hopper_static_shared(kernel_source(MMA.render(REGIONS[region], ADVISED))) == 0
 
 
 def test_one_split_writes_its_output_without_the_global_meeting(hopper_ptx):
@@ -236,8 +232,8 @@ def test_one_split_writes_its_output_without_the_global_meeting(hopper_ptx):
     the blocks meet by one thread's acq_rel count after a block barrier, with no fence in every
     thread."""
     arrival = "atom.acq_rel.gpu.global.add.s32"
-    many = hopper_ptx(cuda_source(MMA.render(plain(), ADVISED)))
-    one = hopper_ptx(cuda_source(MMA.render(plain(batch=32), {**ADVISED, "SPLIT": 1, "num_warps": 4})))
+    many = hopper_ptx(kernel_source(MMA.render(plain(), ADVISED)))
+    one = hopper_ptx(kernel_source(MMA.render(plain(batch=32), {**ADVISED, "SPLIT": 1, "num_warps": 4})))
     assert many.count(arrival) == 1 and arrival not in one
     assert "membar.gl" not in many and "fence." not in many
 
@@ -248,7 +244,7 @@ def test_a_cluster_of_splits_meets_in_distributed_shared_memory(hopper_ptx, regi
     each other's partials through ld.shared::cluster between two cluster barriers, and touch no
     global partials or arrival count."""
     params = FORMS["cluster of 8"]
-    ptx = hopper_ptx(cuda_source(MMA.render(REGIONS[region], params)))
+    ptx = hopper_ptx(kernel_source(MMA.render(REGIONS[region], params)))
     assert ".reqnctapercluster 8, 1, 1" in ptx
     assert ptx.count("barrier.cluster.arrive") == 2 and "ld.shared::cluster" in ptx and "mapa" in ptx
     assert "atom." not in ptx and "ld.global.cg.f32" not in ptx
@@ -273,7 +269,7 @@ def test_the_last_block_loads_every_partial_before_it_waits(hopper_ptx, split, w
     all its L2 loads (accumulators, then (m, l)) before the block barrier that waits for the
     weights: one round trip. Past that (group 4 at 4 warps and 32 splits: 4 x 32) it loads the
     accumulators after the weights, as before."""
-    ptx = hopper_ptx(cuda_source(MMA.render(plain(), {**ADVISED, "SPLIT": split, "num_warps": warps})))
+    ptx = hopper_ptx(kernel_source(MMA.render(plain(), {**ADVISED, "SPLIT": split, "num_warps": warps})))
     merge = ptx.split("atom.acq_rel.gpu.global.add.s32")[1].split("bar.sync")
     # past the barrier after the arrival, up to the weights' barrier; then after it
     before, after = merge[1].count("ld.global.cg.f32"), sum(part.count("ld.global.cg.f32") for part in merge[2:])
@@ -598,7 +594,7 @@ def test_the_ring_fills_before_q_is_rotated_and_before_the_new_row_is_written(ho
     folded), and the folded row was stored behind a block barrier before them (session 34's
     device call: b1 / 2048 bf16 folded 7.57 µs against 8.45)."""
     bf16_keys = REGIONS[region].inputs[1].dtype == "bfloat16"
-    sass = hopper_sass(cuda_source(MMA.render(REGIONS[region], BF16_FORMS["advised"] if bf16_keys else ADVISED)))
+    sass = hopper_sass(kernel_source(MMA.render(REGIONS[region], BF16_FORMS["advised"] if bf16_keys else ADVISED)))
     first_copy = next(i for i, op in enumerate(sass) if op.startswith("LDGSTS"))
     first_store = next((i for i, op in enumerate(sass) if op.startswith("STG")), len(sass))
     assert first_copy < 300 and first_copy < first_store, (first_copy, first_store)
@@ -609,7 +605,7 @@ def test_a_full_chunk_copies_its_rows_from_per_lane_addresses(hopper_sass):
     """A chunk every row of which lies below the length (all but a split's last) is copied with
     no zero-fill operand, each copy's addresses a base and a constant: the bare bf16 form's ring
     fill takes under 100 instructions for its 16 copies of a chunk (the general loop ~200)."""
-    sass = hopper_sass(cuda_source(MMA.render(REGIONS["bf16 plain"], BF16_FORMS["advised"])))
+    sass = hopper_sass(kernel_source(MMA.render(REGIONS["bf16 plain"], BF16_FORMS["advised"])))
     copies = [i for i, op in enumerate(sass) if op.startswith("LDGSTS")]
     first_chunk = copies[:16]
     assert all(", !P" not in sass[i] for i in first_chunk)  # no ignore-src predicate: every row valid

@@ -26,6 +26,7 @@ from coopt.templates import base as template_base
 from coopt.templates.gemm_skinny_cuda import FLAG, GemmSkinnyCudaFamily, layout, skinny_problem
 from coopt.templates.registry import families_for
 from coopt.verify.profiles import resolve_profile
+from template_helpers import kernel_source
 
 SKINNY = GemmSkinnyCudaFamily()
 POINT = {"CLUSTER": 8, "num_warps": 8, "num_stages": 3, "KW": 64, "PARTS": 2}
@@ -157,10 +158,6 @@ def test_every_batch_it_takes_has_points(gpu_points, m, form):
     r = region(m, 4096, 4096, form)
     assert skinny_problem(r) is None and SKINNY.legal_points(r, H200), (m, form)
 
-
-def kernel_source(module_source: str) -> str:
-    start = module_source.index('SOURCE = r"""') + len('SOURCE = r"""')
-    return module_source[start:module_source.index('"""', start)]
 
 
 @pytest.mark.parametrize(("form", "m", "k", "params"), [

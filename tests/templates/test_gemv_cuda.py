@@ -24,6 +24,7 @@ from coopt.templates.ewprogram import render_program
 from coopt.templates.gemv_cuda import EARLY_SLABS_FLAG, GemvCudaFamily, gemv_problem, shared_bytes
 from coopt.templates.registry import families_for
 from coopt.verify.profiles import resolve_profile
+from template_helpers import kernel_source
 
 GEMV = GemvCudaFamily()
 ADVISED = {"num_warps": 16, "ROWS": 1, "num_stages": 6, "BLOCKS": 1, "STAGGER": 0}
@@ -125,10 +126,6 @@ def test_the_epilogue_program_renders_as_cuda_floats():
     with pytest.raises(ValueError, match="no CUDA literal"):
         render_program([["y", "mul", ["acc", float("inf")]]], {"acc": "v_acc"}, dialect="cuda")
 
-
-def kernel_source(module_source: str) -> str:
-    start = module_source.index('SOURCE = r"""') + len('SOURCE = r"""')
-    return module_source[start:module_source.index('"""', start)]
 
 
 @pytest.mark.parametrize("form", FORMS)
