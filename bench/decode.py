@@ -17,6 +17,7 @@ the valid K/V of every layer — over the measured copy bandwidth (4.2 TB/s on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -30,6 +31,23 @@ ROOT = Path(__file__).resolve().parents[1]
 COPY_BANDWIDTH = 4.2e12
 
 
+@contextlib.contextmanager
+def skinny_family(offered: bool):
+    """COOPT_GEMM_SKINNY_CUDA set to "1" (offered) or unset for a build, as before afterwards: the
+    CUDA decode-batch GEMM family matches regions only where it is set."""
+    from coopt.templates.gemm_skinny_cuda import FLAG
+
+    before = os.environ.pop(FLAG, None)
+    if offered:
+        os.environ[FLAG] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(FLAG, None)
+        if before is not None:
+            os.environ[FLAG] = before
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -41,7 +59,9 @@ def parse_args():
                              "coopt-rownorms: the default without fuse-norm-statistics (each batched norm a row kernel); "
                              "coopt-normstats32: its sums over 32-column chunks (BLOCK_N 32 allowed in the o / down GEMVs); "
                              "coopt-fp8-unfolded / coopt-fp8-values-unfolded: those fp8 builds without "
-                             "fuse-kv-write-attention")
+                             "fuse-kv-write-attention; coopt-skinny / coopt-fp8-skinny / coopt-fp8-values-skinny: "
+                             "those builds with the CUDA decode-batch GEMM family offered (COOPT_GEMM_SKINNY_CUDA=1 "
+                             "for the build: templates/gemm_skinny_cuda.py, not yet in builds by default)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -256,14 +276,18 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
                                      ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True)),
                                      ("coopt-fp8-unfolded", "fp8", UNFOLDED_KV_WRITE_PIPELINE),
                                      ("coopt-fp8-values-unfolded", "none",
-                                      fp8_kv_pipeline("per-head", UNFOLDED_KV_WRITE_PIPELINE, values_only=True))):
+                                      fp8_kv_pipeline("per-head", UNFOLDED_KV_WRITE_PIPELINE, values_only=True)),
+                                     ("coopt-skinny", "none", DEFAULT_PIPELINE),
+                                     ("coopt-fp8-skinny", "fp8", DEFAULT_PIPELINE),
+                                     ("coopt-fp8-values-skinny", "none", fp8_kv_pipeline("per-head", values_only=True))):
         if mode not in modes:
             continue
         suffix = mode[len("coopt"):]
         out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-decode-"))) / f"b{batch}-pos{pos}{suffix}"
         start = time.monotonic()
-        coopt.Pipeline(pipeline, top_k=args.top_k, kv_cache=kv_cache).build(model, inputs, out, force=True,
-                                                                            progress=build_progress())
+        with skinny_family(mode.endswith("-skinny")):
+            coopt.Pipeline(pipeline, top_k=args.top_k, kv_cache=kv_cache).build(model, inputs, out, force=True,
+                                                                                progress=build_progress())
         built = coopt.load(out)
         step = GraphedStep(built, inputs, check=False)  # the bench times the replay, not the value check
         record(mode, lambda: step(*inputs), time.monotonic() - start)

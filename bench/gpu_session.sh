@@ -46,6 +46,8 @@
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
 #   bash bench/gpu_session.sh gemv-prologue  # the CUDA GEMV's first slabs from one base: GPU tests, its layer GEMVs both ways (~5 min)
+#   bash bench/gpu_session.sh skinny-b32-builds  # b32 / 2048 fp8 and values-only with the CUDA decode-batch GEMM
+#                                        # offered, beside fp8 without it and reduce-overhead (~9 min)
 #   bash bench/gpu_session.sh pending    # the GPU tests of everything no GPU has run yet (cluster meeting, early slabs,
 #                                        # the fold's write positions, the batch-32 GEMM probe and family; ~8 min)
 #   bash bench/gpu_session.sh gemm-skinny  # the batch-32 CUDA GEMM probe: its GPU tests, then the layer GEMMs and the head
@@ -183,6 +185,14 @@ case "${1:-}" in
         step 560 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
+        ;;
+    skinny-b32-builds)  # issues 3 and 4: b32 / 2048 fp8 and values-only built with the CUDA decode-batch GEMM family
+        # offered (modes *-skinny set COOPT_GEMM_SKINNY_CUDA=1 for their build only) beside the fp8 build without it,
+        # reduce-overhead in the same run (~9 min; run after gemm-skinny-b32 shows the family faster)
+        step 560 decode python bench/decode.py --cases 32:2048:4096 \
+            --modes reduce-overhead,coopt-fp8,coopt-fp8-skinny,coopt-fp8-values-skinny --prefill 0 --agreement-steps 8 \
+            --out "$OUT/decode_skinny_b32.json" --build-dir /tmp/coopt-skinny
+        reports reports_skinny_b32 coopt-skinny
         ;;
     fp8-b32-8192)  # issue 4: the same at position 8192 (~7 min; session 23: 411 s)
         step 560 decode python bench/decode.py --cases 32:8192:8256 --modes reduce-overhead,coopt,coopt-fp8 \

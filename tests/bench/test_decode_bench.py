@@ -69,3 +69,19 @@ def test_the_values_only_floor_reads_bf16_keys_and_fp8_values():
     assert decode.floor_ms(model, 2, 3) * to_bytes == pytest.approx(weights + 2 * 64 * 2)
     assert decode.floor_ms(model, 2, 3, kv_element_bytes=1) * to_bytes == pytest.approx(weights + 2 * 64)
     assert decode.floor_ms(model, 2, 3, kv_element_bytes=1, values_only=True) * to_bytes == pytest.approx(weights + 64 * 2 + 64)
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_a_skinny_mode_offers_the_cuda_gemm_family_for_its_build_only(monkeypatch, before):
+    from coopt.templates.gemm_skinny_cuda import FLAG
+
+    if before is None:
+        monkeypatch.delenv(FLAG, raising=False)
+    else:
+        monkeypatch.setenv(FLAG, before)
+    with decode.skinny_family(True):
+        assert decode.os.environ[FLAG] == "1"
+    assert decode.os.environ.get(FLAG) == before
+    with decode.skinny_family(False):  # the other modes build without it, whatever the caller set
+        assert FLAG not in decode.os.environ
+    assert decode.os.environ.get(FLAG) == before
