@@ -174,5 +174,7 @@ class GemvCudaFamily(TemplateFamily):
             program=lines,
             out_name=out_name,
             shared_bytes=shared_bytes(params, k, glu),
-            early_slabs=os.environ.get(EARLY_SLABS_FLAG) == "1",
+            # the early form copies the first group's slabs only: a row of fewer slabs than the ring's
+            # first STAGES - 1 would need the next group's (issue() handles it)
+            early_slabs=os.environ.get(EARLY_SLABS_FLAG) == "1" and k // SLAB >= params["num_stages"] - 1,
         )

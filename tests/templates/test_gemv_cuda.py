@@ -173,6 +173,17 @@ def test_the_rings_first_slabs_go_out_early(hopper_sass, monkeypatch, form, k, p
     assert copies[first_slabs - 1] < bound, copies[:first_slabs]
 
 
+@pytest.mark.parametrize(("k", "stages", "early"), [(4096, 8, True), (1024, 4, True), (1024, 6, False), (768, 4, True),
+                                                   (768, 6, False), (256, 4, False)])
+def test_the_early_form_only_where_a_rows_slabs_fill_the_rings_first_slots(monkeypatch, k, stages, early):
+    """The early form copies its first row group's slabs: a row of fewer than STAGES - 1 slabs
+    (K / 256) would need the next group's in the last of them, which issue() takes and the early
+    form did not (session 35's review: wrong outputs at K <= 1024 with deep rings)."""
+    monkeypatch.setenv(EARLY_SLABS_FLAG, "1")
+    source = kernel_source(GEMV.render(region(4096, k, "residual"), {**ADVISED, "num_stages": stages}))
+    assert ("from one base address" in source) == early
+
+
 def test_it_declines_a_region_whose_weights_a_kernel_computes():
     """Read before the PDL wait, b and the norm weight must be parameters (named in input_names)."""
     norm = region(form="norm")
