@@ -7,9 +7,11 @@ anything imports triton.language (its helpers are decorated at import), hence at
 
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,29 +55,53 @@ def plain_model_file(tmp_path):
     return path
 
 
-def nvcc_for_hopper(tmp_path, source: str, output: str, *options: str) -> subprocess.CompletedProcess:
-    """nvcc on `source` for sm_90a, writing tmp_path / output; skips where no nvcc is installed
-    (the CUDA templates and probes compile with NVRTC on the GPU machine; this machine may have
-    nvcc instead), asserts that it compiles."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("no CUDA toolkit (nvcc) on this machine")
-    path = tmp_path / "kernel.cu"
-    path.write_text(source)
-    result = subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", *options, "-o", str(tmp_path / output), str(path)],
-                            capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result
+def pip_nvrtc():
+    """NVRTC from the nvidia-cuda-nvrtc wheel of the test extra (the CUDA 13.0 NVRTC the GPU
+    machine's torch loads), or None. It makes machine code too, and with ptxas's counts in its log."""
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for lib in (Path(root) / "cu13" / "lib" for root in nvidia.__path__):
+        if (lib / "libnvrtc.so.13").exists():
+            for builtins in sorted(lib.glob("libnvrtc-builtins.so.13*")):  # NVRTC opens it by name: load it first
+                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(str(lib / "libnvrtc.so.13"))
+    return None
+
+
+def compile_for_hopper(tmp_path, source: str, output: str, *, verbose: bool = False) -> str:
+    """`source` compiled for sm_90a to tmp_path / output (".ptx" or ".cubin"); the compiler's log
+    (with `verbose`, ptxas's register, spill and shared-memory counts). nvcc where one is
+    installed, else NVRTC from the test extra's wheel (the compiler the GPU machine uses: the
+    templates include no header); skips where neither is. Asserts that it compiles."""
+    target = tmp_path / output
+    if shutil.which("nvcc") is not None:
+        (tmp_path / "kernel.cu").write_text(source)
+        options = ["-ptx"] if output.endswith(".ptx") else ["-cubin", *(["-Xptxas", "-v"] if verbose else [])]
+        result = subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", *options, "-o", str(target),
+                                 str(tmp_path / "kernel.cu")], capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stderr
+    nvrtc = pip_nvrtc()
+    if nvrtc is None:
+        pytest.skip("no CUDA compiler here (nvcc, or the nvidia-cuda-nvrtc wheel of the test extra)")
+    from coopt.runtime.cuda_kernels import nvrtc_compile
+
+    code, log = nvrtc_compile(source, "90a", lib=nvrtc, cubin=output.endswith(".cubin"), verbose=verbose)
+    target.write_bytes(code.rstrip(b"\0") if output.endswith(".ptx") else code)
+    return log
 
 
 @pytest.fixture
 def hopper_registers(tmp_path):
-    """compile(source) -> registers a thread: the CUDA source compiled for sm_90a by nvcc, asserted
-    not to spill."""
+    """compile(source) -> registers a thread: the CUDA source compiled for sm_90a (compile_for_hopper),
+    asserted not to spill."""
 
     def compile_source(source: str) -> int:
-        result = nvcc_for_hopper(tmp_path, source, "kernel.cubin", "-cubin", "-Xptxas", "-v")
-        assert re.search(r"0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr[-2000:]
-        return int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+        log = compile_for_hopper(tmp_path, source, "kernel.cubin", verbose=True)
+        assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log[-2000:]
+        return int(re.search(r"Used (\d+) registers", log).group(1))
 
     return compile_source
 
@@ -87,8 +113,8 @@ def hopper_static_shared(tmp_path):
     off a 128-byte boundary, where each slab's write takes twice the wavefronts (session 31)."""
 
     def compile_source(source: str) -> int:
-        result = nvcc_for_hopper(tmp_path, source, "kernel.cubin", "-cubin", "-Xptxas", "-v")
-        used = re.search(r"Used \d+ registers[^\n]*", result.stderr).group(0)
+        log = compile_for_hopper(tmp_path, source, "kernel.cubin", verbose=True)
+        used = re.search(r"Used \d+ registers[^\n]*", log).group(0)
         found = re.search(r"(\d+) bytes smem", used)
         return int(found.group(1)) if found else 0
 
@@ -97,10 +123,10 @@ def hopper_static_shared(tmp_path):
 
 @pytest.fixture
 def hopper_ptx(tmp_path):
-    """compile(source) -> the PTX nvcc makes of the CUDA source for sm_90a."""
+    """compile(source) -> the PTX of the CUDA source for sm_90a (compile_for_hopper)."""
 
     def compile_source(source: str) -> str:
-        nvcc_for_hopper(tmp_path, source, "kernel.ptx", "-ptx")
+        compile_for_hopper(tmp_path, source, "kernel.ptx")
         return (tmp_path / "kernel.ptx").read_text()
 
     return compile_source
@@ -109,7 +135,7 @@ def hopper_ptx(tmp_path):
 @pytest.fixture
 def hopper_sass(tmp_path):
     """compile(source) -> the kernel's sm_90a machine instructions in order (opcode and operands,
-    one string each): nvcc's cubin through the cuobjdump that ships with Triton. ptxas reorders
+    one string each): the cubin (compile_for_hopper) through the cuobjdump that ships with Triton. ptxas reorders
     across branches and inline asm, so the order a test asserts is read here, not in the PTX."""
 
     def compile_source(source: str) -> list[str]:
@@ -118,7 +144,7 @@ def hopper_sass(tmp_path):
         tool = triton_cuobjdump()
         if not tool.exists():
             pytest.skip("no cuobjdump beside Triton")
-        nvcc_for_hopper(tmp_path, source, "kernel.cubin", "-cubin")
+        compile_for_hopper(tmp_path, source, "kernel.cubin")
         listing = subprocess.run([str(tool), "-sass", str(tmp_path / "kernel.cubin")], capture_output=True,
                                  text=True, check=True).stdout
         return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", listing)]

@@ -53,22 +53,28 @@ def check(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: status {status}")
 
 
-def nvrtc_ptx(source: str, arch: str) -> bytes:
-    """PTX for sm_<arch> from NVRTC, the copy torch's CUDA build loads (libnvrtc.so.<CUDA major>)."""
+def torch_nvrtc() -> ctypes.CDLL:
+    """The NVRTC library torch's CUDA build loads (libnvrtc.so.<CUDA major>)."""
     import torch
 
     names = (f"libnvrtc.so.{torch.version.cuda.split('.')[0]}", "libnvrtc.so")
     for name in names:
         try:
-            lib = ctypes.CDLL(name)
-            break
+            return ctypes.CDLL(name)
         except OSError:
             continue
-    else:
-        raise OSError(f"no NVRTC library ({', '.join(names)})")
+    raise OSError(f"no NVRTC library ({', '.join(names)})")
+
+
+def nvrtc_compile(source: str, arch: str, *, lib: ctypes.CDLL | None = None, cubin: bool = False,
+                  verbose: bool = False) -> tuple[bytes, str]:
+    """(PTX, or with `cubin` the machine code, for sm_<arch>; NVRTC's log) from NVRTC: torch's
+    copy, or `lib` (the tests' pip-installed one, which compiles the CUDA templates on machines
+    without a GPU). `verbose` puts ptxas's register, spill and shared-memory counts in the log."""
+    lib = lib or torch_nvrtc()
     program = ctypes.c_void_p()
     check(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"coopt_kernel.cu", 0, None, None), "nvrtcCreateProgram")
-    options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17"]
+    options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17", *([b"--ptxas-options=-v"] if verbose else [])]
     status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
@@ -76,11 +82,17 @@ def nvrtc_ptx(source: str, arch: str) -> bytes:
     lib.nvrtcGetProgramLog(program, log)
     if status != 0:
         raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')[:2000]}")
-    lib.nvrtcGetPTXSize(program, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetPTX(program, ptx)
+    get_size, get = (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if cubin else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
+    get_size(program, ctypes.byref(size))
+    code = ctypes.create_string_buffer(size.value)
+    get(program, code)
     lib.nvrtcDestroyProgram(ctypes.byref(program))
-    return ptx.raw
+    return code.raw, log.value.decode(errors="replace")
+
+
+def nvrtc_ptx(source: str, arch: str, lib: ctypes.CDLL | None = None) -> bytes:
+    """PTX for sm_<arch> from NVRTC (nvrtc_compile)."""
+    return nvrtc_compile(source, arch, lib=lib)[0]
 
 
 class DriverKernel:

@@ -156,15 +156,16 @@ def test_only_parameter_reads_go_out_before_the_wait(hopper_ptx):
 
 @pytest.mark.parametrize(("form", "k", "params", "bound"), [
     ("residual", 4096, ADVISED, 110), ("norm", 4096, ADVISED, 110),
-    ("norm_swiglu", 4096, {**ADVISED, "ROWS": 2, "num_stages": 4}, 110),
+    ("norm_swiglu", 4096, {**ADVISED, "ROWS": 2, "num_stages": 4}, 125),  # NVRTC: 116, nvcc: 100
     ("residual", 14336, {**ADVISED, "STAGGER": 1}, 160),  # the slab a warp starts at: first % 56
 ], ids=["o", "q|k|v", "gate|up", "down, staggered"])
 def test_the_rings_first_slabs_go_out_early(hopper_sass, monkeypatch, form, k, params, bound):
     """The ring's first STAGES - 1 slabs are the warp's first row group's (a group has SLABS >=
     STAGES slabs): copied from one base address stepping by constants, not through issue()'s
     divisions and 64-bit products, which put the last of them 184, 184, 142 and 221 instructions
-    into these kernels (104, 100, 100, 153 now; sm_90a SASS). Not yet run on a GPU: rendered only
-    where COOPT_GEMV_EARLY_SLABS=1."""
+    into these kernels (104, 100, 100, 153 now with nvcc; gate|up's 116 through NVRTC, the GPU
+    machine's compiler and CI's; sm_90a SASS). Not yet run on a GPU: rendered only where
+    COOPT_GEMV_EARLY_SLABS=1."""
     assert "from one base address" not in kernel_source(GEMV.render(region(4096, k, form), params))  # builds: as before
     monkeypatch.setenv(EARLY_SLABS_FLAG, "1")
     sass = hopper_sass(kernel_source(GEMV.render(region(4096, k, form), params)))
