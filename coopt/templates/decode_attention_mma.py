@@ -63,8 +63,7 @@ smooth-k / smooth-v offset, divides by the scale (IEEE) and rounds to e4m3 with 
 round-to-nearest-even, saturating at 448, which is the kv_write template's result.
 
 Verification needs the GPU: the family offers no point where torch sees no CUDA device (CPU CI
-renders the kernel and compiles it for sm_90a with NVRTC (the test extra's wheel; nvcc
-where one is installed);
+renders the kernel and compiles it for sm_90a (NVRTC or nvcc: tests/conftest.py compile_for_hopper);
 tests/templates/test_decode_attention_mma.py).
 
 Knobs: SPLIT (blocks a (sequence, kv head)), CHUNK (keys a warp's ring slot), COPY ("ca", "cg"),

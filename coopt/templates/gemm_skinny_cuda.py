@@ -33,8 +33,7 @@ times the plain form):
 where COOPT_GEMM_SKINNY_CUDA=1, until `bash bench/gpu_session.sh gemm-skinny` has run its GPU
 tests and measured the probe against the Triton template. Verification needs the GPU anyway: the
 family offers no point where torch sees no CUDA device (CPU CI renders every form and compiles it
-for sm_90a with NVRTC (the test extra's wheel; nvcc
-where one is installed); tests/templates/test_gemm_skinny_cuda.py).
+for sm_90a (NVRTC or nvcc: tests/conftest.py compile_for_hopper); tests/templates/test_gemm_skinny_cuda.py).
 
 Knobs: CLUSTER (blocks a cluster: K's split), num_warps (groups a round a block), num_stages
 (slabs in a warp's ring), KW (columns a slab: 64 or 128), PARTS (partials buffers: 1 or 2).

@@ -35,8 +35,7 @@ and is correct either way. The launch step measures it: on session 31's b1 / 327
 (two-block GEMVs among them) PDL cost 280 µs a step, and the build kept it off.
 
 Verification needs the GPU: the family offers no point where torch sees no CUDA device (CPU CI
-renders the kernel and compiles it for sm_90a with NVRTC (the test extra's wheel; nvcc
-where one is installed);
+renders the kernel and compiles it for sm_90a (NVRTC or nvcc: tests/conftest.py compile_for_hopper);
 tests/templates/test_gemv_cuda.py).
 
 Knobs: num_warps (8 or 16: warps of the one block an SM), ROWS (weight rows a warp streams
