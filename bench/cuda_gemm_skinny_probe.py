@@ -51,7 +51,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-GROUP_ROWS = 32  # weight rows a warp's group: two m16 tiles
 # Llama-3-8B's decode GEMMs (N, K): a layer's four (gate|up is its [gate; up] weight, plain here)
 # and the output head
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -100,9 +99,9 @@ class SkinnyGemm:
 
     def __init__(self, m: int, n: int, k: int, cluster: int, warps: int, stages: int, kw: int = 64, parts: int = 2,
                  pdl: bool = False):
-        import torch
-
         from coopt.runtime.cuda_kernels import DriverKernel
+
+        from coopt.templates.gemm_skinny_cuda import GROUP_ROWS
 
         problem = point_problem(m, n, k, cluster, warps, stages, kw, parts)
         if problem:
@@ -111,12 +110,10 @@ class SkinnyGemm:
         self.kernel = DriverKernel(render(m, n, k, cluster, warps, stages, kw, parts), "coopt_gemm_skinny", self.shared,
                                    cluster=cluster)
         self.m, self.n, self.k, self.cluster, self.warps, self.pdl = m, n, k, cluster, warps, pdl
-        self.groups = n // GROUP_ROWS
         resident = self.kernel.max_active_clusters(warps * 32, cluster)
         if resident < 1:
             raise RuntimeError(f"no cluster of {cluster} blocks ({warps} warps, {self.shared} B each) fits the GPU")
-        self.clusters = min(resident, self.groups)
-        self.device = torch.cuda.current_device()
+        self.clusters = min(resident, n // GROUP_ROWS)  # one wave, none without a row group
 
     def __call__(self, x, w, y=None):
         import torch
@@ -160,7 +157,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--m", type=int, default=32)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--points", default=DEFAULT_POINTS, help="C:WARPS:STAGES:KW, comma-separated")
+    parser.add_argument("--points", default=DEFAULT_POINTS, help="C:WARPS:STAGES:KW[:PARTS], comma-separated")
     parser.add_argument("--pdl", action="store_true", help="also time each point launched with PDL")
     parser.add_argument("--advised", type=int, default=2, help="the GEMM template's first advised points")
     parser.add_argument("--json", type=Path, default=None)

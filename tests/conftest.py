@@ -8,6 +8,7 @@ anything imports triton.language (its helpers are decorated at import), hence at
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import shutil
 import subprocess
@@ -55,6 +56,7 @@ def plain_model_file(tmp_path):
     return path
 
 
+@functools.cache
 def pip_nvrtc():
     """NVRTC from the nvidia-cuda-nvrtc wheel of the test extra (the CUDA 13.0 NVRTC the GPU
     machine's torch loads), or None. It makes machine code too, and with ptxas's counts in its log."""

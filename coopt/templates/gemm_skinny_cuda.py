@@ -204,7 +204,6 @@ class GemmSkinnyCudaFamily(TemplateFamily):
     def render(self, region: RegionSummary, params: dict) -> str:
         stats, produce = _stats_prologue(region), _row_squares(region)
         lines, out_name = epilogue_lines(region)
-        k = region.inputs[1].shape[1]
         return render_template(
             "cuda/gemm_skinny.py.j2",
             region_name=region.name,
@@ -218,5 +217,4 @@ class GemmSkinnyCudaFamily(TemplateFamily):
             program=lines,
             out_name=out_name,
             produce={"chunk": produce["chunk"]} if produce else None,
-            k=k,
         )
