@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +97,15 @@ def diverse_top_k(ranked: list[dict], k: int) -> list[tuple[int, dict]]:
     return sorted(chosen, key=lambda pair: pair[0])
 
 
+def with_pdl_ready(chosen: list[tuple[int, dict]], ranked: Iterable[dict], ready) -> list[tuple[int, dict]]:
+    """`chosen` and, where none of it is `ready` (a family's PDL-ready test), the best-ranked
+    point that is: the launch step can re-select it only if the build measured it."""
+    if any(ready(params) for _, params in chosen):
+        return chosen
+    extra = next(((rank, params) for rank, params in enumerate(ranked) if ready(params)), None)
+    return chosen if extra is None else sorted([*chosen, extra], key=lambda pair: pair[0])
+
+
 def make_candidates(kernel: KernelOp, summary: RegionSummary, target: Target, advisor, advice_log, out: Path, top_k: int) -> RegionBuild:
     from coopt.llm_advisor.protocol import AdviceRequest
     from coopt.templates.registry import families_for
@@ -114,7 +125,11 @@ def make_candidates(kernel: KernelOp, summary: RegionSummary, target: Target, ad
         advice = advisor.advise(request)
         advice_log.record(request, advice)
         build.advice_sources.append(advice.source)
-        for rank, params in diverse_top_k(advice.ranked, top_k):
+        ready = lambda params, family=family: family.pdl_ready(summary, params)  # noqa: E731
+        # an advisor may rank a few points only: the legal ones it left out follow, for a ready one
+        ranked_keys = {json.dumps(p, sort_keys=True) for p in advice.ranked}
+        every = itertools.chain(advice.ranked, (p for p in legal if json.dumps(p, sort_keys=True) not in ranked_keys))
+        for rank, params in with_pdl_ready(diverse_top_k(advice.ranked, top_k), every, ready):
             label = f"c{len(entries) - 1}"
             filename = f"{summary.name}__{label}.py"
             (kernels_dir / filename).write_text(family.render(summary, params))

@@ -327,7 +327,8 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
                                write_selection=lambda: write_selection(out, regions, measured), adapt=adapt)
 
     # 8b. launch: a graph-replayed step on sm_90+ is timed with PDL for its GEMVs (and for its GEMVs
-    #     and attentions) and without, and the faster kept (selection.json "pdl"): whether PDL pays is the whole step's
+    #     and attentions) and without, and the faster kept (selection.json "pdl"): whether PDL pays is the whole step's;
+    #     each PDL option also with the GEMVs re-selected among their PDL-ready kernels (tune/pdl_ready.py)
     launch = None
     if graphs and measured and e2e.get("ok") and pdl_capable():
         progress("launch", "the step with and without PDL")
@@ -559,21 +560,27 @@ def write_selection(out: Path, regions: list[RegionBuild], measured: bool, pdl: 
 
 def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measured: bool, warnings: list[str],
                    adapt=None) -> dict | None:
-    """Load the emitted build, time its replayed step with and without PDL (tune/launch.py) and
-    record the faster in selection.json; None (and a warning) where timing it failed. `adapt`
-    (paged-kv: paged_as_static) puts the program behind the example call's signature, as for the
-    end-to-end check."""
+    """Load the emitted build, time its replayed step with and without PDL (tune/launch.py), also
+    with the regions' PDL-ready kernels switched in (tune/pdl_ready.py), and record the fastest in
+    selection.json; None (and a warning) where timing it failed. `adapt` (paged-kv:
+    paged_as_static) puts the program behind the example call's signature, as for the end-to-end
+    check."""
     from coopt.runtime.loader import load
+    from coopt.tune.pdl_ready import apply_reselection, ready_swaps, swap_runs
 
     try:
         built = load(out)
+        swaps = ready_swaps(regions, out)
         with torch.no_grad():
-            launch = choose_pdl(adapt(built) if adapt is not None else built, example_inputs)
+            launch = choose_pdl(adapt(built) if adapt is not None else built, example_inputs,
+                                swaps=swap_runs(swaps, out))
     except Exception as error:  # noqa: BLE001 - launching without PDL is always correct
         warnings.append(f"the step could not be timed with PDL ({one_line(error)}): launched without it")
         return None
     if launch is None:  # no kernel PDL is tried for: nothing measured, nothing to record
         return None
+    # every switched kernel was verified with its region: the switch changes speed, not results
+    apply_reselection(regions, {name: swaps[name] for name in launch["reselected"]}, launch["step_ms"], launch["label"])
     write_selection(out, regions, measured, pdl=launch["pdl"])
     return launch
 

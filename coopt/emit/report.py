@@ -53,11 +53,20 @@ def record_entry_points(out: Path, result) -> None:
 def _launch_line(launch: dict) -> str:
     """The replayed step's launch choice, e.g. '- launch: PDL for gemv kernels, measured (the
     replayed step 1.7655 ms; without PDL 1.7802)'."""
-    times, kinds = launch["step_ms"], launch["pdl"]
-    chosen = ",".join(kinds) or "none"  # the label tune/launch.py timed it under
-    others = ", ".join(f"{'without PDL' if k == 'none' else 'PDL for ' + k} {ms:.4f}" for k, ms in times.items()
-                       if k != chosen)
-    what = f"PDL for {', '.join(kinds)} kernels" if kinds else "without PDL"
+    from coopt.tune.launch import RESELECTED
+
+    def option(label: str) -> str:  # a label tune/launch.py timed
+        kinds = label.removesuffix(RESELECTED)
+        what = "without PDL" if kinds == "none" else f"PDL for {kinds.replace(',', ', ')}"
+        return what + (" with PDL-ready kernels re-selected" if label.endswith(RESELECTED) else "")
+
+    times = launch["step_ms"]
+    chosen = launch.get("label") or ",".join(launch["pdl"]) or "none"  # builds before session 36 had no label
+    others = ", ".join(f"{option(k)} {ms:.4f}" for k, ms in times.items() if k != chosen)
+    what = option(chosen) + (" kernels" if chosen != "none" and not chosen.endswith(RESELECTED) else "")
+    switched = launch.get("reselected") or {}
+    if switched:
+        what += f" ({len(switched)} regions switched: see their reasons)"
     return f"- launch: {what}, measured (the replayed step {times[chosen]:.4f} ms; {others or 'no other option applied'})"
 
 

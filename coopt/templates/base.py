@@ -145,6 +145,12 @@ class TemplateFamily:
     def render(self, region: RegionSummary, params: dict) -> str:
         raise NotImplementedError
 
+    def pdl_ready(self, region: RegionSummary, params: dict) -> bool:
+        """Whether this point's kernel is one a step launched with PDL gains from (families built
+        for PDL say which of their points are: tune/pdl_ready.py may re-select them for a PDL
+        option, candidates.make_candidates measures one); most families have none."""
+        return False
+
     # -- shared helpers --------------------------------------------------------------
     def outside_space(self, region: RegionSummary, params: dict, target: Target) -> str | None:
         """The first knob of `params` whose value the space does not list, as a one-line reason

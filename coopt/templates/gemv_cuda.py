@@ -151,6 +151,12 @@ class GemvCudaFamily(TemplateFamily):
         k = region.inputs[1].shape[1]
         return cuda_point_problem(shared_bytes(params, k, glu), target)
 
+    def pdl_ready(self, region: RegionSummary, params: dict) -> bool:
+        """One block an SM, and 8 warps for a GLU: only chains of such GEMVs gained from PDL
+        (session 31, bench/gemv_cuda_pdl_chain.py: 2.5-2.9 µs a layer's o -> gate|up -> down; a
+        16-warp gate|up or a two-block grid lost 15-50 µs, its blocks crowding out the next's)."""
+        return params.get("BLOCKS") == 1 and (not region.attrs.get("glu") or params.get("num_warps") == 8)
+
     def render(self, region: RegionSummary, params: dict) -> str:
         norm = _norm_prologue(region)
         glu = bool(region.attrs.get("glu"))

@@ -29,7 +29,7 @@ import torch
 # GEMVs (templates/gemv_cuda.py: one wave, weight slabs issued before the wait) are built for PDL
 # (session 30: a layer's three MLP GEMVs 2-3 µs faster with it), alone or with the Triton GEMVs;
 # only at one block an SM with an 8-warp gate|up, though (session 31: 15-50 µs slower otherwise),
-# so a build whose fastest GEMVs alone are other points measures these options slower. The CUDA
+# so each such option is timed again with the GEMVs switched to their PDL-ready kernels (tune/pdl_ready.py). The CUDA
 # decode-batch GEMMs (templates/gemm_skinny_cuda.py: one wave of clusters, weight slabs before the
 # wait; not yet run on a GPU, in builds only behind COOPT_GEMM_SKINNY_CUDA=1) likewise.
 PDL_OPTIONS: tuple[tuple[str, ...], ...] = (("gemv",), ("gemv", "decode_attention"), ("gemv_cuda",),
@@ -60,35 +60,59 @@ def set_pdl(built, kinds: Iterable[str]) -> int:
     return sum(bool(space["use_pdl"](space["PDL_KIND"] in kinds)) for space in kernel_modules(built))
 
 
+RESELECTED = "+ready"  # a label's suffix: the option with tune/pdl_ready.py's switches applied
+
+
 def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | None = None,
-               graph: Callable | None = None) -> dict | None:
+               graph: Callable | None = None, swaps: dict[str, tuple[str, Callable]] | None = None) -> dict | None:
     """Time `built`'s step replayed as a CUDA graph launched without PDL and under each option,
     leave `built` launching the fastest (an option must win by MIN_GAIN), and return
-    {"pdl": kinds, "step_ms": {label: ms}, "timing": how}; None (launched without PDL, nothing
-    timed) where the step has no kernel of every kind of any option. `timer` (coopt.tune.interleaved's
-    time_interleaved by default) takes {label: fn}; `graph` (GraphedStep by default) captures
-    the step: both are parameters so that tests can stand in for the GPU."""
+    {"pdl": kinds, "label": the winner's, "step_ms": {label: ms}, "timing": how, "reselected":
+    {region: label}}; None (launched without PDL, nothing timed) where the step has no kernel of
+    every kind of any option. `swaps` ({region: (label, run)}, tune/pdl_ready.py) are kernels
+    ready for PDL: each option that launches all their kinds with PDL is timed a second time with
+    them switched in (label + RESELECTED), and such a selection must beat the best without
+    switches by MIN_GAIN too. `timer` (coopt.tune.interleaved's time_interleaved by default)
+    takes {label: fn}; `graph` (GraphedStep by default) captures the step: both are parameters
+    so that tests can stand in for the GPU."""
     from coopt.runtime.cuda_graph import GraphedStep
     from coopt.tune.interleaved import time_interleaved
 
     timer = timer or time_interleaved
     graph = graph or (lambda: GraphedStep(built, example_inputs, check=False))
-    present = {space["PDL_KIND"] for space in kernel_modules(built)}
-    applicable = [o for o in options if set(o) <= present]  # an option the step lacks a kind of is another's
-    if not applicable:  # a prefill (GEMMs, no GEMV): nothing to choose, nothing timed
+    def applicable() -> list[tuple[str, ...]]:  # an option the step lacks a kind of is another's
+        present = {space["PDL_KIND"] for space in kernel_modules(built)}
+        return [o for o in options if set(o) <= present]
+
+    if not applicable():  # a prefill (GEMMs, no GEMV): nothing to choose, nothing timed
         set_pdl(built, ())
         return None
+    selected = dict(built._kernels)
+    switched = {region: run for region, (_, run) in (swaps or {}).items()}
+    switched_kinds = {run.__globals__.get("PDL_KIND") for run in switched.values()}
     steps, kinds_of = {}, {"none": ()}
-    for kinds in ((), *applicable):
-        label = ",".join(kinds) or "none"
-        if not set_pdl(built, kinds) and kinds:
-            continue  # no PDL on this GPU: nothing to time
-        step = graph()  # captured with this option's launch attributes
-        steps[label], kinds_of[label] = (lambda s=step: s(*example_inputs)), kinds
+    for suffix, kernels in (("", {}), (RESELECTED, switched)):
+        built._kernels.update(selected)
+        built._kernels.update(kernels)
+        for kinds in ((), *applicable()):
+            if suffix and not (kernels and switched_kinds <= set(kinds)):
+                continue  # no switches, or an option that does not launch them with PDL
+            label = (",".join(kinds) or "none") + suffix
+            if not set_pdl(built, kinds) and kinds:
+                continue  # no PDL on this GPU: nothing to time
+            step = graph()  # captured with this option's kernels and launch attributes
+            steps[label], kinds_of[label] = (lambda s=step: s(*example_inputs)), kinds
     ms = timer(steps)
     best = min(ms, key=ms.get)
+    plain = {label: t for label, t in ms.items() if not label.endswith(RESELECTED)}
+    if best.endswith(RESELECTED) and ms[best] > min(plain.values()) * (1 - MIN_GAIN):
+        best = min(plain, key=plain.get)
     if best != "none" and ms[best] > ms["none"] * (1 - MIN_GAIN):
         best = "none"
+    built._kernels.update(selected)
+    if best.endswith(RESELECTED):
+        built._kernels.update(switched)
     set_pdl(built, kinds_of[best])
-    return {"pdl": list(kinds_of[best]), "step_ms": dict(ms),
+    return {"pdl": list(kinds_of[best]), "label": best, "step_ms": dict(ms),
+            "reselected": {region: label for region, (label, _) in (swaps or {}).items()} if best.endswith(RESELECTED) else {},
             "timing": "the step replayed as a CUDA graph per option, in alternating rounds (median)"}

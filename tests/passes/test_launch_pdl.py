@@ -169,3 +169,54 @@ def test_the_default_options_time_the_cuda_gemvs_alone_and_with_the_triton_ones(
     assert timed == [["gemv", "gemv_cuda", "gemv_cuda,gemv", "none"]]  # no decode attention: not its option
     assert choice["pdl"] == ["gemv_cuda"]
     assert {space["PDL_KIND"]: space["PDL"] for space in kernel_modules(built)} == {"gemv": False, "gemv_cuda": True}
+
+
+def test_a_pdl_option_is_timed_again_with_the_pdl_ready_kernels_switched_in():
+    """tune/pdl_ready.py's switches are timed under each option that launches them with PDL; the
+    winner is what the step launches, and the regions it switched are returned."""
+    from types import SimpleNamespace
+
+    selected = {"q": fake_kernel("gemv_cuda"), "o": fake_kernel("gemv")}
+    ready = fake_kernel("gemv_cuda")
+    built = SimpleNamespace(_kernels=dict(selected))
+    captured = {}
+
+    def graph():  # which kernel the region "o" ran, and whether with PDL, per captured option
+        run = built._kernels["o"]
+        captured[len(captured)] = (run is ready, run.__globals__["PDL"])
+        return lambda *a: None
+
+    def timer(steps):
+        return {label: 0.95 if label == "gemv_cuda+ready" else 1.0 for label in steps}
+
+    choice = choose_pdl(built, (), graph=graph, timer=timer, swaps={"o": ("c4", ready)})
+    # switched, the step has no Triton GEMV left: gemv_cuda,gemv would time gemv_cuda+ready again
+    assert sorted(choice["step_ms"]) == ["gemv", "gemv_cuda", "gemv_cuda+ready", "gemv_cuda,gemv", "none"]
+    assert sum(switched for switched, _ in captured.values()) == 1
+    assert all(on for switched, on in captured.values() if switched)  # captured launching it with PDL
+    assert choice["pdl"] == ["gemv_cuda"] and choice["label"] == "gemv_cuda+ready"
+    assert choice["reselected"] == {"o": "c4"}
+    assert built._kernels == {"q": selected["q"], "o": ready} and ready.__globals__["PDL"]
+
+
+@pytest.mark.parametrize("switched_ms", [0.99 * (1 - MIN_GAIN / 2), 1.01])
+def test_a_switched_selection_must_beat_the_best_without_switches_by_the_margin(switched_ms):
+    from types import SimpleNamespace
+
+    selected = {"q": fake_kernel("gemv_cuda"), "o": fake_kernel("gemv_cuda")}
+    built = SimpleNamespace(_kernels=dict(selected))
+    times = {"none": 1.0, "gemv_cuda": 0.99, "gemv_cuda+ready": switched_ms}
+    choice = choose_pdl(built, (), options=(("gemv_cuda",),), graph=lambda: (lambda *a: None),
+                        timer=lambda steps: {label: times[label] for label in steps},
+                        swaps={"o": ("c4", fake_kernel("gemv_cuda"))})
+    assert choice["label"] == "gemv_cuda" and choice["reselected"] == {}
+    assert built._kernels == selected  # the selection alone is restored
+
+
+def test_the_report_states_a_launch_with_switched_kernels(built_dir):
+    from coopt.emit.report import _launch_line
+
+    line = _launch_line({"pdl": ["gemv_cuda"], "label": "gemv_cuda+ready", "reselected": {"o": "c4", "q": "c2"},
+                         "step_ms": {"none": 1.2, "gemv_cuda": 1.19, "gemv_cuda+ready": 1.18}})
+    assert line == ("- launch: PDL for gemv_cuda with PDL-ready kernels re-selected (2 regions switched: see their "
+                    "reasons), measured (the replayed step 1.1800 ms; without PDL 1.2000, PDL for gemv_cuda 1.1900)")

@@ -117,6 +117,35 @@ def test_the_heuristic_puts_both_row_and_block_counts_in_a_builds_four(gpu_point
     assert all(p["STAGGER"] == stagger for p in built[:len(first)])
 
 
+@pytest.mark.parametrize(("form", "ready"), [("norm_swiglu", (8, 1)), ("residual", (16, 1))])
+def test_a_build_measures_a_pdl_ready_kernel_beside_its_four(gpu_points, form, ready):
+    """Only one block an SM and an 8-warp GLU gain under PDL (session 31): a gate|up's four
+    (16 warps at one block, 8 at two) have none, so the best-ranked ready point is added; a
+    residual GEMV's four already hold one (16 warps, one block) and get nothing more."""
+    from coopt.candidates import diverse_top_k, with_pdl_ready
+
+    r = region(n=4096, k=4096, form=form)
+    legal = tuple(GEMV.legal_points(r, H200))
+    ranked = HeuristicAdvisor().advise(AdviceRequest(r, GEMV.name, GEMV.param_space(r, H200), legal,
+                                                     H200.facts(), 4)).ranked
+    four = diverse_top_k(ranked, 4)
+    built = with_pdl_ready(four, ranked, lambda p: GEMV.pdl_ready(r, p))
+    is_ready = [GEMV.pdl_ready(r, p) for _, p in built]
+    assert any(is_ready) and (len(built) == len(four) + 1) == (form == "norm_swiglu")
+    assert [rank for rank, _ in built] == sorted(rank for rank, _ in built)
+    first_ready = next(p for (_, p), ok in zip(built, is_ready) if ok)
+    assert (first_ready["num_warps"], first_ready["BLOCKS"]) == ready
+    assert first_ready == next(p for p in ranked if GEMV.pdl_ready(r, p))  # the best-ranked such point
+
+
+def test_pdl_ready_means_one_block_an_sm_and_an_8_warp_glu():
+    glu, plain = region(form="norm_swiglu"), region(form="residual")
+    point = dict(ADVISED, ROWS=2)
+    assert GEMV.pdl_ready(plain, point) and not GEMV.pdl_ready(plain, {**point, "BLOCKS": 2})
+    assert not GEMV.pdl_ready(glu, point) and GEMV.pdl_ready(glu, {**point, "num_warps": 8})
+    assert not GEMV.pdl_ready(glu, {**point, "num_warps": 8, "BLOCKS": 2})
+
+
 def test_the_epilogue_program_renders_as_cuda_floats():
     names = {"acc": "v_acc", "in0": "lo_bf16(in0[n])"}
     lines = render_program([["t", "silu", ["acc"]], ["y", "add", ["t", "in0"]], ["z", "mul", ["y", 0.5]]], names,

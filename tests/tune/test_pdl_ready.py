@@ -1,0 +1,49 @@
+"""tune/pdl_ready.py: which regions the launch step may switch to a PDL-ready kernel (verified,
+timed, within SWAP_BUDGET_MS of the region's selection, not already selected), and how a kept
+switch is recorded. Families stand in as a dict: only their pdl_ready answer matters here."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from coopt.candidates import REFERENCE, CandidateEntry, RegionBuild
+from coopt.tune.pdl_ready import SWAP_BUDGET_MS, apply_reselection, ready_swaps
+
+# a family whose points with READY=1 are PDL-ready
+FAMILIES = {"fam": SimpleNamespace(pdl_ready=lambda region, params: params.get("READY") == 1)}
+
+
+def build(name: str, selected: str, *entries: tuple[str, int, bool, float | None]) -> RegionBuild:
+    """A region whose candidates are (label, READY, verified, latency_ms), beside its reference."""
+    candidates = [CandidateEntry(REFERENCE, REFERENCE, "kernels/ref.py", verified=True, latency_ms=0.05)]
+    candidates += [CandidateEntry(label, "fam", f"kernels/{name}_{label}.py", {"READY": ready}, verified=ok,
+                                  latency_ms=ms) for label, ready, ok, ms in entries]
+    return RegionBuild(SimpleNamespace(name=name), candidates, selected=selected, reason="fastest")
+
+
+def test_each_region_gets_its_fastest_ready_kernel_within_the_budget():
+    near = build("near", "c0", ("c0", 0, True, 0.0100), ("c1", 1, True, 0.0100 + SWAP_BUDGET_MS / 2),
+                 ("c2", 1, True, 0.0100 + SWAP_BUDGET_MS * 0.9))
+    far = build("far", "c0", ("c0", 0, True, 0.0100), ("c1", 1, True, 0.0100 + SWAP_BUDGET_MS * 1.5))
+    unverified = build("unverified", "c0", ("c0", 0, True, 0.0100), ("c1", 1, False, 0.0090))
+    untimed = build("untimed", "c0", ("c0", 0, True, 0.0100), ("c1", 1, True, None))
+    already = build("already", "c1", ("c0", 0, True, 0.0095), ("c1", 1, True, 0.0100))
+    swaps = ready_swaps([near, far, unverified, untimed, already], out=None, families=FAMILIES)
+    assert {name: entry.label for name, entry in swaps.items()} == {"near": "c1"}
+
+
+def test_a_kept_switch_is_recorded_in_the_regions_selection_and_reason():
+    region = build("o", "c0", ("c0", 0, True, 0.0100), ("c1", 1, True, 0.0104))
+    other = build("q", "c0", ("c0", 0, True, 0.0100))
+    apply_reselection([region, other], {"o": region.candidates[2]}, {"gemv_cuda+ready": 1.2345}, "gemv_cuda+ready")
+    assert region.selected == "c1" and other.selected == "c0" and other.reason == "fastest"
+    assert region.reason.startswith("re-selected for PDL: c1 (0.0104 ms alone, against c0's 0.01)")
+    assert "1.2345 ms" in region.reason and region.reason.endswith("(was: fastest)")
+
+
+@pytest.mark.parametrize("selected", [REFERENCE, "c0"])
+def test_a_region_without_ready_kernels_is_left_alone(selected):
+    region = build("r", selected, ("c0", 0, True, 0.0100))
+    assert ready_swaps([region], out=None, families=FAMILIES) == {}
