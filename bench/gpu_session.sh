@@ -36,6 +36,7 @@
 #   bash bench/gpu_session.sh mma-bf16-b32  # b32 / 2048 bf16 with the CUDA attention (~5 min)
 #   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
 #   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
+#   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
@@ -545,6 +546,14 @@ case "${1:-}" in
         step 575 decode python bench/decode.py --layers 32 --cases 32:2048:4096,1:2048:4096 --modes reduce-overhead,coopt \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_32layers_2048.json" --build-dir /tmp/coopt-32-2048
         reports reports_32 coopt-32-2048
+        ;;
+    layers32-b1-quick)  # issue 3, session 36: 32 layers at b1 / 2048 alone, reduce-overhead and coopt (~5 min); the
+        # build's launch step times its PDL options with and without the GEMVs switched to PDL-ready kernels
+        # (build.json "launch"); MMA_CLUSTER=1 in the environment offers the attention's cluster meeting
+        step 420 decode env COOPT_MMA_CLUSTER="${MMA_CLUSTER:-0}" python bench/decode.py --layers 32 --cases 1:2048:4096 \
+            --modes reduce-overhead,coopt --prefill 0 --agreement-steps 8 --out "$OUT/decode_32layers_b1.json" \
+            --build-dir /tmp/coopt-32-b1
+        reports reports_32b1 coopt-32-b1
         ;;
     layers32-fp8)  # issue 4, session 32 call 5: 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
         step 500 decode python bench/decode.py --layers 32 --cases 1:32768:32832 --modes coopt-fp8 \
