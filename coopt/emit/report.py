@@ -231,7 +231,9 @@ def write_report(out: Path) -> None:
         lines.append(f"- latency at build time: eager {e2e['eager_ms']:.4f} ms, built {e2e['built_ms']:.4f} ms → {e2e['speedup']:.2f}x")
         if e2e["speedup"] < 1.0:
             lines.append("- the built model was slower than eager end to end: the kernels are the same where regions kept the reference; the difference is the program's own overhead (input checks, pytree) or run-to-run spread")
-    if build.get("launch"):
+    if selection.get("launch_note"):  # `coopt tune` re-selected after the build measured its launch
+        lines.append(f"- launch: {selection['launch_note']}")
+    elif build.get("launch"):
         lines.append(_launch_line(build["launch"]))
     if build["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- {w}" for w in build["warnings"]]

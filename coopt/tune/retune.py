@@ -85,8 +85,25 @@ def tune_build_dir(
             region_entry.update(candidates=leader["candidates"], selected=leader["selected"], reason=leader["reason"])
 
     selection["measured"] = True
+    _drop_stale_launch(selection, summary)
     write_json_atomic(out_dir / SELECTION_FILE, selection)
     return summary
+
+
+def _drop_stale_launch(selection: dict, summary: dict) -> None:
+    """A build's launch choice (selection.json "pdl", tune/launch.py) was measured on its own
+    selection, some regions perhaps switched to PDL-ready kernels for it (tune/pdl_ready.py); a
+    re-selection by each region's own time undoes those, and PDL over kernels not made for it
+    cost a b1 step 280 µs (session 31). So where a selection changed, the step launches without
+    PDL (always correct) and says why ("launch_note", shown by report.md) until a rebuild
+    measures it again."""
+    changed = sorted(name for name, info in summary.items() if info["old_selected"] != info["selected"])
+    if not selection.get("pdl") or not changed:
+        return
+    selection["launch_note"] = (f"launched without PDL: the build measured PDL for {', '.join(selection['pdl'])} "
+                                f"with its own selection, and `coopt tune` changed {len(changed)} regions' "
+                                f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); rebuild to measure it again")
+    selection["pdl"] = []
 
 
 def _built_for_cuda_graphs(out_dir: Path) -> bool:

@@ -131,6 +131,22 @@ def test_the_report_states_the_launch_choice(built_dir, tmp_path):
         write_report(built_dir)
 
 
+def test_the_report_states_a_launch_choice_that_coopt_tune_dropped(built_dir):
+    record, selection = (json.loads((built_dir / name).read_text()) for name in ("build.json", "selection.json"))
+    note = "launched without PDL: the build measured PDL for gemv with its own selection, ..."
+    try:
+        (built_dir / "build.json").write_text(json.dumps({**record, "launch": {"pdl": ["gemv"], "step_ms": {
+            "none": 1.7802, "gemv": 1.7655}}}))
+        (built_dir / "selection.json").write_text(json.dumps({**selection, "launch_note": note}))
+        write_report(built_dir)
+        report = (built_dir / "report.md").read_text()
+        assert f"- launch: {note}\n" in report and "PDL for gemv kernels" not in report
+    finally:
+        (built_dir / "build.json").write_text(json.dumps(record))
+        (built_dir / "selection.json").write_text(json.dumps(selection))
+        write_report(built_dir)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
                     reason="needs an sm_90+ GPU")

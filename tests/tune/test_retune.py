@@ -136,3 +136,26 @@ def test_not_a_build_dir(build_dir, spoil, message):
 def test_empty_dir_is_not_a_build_dir(tmp_path):
     with pytest.raises(InputFileError, match="no selection.json"):
         tune_build_dir(tmp_path)
+
+
+def test_a_changed_selection_drops_the_launch_choice_measured_for_the_old_one(build_dir):
+    """The build measured PDL with r0.c1 selected (perhaps switched to for PDL): once tune selects
+    r0.c0, the step launches without PDL and the note says why (the report shows it:
+    tests/passes/test_launch_pdl.py)."""
+    path = build_dir / "selection.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "pdl": ["gemv_cuda"]}))
+    tune_build_dir(build_dir, **FAST)
+    selection = json.loads(path.read_text())
+    assert selection["pdl"] == []
+    assert selection["launch_note"].startswith("launched without PDL: the build measured PDL for gemv_cuda")
+    assert "changed 1 regions' (r0)" in selection["launch_note"]
+
+
+def test_an_unchanged_selection_keeps_the_launch_choice(build_dir):
+    path = build_dir / "selection.json"
+    data = json.loads(path.read_text())
+    data["regions"]["r0"]["selected"] = "r0.c0"  # what the measurement will pick again
+    path.write_text(json.dumps({**data, "pdl": ["gemv"]}))
+    tune_build_dir(build_dir, **FAST)
+    selection = json.loads(path.read_text())
+    assert selection["pdl"] == ["gemv"] and "launch_note" not in selection
