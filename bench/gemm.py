@@ -296,7 +296,7 @@ def select_points(region, args) -> list[dict]:
         "gemv": lambda p: p.get("GEMV"),
     }[args.variants]
     points = [p for p in points if keep(p)]
-    if args.sample:  # the advisor's first points, then a fixed random draw from the rest
+    if args.sample is not None:  # the advisor's first points, then a fixed random draw from the rest (0: none)
         advised = [p for p in advised_points(region, args.advised) if keep(p)]
         rest = [p for p in points if p not in advised]
         return advised + random.Random(0).sample(rest, min(args.sample, len(rest)))

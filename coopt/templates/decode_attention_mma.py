@@ -71,7 +71,7 @@ num_warps (4 or 8), num_stages (ring slots), MEET (how 2-8 splits meet: "global"
 in global memory and the last block to arrive merging them, or "cluster", the splits one
 thread-block cluster merging through distributed shared memory, each block 1/SPLIT of the
 outputs; optional, "global" where a point lacks it; "cluster" offered only where the environment
-sets COOPT_MMA_CLUSTER=1 until it has run on a GPU).
+sets COOPT_MMA_CLUSTER=1 until a GPU has timed it: its GPU tests passed on an H100, session 36).
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ from coopt.templates.base import TemplateFamily, cuda_point_problem, render_temp
 from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 
 OPTIONAL_KNOBS = {"MEET": "global"}  # a point without it (from a cache, an older advisor) meets in global memory
-# MEET=cluster has passed no GPU run yet (written in session 34, when no device time was left): the
-# space offers it only where this is set, as `bash bench/gpu_session.sh mma-cluster` does
+# MEET=cluster passed its GPU tests on an H100 (session 36) but no GPU has timed it yet: the space
+# offers it only where this is set, as `bash bench/gpu_session.sh mma-cluster` does
 CLUSTER_FLAG = "COOPT_MMA_CLUSTER"
 MAX_CLUSTER = 8  # the portable cluster size: past it the launch needs a non-portable attribute and whole GPCs free
 HEAD_DIM = 128  # the kernel's rows: 128 elements (e4m3: eight 16-byte pieces; bf16: sixteen)

@@ -29,11 +29,14 @@ times the plain form):
   partials so a round's meeting is waited for only after the next round's loop;
 - the grid is one wave of clusters (the driver's count of co-resident clusters).
 
-**Not yet run on a GPU** (written in session 35, when no device was lent): the family matches only
-where COOPT_GEMM_SKINNY_CUDA=1, until `bash bench/gpu_session.sh gemm-skinny` has run its GPU
-tests and measured the probe against the Triton template. Verification needs the GPU anyway: the
-family offers no point where torch sees no CUDA device (CPU CI renders every form and compiles it
-for sm_90a (NVRTC or nvcc: tests/conftest.py compile_for_hopper); tests/templates/test_gemm_skinny_cuda.py).
+**Slower than the Triton template where measured** (session 36, on an H100: no H200 was lent):
+its GPU tests pass (the probe's and the family's), but the probe's best point streamed the five
+b32 shapes 6-30 % slower than the template's first advised point (qkv 24.3 against 20.4 µs, o
+17.9 / 15.2, gate|up 89.9 / 83.9, down 48.7 / 44.0, head 376 / 353; bench/RESULTS.md session 36).
+So the family still matches only where COOPT_GEMM_SKINNY_CUDA=1, until an H200 measures it
+faster. Verification needs the GPU anyway: the family offers no point where torch sees no CUDA
+device (CPU CI renders every form and compiles it for sm_90a (NVRTC or nvcc:
+tests/conftest.py compile_for_hopper); tests/templates/test_gemm_skinny_cuda.py).
 
 Knobs: CLUSTER (blocks a cluster: K's split), num_warps (groups a round a block), num_stages
 (slabs in a warp's ring), KW (columns a slab: 64 or 128), PARTS (partials buffers: 1 or 2).

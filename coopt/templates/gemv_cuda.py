@@ -116,8 +116,9 @@ def epilogue_lines(region: RegionSummary) -> tuple[list[str], str]:
 
 
 # The ring's first slabs from one base address (session 34: the last of them 100-153 instructions
-# into the kernel against 142-221 through issue()) has passed no GPU run yet: rendered only where
-# this is set, as `bash bench/gpu_session.sh gemv-prologue` does for its timing
+# into the kernel against 142-221 through issue()) passed its GPU tests on an H100 (session 36) but
+# no GPU has timed it: rendered only where this is set, as `bash bench/gpu_session.sh gemv-prologue`
+# does for its timing
 EARLY_SLABS_FLAG = "COOPT_GEMV_EARLY_SLABS"
 
 

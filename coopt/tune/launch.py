@@ -31,7 +31,7 @@ import torch
 # only at one block an SM with an 8-warp gate|up, though (session 31: 15-50 µs slower otherwise),
 # so each such option is timed again with the GEMVs switched to their PDL-ready kernels (tune/pdl_ready.py). The CUDA
 # decode-batch GEMMs (templates/gemm_skinny_cuda.py: one wave of clusters, weight slabs before the
-# wait; not yet run on a GPU, in builds only behind COOPT_GEMM_SKINNY_CUDA=1) likewise.
+# wait; slower than the Triton template on an H100, in builds only behind COOPT_GEMM_SKINNY_CUDA=1) likewise.
 PDL_OPTIONS: tuple[tuple[str, ...], ...] = (("gemv",), ("gemv", "decode_attention"), ("gemv_cuda",),
                                             ("gemv_cuda", "gemv"), ("gemm_skinny_cuda",),
                                             ("gemm_skinny_cuda", "gemv"))
