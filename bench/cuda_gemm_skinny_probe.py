@@ -55,7 +55,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 # and the output head
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}
-DEFAULT_POINTS = "8:8:3:64,8:8:4:64:1,8:4:4:64,4:4:6:64,16:4:4:64,16:8:3:64,16:8:4:64:1,8:6:4:64,8:12:2:64:1"
+# session 36 (H100): clusters of 4-16 leave SMs idle (15 x 8 = 120 blocks of 132), so the three
+# points slowest there gave way to clusters of 2 (x's half slice staged: K 4096 only)
+DEFAULT_POINTS = "8:8:3:64,8:4:4:64,4:4:6:64,16:4:4:64,16:8:3:64,8:6:4:64,2:4:4:64,2:6:3:64:1,2:8:2:64:1"
 
 PARAM_KNOBS = ("CLUSTER", "num_warps", "num_stages", "KW", "PARTS")
 

@@ -395,7 +395,7 @@ case "${1:-}" in
     gemm-skinny)  # issues 3 and 4: the b32 rows' lever (NOTES-decode.md, session 34): a CUDA GEMM for M = 32
         # whose cluster splits K and meets through distributed shared memory (bench/cuda_gemm_skinny_probe.py;
         # no GPU has run it): its GPU tests (first failure with its traceback), then every shape at the default
-        # points beside cuBLAS and the template's first two advised points (~7 min)
+        # points beside cuBLAS and the template's first two advised points (~2 min on an H100, session 36)
         step 120 gemm-skinny-tests python -m pytest -q -x -p no:cacheprovider --tb=long tests/bench/test_cuda_gemm_skinny_probe.py
         step 330 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
         ;;

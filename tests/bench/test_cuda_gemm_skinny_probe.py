@@ -42,7 +42,8 @@ def test_points_the_kernel_cannot_run_are_refused_with_the_reason(m, n, k, point
 
 @pytest.mark.parametrize("m,k,point", [(32, 4096, (8, 8, 3, 64, 2)), (32, 14336, (16, 8, 4, 64, 1)),
                                        (32, 4096, (4, 4, 6, 128, 2)), (64, 4096, (8, 4, 4, 64, 2)),
-                                       (16, 4096, (2, 8, 4, 64, 1)), (32, 4096, (8, 12, 2, 64, 1))])
+                                       (16, 4096, (2, 8, 4, 64, 1)), (32, 4096, (8, 12, 2, 64, 1)),
+                                       (32, 4096, (2, 6, 3, 64, 1))])
 def test_it_compiles_for_hopper_without_spills(hopper_registers, m, k, point):
     registers = hopper_registers(render(m, 4096, k, *point))
     assert registers * point[1] * 32 <= 65536  # the block's registers fit an SM
