@@ -49,7 +49,7 @@
 #   bash bench/gpu_session.sh gemv-prologue  # the CUDA GEMV's first slabs from one base: GPU tests, its layer GEMVs both ways (~5 min)
 #   bash bench/gpu_session.sh skinny-b32-builds  # b32 / 2048 fp8 and values-only with the CUDA decode-batch GEMM
 #                                        # offered, beside fp8 without it and reduce-overhead (~9 min)
-#   bash bench/gpu_session.sh pending    # the GPU tests of everything no GPU has run yet (cluster meeting, early slabs,
+#   bash bench/gpu_session.sh pending    # the GPU tests of session 34-35 pieces (all passed on an H100, session 36: cluster meeting, early slabs,
 #                                        # the fold's write positions, the batch-32 GEMM probe and family; ~8 min)
 #   bash bench/gpu_session.sh gemm-skinny  # the batch-32 CUDA GEMM probe: its GPU tests, then the layer GEMMs and the head
 #                                        # beside cuBLAS and the GEMM template at M = 32 (~7 min)
@@ -394,7 +394,7 @@ case "${1:-}" in
         ;;
     gemm-skinny)  # issues 3 and 4: the b32 rows' lever (NOTES-decode.md, session 34): a CUDA GEMM for M = 32
         # whose cluster splits K and meets through distributed shared memory (bench/cuda_gemm_skinny_probe.py;
-        # no GPU has run it): its GPU tests (first failure with its traceback), then every shape at the default
+        # correct on an H100, slower there, session 36): its GPU tests (first failure with its traceback), then every shape at the default
         # points beside cuBLAS and the template's first two advised points (~2 min on an H100, session 36)
         step 120 gemm-skinny-tests python -m pytest -q -x -p no:cacheprovider --tb=long tests/bench/test_cuda_gemm_skinny_probe.py
         step 330 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
