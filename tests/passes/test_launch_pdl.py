@@ -131,6 +131,24 @@ def test_the_report_states_the_launch_choice(built_dir, tmp_path):
         write_report(built_dir)
 
 
+def test_a_graph_replayed_builds_latency_line_says_what_a_replay_costs(built_dir):
+    """The build-time latency is timed around Python calls; a graph-replayed step pays none of
+    that, so the line says so and gives the replayed step's time under the chosen launch."""
+    record = json.loads((built_dir / "build.json").read_text())
+    e2e = {**record["end_to_end"], "eager_ms": 16.4358, "built_ms": 15.1155, "speedup": 16.4358 / 15.1155}
+    try:
+        (built_dir / "build.json").write_text(json.dumps({**record, "cuda_graphs": True, "end_to_end": e2e,
+                                                          "launch": {"pdl": [], "label": "none", "step_ms": {
+                                                              "none": 5.5358, "gemv": 5.5787}}}))
+        write_report(built_dir)
+        assert ("- latency at build time: eager 16.4358 ms, built 15.1155 ms → 1.09x (each call launched from "
+                "Python; a CUDA graph replays the built step without that cost: 5.5358 ms)\n"
+                ) in (built_dir / "report.md").read_text()
+    finally:
+        (built_dir / "build.json").write_text(json.dumps(record))
+        write_report(built_dir)
+
+
 def test_the_report_states_a_launch_choice_that_coopt_tune_dropped(built_dir):
     record, selection = (json.loads((built_dir / name).read_text()) for name in ("build.json", "selection.json"))
     note = "launched without PDL: the build measured PDL for gemv with its own selection, ..."
