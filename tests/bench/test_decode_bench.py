@@ -69,6 +69,16 @@ def test_the_values_only_floor_reads_bf16_keys_and_fp8_values():
     assert decode.floor_ms(model, 2, 3) * to_bytes == pytest.approx(weights + 2 * 64 * 2)
     assert decode.floor_ms(model, 2, 3, kv_element_bytes=1) * to_bytes == pytest.approx(weights + 2 * 64)
     assert decode.floor_ms(model, 2, 3, kv_element_bytes=1, values_only=True) * to_bytes == pytest.approx(weights + 64 * 2 + 64)
+    # another GPU's bandwidth: the same bytes over it
+    assert decode.floor_ms(model, 2, 3, bandwidth=3.0e12) * 3.0e12 / 1e3 == pytest.approx(weights + 2 * 64 * 2)
+
+
+@pytest.mark.parametrize("gpu, expected", [("NVIDIA H200", decode.COPY_BANDWIDTH), ("NVIDIA H100 80GB HBM3", 3.01e12)])
+def test_floors_use_the_h200s_reference_there_and_the_measured_copy_elsewhere(gpu, expected):
+    """On an H200 every session's floors share issue 3's 4.2 TB/s; an H100 (~3.0 TB/s) measured
+    against it would look 1.4x further from its floor than it is."""
+    bandwidth, what = decode.floor_bandwidth(gpu, 3.01e12)
+    assert bandwidth == expected and "3.01" in what
 
 
 @pytest.mark.parametrize("before", [None, "0"])
