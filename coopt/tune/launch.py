@@ -80,6 +80,7 @@ def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | 
 
     timer = timer or time_interleaved
     graph = graph or (lambda: GraphedStep(built, example_inputs, check=False))
+
     def applicable() -> list[tuple[str, ...]]:  # an option the step lacks a kind of is another's
         present = {space["PDL_KIND"] for space in kernel_modules(built)}
         return [o for o in options if set(o) <= present]
