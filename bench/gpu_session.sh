@@ -36,6 +36,7 @@
 #   bash bench/gpu_session.sh mma-bf16-b32  # b32 / 2048 bf16 with the CUDA attention (~5 min)
 #   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
 #   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
+#   bash bench/gpu_session.sh timings36  # skinny probe (clusters of 2), cluster meeting, GEMV early slabs: timings only (~8 min)
 #   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
@@ -372,6 +373,18 @@ case "${1:-}" in
         step 90 pending-gemv python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_gemv_cuda.py
         step 150 pending-skinny python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs \
             tests/bench/test_cuda_gemm_skinny_probe.py tests/templates/test_gemm_skinny_cuda.py
+        ;;
+    timings36)  # issues 3 and 4, session 36's next call on an H200 (~8 min): the timings the H100 run left (every
+        # GPU test of these pieces passed there): the skinny GEMM's probe with clusters of 2 beside cuBLAS and the
+        # template, the attention's cluster meeting beside global memory, the GEMV's early slabs beside issue()
+        step 150 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
+        step 150 fold-times env COOPT_MMA_CLUSTER=1 python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
+            --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
+            --json "$OUT/fold_times_cluster.json"
+        for early in 1 0; do
+            step 100 "gemv-early$early" env COOPT_GEMV_EARLY_SLABS=$early python bench/gemm.py --shapes layer \
+                --family gemv_cuda --variants gemv --advised 2 --sample 0 --json "$OUT/gemv_early${early}.json"
+        done
         ;;
     mma-cluster)  # issue 3: the CUDA attention's splits meeting in a thread-block cluster (MEET=cluster): every GPU
         # test of the family (the cluster form among them), then the kernel at 16 splits meeting in global
