@@ -566,21 +566,22 @@ def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measur
     paged_as_static) puts the program behind the example call's signature, as for the end-to-end
     check."""
     from coopt.runtime.loader import load
-    from coopt.tune.pdl_ready import apply_reselection, ready_swaps, swap_runs
+    from coopt.tune.launch import switch_set
+    from coopt.tune.pdl_ready import apply_reselection, ready_switches, swap_runs
 
     try:
         built = load(out)
-        swaps = ready_swaps(regions, out)
+        switches = ready_switches(regions)
         with torch.no_grad():
             launch = choose_pdl(adapt(built) if adapt is not None else built, example_inputs,
-                                swaps=swap_runs(swaps, out))
+                                switches={suffix: swap_runs(swaps, out) for suffix, swaps in switches.items()})
     except Exception as error:  # noqa: BLE001 - launching without PDL is always correct
         warnings.append(f"the step could not be timed with PDL ({one_line(error)}): launched without it")
         return None
     if launch is None:  # no kernel PDL is tried for: nothing measured, nothing to record
         return None
     # every switched kernel was verified with its region: the switch changes speed, not results
-    apply_reselection(regions, {name: swaps[name] for name in launch["reselected"]}, launch["step_ms"], launch["label"])
+    apply_reselection(regions, switches.get(switch_set(launch["label"]), {}), launch["step_ms"], launch["label"])
     write_selection(out, regions, measured, pdl=launch["pdl"])
     return launch
 

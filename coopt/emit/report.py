@@ -53,17 +53,20 @@ def record_entry_points(out: Path, result) -> None:
 def _launch_line(launch: dict) -> str:
     """The replayed step's launch choice, e.g. '- launch: PDL for gemv kernels, measured (the
     replayed step 1.7655 ms; without PDL 1.7802)'."""
-    from coopt.tune.launch import RESELECTED
+    from coopt.tune.launch import switch_set
+
+    switched_with = {"+ready": " with PDL-ready kernels re-selected (within 1 µs)",
+                     "+allready": " with every PDL-ready kernel re-selected"}
 
     def option(label: str) -> str:  # a label tune/launch.py timed
-        kinds = label.removesuffix(RESELECTED)
+        kinds, suffix = label.partition("+")[0], switch_set(label)
         what = "without PDL" if kinds == "none" else f"PDL for {kinds.replace(',', ', ')}"
-        return what + (" with PDL-ready kernels re-selected" if label.endswith(RESELECTED) else "")
+        return what + switched_with.get(suffix, f" with switch set {suffix}" if suffix else "")
 
     times = launch["step_ms"]
     chosen = _chosen_label(launch)
     others = ", ".join(f"{option(k)} {ms:.4f}" for k, ms in times.items() if k != chosen)
-    what = option(chosen) + (" kernels" if chosen != "none" and not chosen.endswith(RESELECTED) else "")
+    what = option(chosen) + (" kernels" if chosen != "none" and not switch_set(chosen) else "")
     switched = launch.get("reselected") or {}
     if switched:
         what += f" ({len(switched)} regions switched: see their reasons)"

@@ -60,21 +60,25 @@ def set_pdl(built, kinds: Iterable[str]) -> int:
     return sum(bool(space["use_pdl"](space["PDL_KIND"] in kinds)) for space in kernel_modules(built))
 
 
-RESELECTED = "+ready"  # a label's suffix: the option with tune/pdl_ready.py's switches applied
+def switch_set(label: str) -> str:
+    """The switch set a label was timed with ("+ready", "+allready": tune/pdl_ready.py), "" for none."""
+    kinds, plus, suffix = label.partition("+")
+    return plus + suffix
 
 
 def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | None = None,
-               graph: Callable | None = None, swaps: dict[str, tuple[str, Callable]] | None = None) -> dict | None:
+               graph: Callable | None = None,
+               switches: dict[str, dict[str, tuple[str, Callable]]] | None = None) -> dict | None:
     """Time `built`'s step replayed as a CUDA graph launched without PDL and under each option,
     leave `built` launching the fastest (an option must win by MIN_GAIN), and return
     {"pdl": kinds, "label": the winner's, "step_ms": {label: ms}, "timing": how, "reselected":
     {region: label}}; None (launched without PDL, nothing timed) where the step has no kernel of
-    every kind of any option. `swaps` ({region: (label, run)}, tune/pdl_ready.py) are kernels
-    ready for PDL: each option that launches all their kinds with PDL is timed a second time with
-    them switched in (label + RESELECTED), and such a selection must beat the best without
-    switches by MIN_GAIN too. `timer` (coopt.tune.interleaved's time_interleaved by default)
-    takes {label: fn}; `graph` (GraphedStep by default) captures the step: both are parameters
-    so that tests can stand in for the GPU."""
+    every kind of any option. `switches` ({suffix: {region: (label, run)}}, tune/pdl_ready.py)
+    are sets of kernels ready for PDL: each option that launches all of a set's kinds with PDL is
+    timed again with the set switched in (its label + the suffix), and a switched selection must
+    beat the best without switches by MIN_GAIN too. `timer` (coopt.tune.interleaved's
+    time_interleaved by default) takes {label: fn}; `graph` (GraphedStep by default) captures the
+    step: both are parameters so that tests can stand in for the GPU."""
     from coopt.runtime.cuda_graph import GraphedStep
     from coopt.tune.interleaved import time_interleaved
 
@@ -89,14 +93,14 @@ def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | 
         set_pdl(built, ())
         return None
     selected = dict(built._kernels)
-    switched = {region: run for region, (_, run) in (swaps or {}).items()}
-    switched_kinds = {run.__globals__.get("PDL_KIND") for run in switched.values()}
+    runs = {suffix: {region: run for region, (_, run) in chosen.items()} for suffix, chosen in (switches or {}).items()}
     steps, kinds_of = {}, {"none": ()}
-    for suffix, kernels in (("", {}), (RESELECTED, switched)):
+    for suffix, kernels in (("", {}), *runs.items()):
         built._kernels.update(selected)
         built._kernels.update(kernels)
+        kernel_kinds = {run.__globals__.get("PDL_KIND") for run in kernels.values()}
         for kinds in ((), *applicable()):
-            if suffix and not (kernels and switched_kinds <= set(kinds)):
+            if suffix and not (kernels and kernel_kinds <= set(kinds)):
                 continue  # no switches, or an option that does not launch them with PDL
             label = (",".join(kinds) or "none") + suffix
             if not set_pdl(built, kinds) and kinds:
@@ -105,15 +109,15 @@ def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | 
             steps[label], kinds_of[label] = (lambda s=step: s(*example_inputs)), kinds
     ms = timer(steps)
     best = min(ms, key=ms.get)
-    plain = {label: t for label, t in ms.items() if not label.endswith(RESELECTED)}
-    if best.endswith(RESELECTED) and ms[best] > min(plain.values()) * (1 - MIN_GAIN):
+    plain = {label: t for label, t in ms.items() if not switch_set(label)}
+    if switch_set(best) and ms[best] > min(plain.values()) * (1 - MIN_GAIN):
         best = min(plain, key=plain.get)
     if best != "none" and ms[best] > ms["none"] * (1 - MIN_GAIN):
         best = "none"
+    chosen = switch_set(best)
     built._kernels.update(selected)
-    if best.endswith(RESELECTED):
-        built._kernels.update(switched)
+    built._kernels.update(runs.get(chosen, {}))
     set_pdl(built, kinds_of[best])
     return {"pdl": list(kinds_of[best]), "label": best, "step_ms": dict(ms),
-            "reselected": {region: label for region, (label, _) in (swaps or {}).items()} if best.endswith(RESELECTED) else {},
+            "reselected": {region: label for region, (label, _) in (switches or {}).get(chosen, {}).items()},
             "timing": "the step replayed as a CUDA graph per option, in alternating rounds (median)"}

@@ -1,5 +1,5 @@
 """Which regions a step launched with PDL may re-select: each region's fastest PDL-ready kernel
-where it is not what the region selected alone, and nearly as fast.
+where it is not what the region selected alone.
 
 A region's kernel is selected alone, by its own time; PDL pays between kernels. The CUDA GEMVs
 (templates/gemv_cuda.py) gain under PDL only at one block an SM with an 8-warp GLU (session 31,
@@ -7,8 +7,9 @@ bench/gemv_cuda_pdl_chain.py: o -> gate|up -> down 96.8 µs launched with PDL ag
 fastest kernels alone, and 15-50 µs lost where a grid had two blocks an SM or gate|up 16 warps),
 which are seldom each region's fastest alone. So the launch step (tune/launch.py) times, beside
 each PDL option, the same option with those regions switched to their fastest PDL-ready kernels,
-and the step decides. A switch costs the region its own time: one slower than the selected
-kernel by more than SWAP_BUDGET_MS (what PDL gained a GEMV in that chain) is not offered.
+and the step decides. A switch costs the region its own time, so two sets are offered: the
+regions whose ready kernel is at most SWAP_BUDGET_MS (what PDL gained a GEMV in that chain)
+slower than their selection, and every region that has one.
 """
 
 from __future__ import annotations
@@ -19,11 +20,16 @@ from pathlib import Path
 from coopt.candidates import REFERENCE, CandidateEntry, RegionBuild
 
 SWAP_BUDGET_MS = 0.001
+# the switch sets the launch step times, by label suffix: regions whose ready kernel is within the
+# budget, and every region that has one (session 31's winning chain had gate|up's 8-warp kernel,
+# slower alone by more than the budget: only the whole step can say whether such a chain pays)
+SWITCH_SETS = {"+ready": SWAP_BUDGET_MS, "+allready": None}
 
 
-def ready_swaps(regions: list[RegionBuild], out: Path, families: dict | None = None) -> dict[str, CandidateEntry]:
+def ready_swaps(regions: list[RegionBuild], budget_ms: float | None = SWAP_BUDGET_MS,
+                families: dict | None = None) -> dict[str, CandidateEntry]:
     """{region: the candidate to switch it to} for every region whose fastest verified, timed
-    PDL-ready candidate is not its selection and at most SWAP_BUDGET_MS slower than it."""
+    PDL-ready candidate is not its selection and at most `budget_ms` slower than it (None: any)."""
     from coopt.templates.registry import template_families
 
     families = template_families() if families is None else families
@@ -36,9 +42,20 @@ def ready_swaps(regions: list[RegionBuild], out: Path, families: dict | None = N
         if not ready or selected in ready or selected.latency_ms is None:
             continue
         best = min(ready, key=lambda c: c.latency_ms)
-        if best.latency_ms <= selected.latency_ms + SWAP_BUDGET_MS:
+        if budget_ms is None or best.latency_ms <= selected.latency_ms + budget_ms:
             swaps[region.summary.name] = best
     return swaps
+
+
+def ready_switches(regions: list[RegionBuild], families: dict | None = None) -> dict[str, dict[str, CandidateEntry]]:
+    """{label suffix: swaps} for each of SWITCH_SETS that switches something and differs from
+    the sets before it (a set equal to another would time the same step twice)."""
+    sets: dict[str, dict[str, CandidateEntry]] = {}
+    for suffix, budget in SWITCH_SETS.items():
+        swaps = ready_swaps(regions, budget, families)
+        if swaps and all(swaps != other for other in sets.values()):
+            sets[suffix] = swaps
+    return sets
 
 
 def swap_runs(swaps: dict[str, CandidateEntry], out: Path) -> dict[str, tuple[str, Callable]]:

@@ -223,7 +223,7 @@ def test_a_pdl_option_is_timed_again_with_the_pdl_ready_kernels_switched_in():
     def timer(steps):
         return {label: 0.95 if label == "gemv_cuda+ready" else 1.0 for label in steps}
 
-    choice = choose_pdl(built, (), graph=graph, timer=timer, swaps={"o": ("c4", ready)})
+    choice = choose_pdl(built, (), graph=graph, timer=timer, switches={"+ready": {"o": ("c4", ready)}})
     # switched, the step has no Triton GEMV left: gemv_cuda,gemv would time gemv_cuda+ready again
     assert sorted(choice["step_ms"]) == ["gemv", "gemv_cuda", "gemv_cuda+ready", "gemv_cuda,gemv", "none"]
     assert sum(switched for switched, _ in captured.values()) == 1
@@ -242,7 +242,7 @@ def test_a_switched_selection_must_beat_the_best_without_switches_by_the_margin(
     times = {"none": 1.0, "gemv_cuda": 0.99, "gemv_cuda+ready": switched_ms}
     choice = choose_pdl(built, (), options=(("gemv_cuda",),), graph=lambda: (lambda *a: None),
                         timer=lambda steps: {label: times[label] for label in steps},
-                        swaps={"o": ("c4", fake_kernel("gemv_cuda"))})
+                        switches={"+ready": {"o": ("c4", fake_kernel("gemv_cuda"))}})
     assert choice["label"] == "gemv_cuda" and choice["reselected"] == {}
     assert built._kernels == selected  # the selection alone is restored
 
@@ -252,5 +252,24 @@ def test_the_report_states_a_launch_with_switched_kernels(built_dir):
 
     line = _launch_line({"pdl": ["gemv_cuda"], "label": "gemv_cuda+ready", "reselected": {"o": "c4", "q": "c2"},
                          "step_ms": {"none": 1.2, "gemv_cuda": 1.19, "gemv_cuda+ready": 1.18}})
-    assert line == ("- launch: PDL for gemv_cuda with PDL-ready kernels re-selected (2 regions switched: see their "
-                    "reasons), measured (the replayed step 1.1800 ms; without PDL 1.2000, PDL for gemv_cuda 1.1900)")
+    assert line == ("- launch: PDL for gemv_cuda with PDL-ready kernels re-selected (within 1 µs) (2 regions switched: "
+                    "see their reasons), measured (the replayed step 1.1800 ms; without PDL 1.2000, PDL for gemv_cuda "
+                    "1.1900)")
+
+
+def test_each_switch_set_is_timed_and_the_winning_sets_regions_are_switched():
+    """Two sets (tune/pdl_ready.py: within the budget, every ready kernel): each timed under the
+    option naming its kinds; the faster set's switches are what the step keeps."""
+    from types import SimpleNamespace
+
+    selected = {"q": fake_kernel("gemv_cuda"), "up": fake_kernel("gemv_cuda")}
+    ready_q, ready_up = fake_kernel("gemv_cuda"), fake_kernel("gemv_cuda")
+    built = SimpleNamespace(_kernels=dict(selected))
+    times = {"none": 1.0, "gemv_cuda": 1.0, "gemv_cuda+ready": 0.99, "gemv_cuda+allready": 0.97}
+    choice = choose_pdl(built, (), options=(("gemv_cuda",),), graph=lambda: (lambda *a: None),
+                        timer=lambda steps: {label: times[label] for label in steps},
+                        switches={"+ready": {"q": ("c5", ready_q)},
+                                  "+allready": {"q": ("c5", ready_q), "up": ("c6", ready_up)}})
+    assert sorted(choice["step_ms"]) == sorted(times)
+    assert choice["label"] == "gemv_cuda+allready" and choice["reselected"] == {"q": "c5", "up": "c6"}
+    assert built._kernels == {"q": ready_q, "up": ready_up}

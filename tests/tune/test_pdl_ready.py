@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from coopt.candidates import REFERENCE, CandidateEntry, RegionBuild
-from coopt.tune.pdl_ready import SWAP_BUDGET_MS, apply_reselection, ready_swaps
+from coopt.tune.pdl_ready import SWAP_BUDGET_MS, apply_reselection, ready_swaps, ready_switches
 
 # a family whose points with READY=1 are PDL-ready
 FAMILIES = {"fam": SimpleNamespace(pdl_ready=lambda region, params: params.get("READY") == 1)}
@@ -30,8 +30,17 @@ def test_each_region_gets_its_fastest_ready_kernel_within_the_budget():
     unverified = build("unverified", "c0", ("c0", 0, True, 0.0100), ("c1", 1, False, 0.0090))
     untimed = build("untimed", "c0", ("c0", 0, True, 0.0100), ("c1", 1, True, None))
     already = build("already", "c1", ("c0", 0, True, 0.0095), ("c1", 1, True, 0.0100))
-    swaps = ready_swaps([near, far, unverified, untimed, already], out=None, families=FAMILIES)
+    regions = [near, far, unverified, untimed, already]
+    swaps = ready_swaps(regions, families=FAMILIES)
     assert {name: entry.label for name, entry in swaps.items()} == {"near": "c1"}
+    # without a budget the far one switches too; the two sets differ, so both are offered
+    sets = ready_switches(regions, families=FAMILIES)
+    assert {suffix: sorted(swaps) for suffix, swaps in sets.items()} == {"+ready": ["near"], "+allready": ["far", "near"]}
+
+
+def test_a_set_equal_to_another_is_not_offered_twice():
+    near = build("near", "c0", ("c0", 0, True, 0.0100), ("c1", 1, True, 0.0100))
+    assert list(ready_switches([near], families=FAMILIES)) == ["+ready"]
 
 
 def test_a_kept_switch_is_recorded_in_the_regions_selection_and_reason():
@@ -46,4 +55,4 @@ def test_a_kept_switch_is_recorded_in_the_regions_selection_and_reason():
 @pytest.mark.parametrize("selected", [REFERENCE, "c0"])
 def test_a_region_without_ready_kernels_is_left_alone(selected):
     region = build("r", selected, ("c0", 0, True, 0.0100))
-    assert ready_swaps([region], out=None, families=FAMILIES) == {}
+    assert ready_swaps([region], families=FAMILIES) == {} and ready_switches([region], families=FAMILIES) == {}
