@@ -315,16 +315,21 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     accuracy = None
     # paged-kv: the program takes a page table; it is checked as its static-cache original
     adapt = paged_as_static if paged_record(module) is not None else None
-    if config.lossy_passes:
-        # a lossy pass changes numerics by design: measure its cost against the original instead
-        e2e, accuracy = measure_lossy_end_to_end(
-            model, example_inputs, regions, out, lossy_passes=config.lossy_passes, trials=config.e2e_trials,
-            seed=config.seed, cuda_graphs=graphs, warnings=warnings,
-            write_selection=lambda: write_selection(out, regions, measured), module=module, program=program, adapt=adapt)
-    else:
-        e2e = check_end_to_end(model, example_inputs, regions, out, trials=config.e2e_trials, seed=config.seed,
-                               measured=measured, stateful=_is_stateful(module), cuda_graphs=graphs, warnings=warnings,
-                               write_selection=lambda: write_selection(out, regions, measured), adapt=adapt)
+
+    def end_to_end(warnings: list[str]) -> tuple[dict, dict | None]:
+        if config.lossy_passes:
+            # a lossy pass changes numerics by design: measure its cost against the original instead
+            return measure_lossy_end_to_end(
+                model, example_inputs, regions, out, lossy_passes=config.lossy_passes, trials=config.e2e_trials,
+                seed=config.seed, cuda_graphs=graphs, warnings=warnings,
+                write_selection=lambda: write_selection(out, regions, measured), module=module, program=program,
+                adapt=adapt)
+        return check_end_to_end(model, example_inputs, regions, out, trials=config.e2e_trials, seed=config.seed,
+                                measured=measured, stateful=_is_stateful(module), cuda_graphs=graphs,
+                                warnings=warnings, write_selection=lambda: write_selection(out, regions, measured),
+                                adapt=adapt), None
+
+    e2e, accuracy = end_to_end(warnings)
 
     # 8b. launch: a graph-replayed step on sm_90+ is timed with PDL for its GEMVs (and for its GEMVs
     #     and attentions) and without, and the faster kept (selection.json "pdl"): whether PDL pays is the whole step's;
@@ -332,7 +337,13 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
     launch = None
     if graphs and measured and e2e.get("ok") and pdl_capable():
         progress("launch", "the step with and without PDL")
+        alone = {r.summary.name: (r.selected, r.reason) for r in regions}
         launch = _choose_launch(out, example_inputs, regions, measured, warnings, adapt)
+        if launch is not None and launch["reselected"]:
+            # each switched kernel was verified alone; the mix is checked whole, as the first selection was
+            progress("end-to-end", "the selection re-selected for PDL")
+            e2e, accuracy, launch = _check_reselection(end_to_end, (e2e, accuracy), launch, alone, regions, out,
+                                                       measured, warnings)
 
     # 9. record: report for people, manifest for tools, advice for replay
     result = BuildResult(out, regions, dict(counters), imported.fallback_targets, measured, e2e, warnings, graphs,
@@ -584,6 +595,27 @@ def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measur
     apply_reselection(regions, switches.get(switch_set(launch["label"]), {}), launch["step_ms"], launch["label"])
     write_selection(out, regions, measured, pdl=launch["pdl"])
     return launch
+
+
+def _check_reselection(end_to_end, before: tuple, launch: dict, alone: dict, regions: list[RegionBuild], out: Path,
+                       measured: bool, warnings: list[str]) -> tuple[dict, dict | None, dict]:
+    """The end-to-end check again over the selection the launch step switched for PDL: kept where
+    it passes (its record replaces the first), else every region back to its selection alone
+    (`alone`: {region: (selected, reason)}), launched without PDL, and a warning. Returns (e2e,
+    accuracy, launch)."""
+    scratch: list[str] = []
+    e2e, accuracy = end_to_end(scratch)
+    if e2e.get("ok"):
+        warnings.extend(scratch)
+        write_selection(out, regions, measured, pdl=launch["pdl"])
+        return e2e, accuracy, launch
+    for region in regions:
+        region.selected, region.reason = alone[region.summary.name]
+    write_selection(out, regions, measured, pdl=[])
+    warnings.append(f"the selection switched to PDL-ready kernels ({launch['label']}) failed the end-to-end check: "
+                    "kept each region's own selection, launched without PDL")
+    return (*before, {**launch, "pdl": [], "label": "none", "reselected": {},
+                      "reverted": "the switched selection failed the end-to-end check"})
 
 
 def _forward_params(model, count: int) -> list[str]:

@@ -244,7 +244,7 @@ def write_report(out: Path) -> None:
         line = f"- latency at build time: eager {e2e['eager_ms']:.4f} ms, built {e2e['built_ms']:.4f} ms → {e2e['speedup']:.2f}x"
         if build.get("cuda_graphs"):  # events around Python calls: not what a replayed step costs
             line += " (each call launched from Python; a CUDA graph replays the built step without that cost"
-            replayed = _replayed_ms(build.get("launch"))
+            replayed = None if selection.get("launch_note") else _replayed_ms(build.get("launch"))
             line += f": {replayed:.4f} ms)" if replayed is not None else ")"
         lines.append(line)
         if e2e["speedup"] < 1.0:

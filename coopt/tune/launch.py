@@ -95,19 +95,24 @@ def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | 
     selected = dict(built._kernels)
     runs = {suffix: {region: run for region, (_, run) in chosen.items()} for suffix, chosen in (switches or {}).items()}
     steps, kinds_of = {}, {"none": ()}
-    for suffix, kernels in (("", {}), *runs.items()):
-        built._kernels.update(selected)
-        built._kernels.update(kernels)
-        kernel_kinds = {run.__globals__.get("PDL_KIND") for run in kernels.values()}
-        for kinds in ((), *applicable()):
-            if suffix and not (kernels and kernel_kinds <= set(kinds)):
-                continue  # no switches, or an option that does not launch them with PDL
-            label = (",".join(kinds) or "none") + suffix
-            if not set_pdl(built, kinds) and kinds:
-                continue  # no PDL on this GPU: nothing to time
-            step = graph()  # captured with this option's kernels and launch attributes
-            steps[label], kinds_of[label] = (lambda s=step: s(*example_inputs)), kinds
-    ms = timer(steps)
+    try:
+        for suffix, kernels in (("", {}), *runs.items()):
+            built._kernels.update(selected)
+            built._kernels.update(kernels)
+            kernel_kinds = {run.__globals__.get("PDL_KIND") for run in kernels.values()}
+            for kinds in ((), *applicable()):
+                if suffix and not (kernels and kernel_kinds <= set(kinds)):
+                    continue  # no switches, or an option that does not launch them with PDL
+                label = (",".join(kinds) or "none") + suffix
+                if not set_pdl(built, kinds) and kinds:
+                    continue  # no PDL on this GPU: nothing to time
+                step = graph()  # captured with this option's kernels and launch attributes
+                steps[label], kinds_of[label] = (lambda s=step: s(*example_inputs)), kinds
+        ms = timer(steps)
+    except BaseException:
+        built._kernels.update(selected)  # the selection alone, launched without PDL: always correct
+        set_pdl(built, ())
+        raise
     best = min(ms, key=ms.get)
     plain = {label: t for label, t in ms.items() if not switch_set(label)}
     if switch_set(best) and ms[best] > min(plain.values()) * (1 - MIN_GAIN):

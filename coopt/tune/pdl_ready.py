@@ -39,7 +39,8 @@ def ready_swaps(regions: list[RegionBuild], budget_ms: float | None = SWAP_BUDGE
         ready = [c for c in region.candidates
                  if c.family != REFERENCE and c.verified and c.latency_ms is not None and c.family in families
                  and families[c.family].pdl_ready(region.summary, c.params)]
-        if not ready or selected in ready or selected.latency_ms is None:
+        # a region on its reference stays there: the end-to-end check may have put it back for cause
+        if region.selected == REFERENCE or not ready or selected in ready or selected.latency_ms is None:
             continue
         best = min(ready, key=lambda c: c.latency_ms)
         if budget_ms is None or best.latency_ms <= selected.latency_ms + budget_ms:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from tune_helpers import add_region
 
 from coopt.candidates import REFERENCE, CandidateEntry, RegionBuild
 from coopt.tune.pdl_ready import SWAP_BUDGET_MS, apply_reselection, ready_swaps, ready_switches
@@ -56,3 +57,44 @@ def test_a_kept_switch_is_recorded_in_the_regions_selection_and_reason():
 def test_a_region_without_ready_kernels_is_left_alone(selected):
     region = build("r", selected, ("c0", 0, True, 0.0100))
     assert ready_swaps([region], families=FAMILIES) == {} and ready_switches([region], families=FAMILIES) == {}
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_a_switched_selection_is_checked_end_to_end_and_undone_where_it_fails(tmp_path, passes):
+    """compile._check_reselection: the mix the launch step switched is checked whole; a failure
+    puts every region back on its own selection, launched without PDL, with a warning."""
+    import json
+
+    from coopt.compile import _check_reselection
+
+    region = build("o", "c0", ("c0", 0, True, 0.0100), ("c1", 1, True, 0.0104))
+    region.summary = add_region("o")
+    launch = {"pdl": ["gemv_cuda"], "label": "gemv_cuda+ready", "reselected": {"o": "c1"}, "step_ms": {}}
+    alone = {"o": ("c0", "fastest")}
+    apply_reselection([region], {"o": region.candidates[2]}, {"gemv_cuda+ready": 1.0}, "gemv_cuda+ready")
+
+    def end_to_end(warnings):
+        warnings.append("checked")
+        return {"ok": passes}, None
+
+    warnings = []
+    e2e, accuracy, after = _check_reselection(end_to_end, ({"ok": True, "first": True}, None), launch, alone,
+                                              [region], tmp_path, True, warnings)
+    written = json.loads((tmp_path / "selection.json").read_text())
+    if passes:
+        assert e2e == {"ok": True} and after == launch and region.selected == "c1"
+        assert written["pdl"] == ["gemv_cuda"] and warnings == ["checked"]
+    else:
+        assert e2e == {"ok": True, "first": True} and region.selected == "c0" and region.reason == "fastest"
+        assert after["pdl"] == [] and after["label"] == "none" and after["reselected"] == {} and "reverted" in after
+        assert written["pdl"] == [] and written["regions"]["o"]["selected"] == "c0"
+        assert len(warnings) == 1 and "failed the end-to-end check" in warnings[0]
+
+
+def test_a_region_the_end_to_end_check_put_on_its_reference_stays_there():
+    """Bisection may fall back one twin alone (end_to_end._fall_back): its ready kernel, however
+    fast, is not switched in, or the kernel that broke the model's agreement would come back."""
+    leader = build("r0", "c0", ("c0", 0, True, 0.0100), ("c1", 1, True, 0.0100))
+    fallen = RegionBuild(SimpleNamespace(name="r1"), leader.candidates, selected=REFERENCE, reason="fell back")
+    assert {suffix: sorted(swaps) for suffix, swaps in ready_switches([leader, fallen], families=FAMILIES).items()} \
+        == {"+ready": ["r0"]}
