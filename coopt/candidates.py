@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Iterable
@@ -125,7 +126,7 @@ def make_candidates(kernel: KernelOp, summary: RegionSummary, target: Target, ad
         advice = advisor.advise(request)
         advice_log.record(request, advice)
         build.advice_sources.append(advice.source)
-        ready = lambda params, family=family: family.pdl_ready(summary, params)  # noqa: E731
+        ready = functools.partial(family.pdl_ready, summary)
         # an advisor may rank a few points only: the legal ones it left out follow, for a ready one
         ranked_keys = {json.dumps(p, sort_keys=True) for p in advice.ranked}
         every = itertools.chain(advice.ranked, (p for p in legal if json.dumps(p, sort_keys=True) not in ranked_keys))

@@ -591,7 +591,7 @@ def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measur
         return None
     if launch is None:  # no kernel PDL is tried for: nothing measured, nothing to record
         return None
-    # every switched kernel was verified with its region: the switch changes speed, not results
+    # each switched kernel was verified with its region; the caller checks the mix end to end
     apply_reselection(regions, switches.get(switch_set(launch["label"]), {}), launch["step_ms"], launch["label"])
     write_selection(out, regions, measured, pdl=launch["pdl"])
     return launch

@@ -54,8 +54,9 @@ def _launch_line(launch: dict) -> str:
     """The replayed step's launch choice, e.g. '- launch: PDL for gemv kernels, measured (the
     replayed step 1.7655 ms; without PDL 1.7802)'."""
     from coopt.tune.launch import switch_set
+    from coopt.tune.pdl_ready import SWAP_BUDGET_MS
 
-    switched_with = {"+ready": " with PDL-ready kernels re-selected (within 1 µs)",
+    switched_with = {"+ready": f" with PDL-ready kernels re-selected (within {SWAP_BUDGET_MS * 1e3:g} µs)",
                      "+allready": " with every PDL-ready kernel re-selected"}
 
     def option(label: str) -> str:  # a label tune/launch.py timed

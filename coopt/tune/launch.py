@@ -62,7 +62,7 @@ def set_pdl(built, kinds: Iterable[str]) -> int:
 
 def switch_set(label: str) -> str:
     """The switch set a label was timed with ("+ready", "+allready": tune/pdl_ready.py), "" for none."""
-    kinds, plus, suffix = label.partition("+")
+    _, plus, suffix = label.partition("+")
     return plus + suffix
 
 
