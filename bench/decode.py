@@ -240,7 +240,7 @@ def build_summary(out: Path) -> dict:
     return {"seconds": record.get("seconds"), "step_seconds": record.get("step_seconds"),
             "reference_precision": check.get("reference_precision"), "check_max_abs_err": check.get("max_abs_err"),
             "unfused_ops": record.get("unfused_ops"), "launch": record.get("launch"), "failed_verification": failed,
-            "selected": selections(out / "selection.json")}
+            "warnings": record.get("warnings", []), "selected": selections(out / "selection.json")}
 
 
 def selections(path: Path) -> dict:
@@ -262,9 +262,12 @@ def selections(path: Path) -> dict:
 def run_case(case: str, args, save=lambda row: None) -> dict:
     """One case's row; `save(row)` after every variant (a call cut by its time limit keeps them).
     max-autotune-no-cudagraphs runs last: its autotuning is the slowest setup."""
+    import gc
+
     import torch
 
     import coopt
+    from coopt.errors import CooptError
     from coopt.runtime.cuda_graph import GraphedStep
 
     batch, pos, cache = (int(v) for v in case.split(":"))
@@ -284,7 +287,10 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
     def compiled_variant(mode):
         compiled, setup_s = compile_model(model, mode, inputs, calls=3)
         record(f"compile {mode}", lambda: compiled(*inputs), setup_s)
+        del compiled
         torch._dynamo.reset()
+        gc.collect()  # reduce-overhead's graph pool goes with its last reference: the builds need the memory
+        torch.cuda.empty_cache()
 
     modes = args.modes.split(",")
     if "eager" in modes:
@@ -311,9 +317,15 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         suffix = mode[len("coopt"):]
         out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-decode-"))) / f"b{batch}-pos{pos}{suffix}"
         start = time.monotonic()
-        with skinny_family(mode.endswith("-skinny")):
-            coopt.Pipeline(pipeline, top_k=args.top_k, kv_cache=kv_cache).build(model, inputs, out, force=True,
-                                                                                progress=build_progress())
+        try:
+            with skinny_family(mode.endswith("-skinny")):
+                coopt.Pipeline(pipeline, top_k=args.top_k, kv_cache=kv_cache).build(model, inputs, out, force=True,
+                                                                                    progress=build_progress())
+        except CooptError as error:  # e.g. the GPU's memory (exit 11): the other modes still run
+            print(f"  {mode}: build failed (exit {error.exit_code}): {error.message}", flush=True)
+            row.setdefault("build_errors", {})[mode] = error.message
+            save(row)
+            continue
         built = coopt.load(out)
         step = GraphedStep(built, inputs, check=False)  # the bench times the replay, not the value check
         record(mode, lambda: step(*inputs), time.monotonic() - start)
@@ -322,6 +334,8 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         if row[f"{mode}_build"]["failed_verification"]:
             print(f"  {mode}: candidates that failed verification (the build fell back; repros in "
                   f"{out / 'verify' / 'repro'}): " + ", ".join(row[f"{mode}_build"]["failed_verification"]), flush=True)
+        for warning in row[f"{mode}_build"]["warnings"]:  # fallbacks, the check's reference: the row's caveats
+            print(f"  {mode}: warning: {warning}", flush=True)
         launch = row[f"{mode}_build"]["launch"]
         if launch:  # the build's own PDL choice, from its replayed step (coopt/tune/launch.py)
             print(f"  {mode}: launched with PDL for {launch['pdl'] or 'nothing'} (build's replays, ms: "

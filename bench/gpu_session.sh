@@ -37,6 +37,7 @@
 #   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
 #   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
 #   bash bench/gpu_session.sh timings36  # skinny probe (clusters of 2), cluster meeting, GEMV early slabs: timings only (~8 min)
+#   bash bench/gpu_session.sh layers32-b32-quick  # 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min)
 #   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
@@ -559,6 +560,12 @@ case "${1:-}" in
         step 575 decode python bench/decode.py --layers 32 --cases 32:2048:4096,1:2048:4096 --modes reduce-overhead,coopt \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_32layers_2048.json" --build-dir /tmp/coopt-32-2048
         reports reports_32 coopt-32-2048
+        ;;
+    layers32-b32-quick)  # issue 3, session 37: 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min); on
+        # an H100 (80 GB) its end-to-end check ran out of memory in session 37 before the host snapshots
+        step 540 decode python bench/decode.py --layers 32 --cases 32:2048:4096 --modes reduce-overhead,coopt \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_32layers_b32.json" --build-dir /tmp/coopt-32-b32
+        reports reports_32b32 coopt-32-b32
         ;;
     layers32-b1-quick)  # issue 3, session 36: 32 layers at b1 / 2048 alone, reduce-overhead and coopt (~5 min); the
         # build's launch step times its PDL options with and without the GEMVs switched to PDL-ready kernels

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from coopt.runtime.kernel_loader import use_interpreter_without_gpu
@@ -128,7 +129,7 @@ class Pipeline:
         kwargs = {"progress": progress} if progress else {}
         if self.prefill_chunk is not None and dynamic_shapes is None and not any(d for _, d in (entry_points or {}).values()):
             raise _no_prompt_to_chunk()
-        with staged_out_dir(Path(out_dir), force) as staging:
+        with staged_out_dir(Path(out_dir), force) as staging, _device_memory_as_error():
             # the weights are written last, after the tuning: refuse now where they cannot fit
             ensure_free_space(staging, stored_bytes(list(model.parameters())), "the model's weights")
             result = compile_model(
@@ -163,6 +164,23 @@ class Pipeline:
             dynamic_shapes=loaded.dynamic_shapes, force=force, progress=progress, model_path=loaded.path,
             entry_points=loaded.entry_points, calibration_inputs=loaded.calibration_inputs,
         )
+
+
+@contextlib.contextmanager
+def _device_memory_as_error():
+    """torch's out-of-memory error as a DeviceMemoryError (exit 11) with the first sentences of its
+    message (what was asked, what was free), not an internal error with a page of advice."""
+    import torch
+
+    from coopt.errors import DeviceMemoryError
+
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        said = str(error).split(" Including non-PyTorch memory")[0].strip()
+        raise DeviceMemoryError(f"the GPU ran out of memory during the build ({said}): the model, its build and the "
+                                f"end-to-end check's copies must fit together; use a GPU with more memory or build "
+                                f"for fewer rows or a shorter cache") from error
 
 
 def _no_prompt_to_chunk():

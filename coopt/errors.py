@@ -14,6 +14,8 @@ Exit codes (also in README.md and `coopt --help`):
   8  the built model does not match the original model end to end
   9  bad input file for `coopt opt` / `coopt tune` (unparseable IR, not a build directory)
  10  plugin clash or broken plugin
+ 11  the GPU ran out of memory during the build (the model, its build and the end-to-end
+     check's copies did not fit together)
  70  internal error (a bug in coopt: please report it with the message)
 """
 
@@ -60,3 +62,7 @@ class InputFileError(CooptError):
 
 class PluginError(CooptError):
     exit_code = 10
+
+
+class DeviceMemoryError(CooptError):
+    exit_code = 11

@@ -18,7 +18,7 @@ from coopt.errors import CooptError
 EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 2 usage; 3 model file; 4 torch.export failed; 5 bad configuration "
     "(target, pass, knob, --kv-cache fp8 without a KV cache); 6 output dir not empty or not writable (disk space); 7 advisor failed (strict); 8 end-to-end "
-    "mismatch; 9 bad input file; 10 plugin error; 70 internal error."
+    "mismatch; 9 bad input file; 10 plugin error; 11 GPU out of memory; 70 internal error."
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="coopt: compile PyTorch models into fast Triton kernels. " + EXIT_CODES_HELP)

@@ -45,12 +45,24 @@ def culprit_groups(groups: Sequence[str], agrees: Callable[[frozenset[str]], boo
     return [g for g in groups if g in culprits]
 
 
+# A snapshot bigger than this share of its device's free memory is kept in host memory: the
+# caches of a decode step built for many rows are tens of GB (32 Llama-3-8B layers at 32 rows x
+# 4096 positions: 17 GB), and a device copy of them beside the model, its build and the
+# high-precision reference ran an H100 out of memory in the middle of a build (session 37).
+# Restoring from the host costs a copy over PCIe per check, about a second for such caches.
+DEVICE_SNAPSHOT_SHARE = 0.25
+
+
 def snapshot_buffers(*modules) -> Callable[[], None]:
     """A function that puts every buffer of `modules` (KV caches, running stats) back to its
-    current value: each end-to-end check of the bisection starts from the same state."""
+    current value: each end-to-end check of the bisection starts from the same state. The copies
+    stay on the buffers' device unless they would take more than DEVICE_SNAPSHOT_SHARE of its
+    free memory; then they are held in host memory."""
     import torch
 
-    saved = [(buffer, buffer.detach().clone()) for module in modules for buffer in module.buffers()]
+    buffers = [buffer for module in modules for buffer in module.buffers()]
+    home = _snapshot_home(buffers)
+    saved = [(buffer, buffer.detach().to(home, copy=True) if home else buffer.detach().clone()) for buffer in buffers]
 
     def restore() -> None:
         with torch.no_grad():
@@ -58,6 +70,26 @@ def snapshot_buffers(*modules) -> Callable[[], None]:
                 buffer.copy_(value)
 
     return restore
+
+
+def _snapshot_home(buffers) -> str | None:
+    """"cpu" where the CUDA buffers' copies would take more than DEVICE_SNAPSHOT_SHARE of the free
+    memory of their device, else None (each copy beside its buffer)."""
+    import torch
+
+    on_cuda = [b for b in buffers if b.device.type == "cuda"]
+    if not on_cuda:
+        return None
+    needed = sum(b.numel() * b.element_size() for b in on_cuda)
+    return "cpu" if needed > DEVICE_SNAPSHOT_SHARE * device_free_bytes(on_cuda[0].device) else None
+
+
+def device_free_bytes(device) -> int:
+    """Free memory of a CUDA device, counting what its caching allocator holds unused as free."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def copy_buffers(source, target) -> None:

@@ -84,6 +84,8 @@ def verify_end_to_end(
             native = original_module(*_clones(inputs))
             try:
                 built = built_module(*_clones(inputs))
+            except torch.OutOfMemoryError:
+                raise  # the device's memory, not the kernels: no verdict (bisection would blame them)
             except Exception as error:  # noqa: BLE001 - a failing build is a verdict
                 return VerifyResult.failed(f"built model raised {one_line(error)} [{where}]",
                                            trial + 1)
@@ -229,8 +231,9 @@ def _free_bytes(module) -> int | None:
     tensor = next(iter(_tensors(module)), None)
     if tensor is None or tensor.device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(tensor.device)
-    return free + torch.cuda.memory_reserved(tensor.device) - torch.cuda.memory_allocated(tensor.device)
+    from coopt.verify.bisect import device_free_bytes
+
+    return device_free_bytes(tensor.device)
 
 
 def native_bytes(module) -> int:

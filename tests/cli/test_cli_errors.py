@@ -133,3 +133,23 @@ def test_too_little_disk_space_is_refused_before_the_build(tmp_path, monkeypatch
     result = invoke("build", model_file(tmp_path), "-o", out)
     assert_one_line_error(result, 6, "not enough disk space for the model's weights", "needed")
     no_leftovers(tmp_path, out)
+
+
+def test_the_gpu_running_out_of_memory_is_exit_11_with_torch_s_first_sentences(tmp_path, monkeypatch):
+    """torch's message runs to a paragraph of allocator advice; the user gets what was asked and
+    what was free, one line, exit 11, and no output directory."""
+    import torch
+
+    import coopt.api
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1002.00 MiB. GPU 0 has a total capacity of "
+                                     "79.18 GiB of which 230.12 MiB is free. Including non-PyTorch memory, this process "
+                                     "has 78.95 GiB memory in use. If reserved but unallocated memory is large try ...")
+
+    monkeypatch.setattr(coopt.api, "compile_model", out_of_memory)
+    out = tmp_path / "out"
+    result = invoke("build", model_file(tmp_path), "-o", out, "-q")
+    assert_one_line_error(result, 11, "GPU ran out of memory", "Tried to allocate 1002.00 MiB", "230.12 MiB is free")
+    assert "Including non-PyTorch memory" not in result.stderr
+    no_leftovers(tmp_path, out)

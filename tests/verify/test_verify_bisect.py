@@ -3,9 +3,13 @@ and keeps every other kernel."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from coopt.verify.bisect import ReferencesDisagree, culprit_groups
+import pytest
+import torch
+
+import coopt.verify.bisect as bisect
+from coopt.verify.bisect import ReferencesDisagree, culprit_groups, snapshot_buffers
 
 GROUPS = ["norm", "qkv", "rope", "attn", "mlp"]
 
@@ -43,3 +47,33 @@ def test_references_that_disagree_are_not_blamed_on_kernels():
     with pytest.raises(ReferencesDisagree):
         culprit_groups(GROUPS, agrees)
     assert calls == [set()]
+
+
+class _Cache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.arange(6.0))
+        self.register_buffer("v", torch.ones(2, 3, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("home", [None, "cpu"])
+def test_a_snapshot_puts_the_buffers_back_on_the_device_or_from_the_host(monkeypatch, home):
+    monkeypatch.setattr(bisect, "_snapshot_home", lambda buffers: home)
+    module = _Cache()
+    restore = snapshot_buffers(module)
+    module.k.add_(5)  # in place, as a decode step writes its cache
+    module.v.zero_()
+    restore()
+    assert torch.equal(module.k, torch.arange(6.0)) and torch.equal(module.v, torch.ones(2, 3, dtype=torch.bfloat16))
+
+
+def _cuda_like(nbytes):
+    return SimpleNamespace(device=SimpleNamespace(type="cuda"), numel=lambda: nbytes, element_size=lambda: 1)
+
+
+def test_a_snapshot_larger_than_its_share_of_free_device_memory_is_held_on_the_host(monkeypatch):
+    monkeypatch.setattr(bisect, "device_free_bytes", lambda device: 1000)
+    share = int(bisect.DEVICE_SNAPSHOT_SHARE * 1000)
+    assert bisect._snapshot_home([_cuda_like(share)]) is None
+    assert bisect._snapshot_home([_cuda_like(share // 2), _cuda_like(share // 2 + 1)]) == "cpu"
+    assert bisect._snapshot_home([torch.zeros(10**6)]) is None  # host buffers: copied beside themselves

@@ -66,6 +66,16 @@ def test_raising_build_is_a_failure():
     assert result.failure.startswith("built model raised RuntimeError: kernel launch failed")
 
 
+def test_a_build_out_of_device_memory_raises_rather_than_failing_the_check():
+    """Out of memory says nothing about the kernels: a failed verdict would send the build to
+    bisect them (which itself ran the H100 out of memory, session 37)."""
+    def built(x):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1002.00 MiB.")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        verify_end_to_end(_model(), built, (torch.randn(4, 16),))
+
+
 def test_dynamic_dims_are_varied_between_trials():
     model = _model()
     built = ShapeRecorder(copy.deepcopy(model))
