@@ -37,6 +37,7 @@
 #   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
 #   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
 #   bash bench/gpu_session.sh timings36  # skinny probe (clusters of 2), cluster meeting, GEMV early slabs: timings only (~8 min)
+#   bash bench/gpu_session.sh fp8-b32-quick  # b32 / 2048 coopt-fp8 beside reduce-overhead, nothing else (~4 min)
 #   bash bench/gpu_session.sh layers32-b32-quick  # 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min)
 #   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
@@ -186,6 +187,11 @@ case "${1:-}" in
     fp8-b32)  # issue 4: bf16 vs fp8 KV at batch 32, position 2048 (~6 min; both positions no longer fit one
         # call: session 23's builds took 134-167 s each, and the 560 s limit cut 8192 after reduce-overhead)
         step 560 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt,coopt-fp8 \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
+        reports reports_fp8_b32 coopt-fp8
+        ;;
+    fp8-b32-quick)  # issue 4, session 37: the fp8 row alone, b32 / 2048 coopt-fp8 beside reduce-overhead (~4 min)
+        step 400 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
         ;;
