@@ -56,7 +56,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies, print_points  # noqa: E402  (shared with the GEMM bench)
+from bandwidth import reference_bandwidth  # noqa: E402
+from gemm import announce_gpu, graph_ms, input_copies, print_points  # noqa: E402  (shared with the GEMM bench)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # name -> (batch, valid length, cache positions, fp8 cache[, the query's rope in the kernel[, page size]])
@@ -223,8 +224,8 @@ def sweep(args, work_dir: Path, rows: list) -> None:
         expected = reference(region, *inputs)
         traffic = kv_bytes_read(region, [length] * batch)
         input_sets = input_copies(inputs, traffic)  # the valid K/V of the copies past the L2
-        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / COPY_BYTES_PER_S * 1e6:.1f} us "
-              f"at {COPY_BYTES_PER_S / 1e12:.1f} TB/s; graphs rotate {len(input_sets)} input copies", flush=True)
+        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / reference_bandwidth() * 1e6:.1f} us "
+              f"at {reference_bandwidth() / 1e12:.2f} TB/s; graphs rotate {len(input_sets)} input copies", flush=True)
         results = []
         for (c, rank, params, path), warm_error in zip(plan, warm_errors):
             if c != case:

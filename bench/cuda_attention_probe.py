@@ -385,7 +385,8 @@ def main() -> int:
     import torch
 
     from attention_sweep import CASES, make_inputs, make_region, reference
-    from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, input_copies, relative_error
+    from bandwidth import reference_bandwidth
+    from gemm import PointTimes, announce_gpu, input_copies, relative_error
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.targets import H200
@@ -413,7 +414,7 @@ def main() -> int:
                          for _ in "kv")]
         traffic = kv_bytes_read(region, [length])
         sets = input_copies(inputs, traffic)
-        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / COPY_BYTES_PER_S * 1e6:.2f} us; "
+        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / reference_bandwidth() * 1e6:.2f} us; "
               f"{len(sets)} cache copies" + ("; folded (rope, new row)" if fold else ""), flush=True)
         templates = {}
         for split in map(int, args.template_splits.split(",")):

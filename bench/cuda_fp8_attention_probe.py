@@ -640,7 +640,8 @@ def main() -> int:
     import torch
 
     from attention_sweep import CASES, advised, label, make_inputs, make_region, reference
-    from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, input_copies, relative_error
+    from bandwidth import reference_bandwidth
+    from gemm import PointTimes, announce_gpu, input_copies, relative_error
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.targets import H200
@@ -662,7 +663,7 @@ def main() -> int:
         traffic = kv_bytes_read(region, [length])
         sets = input_copies(inputs, traffic)
         expected = reference(region, *sets[0]).float()
-        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / COPY_BYTES_PER_S * 1e6:.2f} us; "
+        print(f"\n{case}: {traffic / 1e6:.1f} MB of valid K/V, floor {traffic / reference_bandwidth() * 1e6:.2f} us; "
               f"{len(sets)} cache copies", flush=True)
 
         def record(kind, name, call, checked=True):

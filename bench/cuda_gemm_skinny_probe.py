@@ -51,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bandwidth import reference_bandwidth  # noqa: E402
+
 # Llama-3-8B's decode GEMMs (N, K): a layer's four (gate|up is its [gate; up] weight, plain here)
 # and the output head
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -182,7 +184,7 @@ def main() -> int:
         def error(call):  # call(x, w) -> y
             return ((call(x, w).float() - expected).abs().max() / expected.abs().max()).item()
 
-        print(f"\n{name}: {args.m} x {n} x {k}, {traffic / 1e6:.1f} MB, floor {traffic / 4.2e6:.2f} us at 4.2 TB/s; "
+        print(f"\n{name}: {args.m} x {n} x {k}, {traffic / 1e6:.1f} MB, floor {traffic / reference_bandwidth() * 1e6:.2f} us at {reference_bandwidth() / 1e12:.2f} TB/s; "
               f"{len(sets)} input copies", flush=True)
         times.record(name, "cublas", "cublas (torch.matmul)", lambda a, b: torch.matmul(a, b.T), sets, traffic,
                      error=lambda: error(lambda a, b: torch.matmul(a, b.T)))

@@ -275,7 +275,8 @@ def main() -> int:
     args = parser.parse_args()
     alone_modes = {int(m) for m in args.alone_modes.split(",") if m}
     import torch
-    from gemm import COPY_BYTES_PER_S, PointTimes, announce_gpu, graph_ms, input_copies
+    from bandwidth import reference_bandwidth
+    from gemm import PointTimes, announce_gpu, graph_ms, input_copies
     from gemv_chain_probe import timed_template_triple
 
     if not announce_gpu("bench/cuda_gemv_pdl_probe.py"):
@@ -287,7 +288,7 @@ def main() -> int:
     weight_bytes = sum(w.numel() * 2 for w in (w1, w2, w3))
     sets = input_copies([x, w1, w2, w3], weight_bytes)
     print(f"o + gate|up + down at b1: {weight_bytes / 1e6:.1f} MB of weights, floor "
-          f"{weight_bytes / COPY_BYTES_PER_S * 1e6:.2f} us at 4.2 TB/s; {len(sets)} input copies", flush=True)
+          f"{weight_bytes / reference_bandwidth() * 1e6:.2f} us at {reference_bandwidth() / 1e12:.2f} TB/s; {len(sets)} input copies", flush=True)
 
     # the template's three GEMVs at their best first point each, in a row (gemv_chain_probe's baseline)
     work = Path("/tmp/cuda-gemv-pdl-probe")

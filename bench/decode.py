@@ -28,10 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bandwidth import H200_COPY_BYTES_PER_S, floor_bandwidth, measure_copy_bandwidth
 from progress import build_progress
 
 ROOT = Path(__file__).resolve().parents[1]
-COPY_BANDWIDTH = 4.2e12
 
 
 @contextlib.contextmanager
@@ -166,30 +166,8 @@ def run_prefill(args, save=lambda row: None) -> dict:
     return row
 
 
-def measure_copy_bandwidth() -> float:
-    """Bytes read plus written a second by a 1 GiB device-to-device copy (do_bench's median)."""
-    import torch
-    import triton
-
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * 2**30 / (ms * 1e-3)
-
-
-def floor_bandwidth(gpu_name: str, measured: float) -> tuple[float, str]:
-    """The bandwidth floors are computed with, and what it is: on an H200 the 4.2 TB/s issue 3's
-    targets and every earlier row of bench/RESULTS.md use (so a case compares across sessions),
-    elsewhere this run's measured copy."""
-    if "H200" in gpu_name:
-        return COPY_BANDWIDTH, f"the H200's reference {COPY_BANDWIDTH / 1e12:.1f} TB/s (this run's copy: {measured / 1e12:.2f})"
-    return measured, f"this run's measured copy, {measured / 1e12:.2f} TB/s (not an H200)"
-
-
 def floor_ms(model, batch: int, pos: int, kv_element_bytes: int | None = None, values_only: bool = False,
-             bandwidth: float = COPY_BANDWIDTH) -> float:
+             bandwidth: float = H200_COPY_BYTES_PER_S) -> float:
     """Bytes one decode step must read over `bandwidth` (bytes/s): every weight once, except
     embedding tables (only the `batch` looked-up rows), plus the valid K/V of every layer (at
     `kv_element_bytes` per element when given: 1 for an fp8 cache; with `values_only` the keys

@@ -29,8 +29,9 @@ Skinny shapes (M <= 64) are weight-bandwidth bound and their kernels run for mic
 are also timed replayed in a CUDA graph (triton.testing.do_bench_cudagraph; the same signature in
 triton 3.6 and 3.9), as a decode step runs, so Python launch overhead is off the GPU timeline.
 Graph replays do not flush L2, so the captured calls rotate through enough copies of the inputs
-that no weight is still in L2 when it is read again. Their GB/s are also given as a share of the
-4.2 TB/s a device-to-device copy reaches on the H200.
+that no weight is still in L2 when it is read again. Their GB/s are also given as a share of
+bench/bandwidth.py's reference: the 4.2 TB/s a device-to-device copy reaches on the H200, this
+run's measured copy on any other GPU.
 
 Compilation dominates a cold run: points are first compiled in parallel worker processes (one
 launch each on the GPU, filling Triton's cache), then checked and timed one by one here.
@@ -52,6 +53,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
+
+from bandwidth import reference_bandwidth
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -90,7 +93,6 @@ SHAPES = {
 }
 STATS_CHUNK = 64  # fuse-norm-statistics' default chunk (columns a sum of squares covers)
 SKINNY_M = 64  # shapes with at most this many rows are also timed under CUDA graphs
-COPY_BYTES_PER_S = 4.2e12  # device-to-device copy on the H200 (reads + writes)
 L2_BYTES = 60 << 20  # the H200's L2 as torch reports it
 
 # -- the curated quick subset -------------------------------------------------------------------
@@ -525,7 +527,7 @@ def reporter(rows: list, shape, traffic: int):
 
     def bandwidth(ms: float) -> str:
         gbs = traffic / ms / 1e6
-        return f"{gbs:6.0f} GB/s {100 * gbs * 1e9 / COPY_BYTES_PER_S:3.0f}%"
+        return f"{gbs:6.0f} GB/s {100 * gbs * 1e9 / reference_bandwidth():3.0f}%"
 
     def report(name: str, measured: tuple, err=None, versus=None):
         ms, graph_ms = measured[0], (measured[1] if len(measured) > 1 else None)
@@ -564,7 +566,7 @@ def announce_gpu(script: str, **extra) -> bool:
         print(f"{script} needs a CUDA GPU", file=sys.stderr)
         return False
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                      **extra}), flush=True)
+                      "floor_tb_s": round(reference_bandwidth() / 1e12, 3), **extra}), flush=True)
     return True
 
 

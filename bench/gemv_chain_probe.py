@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from bandwidth import reference_bandwidth  # noqa: E402
 
 HIDDEN, FFN = 4096, 14336
 SHARED_PER_SM = 228 * 1024  # sm_90: an SM's shared memory (1 KiB of it reserved per resident block)
@@ -231,7 +232,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies
+    from gemm import announce_gpu, graph_ms, input_copies
 
     if not announce_gpu("bench/gemv_chain_probe.py"):
         return 1
@@ -244,7 +245,7 @@ def main() -> int:
                   for n, k in ((HIDDEN, HIDDEN), (2 * FFN, HIDDEN), (HIDDEN, FFN)))
     weight_bytes = sum(w.numel() * 2 for w in (w1, w2, w3))
     sets = input_copies([x, w1, w2, w3], weight_bytes)
-    floor_us = weight_bytes / COPY_BYTES_PER_S * 1e6
+    floor_us = weight_bytes / reference_bandwidth() * 1e6
     print(f"o + gate|up + down at b1: {weight_bytes / 1e6:.1f} MB of weights, floor {floor_us:.2f} us; "
           f"{sms} SMs; {len(sets)} input copies", flush=True)
     rows = []
@@ -285,7 +286,7 @@ def main() -> int:
                   + ("  WRONG" if wrong else ""), flush=True)
             if not wrong:
                 best[kind] = min(best.get(kind, us), us)
-    print(f"\nbest of each kind, µs (floor {floor_us:.2f}: {weight_bytes / 1e6:.1f} MB at 4.2 TB/s)")
+    print(f"\nbest of each kind, µs (floor {floor_us:.2f}: {weight_bytes / 1e6:.1f} MB at {reference_bandwidth() / 1e12:.2f} TB/s)")
     for kind, us in best.items():
         print(f"  {kind:22s} {us:7.2f}  {weight_bytes / us / 1e6:5.2f} TB/s")
     if args.json:

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bandwidth import reference_bandwidth  # noqa: E402
+
 from gemm import cuda_point, label  # noqa: E402
 
 HIDDEN, FFN = 4096, 14336
@@ -59,7 +61,7 @@ def main() -> int:
     except ValueError as error:
         print(f"bench/gemv_cuda_pdl_chain.py: {error}", file=sys.stderr)
         return 2
-    from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies, make_inputs, make_region
+    from gemm import announce_gpu, graph_ms, input_copies, make_inputs, make_region
     from gemv_chain_probe import timed_template_triple
 
     if not announce_gpu("bench/gemv_cuda_pdl_chain.py"):
@@ -78,7 +80,7 @@ def main() -> int:
     weight_bytes = sum(w.numel() * 2 for w in (w1, w2, w3))
     copies = input_copies([x, w1, b1, r1, w2, g2, w3, b3], weight_bytes)
     print(f"o -> gate|up -> down at b1: {weight_bytes / 1e6:.1f} MB of weights, floor "
-          f"{weight_bytes / COPY_BYTES_PER_S * 1e6:.2f} us; {len(copies)} weight copies", flush=True)
+          f"{weight_bytes / reference_bandwidth() * 1e6:.2f} us; {len(copies)} weight copies", flush=True)
 
     def expected(x, w1, b1, r1, w2, g2, w3, b3, y1, y2):
         """torch's three outputs, each from the chain's own input to it."""

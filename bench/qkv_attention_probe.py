@@ -26,7 +26,8 @@ Timed, each replayed in a CUDA graph over input copies past the L2 (gemm.graph_m
   attention part), which isolates what fusing saves from how good the probe's GEMV is;
 - `fused`: one launch, over its knobs (warps, GEMV BLOCK_K and stages, PREFETCH).
 Each point's output is checked against the `project` pair's (bf16 apart) before it is timed.
-Bandwidth is (q|k|v weights + valid K/V bytes) over the time; the floor is those bytes at 4.2 TB/s.
+Bandwidth is (q|k|v weights + valid K/V bytes) over the time; the floor is those bytes over
+bench/bandwidth.py's reference (4.2 TB/s on an H200, the measured copy elsewhere).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from bandwidth import reference_bandwidth  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 32, 8, 128, 4096
 GROUP = HEADS // KV_HEADS
@@ -281,7 +283,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from gemm import COPY_BYTES_PER_S, announce_gpu, graph_ms, input_copies
+    from gemm import announce_gpu, graph_ms, input_copies
 
     if not announce_gpu("bench/qkv_attention_probe.py"):
         return 1
@@ -347,7 +349,7 @@ def main() -> int:
             if ok_after:
                 best[kind] = min(best.get(kind, us), us)
 
-        floor_us = traffic / COPY_BYTES_PER_S * 1e6
+        floor_us = traffic / reference_bandwidth() * 1e6
         print(f"\nb1 / {length}: split {split}, {w.numel() * 2 / 1e6:.1f} MB of q|k|v weights + {kv_bytes / 1e6:.1f} MB "
               f"of K/V, floor {floor_us:.2f} us; {len(sets)} input copies", flush=True)
         attn_only = graph_ms(lambda x, g, w, k, v, c, s, p, o: folded(
@@ -366,7 +368,7 @@ def main() -> int:
                 probe = Probe(split, warps, block_k, stages, prefetch, "cuda")
                 record("fused+prefetch" if prefetch else "fused", probe.label(), probe.fused)
         table.append((length, floor_us, best))
-    print("\nbest of each kind, µs (floor: q|k|v weights + K/V at 4.2 TB/s)")
+    print(f"\nbest of each kind, µs (floor: q|k|v weights + K/V at {reference_bandwidth() / 1e12:.2f} TB/s)")
     print(f"{'length':>7s} {'floor':>7s} " + " ".join(f"{k:>15s}" for k in ("project", "probe-pair", "fused", "fused+prefetch")))
     for length, floor_us, best in table:
         print(f"{length:7d} {floor_us:7.2f} " + " ".join(

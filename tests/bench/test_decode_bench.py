@@ -1,9 +1,10 @@
-"""bench/decode.py: what a row keeps of a build's build.json."""
+"""bench/decode.py: what a row keeps of a build's build.json; bench/bandwidth.py: what its floors use."""
 
 from __future__ import annotations
 
 import json
 
+import bandwidth
 import decode
 import pytest
 
@@ -13,12 +14,14 @@ def test_a_row_keeps_the_builds_seconds_and_its_checks_reference(tmp_path):
         "seconds": 163.3, "step_seconds": {"emit": 42.39, "end-to-end": 26.52},
         "end_to_end": {"ok": True, "reference_precision": "float64, streamed module by module", "max_abs_err": 0.18},
         "counters": {"fuse.kv_write": 32}, "unfused_ops": {"aten.embedding.default": 1},
-        "launch": {"pdl": ["gemv"], "step_ms": {"none": 1.78, "gemv": 1.76}}}))
+        "launch": {"pdl": ["gemv"], "step_ms": {"none": 1.78, "gemv": 1.76}},
+        "warnings": ["end-to-end check: the high-precision reference is float32"]}))
     assert decode.build_summary(tmp_path) == {
         "seconds": 163.3, "step_seconds": {"emit": 42.39, "end-to-end": 26.52},
         "reference_precision": "float64, streamed module by module", "check_max_abs_err": 0.18,
         "unfused_ops": {"aten.embedding.default": 1}, "launch": {"pdl": ["gemv"], "step_ms": {"none": 1.78, "gemv": 1.76}},
-        "failed_verification": [], "selected": {}}
+        "failed_verification": [], "warnings": ["end-to-end check: the high-precision reference is float32"],
+        "selected": {}}
 
 
 def test_a_row_names_each_leading_regions_selected_kernel(tmp_path):
@@ -64,7 +67,7 @@ def test_the_values_only_floor_reads_bf16_keys_and_fp8_values():
             self.register_buffer("v_cache", torch.zeros(2, 2, 8, 4, dtype=torch.bfloat16))
 
     model = Caches()
-    to_bytes = decode.COPY_BANDWIDTH / 1e3
+    to_bytes = bandwidth.H200_COPY_BYTES_PER_S / 1e3
     weights = 4
     assert decode.floor_ms(model, 2, 3) * to_bytes == pytest.approx(weights + 2 * 64 * 2)
     assert decode.floor_ms(model, 2, 3, kv_element_bytes=1) * to_bytes == pytest.approx(weights + 2 * 64)
@@ -73,12 +76,12 @@ def test_the_values_only_floor_reads_bf16_keys_and_fp8_values():
     assert decode.floor_ms(model, 2, 3, bandwidth=3.0e12) * 3.0e12 / 1e3 == pytest.approx(weights + 2 * 64 * 2)
 
 
-@pytest.mark.parametrize("gpu, expected", [("NVIDIA H200", decode.COPY_BANDWIDTH), ("NVIDIA H100 80GB HBM3", 3.01e12)])
+@pytest.mark.parametrize("gpu, expected", [("NVIDIA H200", bandwidth.H200_COPY_BYTES_PER_S), ("NVIDIA H100 80GB HBM3", 3.01e12)])
 def test_floors_use_the_h200s_reference_there_and_the_measured_copy_elsewhere(gpu, expected):
     """On an H200 every session's floors share issue 3's 4.2 TB/s; an H100 (~3.0 TB/s) measured
     against it would look 1.4x further from its floor than it is."""
-    bandwidth, what = decode.floor_bandwidth(gpu, 3.01e12)
-    assert bandwidth == expected and "3.01" in what
+    used, what = bandwidth.floor_bandwidth(gpu, 3.01e12)
+    assert used == expected and "3.01" in what
 
 
 @pytest.mark.parametrize("before", [None, "0"])
