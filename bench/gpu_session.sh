@@ -36,7 +36,7 @@
 #   bash bench/gpu_session.sh mma-bf16-b32  # b32 / 2048 bf16 with the CUDA attention (~5 min)
 #   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
 #   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
-#   bash bench/gpu_session.sh timings36  # skinny probe (clusters of 2), cluster meeting, GEMV early slabs: timings only (~8 min)
+#   bash bench/gpu_session.sh timings36  # skinny probe (clusters of 2), cluster meeting: timings only (~5 min)
 #   bash bench/gpu_session.sh fp8-b32-quick  # b32 / 2048 coopt-fp8 beside reduce-overhead, nothing else (~4 min)
 #   bash bench/gpu_session.sh layers32-b32-quick  # 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min)
 #   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
@@ -49,7 +49,6 @@
 #   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
-#   bash bench/gpu_session.sh gemv-prologue  # the CUDA GEMV's first slabs from one base: GPU tests, its layer GEMVs both ways (~5 min)
 #   bash bench/gpu_session.sh skinny-b32-builds  # b32 / 2048 fp8 and values-only with the CUDA decode-batch GEMM
 #                                        # offered, beside fp8 without it and reduce-overhead (~9 min)
 #   bash bench/gpu_session.sh pending    # the GPU tests of session 34-35 pieces (all passed on an H100, session 36: cluster meeting, early slabs,
@@ -374,24 +373,20 @@ case "${1:-}" in
         done
         ;;
     pending)  # everything written since session 33 that no GPU has run, GPU tests only, in one call: the CUDA
-        # attention's family (the cluster meeting, the fold at three write positions), the CUDA GEMV (its early
-        # slabs), the batch-32 GEMM probe and its family; each file's failures with short tracebacks (~8 min)
+        # attention's family (the cluster meeting, the fold at three write positions), the CUDA GEMV, the batch-32
+        # GEMM probe and its family; each file's failures with short tracebacks (~8 min)
         step 270 pending-mma python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_decode_attention_mma.py
         step 90 pending-gemv python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_gemv_cuda.py
         step 150 pending-skinny python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs \
             tests/bench/test_cuda_gemm_skinny_probe.py tests/templates/test_gemm_skinny_cuda.py
         ;;
-    timings36)  # issues 3 and 4, session 36's next call on an H200 (~8 min): the timings the H100 run left (every
-        # GPU test of these pieces passed there): the skinny GEMM's probe with clusters of 2 beside cuBLAS and the
-        # template, the attention's cluster meeting beside global memory, the GEMV's early slabs beside issue()
+    timings36)  # issues 3 and 4, session 36's next call (~5 min; run on an H100 in session 37: no gain): the skinny
+        # GEMM's probe with clusters of 2 beside cuBLAS and the template, the attention's cluster meeting beside
+        # global memory (the GEMV's early slabs, also timed then, equal to issue()'s, were removed in session 37)
         step 150 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
         step 150 fold-times env COOPT_MMA_CLUSTER=1 python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
             --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
             --json "$OUT/fold_times_cluster.json"
-        for early in 1 0; do
-            step 100 "gemv-early$early" env COOPT_GEMV_EARLY_SLABS=$early python bench/gemm.py --shapes layer \
-                --family gemv_cuda --variants gemv --advised 2 --sample 0 --json "$OUT/gemv_early${early}.json"
-        done
         ;;
     mma-cluster)  # issue 3: the CUDA attention's splits meeting in a thread-block cluster (MEET=cluster): every GPU
         # test of the family (the cluster form among them), then the kernel at 16 splits meeting in global
@@ -400,17 +395,6 @@ case "${1:-}" in
         step 150 fold-times env COOPT_MMA_CLUSTER=1 python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
             --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
             --json "$OUT/fold_times_cluster.json"
-        ;;
-    gemv-prologue)  # issue 3: the CUDA GEMV's first slabs from one base address (session 34; no GPU has run it,
-        # so it renders only under COOPT_GEMV_EARLY_SLABS=1): its GPU tests (both forms), then the layer GEMVs at
-        # the advisor's first two points in each form, twice each way (~5 min)
-        step 150 gemv-tests python -m pytest -q -p no:cacheprovider --tb=short tests/templates/test_gemv_cuda.py
-        for run in 1 2; do
-            for early in 1 0; do
-                step 90 "gemv-early$early-$run" env COOPT_GEMV_EARLY_SLABS=$early python bench/gemm.py --shapes layer \
-                    --family gemv_cuda --variants gemv --advised 2 --sample 0 --json "$OUT/gemv_early${early}_$run.json"
-            done
-        done
         ;;
     gemm-skinny)  # issues 3 and 4: the b32 rows' lever (NOTES-decode.md, session 34): a CUDA GEMM for M = 32
         # whose cluster splits K and meets through distributed shared memory (bench/cuda_gemm_skinny_probe.py;

@@ -48,7 +48,6 @@ rows 8 KB apart).
 from __future__ import annotations
 
 import math
-import os
 
 from coopt.ir.region import RegionSummary
 from coopt.targets import Target
@@ -115,11 +114,6 @@ def epilogue_lines(region: RegionSummary) -> tuple[list[str], str]:
     return lines, names[region.attrs["outputs"][0]]
 
 
-# The ring's first slabs from one base address (session 34: the last of them 100-153 instructions
-# into the kernel against 142-221 through issue()) passed its GPU tests on an H100 (session 36) but
-# no GPU has timed it: rendered only where this is set, as `bash bench/gpu_session.sh gemv-prologue`
-# does for its timing
-EARLY_SLABS_FLAG = "COOPT_GEMV_EARLY_SLABS"
 
 
 def shared_bytes(params: dict, k: int, glu: bool) -> int:
@@ -181,7 +175,4 @@ class GemvCudaFamily(TemplateFamily):
             program=lines,
             out_name=out_name,
             shared_bytes=shared_bytes(params, k, glu),
-            # the early form copies the first group's slabs only: a row of fewer slabs than the ring's
-            # first STAGES - 1 would need the next group's (issue() handles it)
-            early_slabs=os.environ.get(EARLY_SLABS_FLAG) == "1" and k // SLAB >= params["num_stages"] - 1,
         )

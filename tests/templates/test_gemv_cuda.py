@@ -21,7 +21,7 @@ from coopt.llm_advisor.protocol import AdviceRequest
 from coopt.targets import H200
 from coopt.templates import base as template_base
 from coopt.templates.ewprogram import render_program
-from coopt.templates.gemv_cuda import EARLY_SLABS_FLAG, GemvCudaFamily, gemv_problem, shared_bytes
+from coopt.templates.gemv_cuda import GemvCudaFamily, gemv_problem, shared_bytes
 from coopt.templates.registry import families_for
 from coopt.verify.profiles import resolve_profile
 from template_helpers import kernel_source
@@ -183,37 +183,6 @@ def test_only_parameter_reads_go_out_before_the_wait(hopper_ptx):
         assert "griddepcontrol.launch_dependents" in after
 
 
-@pytest.mark.parametrize(("form", "k", "params", "bound"), [
-    ("residual", 4096, ADVISED, 110), ("norm", 4096, ADVISED, 110),
-    ("norm_swiglu", 4096, {**ADVISED, "ROWS": 2, "num_stages": 4}, 125),  # NVRTC: 116, nvcc: 100
-    ("residual", 14336, {**ADVISED, "STAGGER": 1}, 160),  # the slab a warp starts at: first % 56
-], ids=["o", "q|k|v", "gate|up", "down, staggered"])
-def test_the_rings_first_slabs_go_out_early(hopper_sass, monkeypatch, form, k, params, bound):
-    """The ring's first STAGES - 1 slabs are the warp's first row group's (a group has SLABS >=
-    STAGES slabs): copied from one base address stepping by constants, not through issue()'s
-    divisions and 64-bit products, which put the last of them 184, 184, 142 and 221 instructions
-    into these kernels (104, 100, 100, 153 now with nvcc; gate|up's 116 through NVRTC, the GPU
-    machine's compiler and CI's; sm_90a SASS). Not yet run on a GPU: rendered only where
-    COOPT_GEMV_EARLY_SLABS=1."""
-    assert "from one base address" not in kernel_source(GEMV.render(region(4096, k, form), params))  # builds: as before
-    monkeypatch.setenv(EARLY_SLABS_FLAG, "1")
-    sass = hopper_sass(kernel_source(GEMV.render(region(4096, k, form), params)))
-    copies = [i for i, op in enumerate(sass) if op.startswith("LDGSTS")]
-    first_slabs = (params["num_stages"] - 1) * (2 if form == "norm_swiglu" else params["ROWS"])
-    assert copies[first_slabs - 1] < bound, copies[:first_slabs]
-
-
-@pytest.mark.parametrize(("k", "stages", "early"), [(4096, 8, True), (1024, 4, True), (1024, 6, False), (768, 4, True),
-                                                   (768, 6, False), (256, 4, False)])
-def test_the_early_form_only_where_a_rows_slabs_fill_the_rings_first_slots(monkeypatch, k, stages, early):
-    """The early form copies its first row group's slabs: a row of fewer than STAGES - 1 slabs
-    (K / 256) would need the next group's in the last of them, which issue() takes and the early
-    form did not (session 35's review: wrong outputs at K <= 1024 with deep rings)."""
-    monkeypatch.setenv(EARLY_SLABS_FLAG, "1")
-    source = kernel_source(GEMV.render(region(4096, k, "residual"), {**ADVISED, "num_stages": stages}))
-    assert ("from one base address" in source) == early
-
-
 def test_it_declines_a_region_whose_weights_a_kernel_computes():
     """Read before the PDL wait, b and the norm weight must be parameters (named in input_names)."""
     norm = region(form="norm")
@@ -276,19 +245,15 @@ def reference(r: RegionSummary, inputs: list[torch.Tensor]) -> torch.Tensor:
 @settings(max_examples=resolve_profile().max_examples, deadline=None)  # COOPT_VERIFY_PROFILE=thorough: 200
 @given(form=st.sampled_from(FORMS), n=st.sampled_from([64, 512, 1000, 4096]), k=st.sampled_from([256, 768, 4096]),
        warps=st.sampled_from([8, 16]), rows=st.sampled_from([1, 2]), stages=st.sampled_from([4, 6, 8]),
-       blocks=st.sampled_from([1, 2]), stagger=st.sampled_from([0, 1]), pdl=st.booleans(),
-       early_slabs=st.booleans(), seed=st.integers(0, 2**16))
-def test_it_agrees_with_an_fp32_reference(tmp_path_factory, form, n, k, warps, rows, stages, blocks, stagger, pdl,
-                                          early_slabs, seed):
+       blocks=st.sampled_from([1, 2]), stagger=st.sampled_from([0, 1]), pdl=st.booleans(), seed=st.integers(0, 2**16))
+def test_it_agrees_with_an_fp32_reference(tmp_path_factory, form, n, k, warps, rows, stages, blocks, stagger, pdl, seed):
     from coopt.runtime.kernel_loader import load_module_from_source
 
     r = region(n, k, form)
     params = {"num_warps": warps, "ROWS": 2 if form == "norm_swiglu" else rows, "num_stages": stages, "BLOCKS": blocks,
               "STAGGER": stagger}
     assert GEMV.check(r, params, H200) is None  # every drawn point is legal: none is skipped untested
-    with pytest.MonkeyPatch.context() as env:  # the ring's first slabs from one base address, or through issue()
-        env.setenv(EARLY_SLABS_FLAG, "1" if early_slabs else "0")
-        source = GEMV.render(r, params)
+    source = GEMV.render(r, params)
     module = load_module_from_source(source, tmp_path_factory.mktemp("gemv"), "gemv")
     module.use_pdl(pdl)
     inputs = make_inputs(r, seed)
