@@ -17,7 +17,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.printer import Printer
 
 from coopt.candidates import REFERENCE, RegionBuild, make_candidates, region_signature
-from coopt.end_to_end import check_end_to_end, device_of, measure_lossy_end_to_end
+from coopt.end_to_end import check_end_to_end, device_of, ensure_room_for_the_check, measure_lossy_end_to_end
 from coopt.codegen.program import program_source
 from coopt.frontend.capture import capture
 from coopt.fp8_cache import calibrate_kv_absmax, needs_calibration, set_calibration
@@ -250,6 +250,7 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
 
     # 0. device: capture, verify and check where the kernels will run — the GPU when there is one
     model, example_inputs = _on_build_device(model, example_inputs)
+    ensure_room_for_the_check(model)  # step 8 loads the build beside the model: refuse now, not after the tuning
 
     # 1. capture: torch.export gives a functional ATen graph; buffer writes become outputs
     progress("capture", "torch.export")

@@ -28,11 +28,29 @@ import copy
 import torch
 
 from coopt.candidates import REFERENCE
-from coopt.errors import EndToEndMismatch
+from coopt.errors import DeviceMemoryError, EndToEndMismatch
 
 # Built slower than eager by more than this (interleaved medians, whose spread is ~0.5 %) makes
 # the build time its reference program too.
 SLOWER_MARGIN = 0.02
+
+
+def ensure_room_for_the_check(model) -> None:
+    """Refuse at the start, not after the tuning, a build whose check cannot fit: it loads the
+    build beside the model on the GPU, and the build's weights take at least the model's
+    parameters' bytes (fusions copy weights, no pass shrinks them). A model on the CPU is not
+    checked here."""
+    from coopt.verify.end_to_end import device_free_bytes
+
+    parameters = list(model.parameters())
+    if not parameters or parameters[0].device.type != "cuda":
+        return
+    needed = sum(p.numel() * p.element_size() for p in parameters)
+    free = device_free_bytes(parameters[0].device)
+    if needed > free:
+        raise DeviceMemoryError(f"the GPU cannot hold the build's end-to-end check: it loads the build ({needed / 2**30:.1f} "
+                                f"GiB of weights) beside the model, and {free / 2**30:.1f} GiB are free with the model on "
+                                f"it; use a GPU with more memory")
 
 
 def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: int, measured: bool,

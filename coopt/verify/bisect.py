@@ -77,19 +77,13 @@ def _snapshot_home(buffers) -> str | None:
     memory of their device, else None (each copy beside its buffer)."""
     import torch
 
+    from coopt.verify.end_to_end import device_free_bytes
+
     on_cuda = [b for b in buffers if b.device.type == "cuda"]
     if not on_cuda:
         return None
     needed = sum(b.numel() * b.element_size() for b in on_cuda)
     return "cpu" if needed > DEVICE_SNAPSHOT_SHARE * device_free_bytes(on_cuda[0].device) else None
-
-
-def device_free_bytes(device) -> int:
-    """Free memory of a CUDA device, counting what its caching allocator holds unused as free."""
-    import torch
-
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def copy_buffers(source, target) -> None:

@@ -231,9 +231,13 @@ def _free_bytes(module) -> int | None:
     tensor = next(iter(_tensors(module)), None)
     if tensor is None or tensor.device.type != "cuda":
         return None
-    from coopt.verify.bisect import device_free_bytes
-
     return device_free_bytes(tensor.device)
+
+
+def device_free_bytes(device) -> int:
+    """Free memory of a CUDA device, counting what its caching allocator holds unused as free."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def native_bytes(module) -> int:

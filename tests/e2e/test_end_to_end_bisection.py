@@ -4,7 +4,9 @@ build) is found by bisection and falls back alone; the other kernels stay select
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 import coopt
@@ -91,3 +93,32 @@ def test_a_stateful_check_runs_the_callers_model_and_puts_its_buffers_back(tmp_p
     assert broken.selected == REFERENCE and "bisection" in broken.reason
     assert any("streamed module by module" in w for w in warnings)
     assert torch.equal(model.cache, before)  # the trials wrote the caller's cache; it is put back
+
+
+class _OnCuda:
+    """A parameter's size and place, as ensure_room_for_the_check reads them (no GPU here)."""
+
+    def __init__(self, nbytes):
+        self.device = torch.device("cuda", 0)
+        self._bytes = nbytes
+
+    def numel(self):
+        return self._bytes
+
+    def element_size(self):
+        return 1
+
+
+def test_a_build_whose_check_cannot_fit_is_refused_before_the_tuning(monkeypatch):
+    """The check loads the build beside the model: weights larger than the free memory left with
+    the model on the GPU fail that late (exit 11) after minutes of tuning; refused at once."""
+    import coopt.verify.end_to_end as verify_e2e
+    from coopt.end_to_end import ensure_room_for_the_check
+    from coopt.errors import DeviceMemoryError
+
+    monkeypatch.setattr(verify_e2e, "device_free_bytes", lambda device: 10 * 2**30)
+    model = SimpleNamespace(parameters=lambda: [_OnCuda(6 * 2**30), _OnCuda(5 * 2**30)])
+    with pytest.raises(DeviceMemoryError, match=r"build \(11\.0 GiB of weights\).* 10\.0 GiB are free"):
+        ensure_room_for_the_check(model)
+    ensure_room_for_the_check(SimpleNamespace(parameters=lambda: [_OnCuda(6 * 2**30), _OnCuda(4 * 2**30)]))  # fits
+    ensure_room_for_the_check(torch.nn.Linear(4, 4))  # on the CPU: nothing to check

@@ -72,7 +72,9 @@ def _cuda_like(nbytes):
 
 
 def test_a_snapshot_larger_than_its_share_of_free_device_memory_is_held_on_the_host(monkeypatch):
-    monkeypatch.setattr(bisect, "device_free_bytes", lambda device: 1000)
+    import coopt.verify.end_to_end as e2e
+
+    monkeypatch.setattr(e2e, "device_free_bytes", lambda device: 1000)
     share = int(bisect.DEVICE_SNAPSHOT_SHARE * 1000)
     assert bisect._snapshot_home([_cuda_like(share)]) is None
     assert bisect._snapshot_home([_cuda_like(share // 2), _cuda_like(share // 2 + 1)]) == "cpu"
