@@ -14,8 +14,9 @@ Exit codes (also in README.md and `coopt --help`):
   8  the built model does not match the original model end to end
   9  bad input file for `coopt opt` / `coopt tune` (unparseable IR, not a build directory)
  10  plugin clash or broken plugin
- 11  the GPU ran out of memory during the build (the model, its build and the end-to-end
-     check's copies did not fit together)
+ 11  the GPU's memory: the build ran out of it (the model, its build and the end-to-end
+     check's copies did not fit together), or the check cannot fit at all (the build's weights
+     beside the model), refused before the tuning
  70  internal error (a bug in coopt: please report it with the message)
 """
 
