@@ -384,7 +384,7 @@ case "${1:-}" in
         # GEMM's probe with clusters of 2 beside cuBLAS and the template, the attention's cluster meeting beside
         # global memory (the GEMV's early slabs, also timed then, equal to issue()'s, were removed in session 37)
         step 150 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
-        step 150 fold-times env COOPT_MMA_CLUSTER=1 python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
+        step 150 fold-times python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
             --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
             --json "$OUT/fold_times_cluster.json"
         ;;
@@ -392,7 +392,7 @@ case "${1:-}" in
         # test of the family (the cluster form among them), then the kernel at 16 splits meeting in global
         # memory, 8 in global memory and 8 in a cluster, bare / rope / folded (~5 min)
         step 300 mma-tests python -m pytest -q -p no:cacheprovider --tb=short tests/templates/test_decode_attention_mma.py
-        step 150 fold-times env COOPT_MMA_CLUSTER=1 python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
+        step 150 fold-times python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
             --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
             --json "$OUT/fold_times_cluster.json"
         ;;
@@ -559,8 +559,8 @@ case "${1:-}" in
         ;;
     layers32-b1-quick)  # issue 3, session 36: 32 layers at b1 / 2048 alone, reduce-overhead and coopt (~5 min); the
         # build's launch step times its PDL options with and without the GEMVs switched to PDL-ready kernels
-        # (build.json "launch"); MMA_CLUSTER=1 in the environment offers the attention's cluster meeting
-        step 420 decode env COOPT_MMA_CLUSTER="${MMA_CLUSTER:-0}" python bench/decode.py --layers 32 --cases 1:2048:4096 \
+        # (build.json "launch"); the attention's cluster meeting is among its candidates (session 37)
+        step 420 decode python bench/decode.py --layers 32 --cases 1:2048:4096 \
             --modes reduce-overhead,coopt --prefill 0 --agreement-steps 8 --out "$OUT/decode_32layers_b1.json" \
             --build-dir /tmp/coopt-32-b1
         reports reports_32b1 coopt-32-b1

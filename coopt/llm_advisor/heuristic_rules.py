@@ -497,6 +497,10 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     )
 
 
+MAX_CLUSTER = 8  # templates/decode_attention_mma.py's: the portable cluster size
+CLUSTER_SPLIT_KEYS = 256  # keys a split at most where the attention's splits should meet in a cluster
+
+
 def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
     """The CUDA decode attention (templates/decode_attention_mma.py): one block an SM (8 warps
     and their rings take most of its shared memory), so splits until batch x kv heads x splits
@@ -523,16 +527,24 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
     # (session 28, b32 / 2048: 36.8 µs at 4 warps; session 26: 47.3 at 8, the template 46.7)
     waves = programs * split_t > sms
     warps_t = 4 if waves else 8
+    # The splits meeting in a thread-block cluster (MEET=cluster, 2 to 8 splits) save the global
+    # meeting's round trip, a fixed cost that weighs where each split's keys are few: on the H200
+    # at b1 / 2048 (16 splits of 128 bf16 keys) 8 splits in a cluster ran 7.11 µs folded against 7.52
+    # for 16 in global memory, while at b1 / 32768 fp8 8 in a cluster lost to 16 (25.93 against
+    # 21.90: long rows want the splits; session 37). So where a split holds at most
+    # CLUSTER_SPLIT_KEYS keys a cluster point aims at the largest cluster, else at the same
+    # split; either way just after the same point meeting in global memory (not yet measured in a
+    # build: the build's timing decides).
+    cluster_split_t = min(split_t, MAX_CLUSTER) if length <= CLUSTER_SPLIT_KEYS * split_t else split_t
 
     def cost(point: dict) -> float:
-        c = 2 * _log_gap(knob(point, ("SPLIT",)), split_t)
+        cluster = knob(point, ("MEET",)) == "cluster"
+        c = 2 * _log_gap(knob(point, ("SPLIT",)), cluster_split_t if cluster else split_t)
         c += 1.0 if knob(point, ("COPY",)) != "ca" else 0.0
         c += _log_gap(knob(point, WARPS), warps_t)
         c += 0.3 * _log_gap(knob(point, ("CHUNK",)), 16)
         c += 0.5 * max(0, (knob(point, STAGES) or 2) - 2)
-        # the cluster meeting (2-8 splits) is not yet measured in a build: ranked just after the
-        # same point meeting in global memory
-        c += 0.1 if knob(point, ("MEET",)) == "cluster" else 0.0
+        c += 0.1 if cluster else 0.0
         return c
 
     cache = "fp8" if element_bytes == 1 else "bf16" if request.region.inputs[2].dtype != "float8_e4m3fn" else "values-only"
