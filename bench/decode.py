@@ -303,6 +303,8 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
             print(f"  {mode}: build failed (exit {error.exit_code}): {error.message}", flush=True)
             row.setdefault("build_errors", {})[mode] = error.message
             save(row)
+            gc.collect()  # what the failed build loaded goes back to the device for the next mode's workers
+            torch.cuda.empty_cache()
             continue
         built = coopt.load(out)
         step = GraphedStep(built, inputs, check=False)  # the bench times the replay, not the value check

@@ -66,7 +66,7 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
     from coopt.runtime.loader import load as load_build
     from coopt.verify import verify_end_to_end
     from coopt.verify.bisect import copy_buffers, snapshot_buffers
-    from coopt.verify.end_to_end import reference_copy
+    from coopt.verify.end_to_end import native_bytes, reference_copy
 
     def load(out, device):
         built = load_build(out, device=device)
@@ -89,7 +89,8 @@ def check_end_to_end(model, example_inputs, regions, out, *, trials: int, seed: 
     # would make even the reference program disagree with itself). The check runs the caller's
     # model and puts its buffers back at the end (one snapshot of its buffers, not a deep copy of
     # the whole model beside it); the copy's buffers are set from its source's, never snapshotted.
-    restore_model = snapshot_buffers(model) if stateful else (lambda: None)
+    # (the build is loaded after it: its bytes, about the model's, are not the snapshot's to take)
+    restore_model = snapshot_buffers(model, reserve=native_bytes(model)) if stateful else (lambda: None)
 
     def initial_state():
         restore_model()

@@ -497,7 +497,6 @@ def decode_attention(request: AdviceRequest) -> tuple[CostFn, str]:
     )
 
 
-MAX_CLUSTER = 8  # templates/decode_attention_mma.py's: the portable cluster size
 CLUSTER_SPLIT_KEYS = 256  # keys a split at most where the attention's splits should meet in a cluster
 
 
@@ -535,6 +534,8 @@ def decode_attention_mma(request: AdviceRequest) -> tuple[CostFn, str]:
     # CLUSTER_SPLIT_KEYS keys a cluster point aims at the largest cluster, else at the same
     # split; either way just after the same point meeting in global memory (not yet measured in a
     # build: the build's timing decides).
+    from coopt.templates.decode_attention_mma import MAX_CLUSTER
+
     cluster_split_t = min(split_t, MAX_CLUSTER) if length <= CLUSTER_SPLIT_KEYS * split_t else split_t
 
     def cost(point: dict) -> float:

@@ -114,8 +114,6 @@ def epilogue_lines(region: RegionSummary) -> tuple[list[str], str]:
     return lines, names[region.attrs["outputs"][0]]
 
 
-
-
 def shared_bytes(params: dict, k: int, glu: bool) -> int:
     """x staged for the block in bf16 (normalised where there is a norm), every warp's ring, then
     the norm's per-warp sums of squares (one float a warp, room kept with or without a norm)."""

@@ -53,15 +53,16 @@ def culprit_groups(groups: Sequence[str], agrees: Callable[[frozenset[str]], boo
 DEVICE_SNAPSHOT_SHARE = 0.25
 
 
-def snapshot_buffers(*modules) -> Callable[[], None]:
+def snapshot_buffers(*modules, reserve: int = 0) -> Callable[[], None]:
     """A function that puts every buffer of `modules` (KV caches, running stats) back to its
     current value: each end-to-end check of the bisection starts from the same state. The copies
     stay on the buffers' device unless they would take more than DEVICE_SNAPSHOT_SHARE of its
-    free memory; then they are held in host memory."""
+    free memory less `reserve` bytes (what is still to be loaded beside them: the build a check
+    loads next); then they are held in host memory."""
     import torch
 
     buffers = [buffer for module in modules for buffer in module.buffers()]
-    home = _snapshot_home(buffers)
+    home = _snapshot_home(buffers, reserve)
     saved = [(buffer, buffer.detach().to(home, copy=True) if home else buffer.detach().clone()) for buffer in buffers]
 
     def restore() -> None:
@@ -72,9 +73,9 @@ def snapshot_buffers(*modules) -> Callable[[], None]:
     return restore
 
 
-def _snapshot_home(buffers) -> str | None:
+def _snapshot_home(buffers, reserve: int = 0) -> str | None:
     """"cpu" where the CUDA buffers' copies would take more than DEVICE_SNAPSHOT_SHARE of the free
-    memory of their device, else None (each copy beside its buffer)."""
+    memory of their device less `reserve`, else None (each copy beside its buffer)."""
     import torch
 
     from coopt.verify.end_to_end import device_free_bytes
@@ -83,7 +84,8 @@ def _snapshot_home(buffers) -> str | None:
     if not on_cuda:
         return None
     needed = sum(b.numel() * b.element_size() for b in on_cuda)
-    return "cpu" if needed > DEVICE_SNAPSHOT_SHARE * device_free_bytes(on_cuda[0].device) else None
+    free = max(0, device_free_bytes(on_cuda[0].device) - reserve)
+    return "cpu" if needed > DEVICE_SNAPSHOT_SHARE * free else None
 
 
 def copy_buffers(source, target) -> None:

@@ -153,3 +153,18 @@ def test_the_gpu_running_out_of_memory_is_exit_11_with_torch_s_first_sentences(t
     assert_one_line_error(result, 11, "GPU ran out of memory", "Tried to allocate 1002.00 MiB", "230.12 MiB is free")
     assert "Including non-PyTorch memory" not in result.stderr
     no_leftovers(tmp_path, out)
+
+
+def test_a_check_that_cannot_fit_is_refused_before_the_capture(tmp_path, monkeypatch):
+    """compile_model asks ensure_room_for_the_check first: exit 11, capture never reached."""
+    import coopt.compile
+    from coopt.errors import DeviceMemoryError
+
+    def no_room(model):
+        raise DeviceMemoryError("the GPU cannot hold the build's end-to-end check: (test)")
+
+    monkeypatch.setattr(coopt.compile, "ensure_room_for_the_check", no_room)
+    monkeypatch.setattr(coopt.compile, "capture", lambda *a, **k: pytest.fail("the build started"))
+    out = tmp_path / "out"
+    assert_one_line_error(invoke("build", model_file(tmp_path), "-o", out, "-q"), 11, "cannot hold the build's end-to-end check")
+    no_leftovers(tmp_path, out)

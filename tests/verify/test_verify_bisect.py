@@ -58,7 +58,7 @@ class _Cache(torch.nn.Module):
 
 @pytest.mark.parametrize("home", [None, "cpu"])
 def test_a_snapshot_puts_the_buffers_back_on_the_device_or_from_the_host(monkeypatch, home):
-    monkeypatch.setattr(bisect, "_snapshot_home", lambda buffers: home)
+    monkeypatch.setattr(bisect, "_snapshot_home", lambda buffers, reserve: home)
     module = _Cache()
     restore = snapshot_buffers(module)
     module.k.add_(5)  # in place, as a decode step writes its cache
@@ -79,3 +79,6 @@ def test_a_snapshot_larger_than_its_share_of_free_device_memory_is_held_on_the_h
     assert bisect._snapshot_home([_cuda_like(share)]) is None
     assert bisect._snapshot_home([_cuda_like(share // 2), _cuda_like(share // 2 + 1)]) == "cpu"
     assert bisect._snapshot_home([torch.zeros(10**6)]) is None  # host buffers: copied beside themselves
+    # what is still to be loaded beside the snapshot (the check's build) is not the snapshot's
+    assert bisect._snapshot_home([_cuda_like(share // 2)], reserve=501) == "cpu"  # 125 > 0.25 x 499
+    assert bisect._snapshot_home([_cuda_like(share // 2)], reserve=500) is None

@@ -76,6 +76,26 @@ def test_a_build_out_of_device_memory_raises_rather_than_failing_the_check():
         verify_end_to_end(_model(), built, (torch.randn(4, 16),))
 
 
+def test_a_high_precision_reference_out_of_memory_raises_rather_than_judging_by_the_floor():
+    """A reference that raises for want of an op's dtype is dropped (the floor around eager
+    judges); one out of memory is not: the floor alone fails deep bf16 models, and bisection
+    would then blame the kernels."""
+    model = _model()
+
+    class OutOfMemory(torch.nn.Module):
+        def forward(self, x):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB.")
+
+    class NoFloat64(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Double'")
+
+    inputs = (torch.randn(4, 16),)
+    assert verify_end_to_end(model, copy.deepcopy(model), inputs, high_model=NoFloat64()).ok
+    with pytest.raises(torch.OutOfMemoryError):
+        verify_end_to_end(model, copy.deepcopy(model), inputs, high_model=OutOfMemory())
+
+
 def test_dynamic_dims_are_varied_between_trials():
     model = _model()
     built = ShapeRecorder(copy.deepcopy(model))
