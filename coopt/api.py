@@ -129,7 +129,7 @@ class Pipeline:
         kwargs = {"progress": progress} if progress else {}
         if self.prefill_chunk is not None and dynamic_shapes is None and not any(d for _, d in (entry_points or {}).values()):
             raise _no_prompt_to_chunk()
-        with staged_out_dir(Path(out_dir), force) as staging, _device_memory_as_error():
+        with staged_out_dir(Path(out_dir), force) as staging, _device_memory_as_error("the build"):
             # the weights are written last, after the tuning: refuse now where they cannot fit
             ensure_free_space(staging, stored_bytes(list(model.parameters())), "the model's weights")
             result = compile_model(
@@ -167,7 +167,8 @@ class Pipeline:
 
 
 @contextlib.contextmanager
-def _device_memory_as_error():
+def _device_memory_as_error(during: str, advice: str = "the model, its build and the end-to-end check's copies must "
+                            "fit together; use a GPU with more memory or build for fewer rows or a shorter cache"):
     """torch's out-of-memory error as a DeviceMemoryError (exit 11) with the first sentences of its
     message (what was asked, what was free), not an internal error with a page of advice."""
     import torch
@@ -178,9 +179,7 @@ def _device_memory_as_error():
         yield
     except torch.OutOfMemoryError as error:
         said = str(error).split(" Including non-PyTorch memory")[0].strip()
-        raise DeviceMemoryError(f"the GPU ran out of memory during the build ({said}): the model, its build and the "
-                                f"end-to-end check's copies must fit together; use a GPU with more memory or build "
-                                f"for fewer rows or a shorter cache") from error
+        raise DeviceMemoryError(f"the GPU ran out of memory during {during} ({said}): {advice}") from error
 
 
 def _no_prompt_to_chunk():
@@ -202,11 +201,13 @@ def tune(out_dir, *, timeout_s: float = 60.0) -> dict:
     from coopt.emit.report import write_report
     from coopt.tune.retune import tune_build_dir
 
-    summary = tune_build_dir(Path(out_dir), timeout_s=timeout_s)
-    write_report(Path(out_dir))
-    # the artifact's other entry points (out/entries/<name>) are measured the same way
-    for entry in sorted(Path(out_dir).glob("entries/*/selection.json")):
-        entry_summary = tune_build_dir(entry.parent, timeout_s=timeout_s)
-        write_report(entry.parent)
-        summary.update({f"{entry.parent.name}/{region}": result for region, result in entry_summary.items()})
+    with _device_memory_as_error("coopt tune", "it measures the candidates on the build as loaded: use a GPU with "
+                                 "the memory of the one it was built on"):
+        summary = tune_build_dir(Path(out_dir), timeout_s=timeout_s)
+        write_report(Path(out_dir))
+        # the artifact's other entry points (out/entries/<name>) are measured the same way
+        for entry in sorted(Path(out_dir).glob("entries/*/selection.json")):
+            entry_summary = tune_build_dir(entry.parent, timeout_s=timeout_s)
+            write_report(entry.parent)
+            summary.update({f"{entry.parent.name}/{region}": result for region, result in entry_summary.items()})
     return summary

@@ -168,3 +168,19 @@ def test_a_check_that_cannot_fit_is_refused_before_the_capture(tmp_path, monkeyp
     out = tmp_path / "out"
     assert_one_line_error(invoke("build", model_file(tmp_path), "-o", out, "-q"), 11, "cannot hold the build's end-to-end check")
     no_leftovers(tmp_path, out)
+
+
+def test_coopt_tune_out_of_gpu_memory_is_exit_11_too(tmp_path, monkeypatch):
+    import torch
+
+    import coopt.api
+    import coopt.tune.retune
+    from coopt.errors import DeviceMemoryError
+
+    def out_of_memory(out, timeout_s):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. Including non-PyTorch memory ...")
+
+    monkeypatch.setattr(coopt.tune.retune, "tune_build_dir", out_of_memory)
+    with pytest.raises(DeviceMemoryError, match=r"during coopt tune \(CUDA out of memory\. Tried to allocate 2\.00 GiB\.\)") as raised:
+        coopt.api.tune(tmp_path)
+    assert raised.value.exit_code == 11
