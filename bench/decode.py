@@ -20,7 +20,6 @@ H100, where 4.2 would put the floor 1.4x too low).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -34,23 +33,6 @@ from progress import build_progress
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@contextlib.contextmanager
-def skinny_family(offered: bool):
-    """COOPT_GEMM_SKINNY_CUDA set to "1" (offered) or unset for a build, as before afterwards: the
-    CUDA decode-batch GEMM family matches regions only where it is set."""
-    from coopt.templates.gemm_skinny_cuda import FLAG
-
-    before = os.environ.pop(FLAG, None)
-    if offered:
-        os.environ[FLAG] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(FLAG, None)
-        if before is not None:
-            os.environ[FLAG] = before
-
-
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -62,9 +44,7 @@ def parse_args():
                              "coopt-rownorms: the default without fuse-norm-statistics (each batched norm a row kernel); "
                              "coopt-normstats32: its sums over 32-column chunks (BLOCK_N 32 allowed in the o / down GEMVs); "
                              "coopt-fp8-unfolded / coopt-fp8-values-unfolded: those fp8 builds without "
-                             "fuse-kv-write-attention; coopt-skinny / coopt-fp8-skinny / coopt-fp8-values-skinny: "
-                             "those builds with the CUDA decode-batch GEMM family offered (COOPT_GEMM_SKINNY_CUDA=1 "
-                             "for the build: templates/gemm_skinny_cuda.py, not yet in builds by default)")
+                             "fuse-kv-write-attention")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -286,19 +266,15 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
                                      ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True)),
                                      ("coopt-fp8-unfolded", "fp8", UNFOLDED_KV_WRITE_PIPELINE),
                                      ("coopt-fp8-values-unfolded", "none",
-                                      fp8_kv_pipeline("per-head", UNFOLDED_KV_WRITE_PIPELINE, values_only=True)),
-                                     ("coopt-skinny", "none", DEFAULT_PIPELINE),
-                                     ("coopt-fp8-skinny", "fp8", DEFAULT_PIPELINE),
-                                     ("coopt-fp8-values-skinny", "none", fp8_kv_pipeline("per-head", values_only=True))):
+                                      fp8_kv_pipeline("per-head", UNFOLDED_KV_WRITE_PIPELINE, values_only=True))):
         if mode not in modes:
             continue
         suffix = mode[len("coopt"):]
         out = (args.build_dir or Path(tempfile.mkdtemp(prefix="coopt-decode-"))) / f"b{batch}-pos{pos}{suffix}"
         start = time.monotonic()
         try:
-            with skinny_family(mode.endswith("-skinny")):
-                coopt.Pipeline(pipeline, top_k=args.top_k, kv_cache=kv_cache).build(model, inputs, out, force=True,
-                                                                                    progress=build_progress())
+            coopt.Pipeline(pipeline, top_k=args.top_k, kv_cache=kv_cache).build(model, inputs, out, force=True,
+                                                                                progress=build_progress())
         except CooptError as error:  # e.g. the GPU's memory (exit 11): the other modes still run
             print(f"  {mode}: build failed (exit {error.exit_code}): {error.message}", flush=True)
             row.setdefault("build_errors", {})[mode] = error.message

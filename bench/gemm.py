@@ -22,8 +22,7 @@ their norm, for `--family gemv_cuda` (the CUDA GEMV's legal points, then CUDA_WI
 rings) or `--family both` (beside the template's). Each point is rendered by the family, checked against eager PyTorch,
 then timed with triton.testing.do_bench (median, L2 flushed). References: `cublas` is the bare
 matmul (torch.matmul), `eager` the whole region (F.linear plus the epilogue) as the model runs it. `b32cuda` is a b32 layer's GEMVs and the head
-as the default pipeline builds them (norm statistics in and out), for `--family gemm_skinny_cuda`
-(the CUDA decode-batch GEMM, not yet in builds) or `both`.
+as the default pipeline builds them (norm statistics in and out).
 
 Skinny shapes (M <= 64) are weight-bandwidth bound and their kernels run for microseconds: they
 are also timed replayed in a CUDA graph (triton.testing.do_bench_cudagraph; the same signature in
@@ -81,7 +80,7 @@ SHAPES = {
     "residual32": [(32, 4096, 4096, "residual"), (32, 4096, 14336, "residual")],
     # a b32 decode layer's four GEMVs and the head as the default pipeline builds them: the norms'
     # consumers (q|k|v, gate|up + SwiGLU, the head) and the residual GEMVs producing the next
-    # norm's h * g and chunk sums (o, down), for `--family gemm_skinny_cuda` / `both`
+    # norm's h * g and chunk sums (o, down)
     "b32cuda": [(32, 6144, 4096, "stats"), (32, 4096, 4096, "producer"), (32, 14336, 4096, "stats_swiglu"),
                 (32, 4096, 14336, "producer"), (32, 128256, 4096, "stats")],
     # the batch-1 GEMVs of a layer and the head, with and without their RMSNorm prologue, for the
@@ -171,11 +170,9 @@ def parse_args():
                         help="full mode: keep only points of this kernel variant; stream-k: the advisor's first "
                              "--advised GEMV points, each beside its stream-K twins")
     parser.add_argument("--family", default="matmul_epilogue",
-                        choices=["matmul_epilogue", "gemv_cuda", "gemm_skinny_cuda", "both"],
+                        choices=["matmul_epilogue", "gemv_cuda", "both"],
                         help="whose points: the Triton template's (the modes above), the CUDA GEMV's (its legal "
-                             "points, then a wider grid of warps and ring depths), the CUDA decode-batch GEMM's "
-                             "(the heuristic's first --advised, plus --sample more), or the template's and the CUDA "
-                             "family's that takes the shape")
+                             "points, then a wider grid of warps and ring depths), or both")
     parser.add_argument("--limit", type=int, default=None, help="full mode: at most this many points per shape")
     parser.add_argument("--advised", type=int, default=3,
                         help="quick and --sample modes: also the heuristic advisor's first N points per shape")
@@ -337,40 +334,11 @@ def cuda_points(region) -> list[dict]:
     return points
 
 
-def skinny_points(region, args) -> list[dict]:
-    """gemm_skinny_cuda's points for the region (its flag set here: it matches nothing until a GPU
-    has run it): the heuristic's first --advised distinct kernels, then a seeded sample of
-    --sample more legal points."""
-    from coopt.targets import H200
-    from coopt.templates.gemm_skinny_cuda import FLAG, GemmSkinnyCudaFamily, skinny_problem
-
-    os.environ[FLAG] = "1"
-    if skinny_problem(region) is not None:
-        return []
-    family = GemmSkinnyCudaFamily()
-    legal = family.legal_points(region, H200)
-    try:
-        from coopt.candidates import diverse_top_k
-        from coopt.llm_advisor import AdviceRequest, HeuristicAdvisor
-
-        request = AdviceRequest(region, family.name, family.param_space(region, H200), tuple(legal), H200.facts())
-        points = [p for _, p in diverse_top_k(HeuristicAdvisor().advise(request).ranked, args.advised)]
-    except ImportError as error:  # the advisor needs pydantic, absent on the GPU image unless carried
-        print(f"no advised points ({error}): a sample only", flush=True)
-        points = []
-    rest = [p for p in legal if p not in points]
-    points += random.Random(0).sample(rest, min(len(rest), args.sample or 0))
-    return points
-
-
 def family_points(region, args) -> list[tuple[str, dict]]:
     """(family name, point) pairs --family asks for."""
-    template = [] if args.family in ("gemv_cuda", "gemm_skinny_cuda") else [
-        ("matmul_epilogue", p) for p in select_points(region, args)]
-    cuda = [] if args.family in ("matmul_epilogue", "gemm_skinny_cuda") else [("gemv_cuda", p) for p in cuda_points(region)]
-    skinny = [] if args.family in ("matmul_epilogue", "gemv_cuda") else [
-        ("gemm_skinny_cuda", p) for p in skinny_points(region, args)]
-    return template + cuda + skinny
+    template = [] if args.family == "gemv_cuda" else [("matmul_epilogue", p) for p in select_points(region, args)]
+    cuda = [] if args.family == "matmul_epilogue" else [("gemv_cuda", p) for p in cuda_points(region)]
+    return template + cuda
 
 
 def stream_k_pairs(region, count: int) -> list[dict]:
@@ -415,9 +383,6 @@ def advised_points(region, count: int) -> list[dict]:
 
 
 def label(params: dict) -> str:
-    if "CLUSTER" in params:  # a gemm_skinny_cuda point
-        return (f"cuda-skinny c{params['CLUSTER']} w{params['num_warps']} s{params['num_stages']} kw{params['KW']} "
-                f"p{params['PARTS']}")
     if "ROWS" in params:  # a gemv_cuda point
         return (f"cuda w{params['num_warps']} r{params['ROWS']} s{params['num_stages']} b{params['BLOCKS']}"
                 + (" stagger" if params.get("STAGGER") else ""))

@@ -36,7 +36,6 @@
 #   bash bench/gpu_session.sh mma-bf16-b32  # b32 / 2048 bf16 with the CUDA attention (~5 min)
 #   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
 #   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
-#   bash bench/gpu_session.sh timings36  # skinny probe (clusters of 2), cluster meeting: timings only (~5 min)
 #   bash bench/gpu_session.sh fp8-b32-quick  # b32 / 2048 coopt-fp8 beside reduce-overhead, nothing else (~4 min)
 #   bash bench/gpu_session.sh layers32-b32-quick  # 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min)
 #   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
@@ -49,14 +48,8 @@
 #   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
-#   bash bench/gpu_session.sh skinny-b32-builds  # b32 / 2048 fp8 and values-only with the CUDA decode-batch GEMM
-#                                        # offered, beside fp8 without it and reduce-overhead (~9 min)
-#   bash bench/gpu_session.sh pending    # the GPU tests of session 34-35 pieces (all passed on an H100, session 36: cluster meeting, early slabs,
-#                                        # the fold's write positions, the batch-32 GEMM probe and family; ~8 min)
-#   bash bench/gpu_session.sh gemm-skinny  # the batch-32 CUDA GEMM probe: its GPU tests, then the layer GEMMs and the head
-#                                        # beside cuBLAS and the GEMM template at M = 32 (~7 min)
-#   bash bench/gpu_session.sh gemm-skinny-b32  # the family gemm_skinny_cuda: GPU tests, a b32 layer's regions against the
-#                                        # template's points, the probe under PDL (~9 min)
+#   bash bench/gpu_session.sh pending    # the GPU tests of session 34-35 pieces (all passed on an H100, session 36: cluster meeting,
+#                                        # the fold's write positions; ~6 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
@@ -193,14 +186,6 @@ case "${1:-}" in
         step 400 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
-        ;;
-    skinny-b32-builds)  # issues 3 and 4: b32 / 2048 fp8 and values-only built with the CUDA decode-batch GEMM family
-        # offered (modes *-skinny set COOPT_GEMM_SKINNY_CUDA=1 for their build only) beside the fp8 build without it,
-        # reduce-overhead in the same run (~9 min; run after gemm-skinny-b32 shows the family faster)
-        step 560 decode python bench/decode.py --cases 32:2048:4096 \
-            --modes reduce-overhead,coopt-fp8,coopt-fp8-skinny,coopt-fp8-values-skinny --prefill 0 --agreement-steps 8 \
-            --out "$OUT/decode_skinny_b32.json" --build-dir /tmp/coopt-skinny
-        reports reports_skinny_b32 coopt-skinny
         ;;
     fp8-b32-8192)  # issue 4: the same at position 8192 (~7 min; session 23: 411 s)
         step 560 decode python bench/decode.py --cases 32:8192:8256 --modes reduce-overhead,coopt,coopt-fp8 \
@@ -373,20 +358,10 @@ case "${1:-}" in
         done
         ;;
     pending)  # everything written since session 33 that no GPU has run, GPU tests only, in one call: the CUDA
-        # attention's family (the cluster meeting, the fold at three write positions), the CUDA GEMV, the batch-32
-        # GEMM probe and its family; each file's failures with short tracebacks (~8 min)
+        # attention's family (the cluster meeting, the fold at three write positions) and the CUDA GEMV; each
+        # file's failures with short tracebacks (~6 min)
         step 270 pending-mma python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_decode_attention_mma.py
         step 90 pending-gemv python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_gemv_cuda.py
-        step 150 pending-skinny python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs \
-            tests/bench/test_cuda_gemm_skinny_probe.py tests/templates/test_gemm_skinny_cuda.py
-        ;;
-    timings36)  # issues 3 and 4, session 36's next call (~5 min; run on an H100 in session 37: no gain): the skinny
-        # GEMM's probe with clusters of 2 beside cuBLAS and the template, the attention's cluster meeting beside
-        # global memory (the GEMV's early slabs, also timed then, equal to issue()'s, were removed in session 37)
-        step 150 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
-        step 150 fold-times python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
-            --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
-            --json "$OUT/fold_times_cluster.json"
         ;;
     mma-cluster)  # issue 3: the CUDA attention's splits meeting in a thread-block cluster (MEET=cluster): every GPU
         # test of the family (the cluster form among them), then the kernel at 16 splits meeting in global
@@ -395,24 +370,6 @@ case "${1:-}" in
         step 150 fold-times python bench/fold_kernel_times.py --cases b1-2048,b1-2048-fp8,b1-32768-fp8 \
             --splits "" --mma 16:16:ca:8:2,8:16:ca:8:2,8:16:ca:8:2:cluster,4:16:ca:8:2:cluster \
             --json "$OUT/fold_times_cluster.json"
-        ;;
-    gemm-skinny)  # issues 3 and 4: the b32 rows' lever (NOTES-decode.md, session 34): a CUDA GEMM for M = 32
-        # whose cluster splits K and meets through distributed shared memory (bench/cuda_gemm_skinny_probe.py;
-        # correct on an H100, slower there, session 36): its GPU tests (first failure with its traceback), then every shape at the default
-        # points beside cuBLAS and the template's first two advised points (~2 min on an H100, session 36)
-        step 120 gemm-skinny-tests python -m pytest -q -x -p no:cacheprovider --tb=long tests/bench/test_cuda_gemm_skinny_probe.py
-        step 330 gemm-skinny python bench/cuda_gemm_skinny_probe.py --json "$OUT/gemm_skinny.json"
-        ;;
-    gemm-skinny-b32)  # issues 3 and 4: the family gemm_skinny_cuda (the probe's kernel with a b32 build's epilogues,
-        # behind COOPT_GEMM_SKINNY_CUDA=1): its GPU tests, then a b32 layer's regions as the default pipeline builds
-        # them, its heuristic's first 3 kernels and 3 sampled beside the template's first 3, then the probe's
-        # o and down launched with PDL back to back (~9 min)
-        step 150 skinny-tests env COOPT_GEMM_SKINNY_CUDA=1 python -m pytest -q -x -p no:cacheprovider --tb=long \
-            tests/templates/test_gemm_skinny_cuda.py
-        step 300 gemm-b32cuda python bench/gemm.py --shapes b32cuda --family both --variants gemv --advised 3 \
-            --sample 3 --json "$OUT/gemm_b32cuda.json"
-        step 90 gemm-skinny-pdl python bench/cuda_gemm_skinny_probe.py --shapes o,down --advised 0 --pdl \
-            --points 8:8:3:64,16:8:3:64,16:8:4:64:1 --json "$OUT/gemm_skinny_pdl.json"
         ;;
     mma-values)  # issue 4: the CUDA attention over values-only caches (K bf16, V e4m3): its GPU tests, then
         # values-only b1 / 32768 and b32 / 2048 built with it beside reduce-overhead (~9.5 min)

@@ -586,37 +586,6 @@ def gemv_cuda(request: AdviceRequest) -> tuple[CostFn, str]:
                   + ("each warp starting at its own slab" if short_rows else "rows read in order (long rows)"))
 
 
-def gemm_skinny_cuda(request: AdviceRequest) -> tuple[CostFn, str]:
-    """The CUDA decode-batch GEMM (templates/gemm_skinny_cuda.py), before any GPU has timed it: a
-    prior from its layout, not a measurement. One wave of clusters should put every row group in
-    a round of its cluster with few warps idle (rounds balanced); each SM should hold ~64 KB of
-    weight copies in flight (the b1 GEMV streams at 4.5 TB/s with 48-96 KB); the x slice a block
-    stages (2 M K / CLUSTER bytes) should leave room for that, so long rows take larger clusters."""
-    a, b = _shape(request, 0), _shape(request, 1)
-    glu = bool(request.region.attrs.get("glu"))
-    m = math.prod(a[:-1]) if a else 32
-    n, k = (b[0] // 2 if glu else b[0], b[1]) if b else (4096, 4096)
-    sms = int(request.target.get("num_sms") or 132)
-    groups = max(1, n // (16 if glu else 32))
-    x_bytes = 2 * 16 * math.ceil(m / 16) * k
-
-    def cost(point: dict) -> float:
-        cluster, warps = knob(point, ("CLUSTER",)) or 8, knob(point, WARPS) or 8
-        stages, kw = knob(point, STAGES) or 4, knob(point, ("KW",)) or 64
-        clusters = max(1, min(groups, sms // cluster))
-        rounds = math.ceil(groups / clusters / warps)
-        busy = groups / (clusters * warps * rounds)  # share of warp-rounds with a group
-        c = 2.0 * (1.0 - busy)
-        in_flight = warps * (stages - 1) * 32 * kw * 2
-        c += abs(math.log2(in_flight / 65536))
-        c += 0.5 * max(0.0, math.log2(x_bytes / cluster / 65536))  # a slice past 64 KB crowds the rings
-        c += 0.2 * (2 - (knob(point, ("PARTS",)) or 2)) + 0.1 * (kw == 128)
-        return c
-
-    return cost, (f"CUDA decode-batch GEMM (M={m}, {groups} row groups): clusters whose rounds keep the warps busy, "
-                  "~64 KB of weight copies in flight an SM (unmeasured prior)")
-
-
 def row_reduction(request: AdviceRequest) -> tuple[CostFn, str]:
     x = _shape(request, 0)
     n = x[-1] if x else 1
@@ -712,7 +681,6 @@ RULES: dict[str, Callable[[AdviceRequest], tuple[CostFn, str]]] = {
     "decode_attention": decode_attention,
     "decode_attention_mma": decode_attention_mma,
     "gemv_cuda": gemv_cuda,
-    "gemm_skinny_cuda": gemm_skinny_cuda,
     "row_reduction": row_reduction,
     "elementwise": elementwise,
     "rope": rope,

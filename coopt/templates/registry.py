@@ -11,7 +11,6 @@ _BUILTIN = {
     "row_reduction": "coopt.templates.row_reduction:RowReductionFamily",
     "matmul_epilogue": "coopt.templates.matmul_epilogue:MatmulEpilogueFamily",
     "gemv_cuda": "coopt.templates.gemv_cuda:GemvCudaFamily",
-    "gemm_skinny_cuda": "coopt.templates.gemm_skinny_cuda:GemmSkinnyCudaFamily",
     "attention": "coopt.templates.attention:AttentionFamily",
     "decode_attention": "coopt.templates.decode_attention:DecodeAttentionFamily",
     "decode_attention_mma": "coopt.templates.decode_attention_mma:DecodeAttentionMmaFamily",

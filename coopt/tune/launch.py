@@ -29,12 +29,9 @@ import torch
 # GEMVs (templates/gemv_cuda.py: one wave, weight slabs issued before the wait) are built for PDL
 # (session 30: a layer's three MLP GEMVs 2-3 µs faster with it), alone or with the Triton GEMVs;
 # only at one block an SM with an 8-warp gate|up, though (session 31: 15-50 µs slower otherwise),
-# so each such option is timed again with the GEMVs switched to their PDL-ready kernels (tune/pdl_ready.py). The CUDA
-# decode-batch GEMMs (templates/gemm_skinny_cuda.py: one wave of clusters, weight slabs before the
-# wait; slower than the Triton template on an H100, in builds only behind COOPT_GEMM_SKINNY_CUDA=1) likewise.
+# so each such option is timed again with the GEMVs switched to their PDL-ready kernels (tune/pdl_ready.py).
 PDL_OPTIONS: tuple[tuple[str, ...], ...] = (("gemv",), ("gemv", "decode_attention"), ("gemv_cuda",),
-                                            ("gemv_cuda", "gemv"), ("gemm_skinny_cuda",),
-                                            ("gemm_skinny_cuda", "gemv"))
+                                            ("gemv_cuda", "gemv"))
 MIN_GAIN = 0.005
 
 

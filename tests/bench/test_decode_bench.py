@@ -82,19 +82,3 @@ def test_floors_use_the_h200s_reference_there_and_the_measured_copy_elsewhere(gp
     against it would look 1.4x further from its floor than it is."""
     used, what = bandwidth.floor_bandwidth(gpu, 3.01e12)
     assert used == expected and "3.01" in what
-
-
-@pytest.mark.parametrize("before", [None, "0"])
-def test_a_skinny_mode_offers_the_cuda_gemm_family_for_its_build_only(monkeypatch, before):
-    from coopt.templates.gemm_skinny_cuda import FLAG
-
-    if before is None:
-        monkeypatch.delenv(FLAG, raising=False)
-    else:
-        monkeypatch.setenv(FLAG, before)
-    with decode.skinny_family(True):
-        assert decode.os.environ[FLAG] == "1"
-    assert decode.os.environ.get(FLAG) == before
-    with decode.skinny_family(False):  # the other modes build without it, whatever the caller set
-        assert FLAG not in decode.os.environ
-    assert decode.os.environ.get(FLAG) == before

@@ -60,10 +60,7 @@ def test_stats_reference_is_the_rms_norm_gemv_and_a_kernel_agrees(epilogue, monk
 def test_producer_regions_reference_and_a_kernel_agree(monkeypatch, tmp_path):
     """`--shapes b32cuda`'s residual GEMVs produce the next norm's inputs: the eager reference
     adds the residual (inputs a, W, residual, g), and the template's outputs (h, h * g, the chunk
-    sums of h^2) agree with it in the interpreter; the CUDA decode-batch family takes the region
-    behind its flag."""
-    from coopt.templates.gemm_skinny_cuda import FLAG, skinny_problem
-
+    sums of h^2) agree with it in the interpreter."""
     m, n, k = 32, 128, 256
     region = make_region(m, n, k, "producer")
     assert FAMILY.matches(region) and [s.shape for s in region.outputs] == [(m, n), (m, n), (n // STATS_CHUNK, m)]
@@ -82,5 +79,3 @@ def test_producer_regions_reference_and_a_kernel_agree(monkeypatch, tmp_path):
     assert (h.float() - expected).abs().max().item() <= 0.02 * expected.abs().max().item()
     torch.testing.assert_close(hg.float(), (h.float() * g.float()).to(torch.bfloat16).float(), rtol=8e-3, atol=0)
     torch.testing.assert_close(sq, h.float().square().view(m, -1, STATS_CHUNK).sum(-1).t(), rtol=1e-4, atol=0)
-    monkeypatch.setenv(FLAG, "1")
-    assert skinny_problem(region) is None
