@@ -292,6 +292,11 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
                   f"{out / 'verify' / 'repro'}): " + ", ".join(row[f"{mode}_build"]["failed_verification"]), flush=True)
         for warning in row[f"{mode}_build"]["warnings"]:  # fallbacks, the check's reference: the row's caveats
             print(f"  {mode}: warning: {warning}", flush=True)
+        for name, chosen in row[f"{mode}_build"]["selected"].items():  # which attention form won (split, meeting)
+            if "attention" in name and chosen["ms"] is not None:
+                reference = f" (reference {chosen['reference_ms'] * 1e3:.2f})" if chosen["reference_ms"] else ""
+                print(f"  {mode}: {name} {chosen['label']} {chosen['params']} {chosen['ms'] * 1e3:.2f} us{reference}",
+                      flush=True)
         launch = row[f"{mode}_build"]["launch"]
         if launch:  # the build's own PDL choice, from its replayed step (coopt/tune/launch.py)
             print(f"  {mode}: launched with PDL for {launch['pdl'] or 'nothing'} (build's replays, ms: "
