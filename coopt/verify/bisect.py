@@ -76,8 +76,6 @@ def snapshot_buffers(*modules, reserve: int = 0) -> Callable[[], None]:
 def _snapshot_home(buffers, reserve: int = 0) -> str | None:
     """"cpu" where the CUDA buffers' copies would take more than DEVICE_SNAPSHOT_SHARE of the free
     memory of their device less `reserve`, else None (each copy beside its buffer)."""
-    import torch
-
     from coopt.verify.end_to_end import device_free_bytes
 
     on_cuda = [b for b in buffers if b.device.type == "cuda"]
