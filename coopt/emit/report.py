@@ -221,8 +221,9 @@ def write_report(out: Path) -> None:
         lines.append("- no unknown ATen ops")
     unfused = build.get("unfused_ops") or {}
     if unfused:  # known ops no region took: each launches a PyTorch kernel between coopt's
-        lines += ["", f"Outside every region, {sum(unfused.values())} ops a call run through PyTorch, each its own launch "
-                  "(views not counted):", ""]
+        n = sum(unfused.values())
+        ops = f"{n} ops a call run" if n != 1 else "1 op a call runs"
+        lines += ["", f"Outside every region, {ops} through PyTorch, each its own launch (views not counted):", ""]
         lines += [f"- `{name}` ×{n}" for name, n in unfused.items()]
     kept = {name: r for name, r in regions.items() if r["selected"] == REFERENCE}
     if kept:

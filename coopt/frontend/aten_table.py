@@ -32,6 +32,8 @@ ELEMENTWISE = {
     "aten.rsqrt.default": "rsqrt",
     "aten.abs.default": "abs",
     "aten.reciprocal.default": "reciprocal",
+    "aten.sin.default": "sin",
+    "aten.cos.default": "cos",
 }
 
 MATMUL = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.matmul.default", "aten.bmm.default"}

@@ -35,6 +35,8 @@ _TRITON = {
     "abs": "tl.abs({0})",
     "square": "{0} * {0}",
     "reciprocal": "1.0 / {0}",
+    "sin": "tl.sin({0})",
+    "cos": "tl.cos({0})",
 }
 
 # fn -> torch expression (module `torch` in scope), used by the eager reference
@@ -60,6 +62,8 @@ _TORCH = {
     "abs": "torch.abs({0})",
     "square": "{0} * {0}",
     "reciprocal": "torch.reciprocal({0})",
+    "sin": "torch.sin({0})",
+    "cos": "torch.cos({0})",
 }
 
 # fn -> CUDA C++ expression over float operands (the CUDA templates' epilogues: templates/cuda/),
@@ -86,6 +90,10 @@ _CUDA = {
     "abs": "fabsf({0})",
     "square": "{0} * {0}",
     "reciprocal": "1.0f / {0}",
+    # the full-range forms: rotary tables take sin / cos of positions times frequencies, far
+    # outside the [-pi, pi] where __sinf / __cosf are accurate
+    "sin": "sinf({0})",
+    "cos": "cosf({0})",
 }
 
 assert set(_TRITON) == set(ELEMENTWISE_FNS) == set(_TORCH) == set(_CUDA)

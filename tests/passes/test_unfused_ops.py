@@ -36,3 +36,23 @@ def test_views_are_not_counted_and_fused_ops_leave_the_list():
     after = unfused_ops(fused)
     # the linear is a region now; the write an in-place update of one row (still PyTorch's)
     assert after == {"aten.embedding.default": 1, "aten.index_put_.default": 1}, after
+
+
+class OnTheFlyRotary(torch.nn.Module):
+    """Rotary angles computed in the forward (positions x frequencies), then their cos and sin."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freq", torch.linspace(0.01, 1.0, 8))
+
+    def forward(self, x, pos):
+        angles = pos[:, None] * self.freq[None, :]
+        return x * angles.cos() + x * angles.sin()
+
+
+def test_sin_and_cos_fuse_with_the_arithmetic_around_them():
+    inputs = [torch.randn(4, 8), torch.tensor([0.0, 1.0, 700.0, 32767.0])]
+    imported, _ = run_pipeline(OnTheFlyRotary(), inputs, "")
+    assert unfused_ops(imported)["aten.cos.default"] == 1
+    fused, _ = run_pipeline(OnTheFlyRotary(), inputs, "raise-patterns,fuse-elementwise")
+    assert unfused_ops(fused) == {}, unfused_ops(fused)
