@@ -34,6 +34,9 @@ ELEMENTWISE = {
     "aten.reciprocal.default": "reciprocal",
     "aten.sin.default": "sin",
     "aten.cos.default": "cos",
+    "aten.erf.default": "erf",
+    "aten.clamp_min.default": "maximum",  # (a number bound; clamp and hardtanh: raise-patterns)
+    "aten.clamp_max.default": "minimum",
 }
 
 MATMUL = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.matmul.default", "aten.bmm.default"}
@@ -67,6 +70,6 @@ REDUCTIONS = {
 KNOWN = set(ELEMENTWISE) | MATMUL | NORMS | ATTENTION | VIEWS_AND_DATA | REDUCTIONS | {
     "aten.eq.Scalar", "aten.eq.Tensor", "aten.lt.Scalar", "aten.gt.Scalar", "aten.ge.Scalar",
     "aten.le.Scalar", "aten.lt.Tensor", "aten.gt.Tensor", "aten.ge.Tensor", "aten.le.Tensor",
-    "aten.ne.Scalar", "aten.ne.Tensor", "aten.logical_and.default", "aten.logical_or.default", "aten.logical_not.default", "aten.cos.default", "aten.sin.default",
-    "aten.clamp.default", "aten.erf.default", "aten.sym_size.int",
+    "aten.ne.Scalar", "aten.ne.Tensor", "aten.logical_and.default", "aten.logical_or.default", "aten.logical_not.default",
+    "aten.clamp.default", "aten.hardtanh.default", "aten.relu6.default", "aten.sym_size.int",
 }

@@ -16,18 +16,24 @@ from coopt.passes.shapes import broadcasts_to, dims
 from coopt.passes.stats import count
 
 
+def _neighbours(op: ElementwiseOp):
+    """The elementwise ops next to `op`: its users, then the producers of its operands (so that
+    the branches of a tree, x.clamp(...) + y.erf(), meet in one kernel)."""
+    yield from (use.operation for use in list(op.results[0].uses))
+    yield from (v.owner for v in op.operands)
+
+
 def _grow(start: ElementwiseOp, max_ops: int) -> list[ElementwiseOp]:
-    """Greedy: add elementwise users of the group's results while the group stays outlinable."""
+    """Greedy: add elementwise neighbours of the group while the group stays outlinable."""
     group = [start]
     grown = True
     while grown and len(group) < max_ops:
         grown = False
         for member in list(group):
-            for use in list(member.results[0].uses):
-                user = use.operation
-                if isinstance(user, ElementwiseOp) and user not in group and user.parent_op() is start.parent_op():
-                    if can_outline(group + [user]) and _shape_ok(group + [user]):
-                        group.append(user)
+            for other in _neighbours(member):
+                if isinstance(other, ElementwiseOp) and other not in group and other.parent_op() is start.parent_op():
+                    if can_outline(group + [other]) and _shape_ok(group + [other]):
+                        group.append(other)
                         grown = True
                         break
             if grown or len(group) >= max_ops:

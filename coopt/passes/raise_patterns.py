@@ -114,6 +114,33 @@ class RaiseElementwise(RewritePattern):
         count(f"raise.ew.{fn}")
 
 
+class RaiseClamp(RewritePattern):
+    """clamp(x, lo, hi) / hardtanh(x, lo, hi) / relu6(x) with number bounds → maximum(x, lo) then
+    minimum(·, hi), either left out where its bound is None (clamp_min / clamp_max are in the
+    elementwise table as they are)."""
+
+    _BOUNDS = {"aten.clamp.default": ("min", "max", None, None),
+               "aten.hardtanh.default": ("min_val", "max_val", -1.0, 1.0),
+               "aten.relu6.default": (None, None, 0.0, 6.0)}
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
+        names = self._BOUNDS.get(op.target.data)
+        x = tensor_arg(op, 0)
+        if names is None or x is None or len(op.inputs) != 1 or not is_float_tensor(op.results[0]):
+            return
+        lo, hi = literal_arg(op, 1, names[0], names[2]), literal_arg(op, 2, names[1], names[3])
+        bounds = [(fn, b) for fn, b in (("maximum", lo), ("minimum", hi)) if b is not None]
+        if not bounds or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for _, b in bounds):
+            return
+        ops, value = [], x
+        for fn, bound in bounds:
+            ops.append(ElementwiseOp(fn, [0, {"$f": float(bound)}], [value], op.results[0].type))
+            value = ops[-1].result
+        rewriter.replace_matched_op(ops, [value])
+        count("raise.ew.clamp")
+
+
 class RaiseNorms(RewritePattern):
     """layer_norm / rms_norm over the last dim and softmax over the last dim."""
 
@@ -304,7 +331,7 @@ class RaisePatterns(CooptPass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         PatternRewriteWalker(
-            GreedyRewritePatternApplier([RaiseLinear(), RaiseElementwise(), RaiseNorms(), RaiseSDPA()]),
+            GreedyRewritePatternApplier([RaiseLinear(), RaiseElementwise(), RaiseClamp(), RaiseNorms(), RaiseSDPA()]),
             apply_recursively=False,
         ).rewrite_module(op)
         from coopt.passes.raise_decode_attention import RaiseDecodeSDPA

@@ -37,6 +37,7 @@ _TRITON = {
     "reciprocal": "1.0 / {0}",
     "sin": "tl.sin({0})",
     "cos": "tl.cos({0})",
+    "erf": "tl.erf({0})",
 }
 
 # fn -> torch expression (module `torch` in scope), used by the eager reference
@@ -45,8 +46,9 @@ _TORCH = {
     "sub": "{0} - {1}",
     "mul": "{0} * {1}",
     "div": "{0} / {1}",
-    "maximum": "torch.maximum({0}, {1})",
-    "minimum": "torch.minimum({0}, {1})",
+    # (a number operand, clamp's bound, as a 0-dim tensor: torch.maximum takes tensors only)
+    "maximum": "torch.maximum(torch.as_tensor({0}), torch.as_tensor({1}))",
+    "minimum": "torch.minimum(torch.as_tensor({0}), torch.as_tensor({1}))",
     "pow": "torch.pow({0}, {1})",
     "neg": "-{0}",
     "relu": "torch.relu({0})",
@@ -64,6 +66,7 @@ _TORCH = {
     "reciprocal": "torch.reciprocal({0})",
     "sin": "torch.sin({0})",
     "cos": "torch.cos({0})",
+    "erf": "torch.erf({0})",
 }
 
 # fn -> CUDA C++ expression over float operands (the CUDA templates' epilogues: templates/cuda/),
@@ -94,6 +97,7 @@ _CUDA = {
     # outside the [-pi, pi] where __sinf / __cosf are accurate
     "sin": "sinf({0})",
     "cos": "cosf({0})",
+    "erf": "erff({0})",
 }
 
 assert set(_TRITON) == set(ELEMENTWISE_FNS) == set(_TORCH) == set(_CUDA)

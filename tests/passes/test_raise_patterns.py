@@ -103,3 +103,18 @@ def test_swiglu_is_recognised():
     wg, wu = torch.randn(32, 16), torch.randn(32, 16)
     model = Lambda(lambda m, x: F.silu(F.linear(x, m.wg)) * F.linear(x, m.wu), wg=wg, wu=wu)
     assert raised(model, x4)["raise.swiglu"] == 1
+
+
+def test_clamp_forms_become_maximum_and_minimum():
+    def fns(model):
+        module, counters = run_pipeline(model, (x4,), "raise-patterns")
+        return [op.fn.data for op in module.walk() if op.name == "coopt.ew"], counters["raise.ew.clamp"]
+
+    assert fns(Lambda(lambda m, x: torch.clamp(x, -1, 2))) == (["maximum", "minimum"], 1)
+    assert fns(Lambda(lambda m, x: x.clamp(max=0.5))) == (["minimum"], 1)
+    assert fns(Lambda(lambda m, x: F.relu6(x))) == (["maximum", "minimum"], 1)
+    assert fns(Lambda(lambda m, x: F.hardtanh(x))) == (["maximum", "minimum"], 1)
+    assert fns(Lambda(lambda m, x: torch.clamp_min(x, 0.1)))[0] == ["maximum"]
+    # a tensor bound is not a number: left as it was
+    bound = torch.zeros(16)
+    assert fns(Lambda(lambda m, x: torch.clamp(x, m.lo), lo=bound)) == ([], 0)

@@ -1,0 +1,26 @@
+"""The elementwise fns beyond the arithmetic (clamp's forms, erf, cos) build into one generated
+kernel that matches the model, with nothing left to PyTorch between kernels: a tree of eight
+elementwise ops, its branches meeting (fuse-elementwise grows through producers too)."""
+
+import torch
+import torch.nn.functional as F
+
+import coopt
+
+
+class Activations(torch.nn.Module):
+    def forward(self, x, angles):
+        return (x.clamp(max=0.2) + F.relu6(x)) * torch.erf(x) + angles.cos()
+
+
+def test_clamp_erf_and_cos_build_into_one_kernel(tmp_path):
+    model = Activations()
+    inputs = (torch.randn(4, 16) * 4, torch.randn(4, 16) * 1000)  # angles as large as a rotary table's
+    result = coopt.Pipeline(top_k=1).build(model, inputs, tmp_path / "out")
+    assert [r.summary.family for r in result.regions] == ["elementwise"]
+    assert result.regions[0].selected != "reference"
+    built = coopt.load(tmp_path / "out")
+    x, angles = torch.randn(4, 16) * 4, torch.randn(4, 16) * 1000
+    with torch.no_grad():
+        torch.testing.assert_close(built(x, angles), model(x, angles), rtol=1e-4, atol=1e-4)
+    assert "Outside every region" not in (tmp_path / "out" / "report.md").read_text()
