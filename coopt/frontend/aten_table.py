@@ -35,6 +35,10 @@ ELEMENTWISE = {
     "aten.sin.default": "sin",
     "aten.cos.default": "cos",
     "aten.erf.default": "erf",
+    "aten.hardsigmoid.default": "hardsigmoid",
+    "aten.hardswish.default": "hardswish",
+    "aten.rsub.Scalar": "sub",  # other - x: raise-patterns swaps the operands
+    "aten.rsub.Tensor": "sub",
     "aten.clamp_min.default": "maximum",  # (a number bound; clamp and hardtanh: raise-patterns)
     "aten.clamp_max.default": "minimum",
 }

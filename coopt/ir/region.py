@@ -115,7 +115,7 @@ ELEMENTWISE_FNS = {
     "add": 2, "sub": 2, "mul": 2, "div": 2, "maximum": 2, "minimum": 2, "pow": 2,
     "neg": 1, "relu": 1, "silu": 1, "sigmoid": 1, "gelu": 1, "gelu_tanh": 1, "tanh": 1,
     "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "abs": 1, "square": 1, "reciprocal": 1,
-    "sin": 1, "cos": 1, "erf": 1,
+    "sin": 1, "cos": 1, "erf": 1, "hardsigmoid": 1, "hardswish": 1,
 }
 
 FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention", "decode_attention", "rope", "kv_write")

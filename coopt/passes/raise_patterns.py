@@ -20,6 +20,7 @@ from xdsl.pattern_rewriter import (
 )
 
 from coopt.frontend.aten_table import ELEMENTWISE
+from coopt.ir.region import ELEMENTWISE_FNS
 from coopt.ir.dialect import (
     AtenOp,
     AttentionOp,
@@ -110,6 +111,10 @@ class RaiseElementwise(RewritePattern):
                 return
         if fn == "pow" and refs[1] == {"$f": 2.0}:
             fn, refs = "square", refs[:1]
+        if len(refs) != ELEMENTWISE_FNS[fn]:
+            return  # a positional alpha, or an overload this table does not spell out
+        if op.target.data.startswith("aten.rsub."):
+            refs = [refs[1], refs[0]]  # rsub(x, other) = other - x
         rewriter.replace_matched_op(ElementwiseOp(fn, refs, list(op.inputs), op.results[0].type))
         count(f"raise.ew.{fn}")
 

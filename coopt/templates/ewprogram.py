@@ -38,6 +38,8 @@ _TRITON = {
     "sin": "tl.sin({0})",
     "cos": "tl.cos({0})",
     "erf": "tl.erf({0})",
+    "hardsigmoid": "tl.minimum(tl.maximum({0} + 3.0, 0.0), 6.0) / 6.0",
+    "hardswish": "{0} * tl.minimum(tl.maximum({0} + 3.0, 0.0), 6.0) / 6.0",
 }
 
 # fn -> torch expression (module `torch` in scope), used by the eager reference
@@ -67,6 +69,8 @@ _TORCH = {
     "sin": "torch.sin({0})",
     "cos": "torch.cos({0})",
     "erf": "torch.erf({0})",
+    "hardsigmoid": "torch.nn.functional.hardsigmoid({0})",
+    "hardswish": "torch.nn.functional.hardswish({0})",
 }
 
 # fn -> CUDA C++ expression over float operands (the CUDA templates' epilogues: templates/cuda/),
@@ -98,6 +102,8 @@ _CUDA = {
     "sin": "sinf({0})",
     "cos": "cosf({0})",
     "erf": "erff({0})",
+    "hardsigmoid": "fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f",
+    "hardswish": "{0} * fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f",
 }
 
 assert set(_TRITON) == set(ELEMENTWISE_FNS) == set(_TORCH) == set(_CUDA)

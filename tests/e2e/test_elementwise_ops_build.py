@@ -1,7 +1,8 @@
 """The elementwise fns beyond the arithmetic (clamp's forms, erf, cos) build into one generated
-kernel that matches the model, with nothing left to PyTorch between kernels: a tree of eight
+kernel that matches the model (so do rsub, hardswish, hardsigmoid), with nothing left to PyTorch between kernels: a tree of eight
 elementwise ops, its branches meeting (fuse-elementwise grows through producers too)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -13,8 +14,13 @@ class Activations(torch.nn.Module):
         return (x.clamp(max=0.2) + F.relu6(x)) * torch.erf(x) + angles.cos()
 
 
-def test_clamp_erf_and_cos_build_into_one_kernel(tmp_path):
-    model = Activations()
+class HardActivations(torch.nn.Module):
+    def forward(self, x, y):
+        return F.hardswish(1 - x) + F.hardsigmoid(y) * (2 - y)
+
+
+@pytest.mark.parametrize("model", [Activations(), HardActivations()], ids=["clamp-erf-cos", "rsub-hard"])
+def test_the_fns_build_into_one_kernel(tmp_path, model):
     inputs = (torch.randn(4, 16) * 4, torch.randn(4, 16) * 1000)  # angles as large as a rotary table's
     result = coopt.Pipeline(top_k=1).build(model, inputs, tmp_path / "out")
     assert [r.summary.family for r in result.regions] == ["elementwise"]

@@ -118,3 +118,10 @@ def test_clamp_forms_become_maximum_and_minimum():
     # a tensor bound is not a number: left as it was
     bound = torch.zeros(16)
     assert fns(Lambda(lambda m, x: torch.clamp(x, m.lo), lo=bound)) == ([], 0)
+
+
+def test_rsub_swaps_its_operands_and_hard_activations_are_fns():
+    module, counters = run_pipeline(Lambda(lambda m, x: F.hardswish(1 - x) + F.hardsigmoid(x)), (x4,), "raise-patterns")
+    ews = [(op.fn.data, op.arg_refs) for op in module.walk() if op.name == "coopt.ew"]
+    assert ews[0] == ("sub", [{"$f": 1.0}, 0])
+    assert [fn for fn, _ in ews[1:]] == ["hardswish", "hardsigmoid", "add"]
