@@ -20,7 +20,6 @@ from xdsl.pattern_rewriter import (
 )
 
 from coopt.frontend.aten_table import ELEMENTWISE
-from coopt.ir.region import ELEMENTWISE_FNS
 from coopt.ir.dialect import (
     AtenOp,
     AttentionOp,
@@ -31,6 +30,7 @@ from coopt.ir.dialect import (
     SoftmaxOp,
     WeightOp,
 )
+from coopt.ir.region import ELEMENTWISE_FNS
 from coopt.passes.base import (
     CooptPass,
     aten_target,
@@ -119,18 +119,22 @@ class RaiseElementwise(RewritePattern):
         count(f"raise.ew.{fn}")
 
 
+# clamp-like op -> (keyword of the lower bound, of the upper bound, their defaults)
+_CLAMP_BOUNDS = {
+    "aten.clamp.default": ("min", "max", None, None),
+    "aten.hardtanh.default": ("min_val", "max_val", -1.0, 1.0),
+    "aten.relu6.default": (None, None, 0.0, 6.0),
+}
+
+
 class RaiseClamp(RewritePattern):
     """clamp(x, lo, hi) / hardtanh(x, lo, hi) / relu6(x) with number bounds → maximum(x, lo) then
     minimum(·, hi), either left out where its bound is None (clamp_min / clamp_max are in the
     elementwise table as they are)."""
 
-    _BOUNDS = {"aten.clamp.default": ("min", "max", None, None),
-               "aten.hardtanh.default": ("min_val", "max_val", -1.0, 1.0),
-               "aten.relu6.default": (None, None, 0.0, 6.0)}
-
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
-        names = self._BOUNDS.get(op.target.data)
+        names = _CLAMP_BOUNDS.get(op.target.data)
         x = tensor_arg(op, 0)
         if names is None or x is None or len(op.inputs) != 1 or not is_float_tensor(op.results[0]):
             return
