@@ -77,3 +77,9 @@ KNOWN = set(ELEMENTWISE) | MATMUL | NORMS | ATTENTION | VIEWS_AND_DATA | REDUCTI
     "aten.ne.Scalar", "aten.ne.Tensor", "aten.logical_and.default", "aten.logical_or.default", "aten.logical_not.default",
     "aten.clamp.default", "aten.hardtanh.default", "aten.relu6.default", "aten.sym_size.int",
 }
+
+# Checks torch.export writes into the graph that compute nothing: `.to(dtype)` of a tensor that
+# already has that dtype leaves an assertion of its metadata. The importer drops them (the built
+# program's own input checks guard what a caller passes; these are about intermediates whose
+# dtypes the capture fixed), so they neither run at every call nor read as unknown ops.
+EXPORT_METADATA_CHECKS = {"aten._assert_tensor_metadata.default"}

@@ -37,7 +37,7 @@ from xdsl.dialects.builtin import (
 from xdsl.ir import Attribute, Block, Region
 
 from coopt.errors import CaptureError
-from coopt.frontend.aten_table import KNOWN
+from coopt.frontend.aten_table import EXPORT_METADATA_CHECKS, KNOWN
 from coopt.ir.dialect import AtenOp, FallbackOp, StateWriteOp, WeightOp, json_prop
 
 _DTYPES = {
@@ -200,6 +200,8 @@ def import_program(program, example_inputs=()) -> ImportResult:
                 values[node] = values[source][index] if isinstance(values[source], list) else values[source]
                 continue
             name = target_name(node.target)
+            if name in EXPORT_METADATA_CHECKS:
+                continue
             encoder = _ArgEncoder(values)
             call = {"args": encoder(list(node.args)), "kwargs": {k: encoder(v) for k, v in node.kwargs.items()}}
             meta = node.meta.get("val")

@@ -82,3 +82,22 @@ def test_known_ops_stay_aten():
     result = imported(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()), torch.randn(2, 4))
     assert {op.target.data for op in ops(result, AtenOp)} == {"aten.linear.default", "aten.gelu.default"}
     assert not ops(result, FallbackOp)
+
+
+class SameDtypeCast(torch.nn.Module):
+    """`.to(dtype)` of a buffer slice already of that dtype: export asserts its metadata."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(16, 8))
+
+    def forward(self, x):
+        return x * self.table[: x.shape[0]].to(x.dtype)
+
+
+def test_export_metadata_checks_are_dropped_not_fallen_back():
+    result = imported(SameDtypeCast(), torch.randn(4, 8))
+    captured = capture(SameDtypeCast().eval(), (torch.randn(4, 8),))
+    assert "_assert_tensor_metadata" in str(captured.graph)  # what torch.export writes (the premise)
+    assert result.fallback_targets == {}
+    assert not any("_assert" in op.target.data for op in ops(result, AtenOp) + ops(result, FallbackOp))
