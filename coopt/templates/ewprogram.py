@@ -17,11 +17,12 @@ _TRITON = {
     "sub": "{0} - {1}",
     "mul": "{0} * {1}",
     "div": "{0} / {1}",
-    "maximum": "tl.maximum({0}, {1})",
-    "minimum": "tl.minimum({0}, {1})",
+    # NaN in, NaN out, as torch: Triton's maximum / minimum return the other operand by default
+    "maximum": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
     "pow": "tl.exp2(tl.log2({0}) * {1})",
     "neg": "-{0}",
-    "relu": "tl.maximum({0}, 0.0)",
+    "relu": "tl.maximum({0}, 0.0, propagate_nan=tl.PropagateNan.ALL)",
     "silu": "{0} / (1.0 + tl.exp(-{0}))",
     "sigmoid": "1.0 / (1.0 + tl.exp(-{0}))",
     "gelu": "0.5 * {0} * (1.0 + tl.erf({0} * 0.7071067811865476))",
@@ -38,7 +39,7 @@ _TRITON = {
     "sin": "tl.sin({0})",
     "cos": "tl.cos({0})",
     "erf": "tl.erf({0})",
-    "hardsigmoid": "tl.minimum(tl.maximum({0} + 3.0, 0.0), 6.0) / 6.0",
+    "hardsigmoid": "tl.minimum(tl.maximum({0} + 3.0, 0.0, propagate_nan=tl.PropagateNan.ALL), 6.0, propagate_nan=tl.PropagateNan.ALL) / 6.0",
     "hardswish": "{0} * tl.minimum(tl.maximum({0} + 3.0, 0.0), 6.0) / 6.0",
 }
 
@@ -80,11 +81,12 @@ _CUDA = {
     "sub": "{0} - {1}",
     "mul": "{0} * {1}",
     "div": "{0} / {1}",
-    "maximum": "fmaxf({0}, {1})",
-    "minimum": "fminf({0}, {1})",
+    # NaN in, NaN out, as torch (fmaxf / fminf return the other operand)
+    "maximum": "({0} != {0} || {1} != {1} ? {0} + {1} : fmaxf({0}, {1}))",
+    "minimum": "({0} != {0} || {1} != {1} ? {0} + {1} : fminf({0}, {1}))",
     "pow": "exp2f(log2f({0}) * {1})",
     "neg": "-{0}",
-    "relu": "fmaxf({0}, 0.0f)",
+    "relu": "({0} != {0} ? {0} : fmaxf({0}, 0.0f))",
     "silu": "{0} / (1.0f + __expf(-{0}))",
     "sigmoid": "1.0f / (1.0f + __expf(-{0}))",
     "gelu": "0.5f * {0} * (1.0f + erff({0} * 0.7071067811865476f))",
@@ -102,7 +104,7 @@ _CUDA = {
     "sin": "sinf({0})",
     "cos": "cosf({0})",
     "erf": "erff({0})",
-    "hardsigmoid": "fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f",
+    "hardsigmoid": "({0} != {0} ? {0} : fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f)",
     "hardswish": "{0} * fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f",
 }
 

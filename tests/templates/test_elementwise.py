@@ -266,3 +266,17 @@ def test_offsets_past_2_31_switch_the_kernel_to_int64_indices(load_candidate, as
     (wide,) = module.run(*on_test_device([a, b, c]))
     assert_close(wide, (a + b) * c)
     assert torch.equal(wide, narrow)
+
+
+@pytest.mark.parametrize("fn", ["maximum", "minimum", "relu", "hardsigmoid", "hardswish", "clamp"])
+def test_nan_in_nan_out_as_torch(load_candidate, fn):
+    # Triton's maximum / minimum return the non-NaN operand unless told otherwise; torch does not
+    program = ([["t0", "maximum", ["in0", -0.5]], ["y", "minimum", ["t0", 0.5]]] if fn == "clamp"
+               else [["y", fn, ["in0", "in1"][: ELEMENTWISE_FNS[fn]]]])
+    summary = region([(2, 4), (2, 4)], program, ["y"])
+    a = torch.tensor([[float("nan"), -1.0, 0.25, 9.0], [2.0, float("nan"), -7.0, 0.0]])
+    b = torch.tensor([[1.0, float("nan"), 0.0, -1.0], [float("nan"), 3.0, 1.0, 0.0]])
+    (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, [a, b])
+    expected = torch_reference(summary, [a, b])[0]
+    assert torch.equal(y.isnan(), expected.isnan()) and expected.isnan().any()
+    torch.testing.assert_close(y, expected, equal_nan=True)
