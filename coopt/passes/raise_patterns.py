@@ -136,7 +136,8 @@ class RaiseClamp(RewritePattern):
     def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
         names = _CLAMP_BOUNDS.get(op.target.data)
         x = tensor_arg(op, 0)
-        if names is None or x is None or len(op.inputs) != 1 or not is_float_tensor(op.results[0]):
+        if names is None or x is None or len(op.inputs) != 1 or not is_float_tensor(x) \
+                or not is_float_tensor(op.results[0]):
             return
         lo, hi = literal_arg(op, 1, names[0], names[2]), literal_arg(op, 2, names[1], names[3])
         bounds = [(fn, b) for fn, b in (("maximum", lo), ("minimum", hi)) if b is not None]

@@ -49,9 +49,8 @@ _TORCH = {
     "sub": "{0} - {1}",
     "mul": "{0} * {1}",
     "div": "{0} / {1}",
-    # (a number operand, clamp's bound, as a 0-dim tensor: torch.maximum takes tensors only)
-    "maximum": "torch.maximum(torch.as_tensor({0}), torch.as_tensor({1}))",
-    "minimum": "torch.minimum(torch.as_tensor({0}), torch.as_tensor({1}))",
+    "maximum": "torch.maximum({0}, {1})",  # (with a number operand: _TORCH_WITH_NUMBER)
+    "minimum": "torch.minimum({0}, {1})",
     "pow": "torch.pow({0}, {1})",
     "neg": "-{0}",
     "relu": "torch.relu({0})",
@@ -73,6 +72,10 @@ _TORCH = {
     "hardsigmoid": "torch.nn.functional.hardsigmoid({0})",
     "hardswish": "torch.nn.functional.hardswish({0})",
 }
+
+# torch.maximum / minimum take tensors only; with a number (clamp's bound) the tensor's own dtype
+# and NaN propagation come from clamp_min / clamp_max: fn -> expression over (tensor, number)
+_TORCH_WITH_NUMBER = {"maximum": "torch.clamp_min({0}, {1})", "minimum": "torch.clamp_max({0}, {1})"}
 
 # fn -> CUDA C++ expression over float operands (the CUDA templates' epilogues: templates/cuda/),
 # the fast intrinsics where Triton's lowering uses the same approximations (exp, log)
@@ -133,7 +136,11 @@ def render_program(program: list, names: dict[str, str], dialect: str = "triton"
     for result, fn, args in program:
         if fn not in table:
             raise ValueError(f"unknown elementwise fn '{fn}'")
-        expr = table[fn].format(*(_operand(a, names, dialect) for a in args))
+        template = table[fn]
+        if dialect == "torch" and fn in _TORCH_WITH_NUMBER and any(isinstance(a, (int, float)) for a in args):
+            template = _TORCH_WITH_NUMBER[fn]  # (both fns commute: the tensor operand goes first)
+            args = sorted(args, key=lambda a: isinstance(a, (int, float)))
+        expr = template.format(*(_operand(a, names, dialect) for a in args))
         local = f"v_{result}"
         lines.append(f"const float {local} = {expr};" if dialect == "cuda" else f"{local} = {expr}")
         names[result] = local

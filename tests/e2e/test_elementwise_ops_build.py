@@ -30,3 +30,23 @@ def test_the_fns_build_into_one_kernel(tmp_path, model):
     with torch.no_grad():
         torch.testing.assert_close(built(x, angles), model(x, angles), rtol=1e-4, atol=1e-4)
     assert "Outside every region" not in (tmp_path / "out" / "report.md").read_text()
+
+
+class ReadBetween(torch.nn.Module):
+    """sin's result is read by a sum that sits between it and the next elementwise op: the two
+    cannot share a kernel (the sum needs sin's output first), the rest can."""
+
+    def forward(self, x):
+        a = x.sin()
+        s = a.sum(-1, keepdim=True)
+        return (a * 2 + s).cos()
+
+
+def test_an_op_reading_between_keeps_the_groups_apart(tmp_path):
+    model, x = ReadBetween(), torch.randn(4, 16)
+    result = coopt.Pipeline(top_k=1).build(model, (x,), tmp_path / "out")
+    programs = [[fn for _, fn, _ in r.summary.attrs["program"]] for r in result.regions if r.summary.family == "elementwise"]
+    assert sorted(programs) == [["mul", "add", "cos"], ["sin"]]
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(coopt.load(tmp_path / "out")(x), model(x), rtol=1e-4, atol=1e-4)

@@ -125,3 +125,14 @@ def test_rsub_swaps_its_operands_and_hard_activations_are_fns():
     ews = [(op.fn.data, op.arg_refs) for op in module.walk() if op.name == "coopt.ew"]
     assert ews[0] == ("sub", [{"$f": 1.0}, 0])
     assert [fn for fn, _ in ews[1:]] == ["hardswish", "hardsigmoid", "add"]
+
+
+def test_what_the_clamp_and_rsub_raising_leaves_alone():
+    def ew_fns(model, x):
+        module, _ = run_pipeline(model, (x,), "raise-patterns")
+        return [op.fn.data for op in module.walk() if op.name == "coopt.ew"]
+
+    ints = torch.arange(12).reshape(3, 4)
+    assert ew_fns(Lambda(lambda m, x: torch.clamp(x, 1, 5)), ints) == []  # integer tensors stay ATen
+    assert ew_fns(Lambda(lambda m, x: torch.rsub(x, 1.0, alpha=2.0)), x4) == []  # other - alpha * x
+    assert ew_fns(Lambda(lambda m, x: torch.clamp(x, 2.0, -1.0)), x4) == ["maximum", "minimum"]  # -> -1, as torch

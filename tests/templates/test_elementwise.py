@@ -280,3 +280,16 @@ def test_nan_in_nan_out_as_torch(load_candidate, fn):
     expected = torch_reference(summary, [a, b])[0]
     assert torch.equal(y.isnan(), expected.isnan()) and expected.isnan().any()
     torch.testing.assert_close(y, expected, equal_nan=True)
+
+
+def test_torch_form_of_a_number_bound_keeps_the_tensor_dtype():
+    # torch.maximum takes tensors only, and a 0-dim float32 bound would promote a 0-dim bf16 x
+    names = {"in0": "x"}
+    lines = render_program([["t0", "maximum", ["in0", 0.1]], ["y", "minimum", [0.2, "t0"]]], names, dialect="torch")
+    x = torch.tensor([0.5, float("nan")], dtype=torch.bfloat16)
+    for value in (x[0], x):  # 0-dim and 1-dim
+        scope = {"torch": torch, "x": value}
+        exec("\n".join(lines), scope)  # noqa: S102 - our own table's lines
+        y = scope[names["y"]]
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, torch.clamp(value, 0.1, 0.2), equal_nan=True, rtol=0, atol=0)
