@@ -158,7 +158,7 @@ class Pipeline:
         from coopt.frontend.model_file import load_model_file
 
         check_out_dir(Path(out_dir).resolve(), force)  # refuse before spending time on the model
-        loaded = load_model_file(model_file)
+        loaded = load_model_file(model_file, seed=self.seed)
         return self.build(
             loaded.model, loaded.example_inputs, out_dir,
             dynamic_shapes=loaded.dynamic_shapes, force=force, progress=progress, model_path=loaded.path,

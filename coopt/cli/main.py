@@ -91,7 +91,7 @@ def build(
     no_advisor_fallback: bool = typer.Option(False, "--no-advisor-fallback", help="fail (exit 7) instead of falling back to the heuristic"),
     top_k: int = typer.Option(3, "--top-k", help="template candidates per family and region"),
     profile: str = typer.Option("ci", "--verify-profile", help="fuzzing profile: ci (fast) or thorough"),
-    seed: int = typer.Option(0, "--seed", help="seed for fuzzing and end-to-end inputs"),
+    seed: int = typer.Option(0, "--seed", help="seed for the model file's hooks (random weights, example inputs), fuzzing and end-to-end inputs"),
     cuda_graphs: Optional[bool] = typer.Option(
         None, "--cuda-graphs/--no-cuda-graphs",
         help="time candidates replayed in CUDA graphs (default: yes for models that write a KV cache)"),

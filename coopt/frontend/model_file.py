@@ -72,9 +72,18 @@ def _call_hook(module: ModuleType, path: Path, hook: str, *args):
         raise ModelFileError(f"{_where(exc, path)}{hook}() failed: {type(exc).__name__}: {exc}") from exc
 
 
-def load_model_file(path: str | Path) -> LoadedModel:
-    """Import the file, construct `Model(*get_init_inputs())` in eval mode, get example inputs."""
-    path = Path(path).resolve()
+def load_model_file(path: str | Path, seed: int = 0) -> LoadedModel:
+    """Import the file, construct `Model(*get_init_inputs())` in eval mode, get example inputs.
+
+    The hooks run with torch's random generators seeded with `seed` (and the caller's generator
+    states restored after), as KernelBench seeds before building a model: a file whose weights
+    and example inputs are random builds the same artifact every time."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return _load_model_file(Path(path).resolve())
+
+
+def _load_model_file(path: Path) -> LoadedModel:
     module = import_model_file(path)
     if not isinstance(getattr(module, "Model", None), type):
         raise ModelFileError(f"{path.name} defines no class `Model` (KernelBench convention)")

@@ -74,3 +74,27 @@ def test_bad_files_give_one_clear_line(tmp_path, text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(ModelFileError, match="not found"):
         load_model_file(tmp_path / "nope.py")
+
+
+def test_random_weights_and_inputs_are_the_same_every_load(tmp_path):
+    import torch
+
+    path = write(tmp_path, GOOD)
+    torch.manual_seed(123)
+    caller_state = torch.random.get_rng_state()
+    first, second = load_model_file(path), load_model_file(path)
+    assert torch.equal(first.model.fc.weight, second.model.fc.weight)
+    assert torch.equal(first.example_inputs[0], second.example_inputs[0])
+    assert torch.equal(torch.random.get_rng_state(), caller_state)  # the caller's generator untouched
+    other = load_model_file(path, seed=1)
+    assert not torch.equal(first.model.fc.weight, other.model.fc.weight)
+
+
+def test_two_builds_of_a_random_model_file_write_the_same_artifact(tmp_path):
+    import coopt
+
+    path = write(tmp_path, GOOD)
+    for name in ("a", "b"):
+        coopt.Pipeline(top_k=1).build_file(path, tmp_path / name)
+    for name in ("weights.pt", "selection.json", "program.py"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
