@@ -38,6 +38,7 @@
 #   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
 #   bash bench/gpu_session.sh fp8-b32-quick  # b32 / 2048 coopt-fp8 beside reduce-overhead, nothing else (~4 min)
 #   bash bench/gpu_session.sh layers32-b32-quick  # 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min)
+#   bash bench/gpu_session.sh h200-missed  # on an H200: 32 layers at b1 / 2048, then b32 / 2048 fp8 (~9.5 min)
 #   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
@@ -359,9 +360,20 @@ case "${1:-}" in
         ;;
     pending)  # everything written since session 33 that no GPU has run, GPU tests only, in one call: the CUDA
         # attention's family (the cluster meeting, the fold at three write positions) and the CUDA GEMV; each
-        # file's failures with short tracebacks (~6 min)
+        # file's failures with short tracebacks (~6 min); then the elementwise family on the GPU (session 38's
+        # fns: erf, hardsigmoid, hardswish, the NaN forms; every test, not only those marked gpu)
         step 270 pending-mma python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_decode_attention_mma.py
         step 90 pending-gemv python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_gemv_cuda.py
+        step 60 pending-ew python -m pytest -q -p no:cacheprovider --tb=short -rs tests/templates/test_elementwise.py
+        ;;
+    h200-missed)  # issues 3 and 4, session 38: the two H200 rows still missed, in one call (~9.5 min; run it only on
+        # an H200): 32 layers at b1 / 2048 (does the build pick the cluster meeting), then b32 / 2048 fp8
+        step 330 decode python bench/decode.py --layers 32 --cases 1:2048:4096 \
+            --modes reduce-overhead,coopt --prefill 0 --agreement-steps 8 --out "$OUT/decode_32layers_b1.json" \
+            --build-dir /tmp/coopt-32-b1
+        step 250 decode-fp8 python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
+        reports reports_missed coopt-32-b1 coopt-fp8
         ;;
     mma-cluster)  # issue 3: the CUDA attention's splits meeting in a thread-block cluster (MEET=cluster): every GPU
         # test of the family (the cluster form among them), then the kernel at 16 splits meeting in global
