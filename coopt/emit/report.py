@@ -249,7 +249,12 @@ def write_report(out: Path) -> None:
             replayed = None if selection.get("launch_note") else _replayed_ms(build.get("launch"))
             line += f": {replayed:.4f} ms)" if replayed is not None else ")"
         lines.append(line)
-        if e2e["speedup"] < 1.0:
+        if e2e["speedup"] < 1.0 and build.get("cuda_graphs"):
+            lines.append("- launched from Python the built model was slower than eager: each of its kernels costs a "
+                         "Python launch (Triton's launcher), which is host time, not GPU time; `generate()` replays "
+                         "the step as a CUDA graph without it (the replayed time above; "
+                         "`coopt.runtime.cuda_graph.GraphedStep` for a loop of one's own)")
+        elif e2e["speedup"] < 1.0:
             lines.append("- the built model was slower than eager end to end: the kernels are the same where regions kept the reference; the difference is the program's own overhead (input checks, pytree) or run-to-run spread")
     if selection.get("launch_note"):  # `coopt tune` re-selected after the build measured its launch
         lines.append(f"- launch: {selection['launch_note']}")
