@@ -24,8 +24,10 @@ latency-bound (13 µs for 8.4 MB in session 5's profile) while the o-projection 
 streams 33.5 MB of weights at ~3 TB/s. The experiment replays 8 layers of (attention, o GEMV +
 residual) in one CUDA graph, the o GEMV on its own weights per layer, three ways: one after the
 other; with a second stream that prefetches the layer's o weights into L2 (prefetch.global.L2)
-while its attention runs; and the prefetch alone. The GEMV point and the attention point are the
-advisor's first.
+while its attention runs; and the prefetch alone; then (session 38) a quarter, half or all of
+each layer's o weights pulled into L2 by cp.async.bulk.prefetch.L2 (the TMA unit: one
+instruction per chunk of up to 1 MB) from a small kernel launched on the same stream just before
+the attention. The GEMV point and the attention point are the advisor's first.
 
 Latency (`--latency CASE`): at batch 1 the attention reads 8.4 MB in ~10 µs (a floor of 2), and
 no point of its space is faster (session 6). Which part is fixed cost and which is streaming?
@@ -261,9 +263,32 @@ def _prefetch_l2_kernel(ptr, numel, BLOCK: tl.constexpr, STRIDE: tl.constexpr):
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def _bulk_prefetch_l2_kernel(ptr, CHUNK_ELEMENTS: tl.constexpr, CHUNK_BYTES: tl.constexpr, LANES: tl.constexpr):
+    # one cp.async.bulk.prefetch.L2 (sm_90: the TMA unit fetches CHUNK_BYTES into L2, fire and
+    # forget) per lane: a few instructions for the whole weight, where prefetch.global.L2 took
+    # one per 64 bytes (session 6: the prefetch alone then "took" 4.8 µs a layer)
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    ptrs = ptr + lane.to(tl.int64) * CHUNK_ELEMENTS
+    size = tl.full([LANES], CHUNK_BYTES, tl.int32)
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tcp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r", [ptrs, size],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def bulk_prefetch_chunks(total_bytes: int, share: float, lanes: int = 32, chunk_max: int = 1 << 20) -> tuple[int, int]:
+    """(programs, chunk bytes) for a bulk prefetch of the first `share` of `total_bytes`: chunks
+    of at most `chunk_max` bytes, a multiple of 16 (the instruction's unit), `lanes` a program;
+    the last partial chunk is left out, so nothing past the tensor is touched."""
+    wanted = int(total_bytes * share)
+    programs = max(1, -(-wanted // (lanes * chunk_max)))
+    chunk = wanted // (programs * lanes) // 16 * 16
+    return programs, chunk
+
+
 def prefetch_experiment(work_dir: Path, rows: list, layers: int = 8) -> None:
     """8 layers of (attention, o GEMV + residual) in one graph, with and without an L2 prefetch
-    of each layer's o weights on a second stream during its attention."""
+    of each layer's o weights on a second stream during its attention; then (session 38) a bulk
+    prefetch of half or all of them launched on the same stream just before the attention."""
     import torch
     from triton.testing import do_bench_cudagraph
 
@@ -292,8 +317,15 @@ def prefetch_experiment(work_dir: Path, rows: list, layers: int = 8) -> None:
     o_inputs = [gemm_inputs(o_region, seed=i) for i in range(layers)]
     side = torch.cuda.Stream()
 
+    def bulk(weight, share: float):
+        programs, chunk = bulk_prefetch_chunks(weight.numel() * weight.element_size(), share)
+        _bulk_prefetch_l2_kernel[(programs,)](weight, CHUNK_ELEMENTS=chunk // weight.element_size(),
+                                              CHUNK_BYTES=chunk, LANES=32, num_warps=1)
+
     def step(mode: str):
         for a, o in zip(attn_inputs, o_inputs):
+            if mode.startswith("bulk"):  # "bulk 0.5": that share of the o weights, same stream
+                bulk(o[1], float(mode.split()[1]))
             if mode in ("prefetch", "prefetch only"):
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -306,12 +338,13 @@ def prefetch_experiment(work_dir: Path, rows: list, layers: int = 8) -> None:
             else:
                 torch.cuda.current_stream().wait_stream(side)
 
-    for mode in ("prefetch only", "sequential", "prefetch"):
+    modes = ("sequential", "prefetch", "prefetch only", "bulk 0.25", "bulk 0.5", "bulk 1.0", "sequential")
+    for mode in modes[:-1]:
         step(mode)  # compiled and warm before capture
     torch.cuda.synchronize()
     print(f"\nL2 prefetch of the o weights during the attention ({layers} layers, b1 length 2048; "
           f"attention {label(attn_params)}, o GEMV advised first):", flush=True)
-    for mode in ("sequential", "prefetch", "prefetch only", "sequential"):
+    for mode in modes:
         ms = do_bench_cudagraph(lambda: step(mode), rep=100, return_mode="median")
         print(f"  {mode:14s} {ms * 1e3:8.1f} us a step ({ms * 1e3 / layers:.1f} us a layer)", flush=True)
         rows.append({"experiment": "l2-prefetch", "mode": mode, "layers": layers, "us": ms * 1e3})

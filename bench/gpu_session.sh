@@ -39,6 +39,7 @@
 #   bash bench/gpu_session.sh fp8-b32-quick  # b32 / 2048 coopt-fp8 beside reduce-overhead, nothing else (~4 min)
 #   bash bench/gpu_session.sh layers32-b32-quick  # 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min)
 #   bash bench/gpu_session.sh h200-missed  # on an H200: 32 layers at b1 / 2048, then b32 / 2048 fp8 (~9.5 min)
+#   bash bench/gpu_session.sh prefetch-bulk  # the o weights bulk-prefetched into L2 during the b1 / 2048 attention (~2 min)
 #   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
@@ -365,6 +366,11 @@ case "${1:-}" in
         step 270 pending-mma python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_decode_attention_mma.py
         step 90 pending-gemv python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_gemv_cuda.py
         step 60 pending-ew python -m pytest -q -p no:cacheprovider --tb=short -rs tests/templates/test_elementwise.py
+        ;;
+    prefetch-bulk)  # issue 3, session 38: does pulling the o weights into L2 with the TMA's bulk prefetch during the
+        # b1 / 2048 attention (latency-bound: 7 µs for 8.4 MB) make the o GEMV after it faster than the prefetch's own
+        # launch costs? 8 layers of (attention, o GEMV) in one graph, a quarter / half / all of the weights (~2 min)
+        step 150 prefetch python bench/attention_sweep.py --prefetch-only --json "$OUT/prefetch_bulk.json"
         ;;
     h200-missed)  # issues 3 and 4, session 38: the two H200 rows still missed, in one call (~9.5 min; run it only on
         # an H200): 32 layers at b1 / 2048 (does the build pick the cluster meeting), then b32 / 2048 fp8

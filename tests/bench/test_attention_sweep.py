@@ -124,3 +124,35 @@ def test_v_words_is_ranked_behind_the_points_without_it(case):
     first_words = next(i for i, p in enumerate(ranked) if p.get("V_WORDS"))
     assert all(p["TILE_FP16"] for p in ranked[:first_words + 1])
     assert any(p.get("V_WORDS") for p in ranked)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 1.0])
+def test_bulk_prefetch_chunks_stay_inside_the_weight(share):
+    from attention_sweep import bulk_prefetch_chunks
+
+    total = 4096 * 4096 * 2  # the o projection's bf16 weight
+    programs, chunk = bulk_prefetch_chunks(total, share)
+    covered = programs * 32 * chunk
+    assert chunk % 16 == 0 and 0 < chunk <= 1 << 20
+    assert covered <= total * share and covered > total * share - programs * 32 * 16
+
+
+def test_the_bulk_prefetch_kernel_compiles_for_sm90(tmp_path):
+    import inspect
+    import sys
+    from pathlib import Path
+
+    import attention_sweep
+
+    pytest.importorskip("triton.backends.compiler")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the experiment compiles it for real")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "templates"))
+    from template_helpers import compile_for_hopper
+
+    kernel = inspect.getsource(attention_sweep._bulk_prefetch_l2_kernel.fn)
+    source = ("import torch\nimport triton\nimport triton.language as tl\n\n\n" + kernel
+              + "\n\ndef run(weight):\n    _bulk_prefetch_l2_kernel[(2,)](weight, CHUNK_ELEMENTS=4096, "
+              "CHUNK_BYTES=8192, LANES=32, num_warps=1)\n")
+    compiled = compile_for_hopper([("bulk", source, [torch.zeros(2 * 32 * 4096, dtype=torch.bfloat16)])], tmp_path)
+    assert {name: facts["launches"] for name, facts in compiled["bulk"].items()} == {"_bulk_prefetch_l2_kernel": 1}
