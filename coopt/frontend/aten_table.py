@@ -39,6 +39,11 @@ ELEMENTWISE = {
     "aten.hardswish.default": "hardswish",
     "aten.rsub.Scalar": "sub",  # other - x: raise-patterns swaps the operands
     "aten.rsub.Tensor": "sub",
+    # a bool condition (a mask made outside) choosing between float operands; comparisons stay
+    # ATen: in a kernel's fp32 they could flip where the model's own dtype rounds to a tie
+    "aten.where.self": "where",
+    "aten.where.ScalarOther": "where",
+    "aten.where.ScalarSelf": "where",
     "aten.clamp_min.default": "maximum",  # (a number bound; clamp and hardtanh: raise-patterns)
     "aten.clamp_max.default": "minimum",
 }

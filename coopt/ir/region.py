@@ -116,6 +116,7 @@ ELEMENTWISE_FNS = {
     "neg": 1, "relu": 1, "silu": 1, "sigmoid": 1, "gelu": 1, "gelu_tanh": 1, "tanh": 1,
     "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "abs": 1, "square": 1, "reciprocal": 1,
     "sin": 1, "cos": 1, "erf": 1, "hardsigmoid": 1, "hardswish": 1,
+    "where": 3,  # (condition, if true, if false); the condition a bool input, read as 0 / 1
 }
 
 FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention", "decode_attention", "rope", "kv_write")

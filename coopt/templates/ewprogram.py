@@ -41,6 +41,7 @@ _TRITON = {
     "erf": "tl.erf({0})",
     "hardsigmoid": "tl.minimum(tl.maximum({0} + 3.0, 0.0, propagate_nan=tl.PropagateNan.ALL), 6.0, propagate_nan=tl.PropagateNan.ALL) / 6.0",
     "hardswish": "{0} * tl.minimum(tl.maximum({0} + 3.0, 0.0), 6.0) / 6.0",
+    "where": "tl.where({0} != 0, {1}, {2})",
 }
 
 # fn -> torch expression (module `torch` in scope), used by the eager reference
@@ -71,6 +72,7 @@ _TORCH = {
     "erf": "torch.erf({0})",
     "hardsigmoid": "torch.nn.functional.hardsigmoid({0})",
     "hardswish": "torch.nn.functional.hardswish({0})",
+    "where": "torch.where({0} != 0, {1}, {2})",
 }
 
 # torch.maximum / minimum take tensors only; with a number (clamp's bound) the tensor's own dtype
@@ -109,6 +111,7 @@ _CUDA = {
     "erf": "erff({0})",
     "hardsigmoid": "({0} != {0} ? {0} : fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f)",
     "hardswish": "{0} * fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f",
+    "where": "({0} != 0.0f ? {1} : {2})",
 }
 
 assert set(_TRITON) == set(ELEMENTWISE_FNS) == set(_TORCH) == set(_CUDA)

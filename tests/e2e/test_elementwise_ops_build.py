@@ -50,3 +50,22 @@ def test_an_op_reading_between_keeps_the_groups_apart(tmp_path):
     x = torch.randn(4, 16)
     with torch.no_grad():
         torch.testing.assert_close(coopt.load(tmp_path / "out")(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class Masked(torch.nn.Module):
+    """A mask made outside (a comparison stays ATen) choosing between two elementwise branches."""
+
+    def forward(self, x, keep):
+        return torch.where(keep, x * 2, x.sin()) + torch.where(x > 0.5, x, 0.0)
+
+
+def test_where_with_a_bool_mask_shares_the_kernel(tmp_path):
+    model = Masked()
+    result = coopt.Pipeline(top_k=1).build(model, (torch.randn(4, 16), torch.rand(4, 16) > 0.5), tmp_path / "out")
+    (region,) = [r for r in result.regions if r.summary.family == "elementwise"]
+    assert region.selected != "reference"
+    assert sorted(fn for _, fn, _ in region.summary.attrs["program"]) == ["add", "mul", "sin", "where", "where"]
+    assert "bool" in [spec.dtype for spec in region.summary.inputs]
+    x, keep = torch.randn(4, 16), torch.rand(4, 16) > 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(coopt.load(tmp_path / "out")(x, keep), model(x, keep), rtol=1e-5, atol=1e-5)

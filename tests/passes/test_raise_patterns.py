@@ -136,3 +136,18 @@ def test_what_the_clamp_and_rsub_raising_leaves_alone():
     assert ew_fns(Lambda(lambda m, x: torch.clamp(x, 1, 5)), ints) == []  # integer tensors stay ATen
     assert ew_fns(Lambda(lambda m, x: torch.rsub(x, 1.0, alpha=2.0)), x4) == []  # other - alpha * x
     assert ew_fns(Lambda(lambda m, x: torch.clamp(x, 2.0, -1.0)), x4) == ["maximum", "minimum"]  # -> -1, as torch
+
+
+def test_where_with_a_bool_condition_is_raised_and_comparisons_are_not():
+    def ews(model, *inputs):
+        module, _ = run_pipeline(model, inputs, "raise-patterns")
+        return [(op.fn.data, op.arg_refs) for op in module.walk() if op.name == "coopt.ew"]
+
+    mask = torch.rand(2, 3, 16) > 0.5
+    assert ews(Lambda(lambda m, x, c: torch.where(c, x, -x)), x4, mask) == [("neg", [0]), ("where", [0, 1, 2])]
+    assert ews(Lambda(lambda m, x, c: torch.where(c, x, 0.5)), x4, mask) == [("where", [0, 1, {"$f": 0.5}])]
+    assert ews(Lambda(lambda m, x, c: x.masked_fill(c, 0.0)), x4, mask) == []  # masked_fill: not a where
+    # the comparison stays ATen (its result is bool); the where after it is raised
+    assert [fn for fn, _ in ews(Lambda(lambda m, x: torch.where(x > 0, x, 0.1 * x)), x4)] == ["mul", "where"]
+    ints = torch.arange(48).reshape(2, 3, 8)
+    assert ews(Lambda(lambda m, x, c: torch.where(c, x, 0)), ints, mask[..., :8]) == []

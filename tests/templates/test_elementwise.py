@@ -5,6 +5,8 @@ Fixtures (load_candidate, assert_close, compile_for_sm90, golden) live in confte
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,14 +165,17 @@ _POSITIVE_DOMAIN = {"log", "sqrt", "rsqrt", "pow"}
 
 @pytest.mark.parametrize("fn", sorted(ELEMENTWISE_FNS))
 def test_every_fn_matches_torch_dialect(load_candidate, assert_close, fn):
-    args = ["in0", "in1"][: ELEMENTWISE_FNS[fn]]
-    summary = region([(3, 11), (3, 11)], [["y", fn, args]], ["y"])
+    args = ["in0", "in1", "in2"][: ELEMENTWISE_FNS[fn]]
+    summary = region([(3, 11)] * len(args), [["y", fn, args]], ["y"])
     torch.manual_seed(5)
-    a, b = torch.randn(3, 11) * 3, torch.randn(3, 11)
+    a, b, c = torch.randn(3, 11) * 3, torch.randn(3, 11), torch.randn(3, 11)
     if fn in _POSITIVE_DOMAIN:
         a = a.abs() + 0.1
-    (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, [a, b])
-    assert_close(y, torch_reference(summary, [a, b])[0])
+    if fn == "where":  # the condition: 0 / 1, as a bool input loads
+        a = (a > 0).float()
+    inputs = [a, b, c][: len(args)]
+    (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, inputs)
+    assert_close(y, torch_reference(summary, inputs)[0])
 
 
 def test_check_rejects_illegal_points():
@@ -293,3 +298,11 @@ def test_torch_form_of_a_number_bound_keeps_the_tensor_dtype():
         y = scope[names["y"]]
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y, torch.clamp(value, 0.1, 0.2), equal_nan=True, rtol=0, atol=0)
+
+
+def test_where_reads_a_bool_condition_input(load_candidate):
+    summary = region([(2, 8), (8,)], [["y", "where", ["in0", "in1", 0.0]]], ["y"])
+    summary = dataclasses.replace(summary, inputs=(TensorSpec((2, 8), "bool"), TensorSpec((8,), "float32")))
+    mask, x = torch.rand(2, 8) > 0.5, torch.randn(8)
+    (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, [mask, x])
+    torch.testing.assert_close(y, torch.where(mask, x, 0.0), rtol=0, atol=0)
