@@ -34,6 +34,11 @@ def is_float_tensor(value: SSAValue) -> bool:
     return isinstance(t, TensorType) and str(t.element_type) in FLOAT_TYPES
 
 
+def is_bool_tensor(value: SSAValue) -> bool:
+    t = value.type
+    return isinstance(t, TensorType) and str(t.element_type) == "i1"
+
+
 def static_shape(value: SSAValue) -> list[int | None]:
     """Shape with None for symbolic dims."""
     return [None if d == DYNAMIC_INDEX else d for d in value.type.get_shape()]

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from xdsl.context import Context
-from xdsl.dialects.builtin import ModuleOp, TensorType
+from xdsl.dialects.builtin import ModuleOp
 from xdsl.pattern_rewriter import (
     GreedyRewritePatternApplier,
     PatternRewriter,
@@ -34,6 +34,7 @@ from coopt.ir.region import ELEMENTWISE_FNS
 from coopt.passes.base import (
     CooptPass,
     aten_target,
+    is_bool_tensor,
     is_float_tensor,
     literal_arg,
     static_shape,
@@ -85,10 +86,6 @@ class RaiseLinear(RewritePattern):
         count("raise.linear")
 
 
-def _is_bool_tensor(value) -> bool:
-    return isinstance(value.type, TensorType) and str(value.type.element_type) == "i1"
-
-
 class RaiseElementwise(RewritePattern):
     """Float elementwise ATen ops → coopt.ew (gelu with approximate='tanh' → gelu_tanh)."""
 
@@ -98,7 +95,7 @@ class RaiseElementwise(RewritePattern):
         if fn is None or not is_float_tensor(op.results[0]):
             return
         floats = op.inputs[1:] if fn == "where" else op.inputs  # where's condition: a bool tensor
-        if not all(is_float_tensor(v) for v in floats) or (fn == "where" and not _is_bool_tensor(op.inputs[0])):
+        if not all(is_float_tensor(v) for v in floats) or (fn == "where" and not is_bool_tensor(op.inputs[0])):
             return
         call = op.call
         if call["kwargs"].get("alpha", 1) != 1 or call["kwargs"].get("rounding_mode") is not None:
