@@ -332,11 +332,12 @@ def prefetch_experiment(work_dir: Path, rows: list, layers: int = 8) -> None:
                     prefetch(o[1])
             if mode != "prefetch only":
                 out = attention(*a)[0]
+            if mode in ("prefetch", "prefetch only"):
+                # only a side stream that joined the capture may be waited on (else the capture fails)
                 torch.cuda.current_stream().wait_stream(side)
+            if mode != "prefetch only":
                 o[0].copy_(out.view(1, -1))  # the attention's output is the o projection's input
                 o_gemv(*o)
-            else:
-                torch.cuda.current_stream().wait_stream(side)
 
     modes = ("sequential", "prefetch", "prefetch only", "bulk 0.25", "bulk 0.5", "bulk 1.0", "sequential")
     for mode in modes[:-1]:

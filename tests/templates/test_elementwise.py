@@ -224,7 +224,9 @@ def test_programmatic_dependent_launch_only_on_hopper_gpus(load_candidate, monke
     must be off."""
     monkeypatch.setenv("COOPT_PDL", "1")
     summary = region([(4, 8)], [["y", "silu", ["in0"]]], ["y"])
-    module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]))
+    # a stem of its own: a module is cached by content, and PDL is decided at its import (an
+    # earlier test's import of the same source without COOPT_PDL would be handed back)
+    module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]), stem="pdl_asked")
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
     assert module.PDL is hopper and module.PDL_LAUNCH == ({"launch_pdl": True} if hopper else {})
     (y,) = module.run(on_test_device([torch.ones(4, 8)])[0])
@@ -283,6 +285,7 @@ def test_nan_in_nan_out_as_torch(load_candidate, fn):
     b = torch.tensor([[1.0, float("nan"), 0.0, -1.0], [float("nan"), 3.0, 1.0, 0.0]])
     (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, [a, b])
     expected = torch_reference(summary, [a, b])[0]
+    y = y.cpu()
     assert torch.equal(y.isnan(), expected.isnan()) and expected.isnan().any()
     torch.testing.assert_close(y, expected, equal_nan=True)
 
@@ -305,4 +308,4 @@ def test_where_reads_a_bool_condition_input(load_candidate):
     summary = dataclasses.replace(summary, inputs=(TensorSpec((2, 8), "bool"), TensorSpec((8,), "float32")))
     mask, x = torch.rand(2, 8) > 0.5, torch.randn(8)
     (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, [mask, x])
-    torch.testing.assert_close(y, torch.where(mask, x, 0.0), rtol=0, atol=0)
+    torch.testing.assert_close(y.cpu(), torch.where(mask, x, 0.0), rtol=0, atol=0)
