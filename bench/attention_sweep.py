@@ -27,7 +27,10 @@ other; with a second stream that prefetches the layer's o weights into L2 (prefe
 while its attention runs; and the prefetch alone; then (session 38) a quarter, half or all of
 each layer's o weights pulled into L2 by cp.async.bulk.prefetch.L2 (the TMA unit: one
 instruction per chunk of up to 1 MB) from a small kernel launched on the same stream just before
-the attention. The GEMV point and the attention point are the advisor's first.
+the attention; then (session 39, after the H100 found "bulk" no faster: its one or two programs
+may be held to one SM's TMA rate) "spread", the same prefetch from one program an SM, one chunk
+each, and "spread 0", 16 bytes a program: the launch's own cost. The GEMV point and the attention
+point are the advisor's first.
 
 Latency (`--latency CASE`): at batch 1 the attention reads 8.4 MB in ~10 µs (a floor of 2), and
 no point of its space is faster (session 6). Which part is fixed cost and which is streaming?
@@ -322,10 +325,22 @@ def prefetch_experiment(work_dir: Path, rows: list, layers: int = 8) -> None:
         _bulk_prefetch_l2_kernel[(programs,)](weight, CHUNK_ELEMENTS=chunk // weight.element_size(),
                                               CHUNK_BYTES=chunk, LANES=32, num_warps=1)
 
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def spread(weight, share: float):
+        # session 39: one program an SM, one bulk prefetch each (a single SM's TMA unit may not
+        # pull more than a small share of the DRAM's rate; "bulk" used 1-2 programs). Share 0:
+        # 16 bytes a program, the prefetch launch's own cost.
+        chunk = max(16, int(weight.numel() * weight.element_size() * share) // sms // 16 * 16)
+        _bulk_prefetch_l2_kernel[(sms,)](weight, CHUNK_ELEMENTS=chunk // weight.element_size(),
+                                         CHUNK_BYTES=chunk, LANES=1, num_warps=1)
+
     def step(mode: str):
         for a, o in zip(attn_inputs, o_inputs):
             if mode.startswith("bulk"):  # "bulk 0.5": that share of the o weights, same stream
                 bulk(o[1], float(mode.split()[1]))
+            if mode.startswith("spread"):  # "spread 0.5": the same, over one program an SM
+                spread(o[1], float(mode.split()[1]))
             if mode in ("prefetch", "prefetch only"):
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -339,7 +354,8 @@ def prefetch_experiment(work_dir: Path, rows: list, layers: int = 8) -> None:
                 o[0].copy_(out.view(1, -1))  # the attention's output is the o projection's input
                 o_gemv(*o)
 
-    modes = ("sequential", "prefetch", "prefetch only", "bulk 0.25", "bulk 0.5", "bulk 1.0", "sequential")
+    modes = ("sequential", "prefetch", "prefetch only", "bulk 0.25", "bulk 0.5", "bulk 1.0", "spread 0",
+             "spread 0.25", "spread 0.5", "spread 1.0", "sequential")
     for mode in modes[:-1]:
         step(mode)  # compiled and warm before capture
     torch.cuda.synchronize()
