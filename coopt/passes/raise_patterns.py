@@ -342,8 +342,13 @@ class RaisePatterns(CooptPass):
 
     explicit_rms_norm: bool = True
     rope: bool = True  # the rotate-half rotary embedding → coopt.rope
+    repeated_kv: bool = True  # keys / values repeated per query head → SDPA with enable_gqa (lossless)
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        if self.repeated_kv:  # first: the attention patterns below then see grouped heads, as with enable_gqa
+            from coopt.passes.fold_repeated_kv import FoldRepeatedKVHeads
+
+            PatternRewriteWalker(FoldRepeatedKVHeads(), apply_recursively=False).rewrite_module(op)
         PatternRewriteWalker(
             GreedyRewritePatternApplier([RaiseLinear(), RaiseElementwise(), RaiseClamp(), RaiseNorms(), RaiseSDPA()]),
             apply_recursively=False,
