@@ -11,6 +11,8 @@ mapping (query head i reads kv head i // n). So the attention can read the h hea
 with `enable_gqa=True`: the same numbers without the copy. In a decode step the copy is of the
 whole KV cache, every step, n times its bytes, and it hides the cache from the passes that
 recognise a decode attention over state (raise_decode_attention, fuse-kv-write-attention).
+The explicit attention (softmax(q k^T * scale) v, raised to coopt.attention by raise-patterns)
+over repeated heads folds the same way: coopt.attention takes fewer kv heads than query heads.
 Lossless: nothing is computed or rounded differently. `k.repeat(1, n, 1, 1)` (query head i reads
 kv head i % h) is another mapping and is left alone.
 """
@@ -24,7 +26,7 @@ from xdsl.pattern_rewriter import (
     op_type_rewrite_pattern,
 )
 
-from coopt.ir.dialect import AtenOp
+from coopt.ir.dialect import AtenOp, AttentionOp
 from coopt.passes.base import aten_target, literal_arg, tensor_arg
 from coopt.passes.shapes import dims
 from coopt.passes.stats import count
@@ -93,6 +95,19 @@ class FoldRepeatedKVHeads(RewritePattern):
             inputs[slot] = heads
         gqa = {**call, "kwargs": {**call["kwargs"], "enable_gqa": True}}
         rewriter.replace_matched_op(AtenOp(SDPA, gqa, inputs, [r.type for r in op.results]))
+        count("raise.attention.repeated_kv_folded")
+
+
+class FoldRepeatedKVIntoAttention(RewritePattern):
+    """coopt.attention over keys and values repeated n times a head → over the heads (GQA)."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: AttentionOp, rewriter: PatternRewriter) -> None:
+        folded = [unrepeated_heads(op.k), unrepeated_heads(op.v)]
+        if None in folded or folded[0][1] != folded[1][1]:
+            return
+        (k, _), (v, _) = folded
+        rewriter.replace_matched_op(AttentionOp(op.q, k, v, bool(op.causal.value.data), op.scale.value.data, op.result.type))
         count("raise.attention.repeated_kv_folded")
 
 

@@ -357,6 +357,10 @@ class RaisePatterns(CooptPass):
         from coopt.passes.raise_rope import RaiseRope
 
         later = [RecognizeSwiGLU(), RaiseExplicitAttention(), RaiseDecodeSDPA()]
+        if self.repeated_kv:  # the explicit attention over repeated heads, once raised
+            from coopt.passes.fold_repeated_kv import FoldRepeatedKVIntoAttention
+
+            later.append(FoldRepeatedKVIntoAttention())
         later += [RaiseRope()] if self.rope else []
         later += [RaiseExplicitRMSNorm()] if self.explicit_rms_norm else []
         PatternRewriteWalker(GreedyRewritePatternApplier(later)).rewrite_module(op)

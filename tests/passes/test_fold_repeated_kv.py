@@ -5,6 +5,8 @@ enable_gqa. Any other repetition is left as it was."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +141,32 @@ def test_a_built_decode_step_over_a_repeated_cache_matches_the_model(tmp_path):
             q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
             step = (q, k, v, torch.tensor([pos]))
             torch.testing.assert_close(built(*step), model(*step), rtol=1e-4, atol=1e-4)
+
+
+class ExplicitPrompt(torch.nn.Module):
+    """transformers' eager attention: softmax(q k^T * scale, causal) v over repeated heads."""
+
+    def __init__(self, form: str = "expand"):
+        super().__init__()
+        self.form = form
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8))
+
+    def forward(self, q, k, v):
+        k, v = REPEATS[self.form](k, 2), REPEATS[self.form](v, 2)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        scores = scores.masked_fill(self.mask[:, :, :8, :8] == 0, float("-inf"))
+        return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("form, folded", [("expand", True), ("interleave", True), ("tile", False)])
+def test_the_explicit_attention_over_repeated_heads_folds_too(tmp_path, form, folded):
+    model, inputs = ExplicitPrompt(form), prompt_inputs()
+    module, counters = run_pipeline(model, inputs, RAISE)
+    assert counters["raise.attention.explicit.causal"] == 1
+    assert counters.get("raise.attention.repeated_kv_folded", 0) == int(folded)
+    (attention,) = [op for op in module.walk() if isinstance(op, AttentionOp)]
+    assert attention.k.type.get_shape()[1] == (2 if folded else 4) and attention.causal.value.data
+    coopt.Pipeline(top_k=1).build(model, tuple(inputs), tmp_path / "out")
+    inputs = [x * 2 for x in prompt_inputs()]
+    with torch.no_grad():
+        torch.testing.assert_close(coopt.load(tmp_path / "out")(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
