@@ -221,23 +221,54 @@ def _ew(value, fn):
 
 
 class RaiseExplicitRMSNorm(RewritePattern):
-    """x * rsqrt(mean(x², -1, keepdim) + eps) * w (either multiplication order) → coopt.rms_norm."""
+    """x * rsqrt(mean(x², -1, keepdim) + eps) * w (either multiplication order) → coopt.rms_norm.
+
+    Also transformers' form for 16-bit models (LlamaRMSNorm, Mistral's, Qwen2's): the statistics
+    and the scaling in fp32 (x.to(float32) ... ).to(x's dtype) * w, w in x's dtype. The raised
+    norm (F.rms_norm's numerics) rounds once, after the weight; that code rounds before it too:
+    the two differ by at most a rounding of the model dtype, which the build's end-to-end check
+    measures like any other difference."""
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: ElementwiseOp, rewriter: PatternRewriter) -> None:
         if op.fn.data != "mul" or len(op.inputs) != 2:
             return
         for scaled, w in (tuple(op.inputs), tuple(reversed(op.inputs))):
-            inner = _ew(scaled, "mul")
+            source = _cast_back_from_fp32(scaled)  # transformers' form: (x, the fp32 product)
+            inner = _ew(source[1] if source else scaled, "mul")
             if inner is None or len(inner.inputs) != 2:
                 continue
             for x, r in (tuple(inner.inputs), tuple(reversed(inner.inputs))):
                 eps = _match_rsqrt_mean_square(r, x)
                 if eps is None or static_shape(w) != [static_shape(x)[-1]]:
                     continue
+                if source is not None:
+                    if x is not source[2] or w.type.element_type != source[0].type.element_type:
+                        continue
+                    x = source[0]
                 rewriter.replace_matched_op(RMSNormOp(x, w, None, eps, op.results[0].type))
-                count("raise.rms_norm.explicit")
+                count("raise.rms_norm.explicit" + (".fp32_statistics" if source else ""))
                 return
+
+
+def _cast_back_from_fp32(value):
+    """(x, product, x32) where `value` is product.to(x's 16-bit dtype) and x32 = x.to(float32)
+    feeds the product: transformers' RMSNorm body in fp32 between two casts; else None. The
+    product's own form (x32 * rsqrt(...)) is the caller's to check."""
+    cast = value.owner
+    if aten_target(cast) != "aten._to_copy.default" or set(cast.call["kwargs"]) != {"dtype"}:
+        return None
+    product = tensor_arg(cast, 0)
+    if product is None or str(product.type.element_type) != "f32" or not isinstance(product.owner, ElementwiseOp):
+        return None
+    for x32 in product.owner.inputs:
+        widen = x32.owner
+        if aten_target(widen) == "aten._to_copy.default" and set(widen.call["kwargs"]) == {"dtype"}:
+            x = tensor_arg(widen, 0)
+            if (x is not None and str(x32.type.element_type) == "f32"
+                    and str(x.type.element_type) in ("bf16", "f16") and x.type.element_type == value.type.element_type):
+                return x, product, x32
+    return None
 
 
 def _match_rsqrt_mean_square(r, x) -> float | None:
