@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from xdsl.context import Context
-from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.builtin import ModuleOp, bf16, f16
 from xdsl.pattern_rewriter import (
     GreedyRewritePatternApplier,
     PatternRewriter,
@@ -86,12 +86,19 @@ class RaiseLinear(RewritePattern):
         count("raise.linear")
 
 
+# a float cast's result type -> its fn (a cast that only changes the dtype: x.to(dtype), x.float())
+_CASTS = {"f32": "to_f32", "bf16": "to_bf16", "f16": "to_f16"}
+
+
 class RaiseElementwise(RewritePattern):
-    """Float elementwise ATen ops → coopt.ew (gelu with approximate='tanh' → gelu_tanh)."""
+    """Float elementwise ATen ops → coopt.ew (gelu with approximate='tanh' → gelu_tanh; a cast
+    between float dtypes → to_f32 / to_bf16 / to_f16)."""
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
         fn = ELEMENTWISE.get(op.target.data)
+        if op.target.data == "aten._to_copy.default" and set(op.call["kwargs"]) == {"dtype"}:
+            fn = _CASTS.get(str(op.results[0].type.element_type))
         if fn is None or not is_float_tensor(op.results[0]):
             return
         floats = op.inputs[1:] if fn == "where" else op.inputs  # where's condition: a bool tensor
@@ -253,21 +260,18 @@ class RaiseExplicitRMSNorm(RewritePattern):
 
 def _cast_back_from_fp32(value):
     """(x, product, x32) where `value` is product.to(x's 16-bit dtype) and x32 = x.to(float32)
-    feeds the product: transformers' RMSNorm body in fp32 between two casts; else None. The
-    product's own form (x32 * rsqrt(...)) is the caller's to check."""
-    cast = value.owner
-    if aten_target(cast) != "aten._to_copy.default" or set(cast.call["kwargs"]) != {"dtype"}:
+    feeds the product (both casts raised to coopt.ew): transformers' RMSNorm body in fp32 between
+    two casts; else None. The product's own form (x32 * rsqrt(...)) is the caller's to check."""
+    cast = _ew(value, _CASTS.get(str(value.type.element_type), ""))
+    if cast is None or value.type.element_type not in (bf16, f16):
         return None
-    product = tensor_arg(cast, 0)
-    if product is None or str(product.type.element_type) != "f32" or not isinstance(product.owner, ElementwiseOp):
+    product = cast.inputs[0]
+    if str(product.type.element_type) != "f32" or not isinstance(product.owner, ElementwiseOp):
         return None
     for x32 in product.owner.inputs:
-        widen = x32.owner
-        if aten_target(widen) == "aten._to_copy.default" and set(widen.call["kwargs"]) == {"dtype"}:
-            x = tensor_arg(widen, 0)
-            if (x is not None and str(x32.type.element_type) == "f32"
-                    and str(x.type.element_type) in ("bf16", "f16") and x.type.element_type == value.type.element_type):
-                return x, product, x32
+        widen = _ew(x32, "to_f32")
+        if widen is not None and widen.inputs[0].type.element_type == value.type.element_type:
+            return widen.inputs[0], product, x32
     return None
 
 

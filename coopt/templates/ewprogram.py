@@ -42,6 +42,9 @@ _TRITON = {
     "hardsigmoid": "tl.minimum(tl.maximum({0} + 3.0, 0.0, propagate_nan=tl.PropagateNan.ALL), 6.0, propagate_nan=tl.PropagateNan.ALL) / 6.0",
     "hardswish": "{0} * tl.minimum(tl.maximum({0} + 3.0, 0.0), 6.0) / 6.0",
     "where": "tl.where({0} != 0, {1}, {2})",
+    "to_f32": "{0}",
+    "to_bf16": "{0}.to(tl.bfloat16).to(tl.float32)",  # round to nearest even (Triton's interpreter truncates)
+    "to_f16": "{0}.to(tl.float16).to(tl.float32)",
 }
 
 # fn -> torch expression (module `torch` in scope), used by the eager reference
@@ -73,6 +76,9 @@ _TORCH = {
     "hardsigmoid": "torch.nn.functional.hardsigmoid({0})",
     "hardswish": "torch.nn.functional.hardswish({0})",
     "where": "torch.where({0} != 0, {1}, {2})",
+    "to_f32": "{0}.to(torch.float32)",
+    "to_bf16": "{0}.to(torch.bfloat16)",
+    "to_f16": "{0}.to(torch.float16)",
 }
 
 # torch.maximum / minimum take tensors only; with a number (clamp's bound) the tensor's own dtype
@@ -112,6 +118,9 @@ _CUDA = {
     "hardsigmoid": "({0} != {0} ? {0} : fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f)",
     "hardswish": "{0} * fminf(fmaxf({0} + 3.0f, 0.0f), 6.0f) / 6.0f",
     "where": "({0} != 0.0f ? {1} : {2})",
+    "to_f32": "{0}",
+    "to_bf16": "round_bf16({0})",  # cuda/_prelude.cuh.j2
+    "to_f16": "round_f16({0})",
 }
 
 assert set(_TRITON) == set(ELEMENTWISE_FNS) == set(_TORCH) == set(_CUDA)

@@ -157,6 +157,15 @@ def test_the_epilogue_program_renders_as_cuda_floats():
 
 
 
+def test_an_epilogue_with_float_casts_compiles_for_hopper(hopper_ptx):
+    # x.to(float16) / x.to(bfloat16) in the epilogue: the prelude's round_f16 / round_bf16 (inline PTX)
+    casts = region(form="residual")
+    casts = dataclasses.replace(casts, attrs={**casts.attrs, "epilogue": [
+        ["t", "to_f16", ["acc"]], ["u", "to_bf16", ["t"]], ["y", "add", ["u", "in0"]]]})
+    ptx = hopper_ptx(kernel_source(GEMV.render(casts, ADVISED)))
+    assert "cvt.rn.f16.f32" in ptx and "cvt.f32.f16" in ptx and "cvt.rn.bf16.f32" in ptx
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_every_form_compiles_for_hopper_without_spills(hopper_registers, form):
     params = {**ADVISED, "ROWS": 2} if form == "norm_swiglu" else ADVISED
