@@ -19,6 +19,7 @@ from coopt.ir.dialect import (
     KernelOp,
     LayerNormOp,
     LinearOp,
+    LogSoftmaxOp,
     QuantizeFp8Op,
     RMSNormOp,
     RopeOp,
@@ -143,6 +144,8 @@ def _high_level(op, names: Names) -> str:
         return f"{out} = torch.nn.functional.layer_norm({x}, ({x}.shape[-1],), {w}, {b}, {eps!r})"
     if isinstance(op, SoftmaxOp):
         return f"{out} = torch.softmax({names[op.x]}, -1)"
+    if isinstance(op, LogSoftmaxOp):
+        return f"{out} = torch.log_softmax({names[op.x]}, -1)"
     if isinstance(op, RopeOp):
         x, cos, sin = names[op.x], names[op.cos], names[op.sin]
         half = f"{x}.shape[-1] // 2"

@@ -50,7 +50,8 @@ ELEMENTWISE = {
 
 MATMUL = {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.matmul.default", "aten.bmm.default"}
 
-NORMS = {"aten.layer_norm.default", "aten.rms_norm.default", "aten.softmax.int", "aten._softmax.default"}
+NORMS = {"aten.layer_norm.default", "aten.rms_norm.default", "aten.softmax.int", "aten._softmax.default",
+         "aten.log_softmax.int", "aten._log_softmax.default"}
 
 ATTENTION = {"aten.scaled_dot_product_attention.default"}
 

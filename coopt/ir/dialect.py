@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 
 from xdsl.dialects.builtin import (
-    ArrayAttr,
     BoolAttr,
-    DictionaryAttr,
     FloatAttr,
     StringAttr,
     TensorType,
@@ -29,6 +27,7 @@ from xdsl.irdl import (
     AttrSizedOperandSegments,
     IRDLOperation,
     irdl_op_definition,
+    operand_def,
     opt_operand_def,
     opt_prop_def,
     prop_def,
@@ -37,7 +36,6 @@ from xdsl.irdl import (
     traits_def,
     var_operand_def,
     var_result_def,
-    operand_def,
 )
 from xdsl.traits import IsTerminator, MemoryWriteEffect, Pure
 
@@ -221,6 +219,19 @@ class SoftmaxOp(IRDLOperation):
 
 
 @irdl_op_definition
+class LogSoftmaxOp(IRDLOperation):
+    """log(softmax(x)) over the last dim: x - max - log(sum(exp(x - max)))."""
+
+    name = "coopt.log_softmax"
+    x = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x, type_):
+        super().__init__(operands=[x], result_types=[type_])
+
+
+@irdl_op_definition
 class AttentionOp(IRDLOperation):
     """softmax(q k^T * scale [+ causal mask]) v, q [B,H,Sq,D], k/v [B,Hkv,Sk,D] (GQA when Hkv < H)."""
 
@@ -365,7 +376,7 @@ class QuantizeFp8Op(IRDLOperation):
         super().__init__(operands=[x, scale], properties={"granularity": StringAttr(granularity)}, result_types=[type_])
 
 
-HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, AttentionOp, DecodeAttentionOp,
+HIGH_LEVEL_OPS = (LinearOp, ElementwiseOp, RMSNormOp, LayerNormOp, SoftmaxOp, LogSoftmaxOp, AttentionOp, DecodeAttentionOp,
                   CacheAttentionOp, RopeOp, QuantizeFp8Op)
 
 Coopt = Dialect(

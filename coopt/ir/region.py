@@ -13,7 +13,7 @@ elementwise
     fn is one of ELEMENTWISE_FNS. Arithmetic is done in fp32; outputs are cast to their dtype.
 
 row_reduction (reduction over the last dim, one row per program)
-    attrs = {"kind": "softmax" | "layer_norm" | "rms_norm", "eps": float,
+    attrs = {"kind": "softmax" | "log_softmax" | "layer_norm" | "rms_norm", "eps": float,
              "has_weight": bool, "has_bias": bool, "residual": bool}
     inputs, in order: x, [residual if residual], [weight if has_weight], [bias if has_bias]
     outputs: y = norm(x + residual) (or norm(x)), and when residual also h = x + residual.

@@ -8,13 +8,21 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 
-from coopt.ir.dialect import ElementwiseOp, KernelOp, LayerNormOp, RMSNormOp, SoftmaxOp
+from coopt.ir.dialect import (
+    ElementwiseOp,
+    KernelOp,
+    LayerNormOp,
+    LogSoftmaxOp,
+    RMSNormOp,
+    SoftmaxOp,
+)
 from coopt.ir.outline import can_outline, outline
 from coopt.passes.base import CooptPass
 from coopt.passes.shapes import dims
 from coopt.passes.stats import count
 
-_KIND = {RMSNormOp: "rms_norm", LayerNormOp: "layer_norm", SoftmaxOp: "softmax"}
+_KIND = {RMSNormOp: "rms_norm", LayerNormOp: "layer_norm", SoftmaxOp: "softmax", LogSoftmaxOp: "log_softmax"}
+_NO_EPS = ("softmax", "log_softmax")
 
 
 def _residual_add(norm) -> ElementwiseOp | None:
@@ -40,7 +48,7 @@ class FuseNormResidual(CooptPass):
             if isinstance(norm.parent_op(), KernelOp):
                 continue
             kind = _KIND[type(norm)]
-            add = _residual_add(norm) if self.residual and kind != "softmax" else None
+            add = _residual_add(norm) if self.residual and kind not in _NO_EPS else None
             if add is not None and not can_outline([add, norm]):
                 add = None
             weight = getattr(norm, "weight", None)
@@ -54,7 +62,7 @@ class FuseNormResidual(CooptPass):
                 inputs = x_inputs + [v for v in (weight, bias) if v is not None]
             attrs = {
                 "kind": kind,
-                "eps": norm.eps.value.data if kind != "softmax" else 0.0,
+                "eps": norm.eps.value.data if kind not in _NO_EPS else 0.0,
                 "has_weight": weight is not None,
                 "has_bias": bias is not None,
                 "residual": add is not None,

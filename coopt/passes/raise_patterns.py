@@ -26,6 +26,7 @@ from coopt.ir.dialect import (
     ElementwiseOp,
     LayerNormOp,
     LinearOp,
+    LogSoftmaxOp,
     RMSNormOp,
     SoftmaxOp,
     WeightOp,
@@ -42,6 +43,8 @@ from coopt.passes.base import (
 )
 from coopt.passes.stats import count
 
+_SOFTMAXES = {"aten.softmax.int": SoftmaxOp, "aten._softmax.default": SoftmaxOp,
+              "aten.log_softmax.int": LogSoftmaxOp, "aten._log_softmax.default": LogSoftmaxOp}
 _DTYPE_EPS = {"f32": 1.1920928955078125e-07, "bf16": 0.0078125, "f16": 0.0009765625}
 
 
@@ -187,12 +190,14 @@ class RaiseNorms(RewritePattern):
                 eps = _DTYPE_EPS[str(x.type.element_type)] if eps is None else eps
                 rewriter.replace_matched_op(RMSNormOp(x, w, None, eps, out_type))
                 count("raise.rms_norm")
-        elif target in ("aten.softmax.int", "aten._softmax.default"):
+        elif target in _SOFTMAXES:
             dim = literal_arg(op, 1)
+            # (softmax.int's third argument is a dtype, _softmax's half_to_float: neither asked for)
             if dim not in (-1, len(shape) - 1) or literal_arg(op, 2, "dtype") not in (None, False):
                 return
-            rewriter.replace_matched_op(SoftmaxOp(x, out_type))
-            count("raise.softmax")
+            op_class = _SOFTMAXES[target]
+            rewriter.replace_matched_op(op_class(x, out_type))
+            count("raise.softmax" if op_class is SoftmaxOp else "raise.log_softmax")
 
 
 class RaiseSDPA(RewritePattern):

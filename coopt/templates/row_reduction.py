@@ -1,10 +1,11 @@
-"""Template family "row_reduction": softmax / layer_norm / rms_norm over the last dim.
+"""Template family "row_reduction": softmax / log_softmax / layer_norm / rms_norm over the last dim.
 
 One program per row (rows = all leading dims flattened). With `single_pass` the whole row is one
 BLOCK_N tile held in registers; otherwise the program walks the row in BLOCK_N chunks, once per
 statistic and once to write, which is what rows too long for registers need. Statistics are
 accumulated in fp32 and match torch: layer_norm uses the biased variance, rms_norm is
-x * rsqrt(mean(x^2) + eps) * weight in fp32 then cast, softmax subtracts the row max. With a
+x * rsqrt(mean(x^2) + eps) * weight in fp32 then cast, softmax subtracts the row max (log_softmax
+is x - max - log(sum(exp(x - max)))). With a
 residual the kernel also writes h = x + residual and normalises h as stored (rounded to h's dtype),
 as eager torch does.
 
@@ -21,11 +22,11 @@ from __future__ import annotations
 
 from coopt.ir.region import RegionSummary
 from coopt.targets import Target
-from coopt.templates.base import TemplateFamily, render_template
-from coopt.templates.base import max_extent, next_pow2
+from coopt.templates.base import TemplateFamily, max_extent, next_pow2, render_template
 from coopt.templates.elementwise import FLOAT_DTYPES
 
-KINDS = ("softmax", "layer_norm", "rms_norm")
+KINDS = ("softmax", "log_softmax", "layer_norm", "rms_norm")
+SOFTMAXES = ("softmax", "log_softmax")  # no eps, no affine part
 LOOPED_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
 # Longer rows do not fit in registers (16384 fp32 over 8 warps is 64 per thread): loop instead.
 MAX_SINGLE_PASS_BLOCK = 16384
@@ -45,7 +46,7 @@ class RowReductionFamily(TemplateFamily):
         return (
             kind in KINDS
             # as in torch: softmax has no affine part, rms_norm no bias
-            and not (kind == "softmax" and attrs.get("has_weight"))
+            and not (kind in SOFTMAXES and attrs.get("has_weight"))
             and not (kind != "layer_norm" and attrs.get("has_bias"))
             and len(region.inputs) == n_inputs
             and len(region.outputs) == (2 if attrs.get("residual") else 1)

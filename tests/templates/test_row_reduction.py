@@ -1,4 +1,4 @@
-"""The row_reduction family: softmax / layer_norm / rms_norm match torch under Triton's interpreter.
+"""The row_reduction family: softmax / log_softmax / layer_norm / rms_norm match torch under Triton's interpreter.
 
 Fixtures (load_candidate, assert_close, compile_for_sm90, golden) live in conftest.py.
 """
@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from template_helpers import on_test_device
 
 from coopt.ir.region import RegionSummary, TensorSpec
 from coopt.targets import H200
 from coopt.templates.row_reduction import LOOPED_BLOCKS, NUM_WARPS, RowReductionFamily
-from template_helpers import on_test_device
 
 # Masked-off lanes compute on padding (log(0), exp(inf - inf)) and numpy warns about it under the
 # interpreter; those lanes are never stored.
@@ -24,7 +24,7 @@ FAMILY = RowReductionFamily()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-5
 # the kinds' natural affine parts: layer_norm has weight and bias, rms_norm a weight
-AFFINE = {"softmax": (False, False), "layer_norm": (True, True), "rms_norm": (True, False)}
+AFFINE = {"softmax": (False, False), "log_softmax": (False, False), "layer_norm": (True, True), "rms_norm": (True, False)}
 
 
 def region(kind, n_cols, dtype="float32", residual=False, has_weight=None, has_bias=None):
@@ -64,6 +64,8 @@ def torch_reference(summary, normalised, weight=None, bias=None):
     bias = bias.float() if bias is not None else None
     if kind == "softmax":
         return torch.softmax(h, dim=-1)
+    if kind == "log_softmax":
+        return torch.log_softmax(h, dim=-1)
     if kind == "layer_norm":
         return F.layer_norm(h, h.shape[-1:], weight, bias, EPS)
     return F.rms_norm(h, h.shape[-1:], weight, EPS)
@@ -130,7 +132,7 @@ LOOPED = {"BLOCK_N": 128, "num_warps": 4, "single_pass": False}  # 200 columns: 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("params", [SINGLE, LOOPED], ids=["single", "looped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", ["softmax", "layer_norm", "rms_norm"])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "layer_norm", "rms_norm"])
 def test_kinds_dtypes_variants(load_candidate, assert_close, kind, dtype, params, residual):
     summary = region(kind, 200, str(dtype).removeprefix("torch."), residual=residual)
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -149,7 +151,7 @@ def test_optional_weight_and_bias(load_candidate, assert_close, kind, has_weight
 
 
 @pytest.mark.parametrize("n_cols", [1, 7, 33, 100])
-@pytest.mark.parametrize("kind", ["softmax", "layer_norm", "rms_norm"])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "layer_norm", "rms_norm"])
 def test_odd_row_lengths(load_candidate, assert_close, kind, n_cols):
     summary = region(kind, n_cols)
     block = 1 << (n_cols - 1).bit_length()
@@ -158,9 +160,9 @@ def test_odd_row_lengths(load_candidate, assert_close, kind, n_cols):
                     make_inputs(summary, x))
 
 
-@pytest.mark.parametrize("kind", ["softmax", "layer_norm", "rms_norm"])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "layer_norm", "rms_norm"])
 def test_long_rows_many_chunks(load_candidate, assert_close, kind):
-    summary = region(kind, 1000, residual=kind != "softmax")
+    summary = region(kind, 1000, residual=kind not in ("softmax", "log_softmax"))
     x = torch.randn(2, 1000, generator=torch.Generator().manual_seed(5)) * 3
     check_candidate(load_candidate, assert_close, summary, {"BLOCK_N": 128, "num_warps": 4, "single_pass": False},
                     make_inputs(summary, x))
@@ -189,9 +191,11 @@ def test_non_contiguous_input(load_candidate, assert_close, make_x, params):
 @pytest.mark.parametrize("params", [SINGLE, LOOPED], ids=["single", "looped"])
 @pytest.mark.parametrize("dtype, offset, scale", [(torch.float32, 1e4, 5.0), (torch.bfloat16, 0.0, 100.0)],
                          ids=["fp32_offset_1e4", "bf16_spread_100"])
-def test_softmax_large_magnitudes(load_candidate, assert_close, dtype, offset, scale, params):
-    # exp(1e4) and exp(300) overflow fp32: only the max-subtracted form gets these right
-    summary = region("softmax", 200, str(dtype).removeprefix("torch."))
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_softmax_large_magnitudes(load_candidate, assert_close, dtype, offset, scale, params, kind):
+    # exp(1e4) and exp(300) overflow fp32: only the max-subtracted form gets these right (and
+    # log_softmax's far-below-max entries: log of an underflowed exp would be -inf)
+    summary = region(kind, 200, str(dtype).removeprefix("torch."))
     x = (torch.randn(3, 200, generator=torch.Generator().manual_seed(7)) * scale + offset).to(dtype)
     check_candidate(load_candidate, assert_close, summary, params, [x])
 
@@ -221,7 +225,7 @@ def test_empty_rows(load_candidate):
 
 def test_check_rejects_illegal_points():
     summary = region("rms_norm", 300)
-    reject = lambda **params: FAMILY.check(summary, params, H200)  # noqa: E731
+    reject = lambda **params: FAMILY.check(summary, params, H200)
     assert reject(BLOCK_N=256, num_warps=4, single_pass=True)  # row does not fit
     assert reject(BLOCK_N=512, num_warps=4, single_pass=False)  # looping over one chunk
     assert reject(BLOCK_N=128, num_warps=8, single_pass=False)  # idle warps
@@ -254,7 +258,7 @@ def test_matches_only_what_the_kernel_handles():
 
 def test_kernels_compile_for_sm90(compile_for_sm90):
     jobs = []
-    for kind in ("softmax", "layer_norm", "rms_norm"):
+    for kind in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
         for residual in (False, True):
             summary = region(kind, 200, "bfloat16", residual=residual)
             inputs = make_inputs(summary, torch.randn(3, 200, dtype=torch.bfloat16))
