@@ -205,30 +205,30 @@ class LayerNormOp(_NormBase):
     traits = traits_def(Pure())
 
 
+class _LastDimBase(IRDLOperation):
+    """A function of each row over the last dim, no parameters."""
+
+    x = operand_def(TensorType)
+    result = result_def(TensorType)
+
+    def __init__(self, x, type_):
+        super().__init__(operands=[x], result_types=[type_])
+
+
 @irdl_op_definition
-class SoftmaxOp(IRDLOperation):
+class SoftmaxOp(_LastDimBase):
     """Softmax over the last dim."""
 
     name = "coopt.softmax"
-    x = operand_def(TensorType)
-    result = result_def(TensorType)
     traits = traits_def(Pure())
-
-    def __init__(self, x, type_):
-        super().__init__(operands=[x], result_types=[type_])
 
 
 @irdl_op_definition
-class LogSoftmaxOp(IRDLOperation):
+class LogSoftmaxOp(_LastDimBase):
     """log(softmax(x)) over the last dim: x - max - log(sum(exp(x - max)))."""
 
     name = "coopt.log_softmax"
-    x = operand_def(TensorType)
-    result = result_def(TensorType)
     traits = traits_def(Pure())
-
-    def __init__(self, x, type_):
-        super().__init__(operands=[x], result_types=[type_])
 
 
 @irdl_op_definition
