@@ -18,9 +18,11 @@ from coopt.passes.stats import count
 
 def _neighbours(op: ElementwiseOp):
     """The elementwise ops next to `op`: its users, then the producers of its operands (so that
-    the branches of a tree, x.clamp(...) + y.erf(), meet in one kernel)."""
+    the branches of a tree, x.clamp(...) + y.erf(), meet in one kernel), then the other readers
+    of its operands (x.cos() and x.sin() of a rotary table: one kernel reading x once, two outputs)."""
     yield from (use.operation for use in list(op.results[0].uses))
     yield from (v.owner for v in op.operands)
+    yield from (use.operation for v in op.operands for use in list(v.uses) if use.operation is not op)
 
 
 def _grow(start: ElementwiseOp, max_ops: int) -> list[ElementwiseOp]:

@@ -69,3 +69,23 @@ def test_where_with_a_bool_mask_shares_the_kernel(tmp_path):
     x, keep = torch.randn(4, 16), torch.rand(4, 16) > 0.5
     with torch.no_grad():
         torch.testing.assert_close(coopt.load(tmp_path / "out")(x, keep), model(x, keep), rtol=1e-5, atol=1e-5)
+
+
+class RotaryTables(torch.nn.Module):
+    """transformers' rotary tables: cos and sin of the same angles, each cast to bf16."""
+
+    def forward(self, positions, inv_freq):
+        angles = positions[:, None] * inv_freq[None, :]
+        return angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+
+
+def test_cos_and_sin_of_one_value_build_into_one_kernel(tmp_path):
+    model, inputs = RotaryTables(), (torch.arange(64).float(), 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+    result = coopt.Pipeline(top_k=1).build(model, inputs, tmp_path / "out")
+    assert [r.summary.family for r in result.regions] == ["elementwise"]
+    assert [spec.dtype for spec in result.regions[0].summary.outputs] == ["bfloat16", "bfloat16"]
+    positions = torch.arange(64).float() + 4000  # angles far outside [-pi, pi]
+    with torch.no_grad():
+        for got, want in zip(coopt.load(tmp_path / "out")(positions, inputs[1]), model(positions, inputs[1])):
+            # one bf16 rounding apart at most (Triton's interpreter truncates to bf16)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-8)

@@ -51,6 +51,17 @@ def test_elementwise_chain_with_broadcast_is_one_region():
     assert [fn for _, fn, _ in kernel.family_attrs["program"]] == ["mul", "add", "sigmoid", "mul"]
 
 
+def test_readers_of_one_value_share_a_kernel():
+    # a rotary table's cos and sin of the same angles (each cast to bf16): one kernel reading the
+    # angles once, two outputs; a reader of another shape stays apart
+    model = Lambda(lambda m, x: (x.cos().to(torch.bfloat16), x.sin().to(torch.bfloat16), x.sum(-1).exp()))
+    module, counters = run_pipeline(model, [x4])
+    ew = [k for k in kernels(module) if k.family.data == "elementwise"]
+    assert sorted(sorted(fn for _, fn, _ in k.family_attrs["program"]) for k in ew) == [
+        ["cos", "sin", "to_bf16", "to_bf16"], ["exp"]]
+    assert counters["fuse.elementwise"] == 2
+
+
 def test_elementwise_max_ops_splits_chains():
     model = Lambda(lambda m, x: torch.exp(torch.tanh(torch.relu(x) + 1.0)))
     module, _ = run_pipeline(model, [x4], "raise-patterns,fuse-elementwise{max-ops=2}")
