@@ -74,6 +74,7 @@ def _split_gemv_kernel(w_desc, x_desc, w_ptr, x_ptr, out_ptr, partial_ptr, arriv
         total = acc
     else:
         tl.store(partial_ptr + pid_k * N * BLOCK_M + tile, acc, mask=tile_mask)
+        tl.debug_barrier()  # every thread's partial stored before the one atomic releases them
         arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel")  # releases the partial, acquires the rest
         if arrived != SPLIT_K - 1:
             return

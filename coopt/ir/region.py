@@ -118,8 +118,9 @@ ELEMENTWISE_FNS = {
     "sin": 1, "cos": 1, "erf": 1, "hardsigmoid": 1, "hardswish": 1,
     "where": 3,  # (condition, if true, if false); the condition a bool input, read as 0 / 1
     # float casts (x.to(dtype), x.float()): in the fp32 program a cast to a 16-bit type rounds the
-    # value to it (the program goes on in fp32), a cast to fp32 is exact
-    "to_f32": 1, "to_bf16": 1, "to_f16": 1,
+    # value to it (the program goes on in fp32); a 16-bit value widened to fp32 is rounded to its
+    # own dtype first (inside the program it may not have been yet), fp32 to fp32 is the identity
+    "to_f32": 1, "to_bf16": 1, "to_f16": 1, "bf16_to_f32": 1, "f16_to_f32": 1,
 }
 
 FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention", "decode_attention", "rope", "kv_write")

@@ -84,18 +84,48 @@ class FoldRepeatedKVHeads(RewritePattern):
         if op.target.data != SDPA:
             return
         call = op.call
-        slots = [_operand_slot(call, 1, "key"), _operand_slot(call, 2, "value")]
-        if None in slots:
+        q, k, v = tensor_arg(op, 0, "query"), tensor_arg(op, 1, "key"), tensor_arg(op, 2, "value")
+        if q is None or k is None or v is None:
             return
-        folded = [unrepeated_heads(op.inputs[slot]) for slot in slots]
+        folded = [unrepeated_heads(k), unrepeated_heads(v)]
         if None in folded or folded[0][1] != folded[1][1]:
             return  # both or neither: SDPA takes one head count for keys and values
-        inputs = list(op.inputs)
-        for slot, (heads, _) in zip(slots, folded):
-            inputs[slot] = heads
-        gqa = {**call, "kwargs": {**call["kwargs"], "enable_gqa": True}}
+        # the query must have as many heads as the repeated keys (eager SDPA would broadcast fewer),
+        # or a multiple of them where the call already asked for grouped heads
+        q_heads, repeated = dims(q)[1], dims(k)[1]
+        if not isinstance(q_heads, int) or not (q_heads == repeated or (call["kwargs"].get("enable_gqa")
+                                                                       and q_heads % repeated == 0)):
+            return
+        replaced = {1: folded[0][0], "key": folded[0][0], 2: folded[1][0], "value": folded[1][0]}
+        gqa, inputs = _rebuilt_call(call, op.inputs, replaced)
+        gqa["kwargs"]["enable_gqa"] = True
         rewriter.replace_matched_op(AtenOp(SDPA, gqa, inputs, [r.type for r in op.results]))
         count("raise.attention.repeated_kv_folded")
+
+
+def _rebuilt_call(call: dict, inputs, replaced: dict) -> tuple[dict, list]:
+    """(call, operands) with the args at the positions / keywords in `replaced` passing those
+    values instead. Operands are numbered afresh: one that was shared (q, k and v all the same
+    repeated tensor) keeps serving the args not replaced, and one no arg passes any more is dropped."""
+    operands: list = []
+
+    def ref(value) -> dict:
+        index = next((i for i, known in enumerate(operands) if known is value), None)
+        if index is None:
+            operands.append(value)
+            index = len(operands) - 1
+        return {"$t": index}
+
+    def rebuilt(arg):
+        if isinstance(arg, dict) and "$t" in arg:
+            return ref(inputs[arg["$t"]])
+        if isinstance(arg, list):
+            return [rebuilt(a) for a in arg]
+        return arg
+
+    args = [ref(replaced[i]) if i in replaced else rebuilt(a) for i, a in enumerate(call["args"])]
+    kwargs = {kw: ref(replaced[kw]) if kw in replaced else rebuilt(a) for kw, a in call["kwargs"].items()}
+    return {"args": args, "kwargs": kwargs}, operands
 
 
 class FoldRepeatedKVIntoAttention(RewritePattern):
@@ -104,14 +134,8 @@ class FoldRepeatedKVIntoAttention(RewritePattern):
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: AttentionOp, rewriter: PatternRewriter) -> None:
         folded = [unrepeated_heads(op.k), unrepeated_heads(op.v)]
-        if None in folded or folded[0][1] != folded[1][1]:
-            return
+        if None in folded or folded[0][1] != folded[1][1] or dims(op.q)[1] != dims(op.k)[1]:
+            return  # (a query of fewer heads than the repeated keys was broadcast: not GQA)
         (k, _), (v, _) = folded
         rewriter.replace_matched_op(AttentionOp(op.q, k, v, bool(op.causal.value.data), op.scale.value.data, op.result.type))
         count("raise.attention.repeated_kv_folded")
-
-
-def _operand_slot(call: dict, position: int, kw: str) -> int | None:
-    """Index into the op's operands of the tensor passed as arg `position` (or keyword `kw`)."""
-    arg = call["args"][position] if position < len(call["args"]) else call["kwargs"].get(kw)
-    return arg["$t"] if isinstance(arg, dict) and "$t" in arg else None

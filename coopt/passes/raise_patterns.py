@@ -89,8 +89,21 @@ class RaiseLinear(RewritePattern):
         count("raise.linear")
 
 
-# a float cast's result type -> its fn (a cast that only changes the dtype: x.to(dtype), x.float())
+# a float cast's result type -> its fn (a cast that only changes the dtype: x.to(dtype), x.float());
+# a 16-bit source widened to fp32 -> its own fn (_cast_fn)
 _CASTS = {"f32": "to_f32", "bf16": "to_bf16", "f16": "to_f16"}
+_WIDENINGS = {"bf16": "bf16_to_f32", "f16": "f16_to_f32"}
+
+
+def _cast_fn(op: AtenOp) -> str | None:
+    """The fn of a float cast. Widening a 16-bit value to fp32 is exact, but inside a fused fp32
+    program that value may not have been rounded to its 16-bit dtype yet (an add's sum, a GEMV's
+    accumulator): the widening rounds to the source dtype (bf16_to_f32, f16_to_f32), so x.float()
+    is what eager gives. A cast between the two 16-bit dtypes (two roundings) stays ATen."""
+    source, target = (str(v.type.element_type) for v in (op.inputs[0], op.results[0]))
+    if source in _WIDENINGS and target in _WIDENINGS and source != target:
+        return None
+    return _WIDENINGS[source] if target == "f32" and source in _WIDENINGS else _CASTS.get(target)
 
 
 class RaiseElementwise(RewritePattern):
@@ -101,7 +114,7 @@ class RaiseElementwise(RewritePattern):
     def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
         fn = ELEMENTWISE.get(op.target.data)
         if op.target.data == "aten._to_copy.default" and set(op.call["kwargs"]) == {"dtype"}:
-            fn = _CASTS.get(str(op.results[0].type.element_type))
+            fn = _cast_fn(op)
         if fn is None or not is_float_tensor(op.results[0]):
             return
         floats = op.inputs[1:] if fn == "where" else op.inputs  # where's condition: a bool tensor
@@ -274,8 +287,9 @@ def _cast_back_from_fp32(value):
     if str(product.type.element_type) != "f32" or not isinstance(product.owner, ElementwiseOp):
         return None
     for x32 in product.owner.inputs:
-        widen = _ew(x32, "to_f32")
-        if widen is not None and widen.inputs[0].type.element_type == value.type.element_type:
+        widen = x32.owner  # x.to(float32) of a 16-bit x (_cast_fn)
+        if (isinstance(widen, ElementwiseOp) and widen.fn.data in _WIDENINGS.values()
+                and str(x32.type.element_type) == "f32" and widen.inputs[0].type.element_type == value.type.element_type):
             return widen.inputs[0], product, x32
     return None
 

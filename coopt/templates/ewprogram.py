@@ -45,6 +45,8 @@ _TRITON = {
     "to_f32": "{0}",
     "to_bf16": "{0}.to(tl.bfloat16).to(tl.float32)",  # round to nearest even (Triton's interpreter truncates)
     "to_f16": "{0}.to(tl.float16).to(tl.float32)",
+    "bf16_to_f32": "{0}.to(tl.bfloat16).to(tl.float32)",
+    "f16_to_f32": "{0}.to(tl.float16).to(tl.float32)",
 }
 
 # fn -> torch expression (module `torch` in scope), used by the eager reference
@@ -79,6 +81,8 @@ _TORCH = {
     "to_f32": "{0}.to(torch.float32)",
     "to_bf16": "{0}.to(torch.bfloat16)",
     "to_f16": "{0}.to(torch.float16)",
+    "bf16_to_f32": "{0}.to(torch.float32)",  # eager's operand is a bf16 tensor already: exact
+    "f16_to_f32": "{0}.to(torch.float32)",
 }
 
 # torch.maximum / minimum take tensors only; with a number (clamp's bound) the tensor's own dtype
@@ -121,6 +125,8 @@ _CUDA = {
     "to_f32": "{0}",
     "to_bf16": "round_bf16({0})",  # cuda/_prelude.cuh.j2
     "to_f16": "round_f16({0})",
+    "bf16_to_f32": "round_bf16({0})",
+    "f16_to_f32": "round_f16({0})",
 }
 
 assert set(_TRITON) == set(ELEMENTWISE_FNS) == set(_TORCH) == set(_CUDA)

@@ -170,3 +170,37 @@ def test_the_explicit_attention_over_repeated_heads_folds_too(tmp_path, form, fo
     inputs = [x * 2 for x in prompt_inputs()]
     with torch.no_grad():
         torch.testing.assert_close(coopt.load(tmp_path / "out")(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
+
+
+class SelfAttention(torch.nn.Module):
+    """q, k and v all the same repeated tensor (one operand of the SDPA, three args)."""
+
+    def forward(self, x):
+        r = repeat_kv(x, 2)
+        return F.scaled_dot_product_attention(r, r, r, is_causal=True)
+
+
+def test_a_query_that_is_the_repeated_tensor_keeps_its_heads(tmp_path):
+    model, x = SelfAttention(), torch.randn(1, 2, 8, 8)
+    module, counters = run_pipeline(model, [x], RAISE)
+    assert counters["raise.attention.repeated_kv_folded"] == 1
+    (attention,) = [op for op in module.walk() if isinstance(op, AttentionOp)]
+    assert [v.type.get_shape()[1] for v in attention.operands] == [4, 2, 2]  # q repeated, k and v not
+    coopt.Pipeline(top_k=1).build(model, (x,), tmp_path / "out")
+    x = torch.randn(1, 2, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(coopt.load(tmp_path / "out")(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class OneQueryHead(torch.nn.Module):
+    """One query head against keys repeated to 2: eager SDPA broadcasts the query (2 heads out)."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2))
+
+
+def test_a_query_broadcast_over_repeated_heads_is_left_alone():
+    model = OneQueryHead()
+    inputs = [torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8)]
+    _, counters = run_pipeline(model, inputs, RAISE)
+    assert not counters.get("raise.attention.repeated_kv_folded")

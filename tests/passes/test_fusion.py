@@ -62,6 +62,18 @@ def test_readers_of_one_value_share_a_kernel():
     assert counters["fuse.elementwise"] == 2
 
 
+def test_a_16_bit_value_widened_to_fp32_is_rounded_to_its_dtype_first():
+    # (a + b).float() on bf16: inside the fp32 program the sum was never rounded to bf16, eager's
+    # was; bf16 -> fp16 (two roundings) stays ATen
+    a, b = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
+    module, _ = run_pipeline(Lambda(lambda m, a, b: (a + b).float() * 3), [a, b])
+    (kernel,) = kernels(module)
+    assert [fn for _, fn, _ in kernel.family_attrs["program"]] == ["add", "bf16_to_f32", "mul"]
+    module, _ = run_pipeline(Lambda(lambda m, a: (a * 2).to(torch.float16)), [a])
+    assert [fn for _, fn, _ in kernels(module)[0].family_attrs["program"]] == ["mul"]
+    assert "aten._to_copy.default" in [op.target.data for op in module.walk() if hasattr(op, "target")]
+
+
 def test_elementwise_max_ops_splits_chains():
     model = Lambda(lambda m, x: torch.exp(torch.tanh(torch.relu(x) + 1.0)))
     module, _ = run_pipeline(model, [x4], "raise-patterns,fuse-elementwise{max-ops=2}")

@@ -173,6 +173,8 @@ def test_every_fn_matches_torch_dialect(load_candidate, assert_close, fn):
         a = a.abs() + 0.1
     if fn == "where":  # the condition: 0 / 1, as a bool input loads
         a = (a > 0).float()
+    if fn.endswith("_to_f32") and fn != "to_f32":  # a widening's operand is a 16-bit value in eager
+        a = a.to(torch.bfloat16 if fn.startswith("bf16") else torch.float16).float()
     inputs = [a, b, c][: len(args)]
     (y,) = run_candidate(load_candidate, summary, {"BLOCK": 128, "num_warps": 1}, inputs)
     if fn == "to_bf16" and not torch.cuda.is_available():  # the interpreter truncates to bf16 (one ulp)
@@ -181,7 +183,8 @@ def test_every_fn_matches_torch_dialect(load_candidate, assert_close, fn):
         assert_close(y, torch_reference(summary, inputs)[0])
 
 
-@pytest.mark.parametrize("fn, dtype", [("to_bf16", torch.bfloat16), ("to_f16", torch.float16)])
+@pytest.mark.parametrize("fn, dtype", [("to_bf16", torch.bfloat16), ("to_f16", torch.float16),
+                                       ("bf16_to_f32", torch.bfloat16), ("f16_to_f32", torch.float16)])
 def test_a_cast_rounds_and_the_program_goes_on_in_fp32(load_candidate, fn, dtype):
     # 1 + 2^-12 is no bf16 or fp16 value: rounded it is 1, so (x.to(dtype) - 1) * 2^12 is 0 where
     # the unrounded value gives 1; the result stays fp32, as the region's output says
