@@ -1,0 +1,80 @@
+"""A Llama layer written the way transformers writes it, in bf16: LlamaRMSNorm (fp32 statistics
+between two casts), the rotary tables computed in the model (cos and sin of the same angles, cast
+to bf16), keys and values repeated per query head (repeat_kv) before SDPA. It builds as the
+project's own Llama does: every norm a GEMV prologue, the attention grouped over the kv heads
+(no copy of repeated keys), nothing between the kernels but the table's small data ops."""
+
+import torch
+import torch.nn.functional as F
+
+import coopt
+
+D, H, KV, HD, FF = 64, 4, 2, 16, 96
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    def __init__(self, size, eps=1e-6):
+        super().__init__()
+        self.weight, self.variance_epsilon = torch.nn.Parameter(1 + 0.1 * torch.randn(size)), eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def repeat_kv(x, n_rep):
+    batch, heads, length, dim = x.shape
+    return x[:, :, None, :, :].expand(batch, heads, n_rep, length, dim).reshape(batch, heads * n_rep, length, dim)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q_proj, self.k_proj = torch.nn.Linear(D, H * HD, bias=False), torch.nn.Linear(D, KV * HD, bias=False)
+        self.v_proj, self.o_proj = torch.nn.Linear(D, KV * HD, bias=False), torch.nn.Linear(H * HD, D, bias=False)
+        self.gate_proj, self.up_proj = torch.nn.Linear(D, FF, bias=False), torch.nn.Linear(D, FF, bias=False)
+        self.down_proj = torch.nn.Linear(FF, D, bias=False)
+        self.input_layernorm, self.post_attention_layernorm = LlamaRMSNorm(D), LlamaRMSNorm(D)
+        self.to(torch.bfloat16)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD)), persistent=False)
+
+    def forward(self, x, position_ids):
+        angles = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        b, s, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(b, s, H, HD).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, KV, HD).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, KV, HD).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        attn = F.scaled_dot_product_attention(q, repeat_kv(k, H // KV), repeat_kv(v, H // KV), is_causal=True)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, s, H * HD))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def test_it_builds_as_the_projects_own_llama(tmp_path):
+    model = Layer()
+    inputs = (torch.randn(2, 8, D, dtype=torch.bfloat16), torch.arange(8)[None].expand(2, 8))
+    result = coopt.Pipeline(top_k=1).build(model, inputs, tmp_path / "out")
+    counters = result.counters
+    assert counters["raise.attention.repeated_kv_folded"] == 1 and counters["fuse.attention.gqa"] == 1
+    assert counters["raise.rms_norm.explicit.fp32_statistics"] == 2
+    families = sorted(r.summary.family for r in result.regions)
+    assert families.count("attention") == 1 and "row_reduction" not in families  # both norms are prologues
+    # between the kernels: only the table's data ops (the positions' int -> float cast, the cat)
+    assert set(result.unfused_ops) <= {"aten._to_copy.default", "aten.cat.default"}, result.unfused_ops
+    assert not result.fallback_ops and result.e2e["ok"]
+    x = torch.randn(2, 8, D, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(coopt.load(tmp_path / "out")(x, inputs[1]).float(), model(x, inputs[1]).float(),
+                                   rtol=3e-2, atol=3e-2)
