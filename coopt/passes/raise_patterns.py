@@ -93,6 +93,7 @@ class RaiseLinear(RewritePattern):
 # a 16-bit source widened to fp32 -> its own fn (_cast_fn)
 _CASTS = {"f32": "to_f32", "bf16": "to_bf16", "f16": "to_f16"}
 _WIDENINGS = {"bf16": "bf16_to_f32", "f16": "f16_to_f32"}
+_INTEGERS = ("i64", "i32")
 
 
 def _cast_fn(op: AtenOp) -> str | None:
@@ -101,14 +102,16 @@ def _cast_fn(op: AtenOp) -> str | None:
     accumulator): the widening rounds to the source dtype (bf16_to_f32, f16_to_f32), so x.float()
     is what eager gives. A cast between the two 16-bit dtypes (two roundings) stays ATen."""
     source, target = (str(v.type.element_type) for v in (op.inputs[0], op.results[0]))
+    if source in _INTEGERS:  # positions.float(): the program loads integers into fp32 exactly as
+        return "to_f32" if target == "f32" else None  # a cast does (to 16 bits it would round twice)
     if source in _WIDENINGS and target in _WIDENINGS and source != target:
         return None
     return _WIDENINGS[source] if target == "f32" and source in _WIDENINGS else _CASTS.get(target)
 
 
 class RaiseElementwise(RewritePattern):
-    """Float elementwise ATen ops → coopt.ew (gelu with approximate='tanh' → gelu_tanh; a cast
-    between float dtypes → to_f32 / to_bf16 / to_f16)."""
+    """Float elementwise ATen ops → coopt.ew (gelu with approximate='tanh' → gelu_tanh; a cast to
+    a float dtype, from a float or to fp32 from an integer → a cast fn: _cast_fn)."""
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
@@ -118,6 +121,8 @@ class RaiseElementwise(RewritePattern):
         if fn is None or not is_float_tensor(op.results[0]):
             return
         floats = op.inputs[1:] if fn == "where" else op.inputs  # where's condition: a bool tensor
+        if op.target.data == "aten._to_copy.default":  # (an integer cast's source: _cast_fn)
+            floats = [v for v in floats if str(v.type.element_type) not in _INTEGERS]
         if not all(is_float_tensor(v) for v in floats) or (fn == "where" and not is_bool_tensor(op.inputs[0])):
             return
         call = op.call

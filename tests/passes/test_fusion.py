@@ -74,6 +74,17 @@ def test_a_16_bit_value_widened_to_fp32_is_rounded_to_its_dtype_first():
     assert "aten._to_copy.default" in [op.target.data for op in module.walk() if hasattr(op, "target")]
 
 
+def test_integer_positions_cast_to_fp32_fuse_with_the_angles():
+    positions, inv = torch.arange(12).view(3, 4), torch.rand(8)
+    module, _ = run_pipeline(Lambda(lambda m, p, f: p[..., None].float() * f), [positions, inv])
+    (kernel,) = kernels(module)
+    assert [fn for _, fn, _ in kernel.family_attrs["program"]] == ["to_f32", "mul"]
+    assert kernel.inputs[0].type.element_type == module.body.block.first_op.body.block.args[0].type.element_type
+    # to a 16-bit type an integer would round twice through fp32 (past 2^24): that cast stays ATen
+    module, _ = run_pipeline(Lambda(lambda m, p, f: p[..., None].to(torch.bfloat16) * f.bfloat16()), [positions, inv])
+    assert "aten._to_copy.default" in [op.target.data for op in module.walk() if hasattr(op, "target")]
+
+
 def test_elementwise_max_ops_splits_chains():
     model = Lambda(lambda m, x: torch.exp(torch.tanh(torch.relu(x) + 1.0)))
     module, _ = run_pipeline(model, [x4], "raise-patterns,fuse-elementwise{max-ops=2}")
