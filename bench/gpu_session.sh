@@ -367,6 +367,10 @@ case "${1:-}" in
         step 270 pending-mma python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_decode_attention_mma.py
         step 90 pending-gemv python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_gemv_cuda.py
         step 60 pending-ew python -m pytest -q -p no:cacheprovider --tb=short -rs tests/templates/test_elementwise.py
+        # session 39: the cast fns, log_softmax, the repeated-KV fold and a transformers-style layer, built on the GPU
+        step 150 pending-39 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/templates/test_row_reduction.py \
+            tests/passes/test_fold_repeated_kv.py tests/passes/test_raise_hf_rms_norm.py tests/passes/test_raise_log_softmax.py \
+            tests/e2e/test_transformers_style_llama.py tests/e2e/test_elementwise_ops_build.py
         ;;
     prefetch-bulk)  # issue 3, session 38: does pulling the o weights into L2 with the TMA's bulk prefetch during the
         # b1 / 2048 attention (latency-bound: 7 µs for 8.4 MB) make the o GEMV after it faster than the prefetch's own
