@@ -22,7 +22,6 @@ from coopt.passes.shapes import dims
 from coopt.passes.stats import count
 
 _KIND = {RMSNormOp: "rms_norm", LayerNormOp: "layer_norm", SoftmaxOp: "softmax", LogSoftmaxOp: "log_softmax"}
-_NO_EPS = ("softmax", "log_softmax")
 
 
 def _residual_add(norm) -> ElementwiseOp | None:
@@ -48,7 +47,8 @@ class FuseNormResidual(CooptPass):
             if isinstance(norm.parent_op(), KernelOp):
                 continue
             kind = _KIND[type(norm)]
-            add = _residual_add(norm) if self.residual and kind not in _NO_EPS else None
+            is_norm = isinstance(norm, (RMSNormOp, LayerNormOp))  # (the softmaxes: no eps, no residual)
+            add = _residual_add(norm) if self.residual and is_norm else None
             if add is not None and not can_outline([add, norm]):
                 add = None
             weight = getattr(norm, "weight", None)
@@ -62,7 +62,7 @@ class FuseNormResidual(CooptPass):
                 inputs = x_inputs + [v for v in (weight, bias) if v is not None]
             attrs = {
                 "kind": kind,
-                "eps": norm.eps.value.data if kind not in _NO_EPS else 0.0,
+                "eps": norm.eps.value.data if is_norm else 0.0,
                 "has_weight": weight is not None,
                 "has_bias": bias is not None,
                 "residual": add is not None,

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from xdsl.context import Context
-from xdsl.dialects.builtin import ModuleOp, bf16, f16
+from xdsl.dialects.builtin import ModuleOp
 from xdsl.pattern_rewriter import (
     GreedyRewritePatternApplier,
     PatternRewriter,
@@ -115,13 +115,12 @@ class RaiseElementwise(RewritePattern):
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
-        fn = ELEMENTWISE.get(op.target.data)
-        if op.target.data == "aten._to_copy.default" and set(op.call["kwargs"]) == {"dtype"}:
-            fn = _cast_fn(op)
+        cast = op.target.data == "aten._to_copy.default" and set(op.call["kwargs"]) == {"dtype"}
+        fn = _cast_fn(op) if cast else ELEMENTWISE.get(op.target.data)
         if fn is None or not is_float_tensor(op.results[0]):
             return
         floats = op.inputs[1:] if fn == "where" else op.inputs  # where's condition: a bool tensor
-        if op.target.data == "aten._to_copy.default":  # (an integer cast's source: _cast_fn)
+        if cast:  # (an integer cast's source: _cast_fn)
             floats = [v for v in floats if str(v.type.element_type) not in _INTEGERS]
         if not all(is_float_tensor(v) for v in floats) or (fn == "where" and not is_bool_tensor(op.inputs[0])):
             return
@@ -285,8 +284,9 @@ def _cast_back_from_fp32(value):
     """(x, product, x32) where `value` is product.to(x's 16-bit dtype) and x32 = x.to(float32)
     feeds the product (both casts raised to coopt.ew): transformers' RMSNorm body in fp32 between
     two casts; else None. The product's own form (x32 * rsqrt(...)) is the caller's to check."""
-    cast = _ew(value, _CASTS.get(str(value.type.element_type), ""))
-    if cast is None or value.type.element_type not in (bf16, f16):
+    dtype = str(value.type.element_type)
+    cast = _ew(value, _CASTS[dtype]) if dtype in _WIDENINGS else None
+    if cast is None:
         return None
     product = cast.inputs[0]
     if str(product.type.element_type) != "f32" or not isinstance(product.owner, ElementwiseOp):

@@ -91,6 +91,7 @@ class RowReductionFamily(TemplateFamily):
             "triton/row_reduction.py.j2",
             region_name=region.name,
             kind=attrs["kind"],
+            softmax_like=attrs["kind"] in SOFTMAXES,
             eps=float(attrs.get("eps", 0.0)),
             residual=residual,
             has_weight=bool(attrs.get("has_weight")),
