@@ -48,8 +48,7 @@ def unrepeated_heads(value: SSAValue) -> tuple[SSAValue, int] | None:
         x, n = tensor_arg(op, 0), literal_arg(op, 1, "repeats")
         if x is None or literal_arg(op, 2, "dim") not in (1, -3) or not isinstance(n, int) or n < 1:
             return None
-        source = dims(x)
-        return (x, n) if _heads_repeated(source, shape, n) else None
+        return (x, n) if _heads_repeated(dims(x), shape, n) else None
     if target not in _RESHAPES or (copy := tensor_arg(op, 0)) is None:
         return None
     if aten_target(copy.owner) == "aten.clone.default":
@@ -64,7 +63,7 @@ def unrepeated_heads(value: SSAValue) -> tuple[SSAValue, int] | None:
         return None
     source, expanded = dims(x), dims(copy)
     # the expand may broadcast the new dim only: every other dim is x's own
-    if len(source) != 4 or len(expanded) != 5 or expanded[:2] + expanded[3:] != source:
+    if len(expanded) != 5 or expanded[:2] + expanded[3:] != source:
         return None
     n = expanded[2]
     return (x, n) if isinstance(n, int) and _heads_repeated(source, shape, n) else None
