@@ -254,7 +254,7 @@ def compile_model(model, example_inputs, out: Path, config: BuildConfig, *, dyna
 
     # 1. capture: torch.export gives a functional ATen graph; buffer writes become outputs
     progress("capture", "torch.export")
-    program = capture(model, example_inputs, dynamic_shapes, model_path)
+    program = capture(model, example_inputs, dynamic_shapes, model_path, notes=warnings)
 
     # 2. import: ATen → coopt dialect; weights by name, unknown ops kept as fallback ops
     progress("import", "ATen graph → coopt IR")

@@ -15,7 +15,8 @@ final IR: the bounds that keep a KV-cache write or a table lookup inside its buf
   and length ranges of one call, and the prefill chunk a `chunked-prefill` build records).
 
 Anything computed from an input (`input_pos + 1` used as an index) is not traced: no bound is
-derived for it. Every derived bound is necessary (a call outside it indexes out of range, wraps
+derived for it; but the first element of a one-element input, and `arange(1) + v` (0 + v), hold
+the input's values (transformers 5's cache positions are `arange(1) + cache_position[0]`). Every derived bound is necessary (a call outside it indexes out of range, wraps
 a cache position, or breaks a shape export assumed), so checking it rejects no correct call.
 """
 
@@ -28,7 +29,7 @@ from xdsl.ir import Block, BlockArgument, SSAValue
 
 from coopt.ir.dialect import KernelOp, StateUpdateOp, StateWriteOp, WeightOp
 from coopt.ir.summary import tensor_spec
-from coopt.passes.base import literal_arg, tensor_arg
+from coopt.passes.base import literal_arg, tensor_arg, zero_based_arange
 from coopt.passes.chunked_prefill import prefill_chunk
 from coopt.passes.paged_kv import paged_record
 from coopt.passes.shapes import dims
@@ -100,14 +101,30 @@ def _operand(op, arg) -> SSAValue | None:
     return op.inputs[arg["$t"]] if isinstance(arg, dict) and "$t" in arg else None
 
 
+def _same_values_operand(op) -> SSAValue | None:
+    """The operand whose values op's result holds unchanged: operand 0 of a _SAME_VALUES op; x of
+    select(x, 0, 0) over a one-element x; v of arange(1) + v (transformers 5 makes its cache
+    positions so: arange(1) + cache_position[0]). Else None."""
+    target = _call_target(op)
+    if target in _SAME_VALUES and op.inputs:
+        return op.inputs[0]
+    if target == "aten.select.int" and dims(op.inputs[0]) == [1] and literal_arg(op, 2) in (0, -1):
+        return op.inputs[0]
+    if target == "aten.add.Tensor" and len(op.inputs) == 2 and literal_arg(op, 2, "alpha", 1) == 1:
+        for zero, other in (op.inputs, op.inputs[::-1]):
+            if zero_based_arange(_source(zero)) == 1:
+                return other
+    return None
+
+
 def _user_input(value: SSAValue, inputs: Block) -> int | None:
     """Index of the user input whose values `value` carries unchanged, if any."""
     value = _source(value)
     while not (isinstance(value, BlockArgument) and value.owner is inputs):
-        op = value.owner
-        if _call_target(op) not in _SAME_VALUES or not op.inputs:
+        operand = _same_values_operand(value.owner)
+        if operand is None:
             return None
-        value = _source(op.inputs[0])
+        value = _source(operand)
     return value.index
 
 

@@ -10,7 +10,7 @@ from xdsl.ir import SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from coopt.ir.dialect import AtenOp
+from coopt.ir.dialect import AtenOp, WeightOp
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,23 @@ def literal_arg(op: AtenOp, position: int, kw: str | None = None, default=None):
     if position < len(call["args"]):
         return call["args"][position]
     return call["kwargs"].get(kw, default) if kw else default
+
+
+ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
+
+
+def zero_based_arange(value: SSAValue) -> int | None:
+    """n when `value` holds 0, 1, ..., n - 1 (cache positions, a batch's row index): an ATen arange
+    from 0 by 1 with no tensor operands, or a buffer the importer found to hold exactly that (its
+    `coopt.arange` attribute); else None."""
+    op, shape = value.owner, static_shape(value)
+    if len(shape) != 1 or shape[0] is None:
+        return None
+    if isinstance(op, WeightOp):
+        return shape[0] if "coopt.arange" in op.attributes else None
+    target = aten_target(op)
+    if target not in ARANGES or op.inputs:
+        return None
+    args = op.call["args"]
+    start, step = (0, 1) if target == "aten.arange.default" else (args[0], args[2] if len(args) > 2 else 1)
+    return shape[0] if start == 0 and step == 1 else None

@@ -13,6 +13,10 @@ slice, the index_put and the slice_scatter cover the same range and each is read
 the pass writes through the slice view instead: `index_put_(slice(buf, 0, 0, B), idx, src)`, a
 state_update whose result is still the whole buffer (codegen: the in-place op on the view, then
 the buffer), so only the new rows move.
+
+`index_copy(buf, d, idx, src)` (how transformers' StaticCache writes its rows) becomes the
+index_put_ that writes the same rows, `index_put_(buf, [None] * d + [idx], src)`: the cache passes
+after this one (fuse-kv-write, fp8-kv-cache, paged-kv) then read one form of a row write.
 """
 
 from __future__ import annotations
@@ -70,6 +74,19 @@ def _sliced_index_put(update, buffer):
     return put
 
 
+def _index_copy_as_index_put(update) -> dict | None:
+    """index_copy(buf, d, idx, src) (transformers' StaticCache writes its rows so) as the call of
+    index_put(buf, [None] * d + [idx], src), the form of a cache write that fuse-kv-write and
+    fp8-kv-cache read; the same rows written (src has buf's shape but for len(idx) at d). None
+    when `update` is no index_copy on a literal dim with a 1-D index."""
+    if aten_target(update) != "aten.index_copy.default":
+        return None
+    rank, dim, index = len(update.inputs[0].type.get_shape()), literal_arg(update, 1), tensor_arg(update, 2)
+    if not isinstance(dim, int) or not -rank <= dim < rank or index is None or len(index.type.get_shape()) != 1:
+        return None
+    return {"args": [{"$t": 0}, [None] * (dim % rank) + [{"$t": 1}], {"$t": 2}], "kwargs": {}}
+
+
 @dataclass(frozen=True)
 class InplaceStateWrites(CooptPass):
     name = "inplace-state-writes"
@@ -88,8 +105,11 @@ class InplaceStateWrites(CooptPass):
                 continue  # someone still needs the old contents after the write
             put = _sliced_index_put(update, buffer)  # a dynamic batch's rows: index_put_ through the slice view
             form, kind = (put, "index_put_slice") if put is not None else (update, target.split(".")[1])
-            in_place = StateUpdateOp(write.ref.data, IN_PLACE[aten_target(form)], form.call, list(form.inputs),
-                                     update.results[0].type)
+            in_place_target, call = IN_PLACE[aten_target(form)], form.call
+            as_put = _index_copy_as_index_put(form)
+            if as_put is not None:  # one form of a row write for the passes after this one
+                in_place_target, call = "aten.index_put_.default", as_put
+            in_place = StateUpdateOp(write.ref.data, in_place_target, call, list(form.inputs), update.results[0].type)
             Rewriter.replace_op(update, in_place)
             if put is not None:
                 put.detach()

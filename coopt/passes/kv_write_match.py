@@ -15,7 +15,13 @@ from xdsl.dialects.builtin import f32
 from xdsl.ir import Operation, SSAValue
 
 from coopt.ir.dialect import KernelOp, QuantizeFp8Op, RopeOp, StateUpdateOp, WeightOp
-from coopt.passes.base import aten_target, literal_arg, tensor_arg
+from coopt.passes.base import (
+    ARANGES,
+    aten_target,
+    literal_arg,
+    tensor_arg,
+    zero_based_arange,
+)
 from coopt.passes.fp8_kv_cache import RowScales, read_row_scales
 from coopt.passes.fusion_common import only_user
 from coopt.passes.paged_kv import PagedWrite, read_paged_write
@@ -70,18 +76,9 @@ def _strip_leading_ones(shape: list) -> list:
     return shape
 
 
-_ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
-
-
 def _batch_rows(value: SSAValue) -> Operation | None:
     """The op when `value` is arange(n) (0, 1, ..., n - 1: a batch index), else None."""
-    op = value.owner
-    target = getattr(op, "target", None)
-    if isinstance(op, StateUpdateOp) or target is None or target.data not in _ARANGES or op.inputs:
-        return None
-    args = op.call["args"]
-    start, step = (0, 1) if target.data == "aten.arange.default" else (args[0], args[2] if len(args) > 2 else 1)
-    return op if start == 0 and step == 1 and len(dims(value)) == 1 else None
+    return value.owner if aten_target(value.owner) in ARANGES and zero_based_arange(value) is not None else None
 
 
 def _paged_cache_write(update: StateUpdateOp, rank: int):

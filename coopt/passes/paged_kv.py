@@ -56,15 +56,28 @@ from xdsl.ir import Operation, SSAValue
 from xdsl.rewriter import InsertPoint, Rewriter
 
 from coopt.errors import ConfigError
-from coopt.ir.dialect import CacheAttentionOp, DecodeAttentionOp, KernelOp, StateUpdateOp, WeightOp
-from coopt.passes.base import CooptPass, aten_target, insert_aten, literal_arg, tensor_arg
+from coopt.ir.dialect import (
+    CacheAttentionOp,
+    DecodeAttentionOp,
+    KernelOp,
+    StateUpdateOp,
+    WeightOp,
+)
+from coopt.passes.base import (
+    ARANGES,
+    CooptPass,
+    aten_target,
+    insert_aten,
+    literal_arg,
+    tensor_arg,
+    zero_based_arange,
+)
 from coopt.passes.shapes import dims, typed
 from coopt.passes.stats import count
 from coopt.runtime.pages import PAGE_SIZES
 
 PAGED_ATTR = "coopt.paged_kv"
 PAGE_TABLE = "page_table"  # the name of the new input in the program
-_ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
 # permutations, truncated to the rank of what they move (a cache, or its per-token scales without D):
 _TOKENS_FIRST = [0, 2, 1, 3]  # a shared write's value [B, Hkv, T, D] -> [B, T, Hkv, D], as the page ids index it
 _PAGES_IN_ORDER = [0, 2, 1, 3, 4]  # gathered pages [B, max_pages, Hkv, P, D] -> [B, Hkv, max_pages, P, D]
@@ -195,7 +208,7 @@ def _read_cache(weight: WeightOp) -> _Cache | str:
     rows = None
     if indices[0] is not None:
         rows = update.inputs[indices[0]["$t"]].owner
-        if aten_target(rows) not in _ARANGES or rows.inputs:
+        if aten_target(rows) not in ARANGES or zero_based_arange(rows.results[0]) is None:
             return f"buffer '{ref}' is written at rows that are not arange(batch)"
     value = tensor_arg(update, 2)
     shape = list(weight.results[0].type.get_shape())
@@ -415,7 +428,7 @@ def read_paged_write(update: StateUpdateOp) -> PagedWrite | None:
     rows = None
     if len(which) == 2 and which[0] is not None:
         rows = page_ids.inputs[which[0]["$t"]].owner
-        if aten_target(rows) not in _ARANGES:
+        if aten_target(rows) not in ARANGES or zero_based_arange(rows.results[0]) is None:
             return None
     elif not (len(which) == 2 and which[0] is None):
         return None

@@ -9,6 +9,11 @@ A ragged decode step (one token per row, each row at its own position: input_pos
 row b with `(cache_positions[None, :] <= input_pos[:, None]).view(B, 1, 1, S)`: the same
 comparison, one row per sequence, broadcast over heads and the single query. It is raised to a
 decode_attention with per-row lengths input_pos + 1 ([B], no expand).
+
+transformers builds the same decode mask as a float one added to the scores: 0 up to the
+position, its dtype's minimum after it (`full((1, S), min) * (arange(S) > cache_position.reshape(-1,
+1))`, then [None, None] and expanded over the batch). No finite score survives that minimum, so it
+selects the same keys and is raised the same way.
 """
 
 from __future__ import annotations
@@ -17,11 +22,21 @@ import math
 
 from xdsl.dialects.builtin import TensorType
 from xdsl.ir import SSAValue
-from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.pattern_rewriter import (
+    PatternRewriter,
+    RewritePattern,
+    op_type_rewrite_pattern,
+)
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from coopt.ir.dialect import AtenOp, CacheAttentionOp, DecodeAttentionOp, WeightOp
-from coopt.passes.base import aten_target, literal_arg, static_shape, tensor_arg
+from coopt.ir.dialect import AtenOp, CacheAttentionOp, DecodeAttentionOp
+from coopt.passes.base import (
+    aten_target,
+    literal_arg,
+    static_shape,
+    tensor_arg,
+    zero_based_arange,
+)
 from coopt.passes.stats import count
 
 
@@ -45,16 +60,110 @@ def _per_row_view(mask):
 
 
 def _positions_mask(mask):
-    """input_pos when mask == le(arange_buffer[None, :], input_pos[:, None]), else None."""
+    """(input_pos, S) when mask == le(arange(S)[None, :], input_pos[:, None]), else None."""
     le = mask.owner
     if aten_target(le) != "aten.le.Tensor":
         return None
     positions, pos = _unsqueezed(tensor_arg(le, 0), 0), _unsqueezed(tensor_arg(le, 1), 1)
     if positions is None or pos is None:
         return None
-    if not (isinstance(positions.owner, WeightOp) and "coopt.arange" in positions.owner.attributes):
+    length = zero_based_arange(positions)
+    return None if length is None else (pos, length)
+
+
+# what transformers puts between its [T, S] mask and SDPA: [None, None], expand over the batch,
+# [..., :key_length]; none changes which keys a query row may see (a slice from 0 keeps the first
+# keys, checked against the key length by the caller)
+_MASK_VIEWS = ("aten.alias.default", "aten.unsqueeze.default", "aten.expand.default", "aten.slice.Tensor")
+# an additive mask's fill below this is exp() == 0 after any finite score: as good as -inf
+_MASKED_OUT = -1e30
+
+
+def _column_of(value):
+    """p when value is p viewed as a column [T, 1] (view / reshape to [-1, 1], unsqueeze(1))."""
+    op = value.owner
+    target, shape = aten_target(op), static_shape(value)
+    if target == "aten.unsqueeze.default" and literal_arg(op, 1) in (1, -1) and len(shape) == 2:
+        return tensor_arg(op, 0)
+    if target in ("aten.view.default", "aten.reshape.default") and len(shape) == 2 and shape[1] == 1:
+        source = tensor_arg(op, 0)
+        return source if len(static_shape(source)) == 1 else None
+    return None
+
+
+def _under_mask_views(mask):
+    """The mask under _MASK_VIEWS, or None where a slice does not keep the first keys."""
+    while aten_target(mask.owner) in _MASK_VIEWS:
+        op = mask.owner
+        if aten_target(op) == "aten.slice.Tensor" and (
+                literal_arg(op, 1, "dim", 0) not in (-1, len(static_shape(mask)) - 1)
+                or literal_arg(op, 2, "start", 0) not in (0, None) or literal_arg(op, 4, "step", 1) != 1):
+            return None
+        mask = tensor_arg(op, 0)
+    return mask
+
+
+def _additive_positions_mask(mask):
+    """(input_pos, S) when mask is transformers' decode mask over a static cache
+    (_prepare_4d_causal_attention_mask_with_cache_position at one query token):
+    full((1, S), min) * (arange(S) > input_pos.reshape(-1, 1)), under _MASK_VIEWS: 0 for the keys
+    at or before the position, a fill no finite score survives for those after it. Else None."""
+    mask = _under_mask_views(mask)
+    mul = mask.owner if mask is not None else None
+    if aten_target(mul) != "aten.mul.Tensor" or len(mul.inputs) != 2 or static_shape(mask)[:1] != [1]:
         return None
-    return pos, static_shape(positions)[0]
+    fill, after = mul.inputs if aten_target(mul.inputs[0].owner) == "aten.full.default" else mul.inputs[::-1]
+    full, gt = fill.owner, after.owner
+    value = literal_arg(full, 1) if aten_target(full) == "aten.full.default" else None
+    value = value.get("$f") if isinstance(value, dict) else value
+    if not isinstance(value, (int, float, str)) or float(value) > _MASKED_OUT:
+        return None
+    if aten_target(gt) == "aten.gt.Tensor":
+        positions, column = tensor_arg(gt, 0), tensor_arg(gt, 1)
+    elif aten_target(gt) == "aten.lt.Tensor":
+        column, positions = tensor_arg(gt, 0), tensor_arg(gt, 1)
+    else:
+        return None
+    length, pos = zero_based_arange(positions), _column_of(column)
+    if length is None or pos is None:
+        return None
+    width = static_shape(mask)[-1]
+    return (pos, length) if static_shape(fill) == [1, length] and width == length else None
+
+
+def _one_dim_source(value):
+    """(the 1-D tensor under unsqueezes of `value`, value's shape), else (None, shape)."""
+    shape = static_shape(value)
+    while aten_target(value.owner) == "aten.unsqueeze.default":
+        value = tensor_arg(value.owner, 0)
+    return (value if len(static_shape(value)) == 1 else None), shape
+
+
+def _plus_zero(value):
+    """x when value is x + 0 (transformers offsets its key positions by a kv offset of 0)."""
+    op = value.owner
+    if aten_target(op) == "aten.add.Tensor" and len(op.inputs) == 1 and literal_arg(op, 1) == 0:
+        return op.inputs[0]
+    return value
+
+
+def _broadcast_positions_mask(mask):
+    """(input_pos, S) when mask is transformers' (5.x) boolean decode mask: key positions
+    arange(S) (+ 0) as [1, ..., 1, S] compared `<=` with the query's position as [1, ..., 1, 1, 1],
+    under _MASK_VIEWS (expanded over the batch). Else None."""
+    le = _under_mask_views(mask)
+    if le is None or aten_target(le.owner) not in ("aten.le.Tensor", "aten.ge.Tensor"):
+        return None
+    keys, query = tensor_arg(le.owner, 0), tensor_arg(le.owner, 1)
+    if aten_target(le.owner) == "aten.ge.Tensor":
+        keys, query = query, keys
+    (keys, key_shape), (query, query_shape) = _one_dim_source(keys), _one_dim_source(query)
+    if keys is None or query is None or len(key_shape) < 2 or len(query_shape) != len(key_shape):
+        return None
+    length = zero_based_arange(_plus_zero(keys))
+    if length is None or key_shape != [1] * (len(key_shape) - 1) + [length] or set(query_shape) != {1}:
+        return None
+    return (query, length) if static_shape(query) == [1] else None
 
 
 class RaiseDecodeSDPA(RewritePattern):
@@ -88,6 +197,12 @@ class RaiseDecodeSDPA(RewritePattern):
             return
         per_row = _per_row_view(mask)  # a ragged step: one position per sequence
         found = _positions_mask(per_row if per_row is not None else mask)
+        additive = False
+        if found is None and per_row is None and qs[2] == 1:  # transformers' masks over a static cache
+            found = _broadcast_positions_mask(mask)
+            if found is None:
+                found = _additive_positions_mask(mask)
+                additive = found is not None
         if found is None:
             return
         input_pos, positions = found
@@ -114,6 +229,8 @@ class RaiseDecodeSDPA(RewritePattern):
         count("raise.attention." + ("prompt_over_cache" if prompt else "decode"))
         if per_row is not None:
             count("raise.attention.decode.per_row")
+        if additive:
+            count("raise.attention.decode.additive_mask")
 
     @staticmethod
     def _build_lengths(input_pos: SSAValue, prompt: bool, per_row: bool, batch, op: AtenOp) -> SSAValue:

@@ -20,7 +20,34 @@ def use_interpreter_without_gpu() -> bool:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreting:
+        _interpret_helpers_decorated_before()
+    return interpreting
+
+
+def _interpret_helpers_decorated_before() -> None:
+    """Make triton.language's own jit helpers (tl.cdiv, tl.sigmoid, ...) callable in the interpreter
+    when triton was imported before the interpreter was switched on.
+
+    `triton.jit` picks compiled or interpreted when it decorates, and triton.language decorates
+    its helpers at import: imported earlier (transformers imports triton; so does a strict
+    torch.export, through TorchDynamo) they are compiled-mode JITFunctions, and a kernel run in
+    the interpreter fails on its first tl.cdiv with "Cannot call @triton.jit'd outside of the
+    scope of a kernel" (measured). Each is swapped for an interpreted function of the same body;
+    helpers decorated after the switch are interpreted already."""
+    loaded = [m for name, m in list(sys.modules.items())
+              if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
+    if not loaded:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    swapped: dict[int, InterpretedFunction] = {}  # one replacement per helper, re-exported or not
+    for module in loaded:
+        for attr, value in list(vars(module).items()):
+            if type(value) is JITFunction:
+                setattr(module, attr, swapped.setdefault(id(value), InterpretedFunction(value.fn)))
 
 
 def load_module_from_file(path: str | Path, name: str | None = None) -> ModuleType:

@@ -2,10 +2,10 @@
 buffer semantics of the original (state after several calls, values returned)."""
 
 import torch
+from pass_helpers import run_pipeline
 
 import coopt
 from coopt.ir.dialect import StateUpdateOp, StateWriteOp
-from pass_helpers import run_pipeline
 
 
 class Cache(torch.nn.Module):
@@ -26,9 +26,39 @@ def test_writes_become_in_place_updates():
     module, counters = run_pipeline(Cache(), [torch.randn(1, 2, 1, 4), torch.tensor([3])], "inplace-state-writes")
     ops = list(module.walk())
     assert not [o for o in ops if isinstance(o, StateWriteOp)]
-    assert sorted(o.target.data for o in ops if isinstance(o, StateUpdateOp)) == [
-        "aten.index_copy_.default", "aten.index_put_.default", "coopt.slice_copy_"]
+    # index_copy_ (transformers' StaticCache) is written as the index_put_ the cache passes read
+    updates = {o.ref.data: (o.target.data, o.call["args"][1]) for o in ops if isinstance(o, StateUpdateOp)}
+    assert updates["v"] == ("aten.index_put_.default", [None, None, {"$t": 1}])
+    assert updates["k"][0] == "aten.index_put_.default" and updates["s"][0] == "coopt.slice_copy_"
     assert counters["inplace.index_put"] == counters["inplace.index_copy"] == counters["inplace.slice_scatter"] == 1
+
+
+class IndexCopies(torch.nn.Module):
+    """index_copy_ on another dim, and on a negative one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rows", torch.zeros(6, 3))
+        self.register_buffer("cols", torch.zeros(2, 5, 3))
+
+    def forward(self, x, pos):
+        self.rows.index_copy_(0, pos, x[:, 0])
+        self.cols.index_copy_(-2, pos, x.transpose(0, 1).reshape(2, -1, 3)[:, : len(pos)])
+        return self.rows.sum() + self.cols.sum()
+
+
+def test_index_copy_on_any_dim_writes_the_same_rows(tmp_path):
+    x, pos = torch.randn(2, 2, 3), torch.tensor([4, 1])
+    module, _ = run_pipeline(IndexCopies(), [x, pos], "inplace-state-writes")
+    indices = sorted(str(o.call["args"][1]) for o in module.walk() if isinstance(o, StateUpdateOp))
+    assert indices == ["[None, {'$t': 1}]", "[{'$t': 1}]"]
+    original = IndexCopies()
+    coopt.Pipeline(top_k=1).build(IndexCopies(), (x, pos), tmp_path / "out")
+    built = coopt.load(tmp_path / "out")
+    for step in [(torch.randn(2, 2, 3), torch.tensor([0, 4])), (torch.randn(2, 2, 3), torch.tensor([3, 2]))]:
+        torch.testing.assert_close(built(*step), original(*step))
+    torch.testing.assert_close(built.w_rows, original.rows)
+    torch.testing.assert_close(built.w_cols, original.cols)
 
 
 class ReadsOldValueAfterWrite(torch.nn.Module):

@@ -1,0 +1,79 @@
+"""Capture falls back to strict torch.export where non-strict cannot functionalise the model, and
+generated kernels run in the interpreter even when triton was imported before coopt switched it on
+(both met building transformers' exportable StaticCache wrapper on a CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import coopt
+from coopt.frontend.capture import capture
+
+
+class Holder:
+    """A plain object holding a tensor, as transformers' StaticCache layers hold their keys."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class AliasedState(torch.nn.Module):
+    """The cache is a registered buffer and, the same tensor, an attribute of a plain object the
+    forward writes through: non-strict export lifts it twice (buffer and constant) and fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.holder = Holder(torch.zeros(4, 3))
+        self.register_buffer("cache", self.holder.tensor)
+
+    def forward(self, x, pos):
+        self.holder.tensor.index_copy_(0, pos, x)
+        return self.holder.tensor * 2
+
+
+def test_strict_export_serves_where_non_strict_fails_and_says_so():
+    notes: list[str] = []
+    program = capture(AliasedState(), (torch.randn(1, 3), torch.tensor([2])), notes=notes)
+    assert list(program.graph_signature.buffers_to_mutate.values()) == ["cache"]
+    assert len(notes) == 1 and notes[0].startswith("captured with strict torch.export (non-strict failed: ")
+    # a model non-strict export takes is captured so, with nothing to say
+    notes.clear()
+    capture(torch.nn.Linear(3, 3), (torch.randn(2, 3),), notes=notes)
+    assert notes == []
+
+
+def test_the_build_of_such_a_model_keeps_its_state_semantics(tmp_path):
+    result = coopt.Pipeline(top_k=1).build(AliasedState(), (torch.randn(1, 3), torch.tensor([2])), tmp_path / "out")
+    assert any("strict torch.export" in w for w in result.warnings)
+    built, eager = coopt.load(tmp_path / "out"), AliasedState()
+    built.w_cache.zero_()
+    for pos in (0, 3, 1):
+        x = torch.randn(1, 3)
+        torch.testing.assert_close(built(x, torch.tensor([pos])), eager(x, torch.tensor([pos])))
+    torch.testing.assert_close(built.w_cache, eager.cache)
+
+
+def test_kernels_run_in_the_interpreter_after_triton_was_imported_first(tmp_path):
+    """In a fresh process without a GPU: triton.language imported (its helpers compiled-mode
+    JITFunctions), then a build whose GEMV kernel calls tl.cdiv: its check must pass."""
+    if torch.cuda.is_available():
+        return  # the interpreter is for machines without a GPU
+    script = textwrap.dedent(f"""
+        import triton.language as tl
+        from triton.runtime.jit import JITFunction
+        assert type(tl.cdiv) is JITFunction  # decorated before any interpreter was asked for
+        import torch, coopt
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU())
+        result = coopt.Pipeline(top_k=1).build(model, (torch.randn(1, 64),), {str(tmp_path / "out")!r})
+        assert result.e2e["ok"] and not result.warnings, result.warnings
+        assert any(r.summary.family == "matmul_epilogue" for r in result.regions)
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

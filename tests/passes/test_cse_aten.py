@@ -1,0 +1,95 @@
+"""cse-aten: the same ATen call on the same operands runs once, and a copy into a tensor of its
+own type is its source; the per-layer position bookkeeping of transformers 5's StaticCache
+(a copy of cache_position[0] into each layer's cumulative_length, arange(1) + it, it + 1) becomes
+one computation, and the built model keeps every buffer's value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pass_helpers import run_pipeline
+from xdsl.dialects.builtin import TensorType, f32, i64
+from xdsl.ir import Block
+
+import coopt
+from coopt.ir.dialect import AtenOp
+from coopt.passes.cse_aten import _copied_value
+
+LAYERS = 3
+
+
+class PositionBookkeeping(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        for i in range(LAYERS):
+            self.register_buffer(f"length{i}", torch.tensor(0))
+            self.register_buffer(f"cache{i}", torch.zeros(8, 4))
+
+    def forward(self, x, cache_position):
+        out = x
+        for i in range(LAYERS):
+            length, cache = getattr(self, f"length{i}"), getattr(self, f"cache{i}")
+            length.copy_(cache_position[0])
+            positions = torch.arange(1) + length
+            length.add_(1)
+            cache.index_copy_(0, positions, out)
+            out = out + cache.sum(0, keepdim=True)
+        return out
+
+
+def targets(module) -> list[str]:
+    return [op.target.data for op in module.walk() if isinstance(op, AtenOp)]
+
+
+def test_each_layers_positions_are_one_computation():
+    inputs = [torch.randn(1, 4), torch.tensor([2])]
+    module, counters = run_pipeline(PositionBookkeeping(), inputs, "inplace-state-writes,cse-aten")
+    assert counters["cse.aten.copy_folded"] == LAYERS
+    ops = targets(module)
+    assert "aten.copy.default" not in ops
+    assert ops.count("aten.arange.default") == 1 and ops.count("aten.select.int") == 1
+    # arange(1) + position and position + 1, once each; the rest are the layers' own sums
+    assert ops.count("aten.add.Tensor") == 2 + LAYERS
+    # without the pass every layer makes its own
+    module, _ = run_pipeline(PositionBookkeeping(), inputs, "inplace-state-writes")
+    assert targets(module).count("aten.arange.default") == LAYERS
+
+
+def test_the_built_model_keeps_every_buffer(tmp_path):
+    coopt.Pipeline(top_k=1).build(PositionBookkeeping(), (torch.randn(1, 4), torch.tensor([2])), tmp_path / "out")
+    built, eager = coopt.load(tmp_path / "out"), PositionBookkeeping()
+    for name, buffer in built.named_buffers():
+        buffer.zero_()
+    for pos in (0, 5, 3):
+        x = torch.randn(1, 4)
+        torch.testing.assert_close(built(x, torch.tensor([pos])), eager(x, torch.tensor([pos])))
+    for i in range(LAYERS):
+        assert int(getattr(built, f"w_length{i}")) == 4  # the last position + 1, in every layer's buffer
+        torch.testing.assert_close(getattr(built, f"w_cache{i}"), getattr(eager, f"cache{i}"))
+    # the write positions, arange(1) + cache_position[0], are the input's value: bounded at call time
+    for outside in (8, -1):
+        with pytest.raises(ValueError, match=rf"cache_position: holds {outside}, outside \[0, 8\)"):
+            built(torch.randn(1, 4), torch.tensor([outside]))
+
+
+class TwoDraws(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.rand(3) + torch.rand(3)  # two draws are two values
+
+
+def test_random_draws_are_kept():
+    module, counters = run_pipeline(TwoDraws(), [torch.randn(3)], "inplace-state-writes,cse-aten")
+    draws = [op for op in module.walk() if getattr(op, "target", None) and op.target.data == "aten.rand.default"]
+    assert len(draws) == 2 and not counters["cse.aten.merged"]
+
+
+def test_only_a_copy_into_its_own_type_is_its_source():
+    block = Block(arg_types=[TensorType(i64, [4]), TensorType(f32, [4]), TensorType(i64, [1]), TensorType(i64, [4])])
+    dst, converted, broadcast, same = block.args
+
+    def copy(src):
+        return AtenOp("aten.copy.default", {"args": [{"$t": 0}, {"$t": 1}], "kwargs": {}}, [dst, src], [dst.type])
+
+    assert _copied_value(copy(same)) is same
+    assert _copied_value(copy(converted)) is None  # a float into int64: truncated values
+    assert _copied_value(copy(broadcast)) is None  # one value broadcast over four

@@ -1,0 +1,107 @@
+"""A decode step over a static cache as transformers writes it: StaticCache writes the new rows with
+`index_copy_(2, cache_position, ...)`, and the model builds its mask in the forward: in 4.x a
+float one added to the scores (0 up to cache_position, the dtype's minimum after it), in 5.x a
+boolean one from key positions against the query's, broadcast to [B, 1, 1, S]. Both build like
+the gpt-fast form: one decode_attention region reading the valid keys only, the write folded in;
+a mask that selects other keys is left to SDPA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pass_helpers import kernel_families, run_pipeline
+
+import coopt
+
+FOLD = "inplace-state-writes,raise-patterns,fuse-attention,fuse-kv-write,fuse-kv-write-attention"
+
+
+def repeat_kv(x, n):
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def transformers_mask(q, cache_position, length, fill=None, compare=torch.gt, start=0):
+    """_prepare_4d_causal_attention_mask_with_cache_position for one query token; the keyword
+    arguments give masks that select other keys (tests below)."""
+    fill = torch.finfo(q.dtype).min if fill is None else fill
+    mask = torch.full((q.shape[2], length), fill_value=fill, dtype=q.dtype, device=q.device)
+    mask *= compare(torch.arange(start, start + length, device=q.device), cache_position.reshape(-1, 1))
+    return mask[None, None, :, :].expand(q.shape[0], 1, -1, -1)
+
+
+def transformers5_mask(q, cache_position, length, compare=torch.le):
+    """transformers 5's sdpa_mask for one query token: a boolean [B, 1, 1, S] from key positions
+    (arange + a kv offset of 0) against the query's (arange(1) + the first cache position)."""
+    keys = torch.arange(length, device=q.device) + 0
+    query = torch.arange(1, device=q.device) + cache_position[0]
+    return compare(keys[None, None, None, :], query[None, None, :, None]).expand(q.shape[0], -1, 1, length)
+
+
+class StaticCacheStep(torch.nn.Module):
+    def __init__(self, max_seq=32, dtype=torch.float32, version=4, **mask):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(2, 2, max_seq, 8, dtype=dtype))
+        self.register_buffer("v_cache", torch.zeros(2, 2, max_seq, 8, dtype=dtype))
+        self.make_mask, self.mask = (transformers_mask if version == 4 else transformers5_mask), mask
+
+    def forward(self, q, k, v, cache_position):
+        mask = self.make_mask(q, cache_position, self.k_cache.shape[2], **self.mask)
+        self.k_cache.index_copy_(2, cache_position, k)
+        self.v_cache.index_copy_(2, cache_position, v)
+        mask = mask[:, :, :, : self.k_cache.shape[-2]]
+        return F.scaled_dot_product_attention(q, repeat_kv(self.k_cache, 2), repeat_kv(self.v_cache, 2), attn_mask=mask)
+
+
+def step_inputs(pos: int, dtype=torch.float32, seed: int = 1):
+    g = torch.Generator().manual_seed(seed + pos)
+    shapes = [(2, 4, 1, 8), (2, 2, 1, 8), (2, 2, 1, 8)]
+    return [*(torch.randn(*s, generator=g).to(dtype) for s in shapes), torch.tensor([pos])]
+
+
+@pytest.mark.parametrize("version, dtype", [(4, torch.float32), (4, torch.bfloat16), (5, torch.float32)])
+def test_the_step_is_one_decode_attention_with_the_write_folded(version, dtype):
+    module, counters = run_pipeline(StaticCacheStep(dtype=dtype, version=version), step_inputs(5, dtype), FOLD)
+    assert counters["raise.attention.decode.additive_mask"] == (version == 4) and counters["raise.attention.decode"] == 1
+    assert counters["inplace.index_copy"] == 2 and counters["fuse.kv_write_attention"] == 1
+    assert kernel_families(module) == ["decode_attention"]
+    text = str(module)  # neither the mask's comparisons nor an index_copy_ are left to run a step
+    assert not [t for t in ("aten.full", "aten.gt", "aten.le", "index_copy") if t in text]
+    # the key positions' arange went with the mask; 5's query position (arange(1) + the first
+    # cache position) stays: the lengths are made from it
+    assert text.count("aten.arange") == (version == 5)
+
+
+@pytest.mark.parametrize("mask", [
+    {"fill": -100.0},  # a soft mask: a score 100 above the rest would still count
+    {"compare": torch.ge},  # the key at the position itself masked out
+    {"start": 1},  # positions 1 .. S: the mask is one key off
+    {"version": 5, "compare": torch.lt},  # transformers 5's form, the key at the position masked out
+    {"version": 5, "compare": lambda keys, query: keys <= query + 1},  # one key past the position seen
+], ids=["soft-fill", "ge", "shifted-positions", "5-lt", "5-shifted-query"])
+def test_masks_that_select_other_keys_stay_sdpa(mask):
+    _, counters = run_pipeline(StaticCacheStep(**mask), step_inputs(5), FOLD)
+    assert counters["raise.attention.decode"] == 0 and counters["fuse.kv_write_attention"] == 0
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_the_built_step_matches_transformers_form_over_several_steps(tmp_path, version):
+    coopt.Pipeline(top_k=1).build(StaticCacheStep(version=version), tuple(step_inputs(3)), tmp_path / "out")
+    built, eager = coopt.load(tmp_path / "out"), StaticCacheStep(version=version)
+    device = built.w_k_cache.device
+    eager.to(device)
+    built.w_k_cache.zero_()
+    built.w_v_cache.zero_()
+    with torch.no_grad():
+        for pos in (0, 1, 2, 7, 31):  # from the first row to the last; each reads what the earlier wrote
+            step = [x.to(device) for x in step_inputs(pos)]
+            torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(built.w_k_cache, eager.k_cache)
+    torch.testing.assert_close(built.w_v_cache, eager.v_cache)
+    (attention,) = [r for r in json.loads((tmp_path / "out" / "selection.json").read_text())["regions"].values()
+                    if r["family"] == "decode_attention"]
+    chosen = next(c for c in attention["candidates"] if c["label"] == attention["selected"])
+    assert chosen["verified"] and chosen["family"] == "decode_attention"  # the kernel ran, not the reference
