@@ -70,6 +70,7 @@ VIEWS_AND_DATA = {
     "aten.triu.default", "aten.tril.default", "aten.where.self", "aten.masked_fill.Scalar",
     "aten.masked_fill.Tensor", "aten.dropout.default", "aten.scalar_tensor.default",
     "aten.lift_fresh_copy.default", "aten.detach.default",
+    "aten.new_ones.default", "aten.new_zeros.default", "aten.new_full.default", "aten.full_like.default",
 }
 
 REDUCTIONS = {
@@ -81,6 +82,9 @@ KNOWN = set(ELEMENTWISE) | MATMUL | NORMS | ATTENTION | VIEWS_AND_DATA | REDUCTI
     "aten.eq.Scalar", "aten.eq.Tensor", "aten.lt.Scalar", "aten.gt.Scalar", "aten.ge.Scalar",
     "aten.le.Scalar", "aten.lt.Tensor", "aten.gt.Tensor", "aten.ge.Tensor", "aten.le.Tensor",
     "aten.ne.Scalar", "aten.ne.Tensor", "aten.logical_and.default", "aten.logical_or.default", "aten.logical_not.default",
+    # how transformers 5 combines its mask functions (a causal mask and a sliding window: `a & b`)
+    "aten.__and__.Tensor", "aten.__or__.Tensor", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
+    "aten.bitwise_not.default",
     "aten.clamp.default", "aten.hardtanh.default", "aten.relu6.default", "aten.sym_size.int",
 }
 

@@ -4,7 +4,9 @@ the weights concatenated along N, and a slice per original output.
 Why: in decoding every GEMM is a weight stream at M = 1..64, and small ones stream badly (a 1024 x
 4096 projection is 8 MB: too few tiles to keep HBM busy, measured 0.78 TB/s on the H200 through
 cuBLAS). One 6144-wide q|k|v GEMM or one 28672-wide gate|up GEMM reads the same bytes in one
-launch with enough tiles in flight. Exact: every output element is the same dot product.
+launch with enough tiles in flight. Exact: every output element is the same dot product (plus
+the same bias element, where the linears have biases: their biases are concatenated the same
+way; a group is all-biased or bias-free).
 
 The concatenated weight is a new `coopt.weight` whose `ref` names its parts
 (`concat_ref` / `concat_parts`); the emitter materialises it once, at build time, and stores only
@@ -37,16 +39,20 @@ def concat_parts(ref: str) -> list[str] | None:
     return ref.removeprefix(CONCAT_PREFIX).split("|") if ref.startswith(CONCAT_PREFIX) else None
 
 
+def _model_weight(value, rank: int) -> bool:
+    """A model weight of `rank` dims, not itself a concatenation."""
+    return (isinstance(value.owner, WeightOp) and concat_parts(value.owner.ref.data) is None
+            and isinstance(value.type, TensorType) and len(value.type.get_shape()) == rank)
+
+
 def _fusable(linear: LinearOp) -> bool:
-    """A plain x @ W^T with W a model weight [N, K] and no bias (the decoder projections)."""
+    """x @ W^T (+ b) with W a model weight [N, K] and b, if any, a model weight [N] (the decoder
+    projections; Qwen2's q, k and v have biases)."""
     return (
         not isinstance(linear.parent_op(), KernelOp)
         and linear.b_layout.data == "nk"
-        and linear.bias is None
-        and isinstance(linear.w.owner, WeightOp)
-        and concat_parts(linear.w.owner.ref.data) is None
-        and isinstance(linear.w.type, TensorType)
-        and len(linear.w.type.get_shape()) == 2
+        and (linear.bias is None or _model_weight(linear.bias, 1))
+        and _model_weight(linear.w, 2)
     )
 
 
@@ -61,7 +67,8 @@ class FuseParallelLinears(CooptPass):
         groups: dict[tuple, list[LinearOp]] = defaultdict(list)
         for linear in [o for o in op.walk() if isinstance(o, LinearOp) and _fusable(o)]:
             w_type = linear.w.type
-            key = (linear.x, w_type.element_type, w_type.get_shape()[1])
+            bias = None if linear.bias is None else linear.bias.type.element_type
+            key = (linear.x, w_type.element_type, w_type.get_shape()[1], bias)  # all with biases, or none
             groups[key].append(linear)
         for members in groups.values():
             for start in range(0, len(members), self.max_group):
@@ -77,11 +84,14 @@ def _merge(linears: list[LinearOp]) -> None:
     k = first.w.type.get_shape()[1]
     w_type = TensorType(first.w.type.element_type, [sum(widths), k])
     weight = WeightOp(concat_ref([w.ref.data for w in weights]), w_type)
+    biases = [lin.bias.owner for lin in linears] if first.bias is not None else []
+    bias = WeightOp(concat_ref([b.ref.data for b in biases]), TensorType(first.bias.type.element_type, [sum(widths)])) \
+        if biases else None
     out = first.results[0].type
     shape = list(out.get_shape())
     merged_type = TensorType(out.element_type, shape[:-1] + [sum(widths)], out.encoding)
-    merged = LinearOp(first.x, weight.results[0], None, "nk", merged_type)
-    Rewriter.insert_op([weight, merged], InsertPoint.before(first))
+    merged = LinearOp(first.x, weight.results[0], bias.results[0] if bias else None, "nk", merged_type)
+    Rewriter.insert_op([weight, *([bias] if bias else []), merged], InsertPoint.before(first))
     offset = 0
     for linear, width in zip(linears, widths):
         part = AtenOp(
@@ -94,8 +104,10 @@ def _merge(linears: list[LinearOp]) -> None:
         linear.results[0].replace_all_uses_with(part.results[0])
         Rewriter.erase_op(linear)
         offset += width
-    for old in weights:
+    for old in [*weights, *biases]:
         if not old.results[0].uses:
             Rewriter.erase_op(old)
     count("fuse.parallel_linears")
+    if biases:
+        count("fuse.parallel_linears.with_bias")
     count("fuse.parallel_linears.members", len(linears))

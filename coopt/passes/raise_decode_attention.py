@@ -13,7 +13,9 @@ decode_attention with per-row lengths input_pos + 1 ([B], no expand).
 transformers builds the same decode mask as a float one added to the scores: 0 up to the
 position, its dtype's minimum after it (`full((1, S), min) * (arange(S) > cache_position.reshape(-1,
 1))`, then [None, None] and expanded over the batch). No finite score survives that minimum, so it
-selects the same keys and is raised the same way.
+selects the same keys and is raised the same way. transformers 5 builds a boolean one,
+`arange(S) + 0 <= arange(T) + cache_position[0]` broadcast to [B, 1, T, S]: raised too, a
+decode step's or (T > 1) a prompt's over the cache.
 """
 
 from __future__ import annotations
@@ -147,23 +149,60 @@ def _plus_zero(value):
     return value
 
 
+_ANDS = ("aten.__and__.Tensor", "aten.bitwise_and.Tensor", "aten.logical_and.default")
+
+
+def _and_terms(value) -> list:
+    """The terms of a conjunction tree of masks (`a & b & ...`), or [value]."""
+    op = value.owner
+    if getattr(getattr(op, "target", None), "data", None) in _ANDS and len(op.inputs) == 2:
+        return _and_terms(op.inputs[0]) + _and_terms(op.inputs[1])
+    return [value]
+
+
+def _always_true(term, keys, query, length: int) -> bool:
+    """A conjunct that holds for every key of a cache of `length` positions: a scalar True
+    (new_ones of bool) or a sliding window at least as long as the cache,
+    `keys > query - window` with window >= length (the query's position is below the cache's
+    length: its row is written there, bounded at call time)."""
+    op = term.owner
+    target = getattr(getattr(op, "target", None), "data", None)
+    if target == "aten.new_ones.default":
+        return literal_arg(op, 2, "dtype") == {"$dtype": "bool"} and static_shape(term) == []
+    if target != "aten.gt.Tensor" or tensor_arg(op, 0) is not keys:
+        return False
+    shifted = tensor_arg(op, 1)
+    sub = shifted.owner if shifted is not None else None
+    window = literal_arg(sub, 1) if aten_target(sub) == "aten.sub.Tensor" else None
+    return (tensor_arg(sub, 0) is query and isinstance(window, int) and window >= length
+            and literal_arg(sub, 2, "alpha", 1) == 1)
+
+
 def _broadcast_positions_mask(mask):
-    """(input_pos, S) when mask is transformers' (5.x) boolean decode mask: key positions
-    arange(S) (+ 0) as [1, ..., 1, S] compared `<=` with the query's position as [1, ..., 1, 1, 1],
-    under _MASK_VIEWS (expanded over the batch). Else None."""
-    le = _under_mask_views(mask)
-    if le is None or aten_target(le.owner) not in ("aten.le.Tensor", "aten.ge.Tensor"):
+    """(input_pos, S) when mask is transformers' (5.x) boolean mask over a static cache: key
+    positions arange(S) (+ 0) as [1, ..., 1, S] compared `<=` with the query tokens' positions
+    input_pos [T] as [1, ..., 1, T, 1] (T = 1 in a decode step), under _MASK_VIEWS (expanded over
+    the batch), and-ed with nothing or with terms true for every key (Mistral's sliding window
+    where it covers the whole cache). Else None."""
+    root = _under_mask_views(mask)
+    terms = _and_terms(root) if root is not None else []
+    compares = [t for t in terms if aten_target(t.owner) in ("aten.le.Tensor", "aten.ge.Tensor")]
+    if len(compares) != 1:
         return None
-    keys, query = tensor_arg(le.owner, 0), tensor_arg(le.owner, 1)
+    le = compares[0]
+    keys4d, query4d = tensor_arg(le.owner, 0), tensor_arg(le.owner, 1)
     if aten_target(le.owner) == "aten.ge.Tensor":
-        keys, query = query, keys
-    (keys, key_shape), (query, query_shape) = _one_dim_source(keys), _one_dim_source(query)
+        keys4d, query4d = query4d, keys4d
+    (keys, key_shape), (query, query_shape) = _one_dim_source(keys4d), _one_dim_source(query4d)
     if keys is None or query is None or len(key_shape) < 2 or len(query_shape) != len(key_shape):
         return None
-    length = zero_based_arange(_plus_zero(keys))
-    if length is None or key_shape != [1] * (len(key_shape) - 1) + [length] or set(query_shape) != {1}:
+    length, tokens = zero_based_arange(_plus_zero(keys)), static_shape(query)
+    rank = len(key_shape)
+    if length is None or key_shape != [1] * (rank - 1) + [length] or query_shape != [1] * (rank - 2) + tokens + [1]:
         return None
-    return (query, length) if static_shape(query) == [1] else None
+    if not all(_always_true(t, keys4d, query4d, length) for t in terms if t is not le):
+        return None
+    return query, length
 
 
 class RaiseDecodeSDPA(RewritePattern):
@@ -198,9 +237,9 @@ class RaiseDecodeSDPA(RewritePattern):
         per_row = _per_row_view(mask)  # a ragged step: one position per sequence
         found = _positions_mask(per_row if per_row is not None else mask)
         additive = False
-        if found is None and per_row is None and qs[2] == 1:  # transformers' masks over a static cache
+        if found is None and per_row is None:  # transformers' masks over a static cache
             found = _broadcast_positions_mask(mask)
-            if found is None:
+            if found is None and qs[2] == 1:
                 found = _additive_positions_mask(mask)
                 additive = found is not None
         if found is None:

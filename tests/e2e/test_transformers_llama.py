@@ -1,9 +1,11 @@
-"""transformers' own LlamaForCausalLM (a tiny random config, no download) decoding one token over
-its StaticCache through transformers' exportable wrapper, built by coopt: strict capture (the
-wrapper keeps its cache tensors on plain objects too), the cache writes (index_copy_) and the 5.x
-boolean mask recognised, so each layer is a norm-prologue q|k|v GEMV, one decode attention with
-the rotary and the rows' write folded in, and the MLP GEMVs; the built steps follow transformers'
-own logits step after step."""
+"""transformers' own Llama-family models (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM:
+tiny random configs, nothing downloaded) decoding one token over their StaticCache through
+transformers' exportable wrapper, built by coopt. Strict capture (the wrapper keeps its cache
+tensors on plain objects too); the cache writes (index_copy_), the 5.x boolean mask (with
+Mistral's sliding window where it covers the cache) and the per-layer position bookkeeping
+recognised, so each layer builds as the project's own Llama: a norm-prologue q|k|v GEMV (Qwen2's
+biases concatenated with it), one decode attention with the rotary and the rows' write folded in,
+the MLP GEMVs. The built steps follow transformers' own logits step after step."""
 
 from __future__ import annotations
 
@@ -16,18 +18,24 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
 LAYERS, MAX_CACHE = 2, 32
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # q, k, v with biases
+    "mistral": ("MistralConfig", "MistralForCausalLM"),  # a sliding window (default 4096) in its mask
+}
 
 
 class DecodeStep(torch.nn.Module):
     """The wrapper called with positional inputs (the build's example inputs are a tuple)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, family: str, seed: int = 0, **config):
         super().__init__()
         torch.manual_seed(seed)
-        config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                          num_hidden_layers=LAYERS, intermediate_size=96, vocab_size=128,
-                                          max_position_embeddings=64, attn_implementation="sdpa")
-        model = transformers.LlamaForCausalLM(config).eval()
+        config_class, model_class = (getattr(transformers, name) for name in FAMILIES[family])
+        config = config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=LAYERS,
+                              intermediate_size=96, vocab_size=128, max_position_embeddings=64,
+                              attn_implementation="sdpa", **config)
+        model = model_class(config).eval()
         model.generation_config = transformers.GenerationConfig(
             use_cache=True, cache_implementation="static", max_length=MAX_CACHE,
             cache_config={"batch_size": 1, "max_cache_len": MAX_CACHE, "device": "cpu"})
@@ -37,29 +45,70 @@ class DecodeStep(torch.nn.Module):
         return self.wrapped(input_ids=input_ids, cache_position=cache_position)
 
 
-def test_a_transformers_llama_decode_step_builds_as_the_projects_own(tmp_path):
-    result = coopt.Pipeline(top_k=1).build(DecodeStep(), (torch.tensor([[5]]), torch.tensor([3])), tmp_path / "out")
-    counters = result.counters
-    assert counters["raise.attention.decode"] == LAYERS and counters["fuse.kv_write_attention"] == LAYERS
-    assert counters["fuse.decode_attention.rope"] == LAYERS and counters["inplace.index_copy"] == 2 * LAYERS
-    assert counters["fuse.decode_gemv.norm_prologue"] == 2 * LAYERS
-    families = [r.summary.family for r in result.regions]
-    assert families.count("decode_attention") == LAYERS and not {"attention", "kv_write"} & set(families)
-    assert "aten.scaled_dot_product_attention.default" not in result.unfused_ops
-    assert any("strict torch.export" in w for w in result.warnings) and result.e2e["ok"]
-
-    built, eager = coopt.load(tmp_path / "out"), DecodeStep()
+def build_and_follow(tmp_path, family: str, steps: int = 8, **config):
+    """Build the family's step, then run it beside transformers' own from empty caches, teacher-
+    forced by transformers' greedy tokens; returns (the build's result, the loaded build)."""
+    result = coopt.Pipeline(top_k=1).build(DecodeStep(family, **config), (torch.tensor([[5]]), torch.tensor([3])),
+                                           tmp_path / "out")
+    assert result.e2e["ok"] and any("strict torch.export" in w for w in result.warnings)
+    built, eager = coopt.load(tmp_path / "out"), DecodeStep(family, **config)
     for name, buffer in built.named_buffers():
         if "cache" in name:  # the build's own checks wrote rows: start both from empty caches
             buffer.zero_()
     token = torch.tensor([[5]])
     with torch.no_grad():
-        for pos in range(8):  # teacher-forced by transformers' greedy tokens
+        for pos in range(steps):
             expected = eager(token, torch.tensor([pos]))
             torch.testing.assert_close(built(token, torch.tensor([pos])), expected, rtol=1e-4, atol=1e-4)
             token = expected[:, -1:].argmax(-1)
-    # a position outside the cache is refused at call time (transformers computes the write's
-    # positions as arange(1) + cache_position[0]: still the input's value)
+    return result, built
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_transformers_decode_step_builds_as_the_projects_own_llama(tmp_path, family):
+    result, built = build_and_follow(tmp_path, family)
+    counters = result.counters
+    assert counters["raise.attention.decode"] == LAYERS and counters["fuse.kv_write_attention"] == LAYERS
+    assert counters["fuse.decode_attention.rope"] == LAYERS and counters["inplace.index_copy"] == 2 * LAYERS
+    # q|k|v and gate|up of every layer, each one GEMV taking its norm
+    assert counters["fuse.parallel_linears"] == 2 * LAYERS and counters["fuse.decode_gemv.norm_prologue"] == 2 * LAYERS
+    assert counters.get("fuse.parallel_linears.with_bias", 0) == (LAYERS if family == "qwen2" else 0)
+    families = [r.summary.family for r in result.regions]
+    assert families.count("decode_attention") == LAYERS and not {"attention", "kv_write"} & set(families)
+    assert families.count("row_reduction") == 1  # the final norm, before the head
+    # between the kernels, a step: the embedding, the rotary angles (matmul, cat), the position
+    # arithmetic once for all layers, and each layer's cumulative_length write
+    assert result.unfused_ops == {"aten.embedding.default": 1, "aten.matmul.default": 1, "aten.cat.default": 1,
+                                  "aten.arange.default": 1, "aten.add.Tensor": 3, "coopt.state_write": LAYERS}
+    assert not result.fallback_ops
+    # a position outside the cache is refused at call time (the write's positions are computed
+    # as arange(1) + cache_position[0]: still the input's value)
     for outside in (MAX_CACHE, -1):
         with pytest.raises(ValueError, match=rf"cache_position: holds {outside}, outside \[0, {MAX_CACHE}\)"):
-            built(token, torch.tensor([outside]))
+            built(torch.tensor([[5]]), torch.tensor([outside]))
+
+
+def test_a_sliding_window_shorter_than_the_cache_stays_sdpa(tmp_path):
+    """Mistral with a window of 8 over a 32-position cache: a decode attention over the first
+    position + 1 keys would see keys the window hides, so the attention is left to SDPA; 20
+    steps take the position past the window."""
+    result, _ = build_and_follow(tmp_path, "mistral", steps=20, sliding_window=8)
+    assert "raise.attention.decode" not in result.counters
+    assert result.unfused_ops["aten.scaled_dot_product_attention.default"] == LAYERS
+
+
+def test_a_transformers_prompt_chunk_attends_over_the_cache(tmp_path):
+    """Four tokens a call (a prompt in chunks): the mask's four query positions become one
+    attention over the cache with a length per position; two chunks match transformers'."""
+    prompt = torch.tensor([[5, 17, 3, 99, 42, 7, 64, 1]])
+    result = coopt.Pipeline(top_k=1).build(DecodeStep("llama"), (prompt[:, :4], torch.arange(4)), tmp_path / "out")
+    assert result.counters["raise.attention.prompt_over_cache"] == LAYERS and result.e2e["ok"]
+    assert "aten.scaled_dot_product_attention.default" not in result.unfused_ops
+    built, eager = coopt.load(tmp_path / "out"), DecodeStep("llama")
+    for name, buffer in built.named_buffers():
+        if "cache" in name:
+            buffer.zero_()
+    with torch.no_grad():
+        for start in (0, 4):  # the second chunk reads the rows the first wrote
+            chunk, positions = prompt[:, start:start + 4], torch.arange(start, start + 4)
+            torch.testing.assert_close(built(chunk, positions), eager(chunk, positions), rtol=1e-4, atol=1e-4)

@@ -37,7 +37,7 @@ def test_three_projections_of_one_input_become_one_linear_and_three_slices():
     assert counters["fuse.parallel_linears"] == 1 and counters["fuse.parallel_linears.members"] == 3
 
 
-def test_different_inputs_biases_and_lone_linears_stay_apart():
+def test_different_inputs_a_biased_linear_beside_a_bias_free_one_and_lone_linears_stay_apart():
     def model(m, x, y):
         return F.linear(x, m.a), F.linear(y, m.b), F.linear(x, m.c, m.bias)
 
@@ -45,6 +45,28 @@ def test_different_inputs_biases_and_lone_linears_stay_apart():
     module, counters = run_pipeline(Lambda(model, **params), [x, x.clone()], RAISE_AND_MERGE)
     assert len(linears(module)) == 3
     assert counters["fuse.parallel_linears"] == 0
+
+
+def biased_qkv(m, x):  # Qwen2's projections: q, k and v with biases
+    return F.linear(x, m.wq, m.bq), F.linear(x, m.wk, m.bk), F.linear(x, m.wv, m.bv)
+
+
+BIASED_QKV = {**QKV, "bq": torch.randn(16), "bk": torch.randn(8), "bv": torch.randn(8)}
+
+
+def test_biased_projections_merge_with_their_biases_concatenated(tmp_path):
+    module, counters = run_pipeline(Lambda(biased_qkv, **BIASED_QKV), [x], RAISE_AND_MERGE)
+    (merged,) = linears(module)
+    assert concat_parts(merged.bias.owner.ref.data) == ["bq", "bk", "bv"]
+    assert counters["fuse.parallel_linears.with_bias"] == 1
+    model = Lambda(biased_qkv, **BIASED_QKV).eval()
+    coopt.Pipeline(top_k=1).build(model, (x,), tmp_path / "out")
+    stored = torch.load(tmp_path / "out" / "weights.pt", weights_only=True)
+    assert torch.equal(stored[concat_ref(["bq", "bk", "bv"])], torch.cat([BIASED_QKV[b] for b in ("bq", "bk", "bv")]))
+    fresh = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        for got, want in zip(coopt.load(tmp_path / "out", device="cpu")(fresh), model(fresh)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_max_group_knob_bounds_each_merge():

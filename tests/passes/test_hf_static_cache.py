@@ -33,12 +33,17 @@ def transformers_mask(q, cache_position, length, fill=None, compare=torch.gt, st
     return mask[None, None, :, :].expand(q.shape[0], 1, -1, -1)
 
 
-def transformers5_mask(q, cache_position, length, compare=torch.le):
+def transformers5_mask(q, cache_position, length, compare=torch.le, window=None):
     """transformers 5's sdpa_mask for one query token: a boolean [B, 1, 1, S] from key positions
-    (arange + a kv offset of 0) against the query's (arange(1) + the first cache position)."""
+    (arange + a kv offset of 0) against the query's (arange(1) + the first cache position); with
+    a `window`, and-ed with Mistral's sliding window (keys > query - window)."""
     keys = torch.arange(length, device=q.device) + 0
-    query = torch.arange(1, device=q.device) + cache_position[0]
-    return compare(keys[None, None, None, :], query[None, None, :, None]).expand(q.shape[0], -1, 1, length)
+    query = torch.arange(q.shape[2], device=q.device) + cache_position[0]
+    keys, query = keys[None, None, None, :], query[None, None, :, None]
+    mask = compare(keys, query)
+    if window is not None:
+        mask = query.new_ones((), dtype=torch.bool) & (keys > query - window) & mask
+    return mask.expand(q.shape[0], -1, q.shape[2], length)
 
 
 class StaticCacheStep(torch.nn.Module):
@@ -56,20 +61,23 @@ class StaticCacheStep(torch.nn.Module):
         return F.scaled_dot_product_attention(q, repeat_kv(self.k_cache, 2), repeat_kv(self.v_cache, 2), attn_mask=mask)
 
 
-def step_inputs(pos: int, dtype=torch.float32, seed: int = 1):
+def step_inputs(pos: int, dtype=torch.float32, seed: int = 1, tokens: int = 1):
     g = torch.Generator().manual_seed(seed + pos)
-    shapes = [(2, 4, 1, 8), (2, 2, 1, 8), (2, 2, 1, 8)]
-    return [*(torch.randn(*s, generator=g).to(dtype) for s in shapes), torch.tensor([pos])]
+    shapes = [(2, 4, tokens, 8), (2, 2, tokens, 8), (2, 2, tokens, 8)]
+    return [*(torch.randn(*s, generator=g).to(dtype) for s in shapes), torch.arange(pos, pos + tokens)]
 
 
-@pytest.mark.parametrize("version, dtype", [(4, torch.float32), (4, torch.bfloat16), (5, torch.float32)])
-def test_the_step_is_one_decode_attention_with_the_write_folded(version, dtype):
-    module, counters = run_pipeline(StaticCacheStep(dtype=dtype, version=version), step_inputs(5, dtype), FOLD)
+@pytest.mark.parametrize("version, dtype, mask", [
+    (4, torch.float32, {}), (4, torch.bfloat16, {}), (5, torch.float32, {}),
+    (5, torch.float32, {"window": 32}),  # a sliding window as long as the cache hides no key
+], ids=["4-f32", "4-bf16", "5-f32", "5-window-covers-the-cache"])
+def test_the_step_is_one_decode_attention_with_the_write_folded(version, dtype, mask):
+    module, counters = run_pipeline(StaticCacheStep(dtype=dtype, version=version, **mask), step_inputs(5, dtype), FOLD)
     assert counters["raise.attention.decode.additive_mask"] == (version == 4) and counters["raise.attention.decode"] == 1
     assert counters["inplace.index_copy"] == 2 and counters["fuse.kv_write_attention"] == 1
     assert kernel_families(module) == ["decode_attention"]
     text = str(module)  # neither the mask's comparisons nor an index_copy_ are left to run a step
-    assert not [t for t in ("aten.full", "aten.gt", "aten.le", "index_copy") if t in text]
+    assert not [t for t in ("aten.full", "aten.gt", "aten.le", "aten.__and__", "index_copy") if t in text]
     # the key positions' arange went with the mask; 5's query position (arange(1) + the first
     # cache position) stays: the lengths are made from it
     assert text.count("aten.arange") == (version == 5)
@@ -81,7 +89,8 @@ def test_the_step_is_one_decode_attention_with_the_write_folded(version, dtype):
     {"start": 1},  # positions 1 .. S: the mask is one key off
     {"version": 5, "compare": torch.lt},  # transformers 5's form, the key at the position masked out
     {"version": 5, "compare": lambda keys, query: keys <= query + 1},  # one key past the position seen
-], ids=["soft-fill", "ge", "shifted-positions", "5-lt", "5-shifted-query"])
+    {"version": 5, "window": 31},  # a window one key shorter than the cache: the oldest key can hide
+], ids=["soft-fill", "ge", "shifted-positions", "5-lt", "5-shifted-query", "5-short-window"])
 def test_masks_that_select_other_keys_stay_sdpa(mask):
     _, counters = run_pipeline(StaticCacheStep(**mask), step_inputs(5), FOLD)
     assert counters["raise.attention.decode"] == 0 and counters["fuse.kv_write_attention"] == 0
@@ -105,3 +114,22 @@ def test_the_built_step_matches_transformers_form_over_several_steps(tmp_path, v
                     if r["family"] == "decode_attention"]
     chosen = next(c for c in attention["candidates"] if c["label"] == attention["selected"])
     assert chosen["verified"] and chosen["family"] == "decode_attention"  # the kernel ran, not the reference
+
+
+def test_transformers5_prompt_chunks_attend_over_the_cache(tmp_path):
+    """Several tokens at once (a prompt, or a chunk of one, after earlier chunks): 5's mask is the
+    same comparison with T query positions, raised to an attention over the cache with one length
+    per query position; two chunks built and run match transformers' form."""
+    _, counters = run_pipeline(StaticCacheStep(version=5), step_inputs(4, tokens=3), FOLD)
+    assert counters["raise.attention.prompt_over_cache"] == 1 and not counters["raise.attention.decode"]
+    coopt.Pipeline(top_k=1).build(StaticCacheStep(version=5), tuple(step_inputs(0, tokens=3)), tmp_path / "out")
+    built, eager = coopt.load(tmp_path / "out"), StaticCacheStep(version=5)
+    device = built.w_k_cache.device
+    eager.to(device)
+    built.w_k_cache.zero_()
+    built.w_v_cache.zero_()
+    with torch.no_grad():
+        for start in (0, 3, 29):  # the second chunk reads the first's rows; the last ends at the cache's end
+            chunk = [x.to(device) for x in step_inputs(start, tokens=3)]
+            torch.testing.assert_close(built(*chunk), eager(*chunk), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(built.w_k_cache, eager.k_cache)
