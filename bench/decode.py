@@ -5,6 +5,8 @@ bandwidth floor, in one run on one GPU.
     python bench/decode.py --layers 32 --cases 1:2048:4096 --out decode.json
     python bench/decode.py --cases 1:2048:4096 --prefill 0     # decode only, no prompt timing
     python bench/decode.py --cases "" --prefill 2048           # the prompt only
+    python bench/decode.py --model-file examples/transformers_llama/model.py --prefill 0
+                                                     # transformers' own Llama (needs transformers)
 
 A case is batch:position:cache_length. Each variant runs the same model file
 (examples/llama/model.py, bf16, random weights, the cache filled up to the position), one
@@ -36,6 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--model-file", type=Path, default=ROOT / "examples" / "llama" / "model.py",
+                        help="a decode-step model file taking the COOPT_LLAMA_* knobs: the project's Llama "
+                             "(default) or examples/transformers_llama/model.py (transformers' LlamaForCausalLM; "
+                             "decode cases only)")
     parser.add_argument("--cases", default="1:2048:4096,1:32768:32832,32:2048:4096")
     parser.add_argument("--modes", default="eager,max-autotune-no-cudagraphs,reduce-overhead,coopt,coopt-fp8",
                         help="coopt-fp8: the build with --kv-cache fp8 (issue 4), against its own fp8 floor; "
@@ -59,14 +65,14 @@ def parse_args():
     return parser.parse_args()
 
 
-def load_case(layers: int, batch: int, pos: int, cache: int):
+def load_case(layers: int, batch: int, pos: int, cache: int, model_file: Path = ROOT / "examples" / "llama" / "model.py"):
     os.environ.update(
         COOPT_LLAMA_PRESET="llama-3-8b", COOPT_LLAMA_LAYERS=str(layers), COOPT_LLAMA_BATCH=str(batch),
         COOPT_LLAMA_POS=str(pos), COOPT_LLAMA_MAX_SEQ=str(cache), COOPT_EXAMPLE_DTYPE="bfloat16",
     )
     from coopt.frontend.model_file import load_model_file
 
-    loaded = load_model_file(ROOT / "examples" / "llama" / "model.py")
+    loaded = load_model_file(model_file)
     return loaded.model.cuda(), tuple(x.cuda() for x in loaded.example_inputs)
 
 
@@ -167,9 +173,11 @@ def floor_ms(model, batch: int, pos: int, kv_element_bytes: int | None = None, v
             seen.add(id(param))
     kv = 0
     for name, buffer in model.named_buffers():
-        if name.endswith(("k_cache", "v_cache")):  # [B, Hkv, S_max, D]: the valid part is read
-            b, hkv, _, d = buffer.shape
-            own = values_only and name.endswith("k_cache")
+        leaf = name.rsplit(".", 1)[-1]
+        keys = leaf == "k_cache" or leaf.startswith("key_cache_")  # the project's, transformers' StaticCache
+        if keys or leaf == "v_cache" or leaf.startswith("value_cache_"):  # [B, Hkv, S_max, D]: the valid part is read
+            _, hkv, _, d = buffer.shape
+            own = values_only and keys
             kv += batch * hkv * (pos + 1) * d * ((None if own else kv_element_bytes) or buffer.element_size())
     return (weights + kv) / bandwidth * 1e3
 
@@ -229,7 +237,7 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
     from coopt.runtime.cuda_graph import GraphedStep
 
     batch, pos, cache = (int(v) for v in case.split(":"))
-    model, inputs = load_case(args.layers, batch, pos, cache)
+    model, inputs = load_case(args.layers, batch, pos, cache, args.model_file)
     row = {"case": case, "batch": batch, "pos": pos, "cache": cache, "layers": args.layers,
            "floor_ms": floor_ms(model, batch, pos, bandwidth=args.floor_bandwidth), "ms": {}, "setup_s": {}}
     print(f"case b{batch} pos {pos} (cache {cache}): floor {row['floor_ms']:.3f} ms", flush=True)
@@ -346,7 +354,8 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench/decode.py needs a CUDA GPU")
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+           "model_file": os.path.relpath(args.model_file.resolve(), ROOT)}
     copy = measure_copy_bandwidth()
     args.floor_bandwidth, env["floor_bandwidth"] = floor_bandwidth(env["gpu"], copy)
     env.update(copy_tb_s=round(copy / 1e12, 3), floor_tb_s=round(args.floor_bandwidth / 1e12, 3))
@@ -371,7 +380,9 @@ def main():
         if "coopt-fp8" in r["ms"]:
             frac += f" (fp8: {r['ms']['coopt-fp8'] / r['fp8_floor_ms']:.2f}x of {r['fp8_floor_ms']:.3f})"
         print(f"| b{r['batch']} pos {r['pos']} | {r['floor_ms']:.3f} | " + " | ".join(cells) + f" | {frac} |")
-    if args.prefill:
+    if args.prefill and args.model_file.resolve() != (ROOT / "examples" / "llama" / "model.py").resolve():
+        print(f"\nprefill skipped: it times examples/llama/model.py's prefill entry point, not {args.model_file}")
+    elif args.prefill:
         def save_prefill(prefill):
             if args.out:
                 args.out.write_text(json.dumps({"environment": env, "rows": rows, "prefill": prefill}, indent=2))

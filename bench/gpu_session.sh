@@ -40,6 +40,8 @@
 #   bash bench/gpu_session.sh tma-gemv   # the b32 GEMMs: TMA-fed split GEMV against pointer loads, cuBLAS, the template (~1 min)
 #   bash bench/gpu_session.sh layers32-b32-quick  # 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min)
 #   bash bench/gpu_session.sh h200-missed  # on an H200: 32 layers at b1 / 2048, then b32 / 2048 fp8 (~9.5 min)
+#   bash bench/gpu_session.sh transformers-decode  # transformers' own Llama, 8 layers, b1 and b32 / 2048 (~9 min;
+#                                        # first ../shared/tools/device-wheels.sh transformers==5.18.0 here)
 #   bash bench/gpu_session.sh prefetch-bulk  # the o weights bulk-prefetched into L2 during the b1 / 2048 attention (~2 min)
 #   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
@@ -380,6 +382,15 @@ case "${1:-}" in
     tma-gemv)  # issue 3, session 39: do the b32 layer's four GEMMs stream faster with the weight brought by
         # tensor descriptors (TMA) than by pointer loads, in the same split GEMV beside cuBLAS and the template (~1 min)
         step 480 tma-gemv python bench/tma_gemv_probe.py --json "$OUT/tma_gemv.json"
+        ;;
+    transformers-decode)  # session 40: transformers' own LlamaForCausalLM (examples/transformers_llama/model.py,
+        # through its exportable StaticCache wrapper) at 8 Llama-3-8B layers, b1 / 2048 and b32 / 2048: eager,
+        # reduce-overhead and coopt in one run (~9 min). The device has no transformers: first, here,
+        # `../shared/tools/device-wheels.sh transformers==5.18.0` (its wheels then travel in .whl)
+        step 560 hf-decode python bench/decode.py --model-file examples/transformers_llama/model.py \
+            --cases 1:2048:4096,32:2048:4096 --modes eager,reduce-overhead,coopt --prefill 0 --agreement-steps 8 \
+            --out "$OUT/decode_transformers.json" --build-dir /tmp/coopt-hf
+        reports reports_hf coopt-hf
         ;;
     h200-missed)  # issues 3 and 4, session 38: the two H200 rows still missed, in one call (~9.5 min; run it only on
         # an H200): 32 layers at b1 / 2048 (does the build pick the cluster meeting), then b32 / 2048 fp8

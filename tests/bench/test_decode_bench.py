@@ -76,6 +76,31 @@ def test_the_values_only_floor_reads_bf16_keys_and_fp8_values():
     assert decode.floor_ms(model, 2, 3, bandwidth=3.0e12) * 3.0e12 / 1e3 == pytest.approx(weights + 2 * 64 * 2)
 
 
+def test_the_floor_reads_transformers_static_cache_as_the_projects_caches():
+    """examples/transformers_llama/model.py (tiny preset, float32, cache 16, position 5): its
+    floor counts the weights, the one looked-up embedding row, and the valid rows of every
+    layer's key_cache_i / value_cache_i, as examples/llama's k_cache / v_cache are counted."""
+    import os
+
+    pytest.importorskip("transformers")
+    knobs = {"COOPT_LLAMA_PRESET": "tiny", "COOPT_LLAMA_MAX_SEQ": "16", "COOPT_LLAMA_POS": "5",
+             "COOPT_EXAMPLE_DTYPE": "float32", "COOPT_LLAMA_BATCH": "1"}
+    saved = {k: os.environ.get(k) for k in knobs}
+    os.environ.update(knobs)
+    try:
+        from coopt.frontend.model_file import load_model_file
+
+        model = load_model_file(decode.ROOT / "examples" / "transformers_llama" / "model.py").model
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    embedding = model.wrapped.model.model.embed_tokens.weight
+    params = sum(p.numel() for p in model.parameters()) - embedding.numel() + embedding.shape[1]
+    kv = 2 * 2 * (1 * 2 * 6 * 16)  # 2 layers x (K, V) x [batch 1, 2 kv heads, positions 0..5, head dim 16]
+    to_bytes = bandwidth.H200_COPY_BYTES_PER_S / 1e3
+    assert decode.floor_ms(model, 1, 5) * to_bytes == pytest.approx(4 * (params + kv))
+
+
 @pytest.mark.parametrize("gpu, expected", [("NVIDIA H200", bandwidth.H200_COPY_BYTES_PER_S), ("NVIDIA H100 80GB HBM3", 3.01e12)])
 def test_floors_use_the_h200s_reference_there_and_the_measured_copy_elsewhere(gpu, expected):
     """On an H200 every session's floors share issue 3's 4.2 TB/s; an H100 (~3.0 TB/s) measured

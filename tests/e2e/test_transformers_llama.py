@@ -112,3 +112,18 @@ def test_a_transformers_prompt_chunk_attends_over_the_cache(tmp_path):
         for start in (0, 4):  # the second chunk reads the rows the first wrote
             chunk, positions = prompt[:, start:start + 4], torch.arange(start, start + 4)
             torch.testing.assert_close(built(chunk, positions), eager(chunk, positions), rtol=1e-4, atol=1e-4)
+
+
+def test_the_example_model_file_builds(tmp_path, monkeypatch):
+    """examples/transformers_llama/model.py as `coopt build` takes it (tiny preset, a decode step at
+    position 128 of a 256-position cache holding random history)."""
+    import os
+    from pathlib import Path
+
+    for knob in [k for k in os.environ if k.startswith("COOPT_LLAMA_") or k == "COOPT_EXAMPLE_DTYPE"]:
+        monkeypatch.delenv(knob)  # the file's defaults, whatever an earlier test set
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "transformers_llama" / "model.py"
+    result = coopt.build(example, tmp_path / "out")
+    assert result.e2e["ok"] and result.counters["raise.attention.decode"] == LAYERS
+    assert [r.summary.family for r in result.regions].count("decode_attention") == LAYERS
