@@ -5,7 +5,8 @@ tensors on plain objects too); the cache writes (index_copy_), the 5.x boolean m
 Mistral's sliding window where it covers the cache) and the per-layer position bookkeeping
 recognised, so each layer builds as the project's own Llama: a norm-prologue q|k|v GEMV (Qwen2's
 biases concatenated with it), one decode attention with the rotary and the rows' write folded in,
-the MLP GEMVs. The built steps follow transformers' own logits step after step."""
+the MLP GEMVs. The built steps follow transformers' own logits step after step, and the runtime's
+generate() reproduces its greedy tokens."""
 
 from __future__ import annotations
 
@@ -81,6 +82,16 @@ def test_a_transformers_decode_step_builds_as_the_projects_own_llama(tmp_path, f
     assert result.unfused_ops == {"aten.embedding.default": 1, "aten.matmul.default": 1, "aten.cat.default": 1,
                                   "aten.arange.default": 1, "aten.add.Tensor": 3, "coopt.state_write": LAYERS}
     assert not result.fallback_ops
+    # the runtime's generate() drives it as a decoder (greedy): transformers' tokens, one call a token
+    prompt, eager = torch.tensor([[5, 17, 3]]), DecodeStep(family)
+    with torch.no_grad():
+        for pos in range(prompt.shape[1]):
+            logits = eager(prompt[:, pos:pos + 1], torch.tensor([pos]))
+        expected = [prompt]
+        for pos in range(prompt.shape[1], prompt.shape[1] + 6):
+            expected.append(logits[:, -1:].argmax(-1))
+            logits = eager(expected[-1], torch.tensor([pos]))
+    assert torch.equal(built.generate(prompt, max_new_tokens=6), torch.cat(expected, dim=1))
     # a position outside the cache is refused at call time (the write's positions are computed
     # as arange(1) + cache_position[0]: still the input's value)
     for outside in (MAX_CACHE, -1):
