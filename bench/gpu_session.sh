@@ -53,8 +53,7 @@
 #   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
-#   bash bench/gpu_session.sh pending    # the GPU tests of session 34-35 pieces (all passed on an H100, session 36: cluster meeting,
-#                                        # the fold's write positions; ~6 min)
+#   bash bench/gpu_session.sh pending    # sessions 39-40's CPU work built and run on the GPU (~5 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
@@ -362,17 +361,17 @@ case "${1:-}" in
             done
         done
         ;;
-    pending)  # everything written since session 33 that no GPU has run, GPU tests only, in one call: the CUDA
-        # attention's family (the cluster meeting, the fold at three write positions) and the CUDA GEMV; each
-        # file's failures with short tracebacks (~6 min); then the elementwise family on the GPU (session 38's
-        # fns: erf, hardsigmoid, hardswish, the NaN forms; every test, not only those marked gpu)
-        step 270 pending-mma python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_decode_attention_mma.py
-        step 90 pending-gemv python -m pytest -q -p no:cacheprovider -m gpu --tb=short -rs tests/templates/test_gemv_cuda.py
-        step 60 pending-ew python -m pytest -q -p no:cacheprovider --tb=short -rs tests/templates/test_elementwise.py
+    pending)  # what no GPU has run yet, in one call (~5 min; sessions 33-38's CUDA attention, CUDA GEMV and
+        # elementwise tests passed on an H100 in session 39: 169 GPU-marked, 117 elementwise).
         # session 39: the cast fns, log_softmax, the repeated-KV fold and a transformers-style layer, built on the GPU
         step 150 pending-39 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/templates/test_row_reduction.py \
             tests/passes/test_fold_repeated_kv.py tests/passes/test_raise_hf_rms_norm.py tests/passes/test_raise_log_softmax.py \
             tests/e2e/test_transformers_style_llama.py tests/e2e/test_elementwise_ops_build.py
+        # session 40: transformers' StaticCache forms, cse-aten, biased parallel linears, transformers' own models
+        # (those skip unless .whl brought transformers: ../shared/tools/device-wheels.sh transformers==5.18.0)
+        step 200 pending-40 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/passes/test_hf_static_cache.py \
+            tests/passes/test_cse_aten.py tests/passes/test_fuse_parallel_linears.py tests/passes/test_inplace_state_writes.py \
+            tests/frontend/test_capture_fallback.py tests/e2e/test_transformers_llama.py
         ;;
     prefetch-bulk)  # issue 3, session 38: does pulling the o weights into L2 with the TMA's bulk prefetch during the
         # b1 / 2048 attention (latency-bound: 7 µs for 8.4 MB) make the o GEMV after it faster than the prefetch's own
