@@ -81,18 +81,44 @@ def literal_arg(op: AtenOp, position: int, kw: str | None = None, default=None):
     return call["kwargs"].get(kw, default) if kw else default
 
 
+# ATen ops whose result may share operand 0's storage: after an in-place write of a buffer, a view
+# taken before it shows the new values
+VIEW_OPS = frozenset({
+    "aten.alias.default", "aten.slice.Tensor", "aten.select.int", "aten.narrow.default", "aten.view.default",
+    "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default", "aten.unsqueeze.default",
+    "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.permute.default", "aten.transpose.int",
+    "aten.t.default", "aten.diagonal.default", "aten.as_strided.default", "aten.split.Tensor", "aten.chunk.default",
+    "aten.unbind.int", "aten.split_with_sizes.default", "aten.flatten.using_ints", "aten.unflatten.int",
+})
+
 ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
 
 
+def written_refs(module) -> set[str]:
+    """The buffers the program writes (state updates and writes, by ref): their values at import
+    are only their first call's."""
+    from coopt.ir.dialect import StateUpdateOp, StateWriteOp
+
+    return {op.ref.data for op in module.walk() if isinstance(op, (StateUpdateOp, StateWriteOp))}
+
+
+def written_in_the_program(weight: WeightOp) -> bool:
+    """Whether the program writes the buffer `weight` reads (`written_refs`)."""
+    top = weight
+    while top.parent_op() is not None:
+        top = top.parent_op()
+    return weight.ref.data in written_refs(top)
+
+
 def zero_based_arange(value: SSAValue) -> int | None:
-    """n when `value` holds 0, 1, ..., n - 1 (cache positions, a batch's row index): an ATen arange
-    from 0 by 1 with no tensor operands, or a buffer the importer found to hold exactly that (its
-    `coopt.arange` attribute); else None."""
+    """n when `value` holds the integers 0, 1, ..., n - 1 (cache positions, a batch's row index):
+    an integer ATen arange from 0 by 1 with no tensor operands, or a buffer the importer found to
+    hold exactly that (its `coopt.arange` attribute) that the program never writes; else None."""
     op, shape = value.owner, static_shape(value)
-    if len(shape) != 1 or shape[0] is None:
-        return None
+    if len(shape) != 1 or shape[0] is None or str(value.type.element_type) not in ("i64", "i32"):
+        return None  # a float arange rounds: bf16 holds 0 .. 256 exactly, not 0 .. 511
     if isinstance(op, WeightOp):
-        return shape[0] if "coopt.arange" in op.attributes else None
+        return shape[0] if "coopt.arange" in op.attributes and not written_in_the_program(op) else None
     target = aten_target(op)
     if target not in ARANGES or op.inputs:
         return None

@@ -6,12 +6,16 @@ StaticCache copies cache_position[0] into its cumulative_length buffer (a functi
 `copy(buffer, select(cache_position, 0, 0))`), then makes its write positions as
 `arange(1) + that copy` and the buffer's next value as `copy + 1`. Run as written, a 32-layer
 step launches ~5 such one-element kernels a layer. With the copies folded (a copy into a tensor of
-the same type and shape takes the source's values whatever the destination held) the layers'
+the same type and shape takes the source's values whatever the destination held; not a copy of
+(a view of) a buffer, a snapshot a later in-place write must not reach) the layers'
 calls become the same calls on the same operands and run once; what is left a layer is the
 buffer's own write.
 
-Only deterministic calls merge (`_DETERMINISTIC`: views, index arithmetic, elementwise math):
-two random draws or two uninitialised allocations are not the same value. Ops inside kernel
+Only deterministic calls of integer or bool results merge (`_DETERMINISTIC`: views, index
+arithmetic, comparisons; positions, lengths, masks): two random draws or two uninitialised
+allocations are not the same value, and float values are the fusion passes' (a view of an
+activation shared by two readers could go into neither's region: session 40 measured a two-layer
+step that wrote one k into both caches losing both kv_write folds that way). Ops inside kernel
 regions are not looked at (the pass runs before any region is made). Counters `cse.aten.merged`,
 `cse.aten.copy_folded`.
 """
@@ -21,11 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xdsl.context import Context
-from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.dialects.func import FuncOp
 
-from coopt.ir.dialect import AtenOp
-from coopt.passes.base import CooptPass, aten_target, tensor_arg
+from coopt.ir.dialect import AtenOp, KernelOp, StateUpdateOp, WeightOp
+from coopt.passes.base import VIEW_OPS, CooptPass, aten_target, tensor_arg
 from coopt.passes.stats import count
 
 _DETERMINISTIC = frozenset({
@@ -40,13 +44,31 @@ _DETERMINISTIC = frozenset({
 })
 
 
+def _integral(value) -> bool:
+    """An integer or bool tensor: positions, lengths, masks. Float values are left alone: a view of
+    an activation shared by two consumers would no longer be either's alone, and the fusion passes
+    take a value's views into a region only where it has no other reader."""
+    return isinstance(value.type, TensorType) and str(value.type.element_type) in ("i64", "i32", "i16", "i8", "i1", "ui8")
+
+
+def _may_share_state(value) -> bool:
+    """Whether `value` may be (a view of) a buffer, which an in-place write could change after the
+    copy was taken."""
+    while aten_target(value.owner) in VIEW_OPS:
+        value = value.owner.inputs[0]
+    return isinstance(value.owner, (WeightOp, StateUpdateOp, KernelOp))
+
+
 def _copied_value(op: AtenOp):
-    """src when op is copy(dst, src) with src of dst's type (shape, dtype, symbolic dims): the
-    result holds src's values, nothing of dst's."""
+    """src when op is copy(dst, src) with src of dst's (integral) type (shape, dtype, symbolic
+    dims): the result holds src's values, nothing of dst's. Not where src may be a view of a buffer: the copy
+    is a snapshot, and a later in-place write of the buffer would show through src."""
     if aten_target(op) != "aten.copy.default":
         return None
     dst, src = tensor_arg(op, 0), tensor_arg(op, 1)
-    return src if dst is not None and src is not None and src.type == dst.type else None
+    if dst is None or src is None or src.type != dst.type or not _integral(src) or _may_share_state(src):
+        return None
+    return src
 
 
 @dataclass(frozen=True)
@@ -65,7 +87,7 @@ class CseAten(CooptPass):
                     aten.erase()
                     count("cse.aten.copy_folded")
                     continue
-                if aten.target.data not in _DETERMINISTIC:
+                if aten.target.data not in _DETERMINISTIC or not all(_integral(r) for r in aten.results):
                     continue
                 key = (aten.target.data, aten.args.data, tuple(aten.inputs),
                        tuple(r.type for r in aten.results))

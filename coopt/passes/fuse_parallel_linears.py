@@ -23,7 +23,7 @@ from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.rewriter import InsertPoint, Rewriter
 
 from coopt.ir.dialect import AtenOp, KernelOp, LinearOp, WeightOp
-from coopt.passes.base import CooptPass
+from coopt.passes.base import CooptPass, written_refs
 from coopt.passes.stats import count
 
 CONCAT_PREFIX = "coopt.concat:"
@@ -39,20 +39,23 @@ def concat_parts(ref: str) -> list[str] | None:
     return ref.removeprefix(CONCAT_PREFIX).split("|") if ref.startswith(CONCAT_PREFIX) else None
 
 
-def _model_weight(value, rank: int) -> bool:
-    """A model weight of `rank` dims, not itself a concatenation."""
+def _model_weight(value, rank: int, written: set[str]) -> bool:
+    """A model weight of `rank` dims, not itself a concatenation, that the program never writes
+    (`written`: a concatenation is made once, at build time)."""
     return (isinstance(value.owner, WeightOp) and concat_parts(value.owner.ref.data) is None
-            and isinstance(value.type, TensorType) and len(value.type.get_shape()) == rank)
+            and isinstance(value.type, TensorType) and len(value.type.get_shape()) == rank
+            and value.owner.ref.data not in written)
 
 
-def _fusable(linear: LinearOp) -> bool:
+def _fusable(linear: LinearOp, written: set[str]) -> bool:
     """x @ W^T (+ b) with W a model weight [N, K] and b, if any, a model weight [N] (the decoder
-    projections; Qwen2's q, k and v have biases)."""
+    projections; Qwen2's q, k and v have biases; not a bias broadcast from one element)."""
     return (
         not isinstance(linear.parent_op(), KernelOp)
         and linear.b_layout.data == "nk"
-        and (linear.bias is None or _model_weight(linear.bias, 1))
-        and _model_weight(linear.w, 2)
+        and _model_weight(linear.w, 2, written)
+        and (linear.bias is None or (_model_weight(linear.bias, 1, written)
+                                     and linear.bias.type.get_shape()[0] == linear.w.type.get_shape()[0]))
     )
 
 
@@ -65,7 +68,8 @@ class FuseParallelLinears(CooptPass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         groups: dict[tuple, list[LinearOp]] = defaultdict(list)
-        for linear in [o for o in op.walk() if isinstance(o, LinearOp) and _fusable(o)]:
+        written = written_refs(op)
+        for linear in [o for o in op.walk() if isinstance(o, LinearOp) and _fusable(o, written)]:
             w_type = linear.w.type
             bias = None if linear.bias is None else linear.bias.type.element_type
             key = (linear.x, w_type.element_type, w_type.get_shape()[1], bias)  # all with biases, or none

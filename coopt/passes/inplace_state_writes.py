@@ -28,7 +28,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.rewriter import Rewriter
 
 from coopt.ir.dialect import StateUpdateOp, StateWriteOp, WeightOp
-from coopt.passes.base import CooptPass, aten_target, literal_arg, tensor_arg
+from coopt.passes.base import VIEW_OPS, CooptPass, aten_target, literal_arg, tensor_arg
 from coopt.passes.fusion_common import only_user
 from coopt.passes.stats import count
 
@@ -41,8 +41,20 @@ IN_PLACE = {
 
 
 def _reads_old_value_later(buffer, update) -> bool:
+    """Whether anything after `update` reads the buffer's value from before it: the buffer itself,
+    or a view of it taken before (a view shares the buffer's storage: after an in-place write it
+    would show the new rows, as `prev.copy_(cache[3])` then a write of row 3 would)."""
     order = {op: i for i, op in enumerate(update.parent_block().ops)}
-    return any(use.operation is not update and order.get(use.operation, -1) > order[update] for use in buffer.uses)
+    values = [buffer]
+    while values:
+        for use in values.pop().uses:
+            if use.operation is update:
+                continue
+            if order.get(use.operation, -1) > order[update]:
+                return True
+            if aten_target(use.operation) in VIEW_OPS:
+                values.extend(use.operation.results)
+    return False
 
 
 def _slice_range(op, first: int) -> tuple:

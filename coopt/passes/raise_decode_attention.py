@@ -94,14 +94,18 @@ def _column_of(value):
 
 
 def _under_mask_views(mask):
-    """The mask under _MASK_VIEWS, or None where a slice does not keep the first keys."""
+    """The mask under _MASK_VIEWS whose last two dims (query tokens, keys) are the mask's own:
+    None where a view would move them (an unsqueeze between or after them, an expand of either)
+    or a slice would not keep every key (a slice of the keys from 0 to their end is a no-op)."""
     while aten_target(mask.owner) in _MASK_VIEWS:
         op = mask.owner
-        if aten_target(op) == "aten.slice.Tensor" and (
-                literal_arg(op, 1, "dim", 0) not in (-1, len(static_shape(mask)) - 1)
-                or literal_arg(op, 2, "start", 0) not in (0, None) or literal_arg(op, 4, "step", 1) != 1):
+        source, out = tensor_arg(op, 0), static_shape(mask)
+        below = static_shape(source)
+        if len(below) < 2 or out[-2:] != below[-2:]:  # expand or slice changed query tokens or keys
             return None
-        mask = tensor_arg(op, 0)
+        if aten_target(op) == "aten.unsqueeze.default" and literal_arg(op, 1) % len(out) >= len(out) - 2:
+            return None
+        mask = source
     return mask
 
 
@@ -110,7 +114,7 @@ def _additive_positions_mask(mask):
     (_prepare_4d_causal_attention_mask_with_cache_position at one query token):
     full((1, S), min) * (arange(S) > input_pos.reshape(-1, 1)), under _MASK_VIEWS: 0 for the keys
     at or before the position, a fill no finite score survives for those after it. Else None."""
-    mask = _under_mask_views(mask)
+    mask = _under_mask_views(mask) if len(static_shape(mask)) >= 2 else None
     mul = mask.owner if mask is not None else None
     if aten_target(mul) != "aten.mul.Tensor" or len(mul.inputs) != 2 or static_shape(mask)[:1] != [1]:
         return None
@@ -118,7 +122,8 @@ def _additive_positions_mask(mask):
     full, gt = fill.owner, after.owner
     value = literal_arg(full, 1) if aten_target(full) == "aten.full.default" else None
     value = value.get("$f") if isinstance(value, dict) else value
-    if not isinstance(value, (int, float, str)) or float(value) > _MASKED_OUT:
+    # finite: a -inf fill times the False of a visible key is NaN in the model's own mask
+    if not isinstance(value, (int, float, str)) or not -math.inf < float(value) <= _MASKED_OUT:
         return None
     if aten_target(gt) == "aten.gt.Tensor":
         positions, column = tensor_arg(gt, 0), tensor_arg(gt, 1)
@@ -184,7 +189,7 @@ def _broadcast_positions_mask(mask):
     input_pos [T] as [1, ..., 1, T, 1] (T = 1 in a decode step), under _MASK_VIEWS (expanded over
     the batch), and-ed with nothing or with terms true for every key (Mistral's sliding window
     where it covers the whole cache). Else None."""
-    root = _under_mask_views(mask)
+    root = _under_mask_views(mask) if len(static_shape(mask)) >= 2 else None
     terms = _and_terms(root) if root is not None else []
     compares = [t for t in terms if aten_target(t.owner) in ("aten.le.Tensor", "aten.ge.Tensor")]
     if len(compares) != 1:
@@ -245,8 +250,8 @@ class RaiseDecodeSDPA(RewritePattern):
         if found is None:
             return
         input_pos, positions = found
-        if positions != ks[2] or len(static_shape(input_pos)) != 1:
-            return
+        if positions != ks[2] or static_shape(mask)[-1] != positions or len(static_shape(input_pos)) != 1:
+            return  # the mask must cover every key: one broadcast column would show them all
         scale = literal_arg(op, 6, "scale", None)
         scale = 1.0 / math.sqrt(qs[3]) if scale is None else scale
         prompt = qs[2] != 1  # a prompt (chunk) over the cache: one length per query position

@@ -48,6 +48,13 @@ def _interpret_helpers_decorated_before() -> None:
         for attr, value in list(vars(module).items()):
             if type(value) is JITFunction:
                 setattr(module, attr, swapped.setdefault(id(value), InterpretedFunction(value.fn)))
+    # the tensor methods they lend (`x.sum(0)` is tl.sum): as triton does when interpreting, a plain
+    # function forwarding to it, which binds the tensor as its first argument
+    tensor = getattr(sys.modules.get("triton.language.core"), "tensor", None)
+    for attr, value in list(vars(tensor).items()) if tensor is not None else []:
+        if type(value) is JITFunction:
+            helper = swapped.setdefault(id(value), InterpretedFunction(value.fn))
+            setattr(tensor, attr, lambda *args, _helper=helper, **kwargs: _helper(*args, **kwargs))
 
 
 def load_module_from_file(path: str | Path, name: str | None = None) -> ModuleType:

@@ -60,7 +60,8 @@ def test_the_build_of_such_a_model_keeps_its_state_semantics(tmp_path):
 
 def test_kernels_run_in_the_interpreter_after_triton_was_imported_first(tmp_path):
     """In a fresh process without a GPU: triton.language imported (its helpers compiled-mode
-    JITFunctions), then a build whose GEMV kernel calls tl.cdiv: its check must pass."""
+    JITFunctions), then a build whose GEMV kernel calls tl.cdiv: its check must pass; and a kernel
+    calling helpers as tensor methods runs."""
     if torch.cuda.is_available():
         return  # the interpreter is for machines without a GPU
     script = textwrap.dedent(f"""
@@ -72,8 +73,24 @@ def test_kernels_run_in_the_interpreter_after_triton_was_imported_first(tmp_path
         result = coopt.Pipeline(top_k=1).build(model, (torch.randn(1, 64),), {str(tmp_path / "out")!r})
         assert result.e2e["ok"] and not result.warnings, result.warnings
         assert any(r.summary.family == "matmul_epilogue" for r in result.regions)
+        # a kernel of its own calling the helpers as tensor methods (x.sum(0), x.sigmoid())
+        from coopt.runtime.kernel_loader import load_module_from_file
+        kernel = load_module_from_file({str(tmp_path / "methods.py")!r})
+        x, out = torch.randn(8), torch.zeros(8)
+        kernel.methods[(1,)](x, out, N=8)
+        torch.testing.assert_close(out, x.sum() + torch.sigmoid(x))
         print("ok")
     """)
+    (tmp_path / "methods.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def methods(x_ptr, out_ptr, N: tl.constexpr):
+            offsets = tl.arange(0, N)
+            x = tl.load(x_ptr + offsets)
+            tl.store(out_ptr + offsets, x.sum(0) + x.sigmoid())
+    """))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

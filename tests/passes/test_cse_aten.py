@@ -93,3 +93,52 @@ def test_only_a_copy_into_its_own_type_is_its_source():
     assert _copied_value(copy(same)) is same
     assert _copied_value(copy(converted)) is None  # a float into int64: truncated values
     assert _copied_value(copy(broadcast)) is None  # one value broadcast over four
+
+
+class Snapshot(torch.nn.Module):
+    """A copy of a cache row taken before the row is written: a snapshot, not a view of the cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 4))
+
+    def forward(self, x, pos):
+        snap = torch.zeros(4).copy_(self.cache[3])
+        self.cache.index_copy_(0, pos, x)
+        return snap * 2.0
+
+
+def test_a_copy_of_a_buffers_rows_stays_a_snapshot(tmp_path):
+    _, counters = run_pipeline(Snapshot(), [torch.randn(1, 4), torch.tensor([0])], "inplace-state-writes,cse-aten")
+    assert not counters["cse.aten.copy_folded"]
+    coopt.Pipeline(top_k=1).build(Snapshot(), (torch.randn(1, 4), torch.tensor([0])), tmp_path / "out")
+    built, eager = coopt.load(tmp_path / "out"), Snapshot()
+    built.w_cache.zero_()
+    for pos in (3, 3):  # the second call's snapshot is the row the first wrote, not its own
+        x = torch.randn(1, 4)
+        torch.testing.assert_close(built(x, torch.tensor([pos])), eager(x, torch.tensor([pos])))
+
+
+class MovingOffset(torch.nn.Module):
+    """Writes at offset + rel, the offset a buffer holding [0] at import that every call moves:
+    not arange(1), so rel alone is not the written row and is not bounded as one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("offset", torch.zeros(1, dtype=torch.long))
+        self.register_buffer("cache", torch.zeros(64, 4))
+
+    def forward(self, x, rel):
+        self.cache.index_copy_(0, self.offset + rel, x)
+        self.offset.add_(1)
+        return self.cache.sum(0, keepdim=True)
+
+
+def test_a_buffer_the_program_writes_is_no_arange(tmp_path):
+    coopt.Pipeline(top_k=1).build(MovingOffset(), (torch.randn(1, 4), torch.tensor([0])), tmp_path / "out")
+    built, eager = coopt.load(tmp_path / "out"), MovingOffset()
+    for _, buffer in built.named_buffers():
+        buffer.zero_()
+    for rel in (0, 0, 0, -1):  # the last call writes row 3 - 1 = 2: legal, and must not be refused
+        x = torch.randn(1, 4)
+        torch.testing.assert_close(built(x, torch.tensor([rel])), eager(x, torch.tensor([rel])))

@@ -94,3 +94,27 @@ def test_built_swiglu_and_qkv_match_eager_and_store_only_the_merged_weights(tmp_
     with torch.no_grad():
         for got, want in zip(coopt.load(out, device="cpu")(fresh), model(fresh)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_broadcast_bias_or_a_bias_the_model_writes_is_not_concatenated():
+    def broadcast(m, x):  # biases of one element, broadcast over each output
+        return F.linear(x, m.wq, m.bq), F.linear(x, m.wk, m.bk)
+
+    params = {"wq": torch.randn(8, 16), "wk": torch.randn(4, 16), "bq": torch.randn(1), "bk": torch.randn(1)}
+    _, counters = run_pipeline(Lambda(broadcast, **params), [x], RAISE_AND_MERGE)
+    assert counters["fuse.parallel_linears"] == 0
+
+    class MovingBias(torch.nn.Module):  # a bias buffer every call updates: a build-time concatenation goes stale
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(4, 16))
+            self.register_buffer("bq", torch.zeros(8))
+            self.register_buffer("bk", torch.zeros(4))
+
+        def forward(self, x):
+            out = F.linear(x, self.wq, self.bq), F.linear(x, self.wk, self.bk)
+            self.bq.add_(1.0)
+            return out
+
+    _, counters = run_pipeline(MovingBias(), [x], "inplace-state-writes," + RAISE_AND_MERGE)
+    assert counters["fuse.parallel_linears"] == 0

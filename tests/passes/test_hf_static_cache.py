@@ -133,3 +133,49 @@ def test_transformers5_prompt_chunks_attend_over_the_cache(tmp_path):
             chunk = [x.to(device) for x in step_inputs(start, tokens=3)]
             torch.testing.assert_close(built(*chunk), eager(*chunk), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(built.w_k_cache, eager.k_cache)
+
+
+def odd_mask(q, cache_position, length, form):
+    """Masks that look like transformers' but select other keys (or other values)."""
+    keys, query = torch.arange(length) + 0, torch.arange(q.shape[2]) + cache_position[0]
+    if form == "one-column":  # cut to its first key: SDPA broadcasts that column over every key
+        return (keys[None, None, None, :] <= query[None, None, :, None])[..., :1]
+    if form == "one-column-float":
+        mask = torch.full((1, length), torch.finfo(q.dtype).min) * (torch.arange(length) > cache_position.reshape(-1, 1))
+        return mask[None, None, :, :][..., :1]
+    if form == "query-on-batch":  # [T, S] with T moved to the batch dim: sequence b sees query b's keys
+        return (keys[None, :] <= query[:, None])[:, None, None, :]
+    if form == "query-on-heads":
+        return (keys[None, :] <= query[:, None])[None, :, None, :]
+    if form == "infinite-fill":  # -inf * False is NaN: the model's own output is NaN
+        mask = torch.full((1, length), float("-inf")) * (torch.arange(length) > cache_position.reshape(-1, 1))
+        return mask[None, None, :, :]
+    if form == "float-positions":  # bf16 positions round: 301 and 302 are one value
+        positions = torch.arange(length, dtype=torch.bfloat16)
+        return positions[None, None, None, :] <= query[None, None, :, None]
+    raise ValueError(form)
+
+
+class OddMaskStep(torch.nn.Module):
+    def __init__(self, form: str, batch: int = 1, heads: int = 2, length: int = 32):
+        super().__init__()
+        self.form = form
+        self.register_buffer("k_cache", torch.zeros(batch, heads, length, 8))
+        self.register_buffer("v_cache", torch.zeros(batch, heads, length, 8))
+
+    def forward(self, q, k, v, cache_position):
+        mask = odd_mask(q, cache_position, self.k_cache.shape[2], self.form)
+        self.k_cache.index_copy_(2, cache_position, k)
+        self.v_cache.index_copy_(2, cache_position, v)
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
+
+
+@pytest.mark.parametrize("form, batch, heads, tokens", [
+    ("one-column", 1, 2, 1), ("one-column-float", 1, 2, 1), ("query-on-batch", 3, 2, 3), ("query-on-heads", 1, 2, 2),
+    ("infinite-fill", 1, 2, 1), ("float-positions", 1, 2, 1),
+])
+def test_masks_that_look_alike_but_differ_stay_sdpa(form, batch, heads, tokens):
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(batch, heads, tokens, 8, generator=g) for _ in range(3)] + [torch.arange(2, 2 + tokens)]
+    _, counters = run_pipeline(OddMaskStep(form, batch, heads), inputs, FOLD)
+    assert not [name for name in counters if name.startswith("raise.attention")]

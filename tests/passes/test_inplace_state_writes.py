@@ -128,3 +128,31 @@ def test_a_dynamic_batch_build_keeps_the_buffer_semantics(tmp_path):
         x = torch.randn(rows, 2, 1, 4)
         torch.testing.assert_close(built(x, torch.tensor([pos])), original(x, torch.tensor([pos])))
         torch.testing.assert_close(built.w_k, original.k)
+
+
+class SnapshotBuffer(torch.nn.Module):
+    """A buffer takes a copy of a cache row, then the cache row is written: the copy is the row's
+    value from before the write, read through a view of the cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("prev", torch.zeros(4))
+        self.register_buffer("cache", torch.zeros(8, 4))
+
+    def forward(self, x, pos):
+        self.prev.copy_(self.cache[3])
+        self.cache.index_copy_(0, pos, x)
+        return self.prev * 2.0
+
+
+def test_a_view_read_after_the_write_keeps_the_functional_form(tmp_path):
+    _, counters = run_pipeline(SnapshotBuffer(), [torch.randn(1, 4), torch.tensor([0])], "inplace-state-writes")
+    assert not counters["inplace.index_copy"]
+    coopt.Pipeline(top_k=1).build(SnapshotBuffer(), (torch.randn(1, 4), torch.tensor([0])), tmp_path / "out")
+    built, eager = coopt.load(tmp_path / "out"), SnapshotBuffer()
+    for _, buffer in built.named_buffers():
+        buffer.zero_()
+    for pos in (3, 3):
+        x = torch.randn(1, 4)
+        torch.testing.assert_close(built(x, torch.tensor([pos])), eager(x, torch.tensor([pos])))
+    torch.testing.assert_close(built.w_prev, eager.prev)
