@@ -14,9 +14,12 @@ The same environment knobs as examples/llama/model.py, so bench/decode.py can ti
     COOPT_LLAMA_POS         position of the decode step (default max_seq // 2); the cache before it
                             holds seeded random keys / values, standing in for a prefilled prompt
     COOPT_EXAMPLE_DTYPE     float32 (default) or bfloat16
+    COOPT_LLAMA_PREFILL     example prompt length of the prefill entry point (default 16; 0 builds
+                            the decode step only)
 
 The weights are transformers' own random initialisation (seeded by the loader): nothing is
-downloaded. forward(input_ids [B, 1], cache_position [1]) -> logits [B, 1, vocab].
+downloaded. forward(input_ids [B, T], cache_position [T]) -> logits [B, T, vocab]: the decode step
+(T = 1) and, as its `prefill` entry point, a prompt.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ def _settings() -> dict:
         preset["num_hidden_layers"] = int(env("COOPT_LLAMA_LAYERS"))
     max_seq = int(env("COOPT_LLAMA_MAX_SEQ", 256))
     return {"config": preset, "batch": int(env("COOPT_LLAMA_BATCH", 1)), "max_seq": max_seq,
-            "pos": int(env("COOPT_LLAMA_POS", max_seq // 2)), "dtype": env("COOPT_EXAMPLE_DTYPE", "float32")}
+            "pos": int(env("COOPT_LLAMA_POS", max_seq // 2)), "dtype": env("COOPT_EXAMPLE_DTYPE", "float32"),
+            "prefill": int(env("COOPT_LLAMA_PREFILL", min(16, max_seq)))}
 
 
 class Model(torch.nn.Module):
@@ -85,3 +89,16 @@ def get_inputs():
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, s["config"]["vocab_size"], (s["batch"], 1), generator=generator)
     return [tokens, torch.tensor([s["pos"]])]
+
+
+def entry_points():
+    """The prompt as a second entry point of the same artifact (any length 2 .. max_seq at positions
+    0 .. T-1, sharing weights and StaticCache with the decode step): generate() prefills a prompt in
+    one call, then decodes with the graph-replayed step."""
+    s = _settings()
+    if s["prefill"] < 2:
+        return {}
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, s["config"]["vocab_size"], (s["batch"], s["prefill"]), generator=generator)
+    length = torch.export.Dim("prompt_length", min=2, max=s["max_seq"])
+    return {"prefill": ([tokens, torch.arange(s["prefill"])], ({1: length}, {0: length}))}

@@ -127,7 +127,7 @@ def test_a_transformers_prompt_chunk_attends_over_the_cache(tmp_path):
 
 def test_the_example_model_file_builds(tmp_path, monkeypatch):
     """examples/transformers_llama/model.py as `coopt build` takes it (tiny preset, a decode step at
-    position 128 of a 256-position cache holding random history)."""
+    position 128 of a 256-position cache holding random history, and a prefill entry point)."""
     import os
     from pathlib import Path
 
@@ -138,3 +138,17 @@ def test_the_example_model_file_builds(tmp_path, monkeypatch):
     result = coopt.build(example, tmp_path / "out")
     assert result.e2e["ok"] and result.counters["raise.attention.decode"] == LAYERS
     assert [r.summary.family for r in result.regions].count("decode_attention") == LAYERS
+    # its prefill entry point: the prompt's attention over the cache, every length 2 .. 256 in one artifact
+    (prefill,) = result.entries.values()
+    assert prefill.counters["raise.attention.prompt_over_cache"] == LAYERS and prefill.e2e["ok"]
+    # generate() prefills through it, then decodes: transformers' greedy tokens, one call a token
+    from coopt.frontend.model_file import load_model_file
+
+    eager, prompt = load_model_file(example).model, torch.tensor([[5, 17, 3, 99]])
+    with torch.no_grad():
+        logits = eager(prompt, torch.arange(prompt.shape[1]))
+        expected = [prompt]
+        for pos in range(prompt.shape[1], prompt.shape[1] + 6):
+            expected.append(logits[:, -1:].argmax(-1))
+            logits = eager(expected[-1], torch.tensor([pos]))
+    assert torch.equal(coopt.load(tmp_path / "out").generate(prompt, max_new_tokens=6), torch.cat(expected, dim=1))
