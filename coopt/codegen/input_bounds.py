@@ -16,8 +16,9 @@ final IR: the bounds that keep a KV-cache write or a table lookup inside its buf
 
 Anything computed from an input (`input_pos + 1` used as an index) is not traced: no bound is
 derived for it; but the first element of a one-element input, and `arange(1) + v` (0 + v), hold
-the input's values (transformers 5's cache positions are `arange(1) + cache_position[0]`). Every derived bound is necessary (a call outside it indexes out of range, wraps
-a cache position, or breaks a shape export assumed), so checking it rejects no correct call.
+the input's values (transformers 5's cache positions are `arange(1) + cache_position[0]`). Every
+derived bound is necessary (a call outside it indexes out of range, wraps a cache position, or
+breaks a shape export assumed), so checking it rejects no correct call.
 """
 
 from __future__ import annotations

@@ -125,3 +125,8 @@ def zero_based_arange(value: SSAValue) -> int | None:
     args = op.call["args"]
     start, step = (0, 1) if target == "aten.arange.default" else (args[0], args[2] if len(args) > 2 else 1)
     return shape[0] if start == 0 and step == 1 else None
+
+
+def aten_arange(value: SSAValue) -> AtenOp | None:
+    """The ATen arange op when `value` is one of 0, 1, ..., n - 1 (a batch's row index), else None."""
+    return value.owner if aten_target(value.owner) in ARANGES and zero_based_arange(value) is not None else None

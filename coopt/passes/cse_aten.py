@@ -37,10 +37,10 @@ _DETERMINISTIC = frozenset({
     "aten.select.int", "aten.slice.Tensor", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.view.default",
     "aten.reshape.default", "aten._unsafe_view.default", "aten.expand.default", "aten.alias.default",
     "aten.permute.default", "aten.transpose.int", "aten._to_copy.default", "aten.to.dtype",
-    "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.neg.default",
+    "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.neg.default",
     "aten.le.Tensor", "aten.lt.Tensor", "aten.ge.Tensor", "aten.gt.Tensor", "aten.eq.Tensor",
     "aten.le.Scalar", "aten.lt.Scalar", "aten.ge.Scalar", "aten.gt.Scalar", "aten.eq.Scalar",
-    "aten.cat.default", "aten.cos.default", "aten.sin.default", "aten.index.Tensor", "aten.embedding.default",
+    "aten.cat.default", "aten.index.Tensor", "aten.__and__.Tensor", "aten.__or__.Tensor",
 })
 
 
@@ -61,8 +61,8 @@ def _may_share_state(value) -> bool:
 
 def _copied_value(op: AtenOp):
     """src when op is copy(dst, src) with src of dst's (integral) type (shape, dtype, symbolic
-    dims): the result holds src's values, nothing of dst's. Not where src may be a view of a buffer: the copy
-    is a snapshot, and a later in-place write of the buffer would show through src."""
+    dims): the result holds src's values, nothing of dst's. Not where src may be a view of a
+    buffer: the copy is a snapshot, and a later in-place write of the buffer would show through src."""
     if aten_target(op) != "aten.copy.default":
         return None
     dst, src = tensor_arg(op, 0), tensor_arg(op, 1)

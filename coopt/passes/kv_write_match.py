@@ -15,13 +15,7 @@ from xdsl.dialects.builtin import f32
 from xdsl.ir import Operation, SSAValue
 
 from coopt.ir.dialect import KernelOp, QuantizeFp8Op, RopeOp, StateUpdateOp, WeightOp
-from coopt.passes.base import (
-    ARANGES,
-    aten_target,
-    literal_arg,
-    tensor_arg,
-    zero_based_arange,
-)
+from coopt.passes.base import aten_arange, aten_target, literal_arg, tensor_arg
 from coopt.passes.fp8_kv_cache import RowScales, read_row_scales
 from coopt.passes.fusion_common import only_user
 from coopt.passes.paged_kv import PagedWrite, read_paged_write
@@ -76,11 +70,6 @@ def _strip_leading_ones(shape: list) -> list:
     return shape
 
 
-def _batch_rows(value: SSAValue) -> Operation | None:
-    """The op when `value` is arange(n) (0, 1, ..., n - 1: a batch index), else None."""
-    return value.owner if aten_target(value.owner) in ARANGES and zero_based_arange(value) is not None else None
-
-
 def _paged_cache_write(update: StateUpdateOp, rank: int):
     """(pool, positions, value, rows, paged) of a write through a page table, else None."""
     paged = read_paged_write(update)
@@ -116,7 +105,7 @@ def _cache_write(update: StateUpdateOp, rank: int = 4):
         return "indices"
     rows = None
     if indices[0] is not None:  # a per-row write: the batch index must be arange(B)
-        rows = _batch_rows(update.inputs[indices[0]["$t"]]) if isinstance(indices[0], dict) and "$t" in indices[0] else None
+        rows = aten_arange(update.inputs[indices[0]["$t"]]) if isinstance(indices[0], dict) and "$t" in indices[0] else None
         if rows is None:
             return "indices"
     cache, value = tensor_arg(update, 0), tensor_arg(update, 2)

@@ -64,13 +64,12 @@ from coopt.ir.dialect import (
     WeightOp,
 )
 from coopt.passes.base import (
-    ARANGES,
     CooptPass,
+    aten_arange,
     aten_target,
     insert_aten,
     literal_arg,
     tensor_arg,
-    zero_based_arange,
 )
 from coopt.passes.shapes import dims, typed
 from coopt.passes.stats import count
@@ -207,8 +206,8 @@ def _read_cache(weight: WeightOp) -> _Cache | str:
     positions = update.inputs[indices[2]["$t"]] if isinstance(indices[2], dict) else None
     rows = None
     if indices[0] is not None:
-        rows = update.inputs[indices[0]["$t"]].owner
-        if aten_target(rows) not in ARANGES or zero_based_arange(rows.results[0]) is None:
+        rows = aten_arange(update.inputs[indices[0]["$t"]])
+        if rows is None:
             return f"buffer '{ref}' is written at rows that are not arange(batch)"
     value = tensor_arg(update, 2)
     shape = list(weight.results[0].type.get_shape())
@@ -427,8 +426,8 @@ def read_paged_write(update: StateUpdateOp) -> PagedWrite | None:
     table = page_ids.inputs[0]
     rows = None
     if len(which) == 2 and which[0] is not None:
-        rows = page_ids.inputs[which[0]["$t"]].owner
-        if aten_target(rows) not in ARANGES or zero_based_arange(rows.results[0]) is None:
+        rows = aten_arange(page_ids.inputs[which[0]["$t"]])
+        if rows is None:
             return None
     elif not (len(which) == 2 and which[0] is None):
         return None

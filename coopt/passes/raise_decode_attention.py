@@ -74,8 +74,8 @@ def _positions_mask(mask):
 
 
 # what transformers puts between its [T, S] mask and SDPA: [None, None], expand over the batch,
-# [..., :key_length]; none changes which keys a query row may see (a slice from 0 keeps the first
-# keys, checked against the key length by the caller)
+# [..., :key_length]; `_under_mask_views` takes them only where they leave every query row's keys
+# as they were
 _MASK_VIEWS = ("aten.alias.default", "aten.unsqueeze.default", "aten.expand.default", "aten.slice.Tensor")
 # an additive mask's fill below this is exp() == 0 after any finite score: as good as -inf
 _MASKED_OUT = -1e30
@@ -97,6 +97,8 @@ def _under_mask_views(mask):
     """The mask under _MASK_VIEWS whose last two dims (query tokens, keys) are the mask's own:
     None where a view would move them (an unsqueeze between or after them, an expand of either)
     or a slice would not keep every key (a slice of the keys from 0 to their end is a no-op)."""
+    if len(static_shape(mask)) < 2:
+        return None
     while aten_target(mask.owner) in _MASK_VIEWS:
         op = mask.owner
         source, out = tensor_arg(op, 0), static_shape(mask)
@@ -114,7 +116,7 @@ def _additive_positions_mask(mask):
     (_prepare_4d_causal_attention_mask_with_cache_position at one query token):
     full((1, S), min) * (arange(S) > input_pos.reshape(-1, 1)), under _MASK_VIEWS: 0 for the keys
     at or before the position, a fill no finite score survives for those after it. Else None."""
-    mask = _under_mask_views(mask) if len(static_shape(mask)) >= 2 else None
+    mask = _under_mask_views(mask)
     mul = mask.owner if mask is not None else None
     if aten_target(mul) != "aten.mul.Tensor" or len(mul.inputs) != 2 or static_shape(mask)[:1] != [1]:
         return None
@@ -134,8 +136,7 @@ def _additive_positions_mask(mask):
     length, pos = zero_based_arange(positions), _column_of(column)
     if length is None or pos is None:
         return None
-    width = static_shape(mask)[-1]
-    return (pos, length) if static_shape(fill) == [1, length] and width == length else None
+    return (pos, length) if static_shape(fill) == [1, length] else None
 
 
 def _one_dim_source(value):
@@ -160,7 +161,7 @@ _ANDS = ("aten.__and__.Tensor", "aten.bitwise_and.Tensor", "aten.logical_and.def
 def _and_terms(value) -> list:
     """The terms of a conjunction tree of masks (`a & b & ...`), or [value]."""
     op = value.owner
-    if getattr(getattr(op, "target", None), "data", None) in _ANDS and len(op.inputs) == 2:
+    if aten_target(op) in _ANDS and len(op.inputs) == 2:
         return _and_terms(op.inputs[0]) + _and_terms(op.inputs[1])
     return [value]
 
@@ -171,7 +172,7 @@ def _always_true(term, keys, query, length: int) -> bool:
     `keys > query - window` with window >= length (the query's position is below the cache's
     length: its row is written there, bounded at call time)."""
     op = term.owner
-    target = getattr(getattr(op, "target", None), "data", None)
+    target = aten_target(op)
     if target == "aten.new_ones.default":
         return literal_arg(op, 2, "dtype") == {"$dtype": "bool"} and static_shape(term) == []
     if target != "aten.gt.Tensor" or tensor_arg(op, 0) is not keys:
@@ -189,7 +190,7 @@ def _broadcast_positions_mask(mask):
     input_pos [T] as [1, ..., 1, T, 1] (T = 1 in a decode step), under _MASK_VIEWS (expanded over
     the batch), and-ed with nothing or with terms true for every key (Mistral's sliding window
     where it covers the whole cache). Else None."""
-    root = _under_mask_views(mask) if len(static_shape(mask)) >= 2 else None
+    root = _under_mask_views(mask)
     terms = _and_terms(root) if root is not None else []
     compares = [t for t in terms if aten_target(t.owner) in ("aten.le.Tensor", "aten.ge.Tensor")]
     if len(compares) != 1:
