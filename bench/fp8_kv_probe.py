@@ -39,10 +39,15 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
 
-def fake_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x rounded through e4m3 with `scale` [Hkv, 1 or D] (saturating), back in x's dtype."""
-    scaled = (x.float() / scale[None, :, None, :]).clamp(-FP8_MAX, FP8_MAX)
-    return (scaled.to(FP8).float() * scale[None, :, None, :]).to(x.dtype)
+def fake_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x rounded through e4m3 with `scale` [Hkv, 1 or D] (saturating), back in x's dtype; scale
+    None: one scale a row (each token and head its own absmax, fp8-kv-cache's dynamic per-token)."""
+    if scale is None:
+        scale = (x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX)
+    else:
+        scale = scale[None, :, None, :]
+    scaled = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+    return (scaled.to(FP8).float() * scale).to(x.dtype)
 
 
 @contextlib.contextmanager
@@ -123,13 +128,15 @@ def _run_calibration(model, windows: torch.Tensor, record) -> None:
 
 def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smooth_k: bool = False,
             smooth_v: bool = False, rotate: bool = False, bf16_k_layers: frozenset = frozenset()):
-    """transform for attention_hook: K and V each None (kept bf16), "head" (one scale per kv head)
-    or "channel" (one per kv head and channel); smooth_k subtracts K's calibrated channel means;
+    """transform for attention_hook: K and V each None (kept bf16), "head" (one scale per kv head),
+    "channel" (one per kv head and channel) or "token" (one per row, from the row itself); smooth_k subtracts K's calibrated channel means;
     smooth_v rounds v - mean and adds the mean back (what adding it to the attention's output
     does: the probabilities of a query sum to 1); rotate stores (x - mean) @ H (H: hadamard(D))
     and reads it back times H, which attention does by rotating q and its output alike. The
     layers in bf16_k_layers keep their K in bf16 (V as the others')."""
     def scale(absmax, granularity):
+        if granularity == "token":
+            return None  # fake_fp8 takes each row's own
         per = absmax if granularity == "channel" else absmax.amax(dim=1, keepdim=True)
         return per.clamp_min(1e-12) / FP8_MAX
 
@@ -182,6 +189,11 @@ VARIANTS = {
     "K+V per-head, K smoothed, rotated": dict(k="head", v="head", smooth_k=True, rotate=True),
     "K+V per-head, K and V smoothed, rotated": dict(k="head", v="head", smooth_k=True, smooth_v=True, rotate=True),
     "K per-head only, smoothed, rotated": dict(k="head", v=None, smooth_k=True, rotate=True),
+    # session 41: dynamic per-token scales (the pass's granularity=per-token), plain and with K centred
+    "K+V per-token": dict(k="token", v="token"),
+    "K+V per-token, K smoothed": dict(k="token", v="token", smooth_k=True),
+    "K+V per-token, K and V smoothed": dict(k="token", v="token", smooth_k=True, smooth_v=True),
+    "K per-token smoothed, V per-head": dict(k="token", v="head", smooth_k=True),
 }
 # --per-layer: the build's default (K smoothed) with one layer's K kept in bf16 at a time, which
 # says whether K's cost sits in a few layers that a mixed cache could spare
@@ -206,6 +218,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--per-layer", action="store_true",
                         help="only the build's default and it with each layer's K in bf16 in turn")
+    parser.add_argument("--only", default=None, help="only the variants whose names contain this text")
     args = parser.parse_args(argv)
     corpus = load_corpus()
     seq_len = train.CONFIGS[args.config]["max_position_embeddings"]
@@ -225,6 +238,8 @@ def main(argv=None) -> dict:
     plain = metrics.model_logits_fn(bf16)
     variants = ({"K+V per-head, K smoothed (--kv-cache fp8)": PER_LAYER_BASE, **per_layer_variants(layers)}
                 if args.per_layer else VARIANTS)
+    if args.only:
+        variants = {name: knobs for name, knobs in variants.items() if args.only in name}
     for name, knobs in variants.items():
         def quantized(tokens, transform=variant(stats, layers, **knobs)):
             with attention_hook(transform):  # only the candidate's calls: the reference stays plain bf16

@@ -37,6 +37,7 @@
 #   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
 #   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
 #   bash bench/gpu_session.sh fp8-b32-quick  # b32 / 2048 coopt-fp8 beside reduce-overhead, nothing else (~4 min)
+#   bash bench/gpu_session.sh mlp-dataflow  # b32 gate|up + down as one launch whose down tasks wait only for their inputs (~3 min)
 #   bash bench/gpu_session.sh tma-gemv   # the b32 GEMMs: TMA-fed split GEMV against pointer loads, cuBLAS, the template (~1 min)
 #   bash bench/gpu_session.sh layers32-b32-quick  # 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min)
 #   bash bench/gpu_session.sh h200-missed  # on an H200: 32 layers at b1 / 2048, then b32 / 2048 fp8 (~9.5 min)
@@ -377,6 +378,11 @@ case "${1:-}" in
         # b1 / 2048 attention (latency-bound: 7 µs for 8.4 MB) make the o GEMV after it faster than the prefetch's own
         # launch costs? 8 layers of (attention, o GEMV) in one graph, a quarter / half / all of the weights (~2 min)
         step 150 prefetch python bench/attention_sweep.py --prefetch-only --json "$OUT/prefetch_bulk.json"
+        ;;
+    mlp-dataflow)  # issue 4, session 41: the b32 MLP's gate|up and down in one launch, each down task waiting only
+        # for the gate|up tiles of its reduction group (no grid-wide meeting), beside two launches and the template (~3 min)
+        step 60 mlp-dataflow-tests python -m pytest -q -p no:cacheprovider --tb=short tests/bench/test_mlp_dataflow_probe.py
+        step 240 mlp-dataflow python bench/mlp_dataflow_probe.py --json "$OUT/mlp_dataflow.json"
         ;;
     tma-gemv)  # issue 3, session 39: do the b32 layer's four GEMMs stream faster with the weight brought by
         # tensor descriptors (TMA) than by pointer loads, in the same split GEMV beside cuBLAS and the template (~1 min)
