@@ -206,7 +206,7 @@ def op_lines(op, names: Names, *, weight_expr, state_expr, kernel_expr) -> list[
     if isinstance(op, (AtenOp, FallbackOp, StateUpdateOp)):
         return aten_call(op, names)
     if isinstance(op, StateWriteOp):
-        return [f"{state_expr(op.ref.data)}.copy_({names[op.value]})"]
+        return [_state_writes_line([op], names, state_expr)]
     if isinstance(op, KernelOp):
         outs = [names.new(r) for r in op.results]
         args = ", ".join(names[v] for v in op.inputs)
@@ -214,15 +214,42 @@ def op_lines(op, names: Names, *, weight_expr, state_expr, kernel_expr) -> list[
     return [_high_level(op, names)]
 
 
+def _state_writes_line(writes: list[StateWriteOp], names: Names, state_expr) -> str:
+    """A run of state writes to distinct buffers as one torch._foreach_copy_: on a GPU one
+    multi-tensor launch instead of one copy kernel a buffer (transformers' StaticCache keeps a
+    cumulative_length a layer, and every step writes them all); each pair keeps copy_'s
+    semantics (dtype cast, broadcast)."""
+    if len(writes) == 1:
+        return f"{state_expr(writes[0].ref.data)}.copy_({names[writes[0].value]})"
+    buffers = ", ".join(state_expr(w.ref.data) for w in writes)
+    values = ", ".join(names[w.value] for w in writes)
+    return f"torch._foreach_copy_([{buffers}], [{values}])"
+
+
 def block_lines(block: Block, names: Names, **callbacks) -> tuple[list[str], list[str]]:
-    """Lines for every op of `block` but its terminator, and the names the terminator returns."""
+    """Lines for every op of `block` but its terminator, and the names the terminator returns.
+    Consecutive state writes to distinct buffers become one line (_state_writes_line)."""
     lines: list[str] = []
     returned: list[str] = []
+    run: list[StateWriteOp] = []
+
+    def flush():
+        if run:
+            lines.append(_state_writes_line(run, names, callbacks["state_expr"]))
+            run.clear()
+
     for op in block.ops:
+        if isinstance(op, StateWriteOp):
+            if any(w.ref.data == op.ref.data for w in run):  # the same buffer twice: in order, not in one launch
+                flush()
+            run.append(op)
+            continue
+        flush()
         if isinstance(op, (func.ReturnOp, YieldOp)):
             returned = [names[v] for v in op.operands]
         else:
             lines += op_lines(op, names, **callbacks)
+    flush()
     return lines, returned
 
 
