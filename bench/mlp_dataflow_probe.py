@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 HIDDEN, FFN = 4096, 14336
 
@@ -213,7 +213,8 @@ def template_pair(batch: int, rotations: int):
     """The template's b32 gate|up (norm statistics + SwiGLU) and down (residual + statistics) at
     the heuristic's first 3 points each, the best of each alone: (pair(*flat), `rotations` flat
     input sets, alone µs each)."""
-    from gemm import advised_points, graph_ms, input_copies, make_inputs as region_inputs, make_region
+    from gemm import advised_points, graph_ms, input_copies, make_region
+    from gemm import make_inputs as region_inputs
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
@@ -258,7 +259,6 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     import torch
-
     from bandwidth import reference_bandwidth
     from gemm import announce_gpu, graph_ms, input_copies
 

@@ -1,5 +1,5 @@
-"""cse-aten: one ATen call on the same operands is computed once, and a functional copy of a
-value into a tensor of its own type is that value.
+"""cse-aten: one ATen call on the same operands is computed once, a functional copy of a
+value into a tensor of its own type is that value, and an alias is its source.
 
 transformers 5's exported decode step recomputes the same small values per layer: each layer's
 StaticCache copies cache_position[0] into its cumulative_length buffer (a functional
@@ -11,13 +11,18 @@ the same type and shape takes the source's values whatever the destination held;
 calls become the same calls on the same operands and run once; what is left a layer is the
 buffer's own write.
 
+transformers 5's causal-LM head reads `hidden_states[:, slice(-logits_to_keep, None), :]`, which
+exports (logits_to_keep = 0) as `alias(norm(h))`: the alias kept the final RMSNorm out of the
+head GEMV's prologue, one more launch a step. An alias is a view of all of its source, reads of
+either are the same reads whatever is written later, so every alias folds (any dtype).
+
 Only deterministic calls of integer or bool results merge (`_DETERMINISTIC`: views, index
 arithmetic, comparisons; positions, lengths, masks): two random draws or two uninitialised
 allocations are not the same value, and float values are the fusion passes' (a view of an
 activation shared by two readers could go into neither's region: session 40 measured a two-layer
 step that wrote one k into both caches losing both kv_write folds that way). Ops inside kernel
 regions are not looked at (the pass runs before any region is made). Counters `cse.aten.merged`,
-`cse.aten.copy_folded`.
+`cse.aten.copy_folded`, `cse.aten.alias_folded`.
 """
 
 from __future__ import annotations
@@ -59,6 +64,14 @@ def _may_share_state(value) -> bool:
     return isinstance(value.owner, (WeightOp, StateUpdateOp, KernelOp))
 
 
+def _aliased_value(op: AtenOp):
+    """x when op is alias(x) of x's own type."""
+    if aten_target(op) != "aten.alias.default":
+        return None
+    source = tensor_arg(op, 0)
+    return source if source is not None and source.type == op.results[0].type else None
+
+
 def _copied_value(op: AtenOp):
     """src when op is copy(dst, src) with src of dst's (integral) type (shape, dtype, symbolic
     dims): the result holds src's values, nothing of dst's. Not where src may be a view of a
@@ -80,12 +93,15 @@ class CseAten(CooptPass):
         for func in [o for o in op.walk() if isinstance(o, FuncOp)]:
             seen: dict[tuple, AtenOp] = {}
             for aten in [o for o in func.body.block.ops if isinstance(o, AtenOp)]:
-                source = _copied_value(aten)
+                for fold, counter in ((_copied_value, "cse.aten.copy_folded"), (_aliased_value, "cse.aten.alias_folded")):
+                    source = fold(aten)
+                    if source is not None:
+                        aten.results[0].replace_all_uses_with(source)
+                        aten.detach()
+                        aten.erase()
+                        count(counter)
+                        break
                 if source is not None:
-                    aten.results[0].replace_all_uses_with(source)
-                    aten.detach()
-                    aten.erase()
-                    count("cse.aten.copy_folded")
                     continue
                 if aten.target.data not in _DETERMINISTIC or not all(_integral(r) for r in aten.results):
                     continue

@@ -1,5 +1,5 @@
-"""cse-aten: the same ATen call on the same operands runs once, and a copy into a tensor of its
-own type is its source; the per-layer position bookkeeping of transformers 5's StaticCache
+"""cse-aten: the same ATen call on the same operands runs once, an alias is its source, and a
+copy into a tensor of its own type is its source; the per-layer position bookkeeping of transformers 5's StaticCache
 (a copy of cache_position[0] into each layer's cumulative_length, arange(1) + it, it + 1) becomes
 one computation, and the built model keeps every buffer's value."""
 
@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pass_helpers import run_pipeline
+from pass_helpers import kernel_families, run_pipeline
 from xdsl.dialects.builtin import TensorType, f32, i64
 from xdsl.ir import Block
 
 import coopt
 from coopt.ir.dialect import AtenOp
 from coopt.passes.cse_aten import _copied_value
+from coopt.passes.registry import DEFAULT_PIPELINE
 
 LAYERS = 3
 
@@ -142,3 +143,27 @@ def test_a_buffer_the_program_writes_is_no_arange(tmp_path):
     for rel in (0, 0, 0, -1):  # the last call writes row 3 - 1 = 2: legal, and must not be refused
         x = torch.randn(1, 4)
         torch.testing.assert_close(built(x, torch.tensor([rel])), eager(x, torch.tensor([rel])))
+
+
+class AliasedHead(torch.nn.Module):
+    """transformers 5's causal-LM head: the final norm's output sliced by logits_to_keep = 0,
+    which exports as aten.alias."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(64, eps=1e-5)
+        self.head = torch.nn.Linear(64, 128, bias=False)
+
+    def forward(self, h):
+        return self.head(self.norm(h)[:, slice(-0, None), :])
+
+
+def test_an_alias_folds_so_the_final_norm_joins_the_head():
+    inputs = [torch.randn(1, 1, 64)]
+    module, _ = run_pipeline(AliasedHead(), inputs, "inplace-state-writes")
+    assert "aten.alias.default" in targets(module)  # what export makes of the slice
+    module, counters = run_pipeline(AliasedHead(), inputs)
+    assert counters["cse.aten.alias_folded"] == 1
+    assert kernel_families(module) == ["matmul_epilogue"]  # the norm in the head GEMV's prologue
+    module, _ = run_pipeline(AliasedHead(), inputs, DEFAULT_PIPELINE.replace("cse-aten,", ""))
+    assert len(kernel_families(module)) == 2  # without the fold: the norm its own kernel
