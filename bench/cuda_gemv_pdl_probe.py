@@ -277,7 +277,7 @@ def main() -> int:
     import torch
     from bandwidth import reference_bandwidth
     from gemm import PointTimes, announce_gpu, graph_ms, input_copies
-    from gemv_chain_probe import timed_template_triple
+    from gemv_chain_probe import timed_template_chain
 
     if not announce_gpu("bench/cuda_gemv_pdl_probe.py"):
         return 1
@@ -293,7 +293,7 @@ def main() -> int:
     # the template's three GEMVs at their best first point each, in a row (gemv_chain_probe's baseline)
     work = Path("/tmp/cuda-gemv-pdl-probe")
     work.mkdir(exist_ok=True)
-    template, rotation, alone_us, template_runs = timed_template_triple(work, len(sets))
+    template, rotation, alone_us, template_runs = timed_template_chain(work, len(sets))
     alone = dict(zip(GEMVS, alone_us))
     template_us = graph_ms(template, rotation) * 1e3
     rows = [{"kind": "template", "us": template_us, "tb_per_s": weight_bytes / template_us / 1e6, "alone_us": alone}]

@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from bandwidth import reference_bandwidth  # noqa: E402
+import triton
+import triton.language as tl
+from bandwidth import reference_bandwidth
 
 HIDDEN, FFN = 4096, 14336
 SHARED_PER_SM = 228 * 1024  # sm_90: an SM's shared memory (1 KiB of it reserved per resident block)
@@ -177,34 +177,28 @@ def stage_error(chain, x, w1, w2, w3) -> float:
     return max(errors)
 
 
-def template_triple(work: Path):
-    """The template GEMVs of one b1 MLP half at the heuristic's first points (best of 3 each)."""
-    from gemm import advised_points, make_inputs, make_region
+B1_MLP_HALF = ((1, HIDDEN, HIDDEN, "residual"), (1, FFN, HIDDEN, "norm_swiglu"), (1, HIDDEN, FFN, "residual"))
+
+
+def timed_template_chain(work: Path, rotations: int, shapes=B1_MLP_HALF, points: int = 3):
+    """Template GEMVs (gemm.make_region shapes; default the b1 MLP half: o + residual, gate|up +
+    RMSNorm + SwiGLU, down + residual), each at the best of the heuristic's first `points` timed
+    alone over its own input copies: (chain(*flat) running them in a row, `rotations` flat input
+    sets for it, the alone times in µs, the chosen runs)."""
+    from gemm import advised_points, graph_ms, input_copies, make_inputs, make_region
 
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
 
-    chosen = []
-    for shape in ((1, HIDDEN, HIDDEN, "residual"), (1, FFN, HIDDEN, "norm_swiglu"), (1, HIDDEN, FFN, "residual")):
+    best_runs, alone_us = [], []
+    for shape in shapes:
         region = make_region(*shape)
+        copies = input_copies(make_inputs(region))
         runs = []
-        for i, params in enumerate(advised_points(region, 3)):
+        for i, params in enumerate(advised_points(region, points)):
             path = work / f"{region.name}_{i}.py"
             path.write_text(MatmulEpilogueFamily().render(region, params))
             runs.append(load_module_from_file(path).run)
-        chosen.append((region, runs, make_inputs(region)))
-    return chosen
-
-
-def timed_template_triple(work: Path, rotations: int):
-    """The template's b1 MLP GEMVs, each at the best of its 3 first points timed alone over its
-    own input copies: (triple(*flat) running the three in a row, `rotations` flat input sets for
-    it, the alone times in µs, the three chosen runs)."""
-    from gemm import graph_ms, input_copies
-
-    best_runs, alone_us = [], []
-    for region, runs, inputs in template_triple(work):
-        copies = input_copies(inputs)
         times = [graph_ms(run, copies) * 1e3 for run in runs]
         best = min(range(len(runs)), key=times.__getitem__)
         best_runs.append((runs[best], copies))
@@ -213,13 +207,13 @@ def timed_template_triple(work: Path, rotations: int):
     rotation = [list(itertools.chain.from_iterable(c[i % len(c)] for _, c in best_runs)) for i in range(rotations)]
     sizes = [len(c[0]) for _, c in best_runs]
 
-    def triple(*flat):
+    def chain(*flat):
         at = 0
         for (run, _), size in zip(best_runs, sizes):
             run(*flat[at:at + size])
             at += size
 
-    return triple, rotation, alone_us, [run for run, _ in best_runs]
+    return chain, rotation, alone_us, [run for run, _ in best_runs]
 
 
 def main() -> int:
@@ -231,7 +225,6 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     import torch
-
     from gemm import announce_gpu, graph_ms, input_copies
 
     if not announce_gpu("bench/gemv_chain_probe.py"):
@@ -251,7 +244,7 @@ def main() -> int:
     rows = []
 
     # the template's three GEMVs, each alone (best of its 3 first points) and the best three in a row
-    triple, rotation, alone_us, _ = timed_template_triple(work, len(sets))
+    triple, rotation, alone_us, _ = timed_template_chain(work, len(sets))
     template_us = graph_ms(triple, rotation) * 1e3
     rows.append({"kind": "template", "us": template_us, "alone_us": alone_us})
     print(f"  template three in a row {template_us:.2f} us ({weight_bytes / template_us / 1e6:.2f} TB/s; "

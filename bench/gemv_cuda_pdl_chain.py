@@ -62,7 +62,7 @@ def main() -> int:
         print(f"bench/gemv_cuda_pdl_chain.py: {error}", file=sys.stderr)
         return 2
     from gemm import announce_gpu, graph_ms, input_copies, make_inputs, make_region
-    from gemv_chain_probe import timed_template_triple
+    from gemv_chain_probe import timed_template_chain
 
     if not announce_gpu("bench/gemv_cuda_pdl_chain.py"):
         return 2
@@ -92,7 +92,7 @@ def main() -> int:
 
     work = Path("/tmp/gemv-cuda-pdl-chain")
     work.mkdir(exist_ok=True)
-    template, rotation, alone_us, _ = timed_template_triple(work, len(copies))
+    template, rotation, alone_us, _ = timed_template_chain(work, len(copies))
     template_us = graph_ms(template, rotation) * 1e3
     rows = [{"kind": "template", "us": template_us, "alone_us": alone_us}]
     print(f"  {'template (three launches)':76s} {template_us:7.2f} us", flush=True)

@@ -209,44 +209,6 @@ def make_inputs(batch: int, hidden: int, ffn: int, device, seed: int = 0):
     return [x, w_gu, w_down, residual]
 
 
-def template_pair(batch: int, rotations: int):
-    """The template's b32 gate|up (norm statistics + SwiGLU) and down (residual + statistics) at
-    the heuristic's first 3 points each, the best of each alone: (pair(*flat), `rotations` flat
-    input sets, alone µs each)."""
-    from gemm import advised_points, graph_ms, input_copies, make_region
-    from gemm import make_inputs as region_inputs
-
-    from coopt.runtime.kernel_loader import load_module_from_file
-    from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
-
-    work = Path("/tmp/mlp-dataflow-probe")
-    work.mkdir(exist_ok=True)
-    best_runs, alone_us = [], []
-    for shape in ((batch, FFN, HIDDEN, "stats_swiglu"), (batch, HIDDEN, FFN, "producer")):
-        region = make_region(*shape)
-        copies = input_copies(region_inputs(region))
-        times, runs = [], []
-        for i, params in enumerate(advised_points(region, 3)):
-            path = work / f"{region.name}_{i}.py"
-            path.write_text(MatmulEpilogueFamily().render(region, params))
-            runs.append(load_module_from_file(path).run)
-            times.append(graph_ms(runs[-1], copies) * 1e3)
-        best = min(range(len(runs)), key=times.__getitem__)
-        best_runs.append((runs[best], copies))
-        alone_us.append(times[best])
-        print(f"  template {region.name}: {', '.join(f'{t:.2f}' for t in times)} us (first points)", flush=True)
-    rotation = [list(itertools.chain.from_iterable(c[i % len(c)] for _, c in best_runs)) for i in range(rotations)]
-    sizes = [len(c[0]) for _, c in best_runs]
-
-    def pair(*flat):
-        at = 0
-        for (run, _), size in zip(best_runs, sizes):
-            run(*flat[at:at + size])
-            at += size
-
-    return pair, rotation, alone_us
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -261,6 +223,7 @@ def main() -> int:
     import torch
     from bandwidth import reference_bandwidth
     from gemm import announce_gpu, graph_ms, input_copies
+    from gemv_chain_probe import timed_template_chain
 
     if not announce_gpu("bench/mlp_dataflow_probe.py", batch=args.batch):
         return 1
@@ -274,7 +237,10 @@ def main() -> int:
           f"{sms} SMs; {len(sets)} input copies", flush=True)
     rows, best = [], {}
     try:
-        pair, rotation, alone_us = template_pair(args.batch, len(sets))
+        work = Path("/tmp/mlp-dataflow-probe")
+        work.mkdir(exist_ok=True)
+        pair, rotation, alone_us, _ = timed_template_chain(  # as a b32 build makes them: norm statistics, SwiGLU, residual
+            work, len(sets), ((args.batch, FFN, HIDDEN, "stats_swiglu"), (args.batch, HIDDEN, FFN, "producer")))
         best["template"] = graph_ms(pair, rotation) * 1e3
         rows.append({"kind": "template", "us": best["template"], "alone_us": alone_us})
         print(f"  template pair {best['template']:.2f} us (alone {sum(alone_us):.2f})", flush=True)
