@@ -54,7 +54,7 @@
 #   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
-#   bash bench/gpu_session.sh pending    # sessions 39-40's CPU work built and run on the GPU (~5 min)
+#   bash bench/gpu_session.sh pending    # sessions 39-41's CPU work built and run on the GPU (~5 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
 #   bash bench/gpu_session.sh pdl-kinds-b32  # b32 / 2048 profiled with PDL off, on for the GEMVs only, off again (~8 min)
@@ -370,9 +370,12 @@ case "${1:-}" in
             tests/e2e/test_transformers_style_llama.py tests/e2e/test_elementwise_ops_build.py
         # session 40: transformers' StaticCache forms, cse-aten, biased parallel linears, transformers' own models
         # (those skip unless .whl brought transformers: ../shared/tools/device-wheels.sh transformers==5.18.0)
+        # (session 41 on an H100: the masks' tests passed; test_cse_aten's MovingOffset build runs its cache out of
+        # range in the build's end-to-end timing, a device-side assert that ends the run's CUDA context: it goes last)
         step 200 pending-40 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/passes/test_hf_static_cache.py \
-            tests/passes/test_cse_aten.py tests/passes/test_fuse_parallel_linears.py tests/passes/test_inplace_state_writes.py \
-            tests/frontend/test_capture_fallback.py tests/e2e/test_transformers_llama.py
+            tests/passes/test_fuse_parallel_linears.py tests/passes/test_inplace_state_writes.py \
+            tests/frontend/test_capture_fallback.py tests/e2e/test_grouped_state_writes.py tests/e2e/test_transformers_llama.py \
+            tests/passes/test_cse_aten.py
         ;;
     prefetch-bulk)  # issue 3, session 38: does pulling the o weights into L2 with the TMA's bulk prefetch during the
         # b1 / 2048 attention (latency-bound: 7 µs for 8.4 MB) make the o GEMV after it faster than the prefetch's own
