@@ -196,6 +196,53 @@ def _slice_bound(op, position: int, inputs: Block, written: set[str]) -> SizeBou
     return SizeBound(source, input_dim, shape[dim], reason)
 
 
+_WRITES = {"aten.index_put.default", "aten.index_put_.default", "aten.index_copy.default", "aten.index_copy_.default"}
+
+
+def _reads_written_state(value: SSAValue, written: set[str]) -> bool:
+    """Whether `value` is computed from a state buffer the program writes (through any op; a
+    copy(dst, src) holds src's values, so only src counts)."""
+    stack, seen = [value], set()
+    while stack:
+        value = _source(stack.pop())
+        if value in seen or isinstance(value, BlockArgument):
+            continue
+        seen.add(value)
+        op = value.owner
+        if isinstance(op, WeightOp):
+            if op.ref.data in written:
+                return True
+            continue
+        operands = list(op.operands)
+        if _call_target(op) == "aten.copy.default" and len(operands) == 2:
+            operands = operands[1:]
+        stack.extend(operands)
+    return False
+
+
+def state_moved_writes(module) -> list[str]:
+    """State buffers the program writes at positions computed from state it writes itself (a
+    cache written at offset + rel, offset a buffer that every call moves): each call of the
+    same inputs writes elsewhere. A decoder's positions come from its inputs (transformers'
+    cumulative_length is a copy of cache_position, not a source of it), so a timed loop that
+    repeats one call rewrites one row; over such a buffer it walks off the end (on a GPU a
+    device-side assert, which ends the process's CUDA context)."""
+    written = {op.ref.data for op in module.walk() if isinstance(op, (StateUpdateOp, StateWriteOp))}
+    moved = []
+    for op in module.walk():
+        target = _call_target(op)
+        if target not in _WRITES:
+            continue
+        position, how = _INDEXING[target]
+        indexed = tensor_arg(op, position)
+        weight = _weight_root(indexed) if indexed is not None else None
+        if weight is None or weight.ref.data not in written or weight.ref.data in moved:
+            continue
+        if any(_reads_written_state(index, written) for _, index in _indices(op, how)):
+            moved.append(weight.ref.data)
+    return moved
+
+
 def derive_input_bounds(module, fn: func.FuncOp, symbols: dict[str, list[int]]) -> InputBounds:
     """Index and size bounds of `fn`'s user inputs, and its decoder contract if it is one.
     `symbols` is the importer's table: symbol -> [min, max, example]."""

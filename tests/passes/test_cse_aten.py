@@ -167,3 +167,27 @@ def test_an_alias_folds_so_the_final_norm_joins_the_head():
     assert kernel_families(module) == ["matmul_epilogue"]  # the norm in the head GEMV's prologue
     module, _ = run_pipeline(AliasedHead(), inputs, DEFAULT_PIPELINE.replace("cse-aten,", ""))
     assert len(kernel_families(module)) == 2  # without the fold: the norm its own kernel
+
+
+def test_only_a_write_that_moves_with_the_models_own_state_is_not_repeatable():
+    from coopt.codegen.input_bounds import state_moved_writes
+
+    module, _ = run_pipeline(MovingOffset(), [torch.randn(1, 4), torch.tensor([0])], "inplace-state-writes")
+    assert state_moved_writes(module) == ["cache"]
+    # transformers' positions: a copy of cache_position into each layer's buffer is cache_position's
+    # value, with or without cse-aten folding the copies
+    for pipeline in ("inplace-state-writes", "inplace-state-writes,cse-aten"):
+        module, _ = run_pipeline(PositionBookkeeping(), [torch.randn(1, 4), torch.tensor([2])], pipeline)
+        assert state_moved_writes(module) == []
+
+
+def test_a_build_that_measured_its_regions_does_not_time_a_moving_write_end_to_end(tmp_path, monkeypatch):
+    """On a GPU the end-to-end timing calls the model hundreds of times on the example input; the
+    MovingOffset model would write past its 64 rows (session 41, an H100: a device-side assert).
+    Here the regions' timing is said to have run (as on a GPU); the build checks, warns, and
+    times nothing else (on a CPU a timing would have failed the build)."""
+    import coopt.compile
+
+    monkeypatch.setattr(coopt.compile, "_select", lambda *args, **kwargs: True)
+    result = coopt.Pipeline(top_k=1).build(MovingOffset(), (torch.randn(1, 4), torch.tensor([0])), tmp_path / "out")
+    assert any("not timed end to end: the model writes cache" in w for w in result.warnings)
