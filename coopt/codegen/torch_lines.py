@@ -200,13 +200,12 @@ def _dequantized_cache(op, names: Names) -> tuple[str, str]:
 
 def op_lines(op, names: Names, *, weight_expr, state_expr, kernel_expr) -> list[str]:
     """Python lines for one op. The three callbacks say how the surrounding module reaches
-    weights, state buffers and kernels (the program uses attributes; references never do)."""
+    weights, state buffers and kernels (the program uses attributes; references never do).
+    State writes are block_lines' own: a run of them becomes one line (_state_writes_line)."""
     if isinstance(op, WeightOp):
         return [f"{names.new(op.result)} = {weight_expr(op.ref.data)}"]
     if isinstance(op, (AtenOp, FallbackOp, StateUpdateOp)):
         return aten_call(op, names)
-    if isinstance(op, StateWriteOp):
-        return [_state_writes_line([op], names, state_expr)]
     if isinstance(op, KernelOp):
         outs = [names.new(r) for r in op.results]
         args = ", ".join(names[v] for v in op.inputs)

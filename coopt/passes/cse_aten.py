@@ -84,6 +84,15 @@ def _copied_value(op: AtenOp):
     return src
 
 
+def _folded_value(op: AtenOp) -> tuple:
+    """(the value op's result is, its counter) for a copy or an alias that folds, else (None, None)."""
+    for fold, counter in ((_copied_value, "cse.aten.copy_folded"), (_aliased_value, "cse.aten.alias_folded")):
+        source = fold(op)
+        if source is not None:
+            return source, counter
+    return None, None
+
+
 @dataclass(frozen=True)
 class CseAten(CooptPass):
     name = "cse-aten"
@@ -93,15 +102,12 @@ class CseAten(CooptPass):
         for func in [o for o in op.walk() if isinstance(o, FuncOp)]:
             seen: dict[tuple, AtenOp] = {}
             for aten in [o for o in func.body.block.ops if isinstance(o, AtenOp)]:
-                for fold, counter in ((_copied_value, "cse.aten.copy_folded"), (_aliased_value, "cse.aten.alias_folded")):
-                    source = fold(aten)
-                    if source is not None:
-                        aten.results[0].replace_all_uses_with(source)
-                        aten.detach()
-                        aten.erase()
-                        count(counter)
-                        break
+                source, counter = _folded_value(aten)
                 if source is not None:
+                    aten.results[0].replace_all_uses_with(source)
+                    aten.detach()
+                    aten.erase()
+                    count(counter)
                     continue
                 if aten.target.data not in _DETERMINISTIC or not all(_integral(r) for r in aten.results):
                     continue
