@@ -404,7 +404,32 @@ def _on_build_device(model, example_inputs):
     import copy
 
     moved = [x.cuda() if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    return copy.deepcopy(model).cuda(), tuple(moved)
+    return moved_in_place(copy.deepcopy(model), torch.device("cuda")), tuple(moved)
+
+
+def moved_in_place(model: torch.nn.Module, device: torch.device | None = None,
+                   dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """`model` with its parameters and buffers on `device` and its floating ones in `dtype` (as
+    `.to(device, dtype)` converts them), each tensor object keeping its identity: its contents
+    swapped with its converted copy's (torch.utils.swap_tensors). `.to()` would put new buffer
+    objects in the module, and whatever else held the old ones would keep them: transformers'
+    StaticCache layers hold their caches on plain objects as well as in the exportable wrapper's
+    buffers, and a moved wrapper's forward then wrote CPU caches with GPU rows (every transformers
+    build failed on a GPU, session 42). A deep copy keeps those aliases; this keeps them through
+    the conversion."""
+    seen: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        to_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        if (device is None or tensor.device == device) and to_dtype == tensor.dtype:
+            continue
+        converted = tensor.detach().to(device=device if device is not None else tensor.device, dtype=to_dtype)
+        if isinstance(tensor, torch.nn.Parameter):
+            converted = torch.nn.Parameter(converted, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, converted)
+    return model
 
 
 def _candidates(module, config: BuildConfig, advice_log, out: Path, progress, example_inputs=()) -> tuple[list[RegionBuild], list[RegionBuild]]:
@@ -551,26 +576,34 @@ def _emit(module, program, imported, model, example_inputs, regions, out, config
 
 def program_weights(module: ModuleOp, state: dict) -> dict:
     """The tensors the final program reads or writes, by state name: weights that passes merged
-    (fuse-parallel-linears) are materialised here, and parts no longer read are not stored; fp8
-    KV caches (fp8-kv-cache) are stored quantized, beside their scales (coopt.fp8_cache)."""
+    (fuse-parallel-linears) and expressions of weights (fold-constants) are materialised here, and
+    parts no longer read are not stored; fp8 KV caches (fp8-kv-cache) are stored quantized, beside
+    their scales (coopt.fp8_cache)."""
     from coopt.fp8_cache import fp8_record, fp8_weights
     from coopt.ir.dialect import StateUpdateOp, StateWriteOp, WeightOp
+    from coopt.passes.fold_constants import compute_constant, constants_record
     from coopt.passes.fuse_parallel_linears import concat_parts
     from coopt.runtime.paged_layout import cache_to_pages
 
     record = fp8_record(module)  # fp8-kv-cache: quantized caches and their scales
     fp8 = fp8_weights(record, state) if record is not None else {}
     paged = paged_record(module)  # paged-kv: each cache's contents laid out as pages
+    constants = constants_record(module)  # fold-constants: weight-only expressions
+
+    def value(name: str) -> torch.Tensor:
+        if name in fp8:
+            return fp8[name]
+        if name in constants:
+            return compute_constant(constants[name], value)
+        parts = concat_parts(name)
+        return torch.cat([value(p) for p in parts], dim=0) if parts else state[name]
+
     weights = {}
     for op in module.walk():
         if not isinstance(op, (WeightOp, StateWriteOp, StateUpdateOp)) or op.ref.data in weights:
             continue
         name = op.ref.data
-        parts = concat_parts(name)
-        if name in fp8:
-            tensor = fp8[name]
-        else:
-            tensor = torch.cat([state[p] for p in parts], dim=0) if parts else state[name]
+        tensor = value(name)
         if paged is not None and name in paged["pools"]:
             tensor = cache_to_pages(tensor, paged["batch"], paged["num_pages"], paged["page_size"], paged["max_pages"])
         weights[name] = tensor.detach().clone()

@@ -207,6 +207,10 @@ def write_report(out: Path) -> None:
     raised = {k: v for k, v in counters.items() if k.startswith("raise.")}
     lines += [f"- {k.removeprefix('fuse.')}: {v}" for k, v in fused.items()] or ["- nothing"]
     lines += ["", "Patterns recognised: " + (", ".join(f"{k.removeprefix('raise.')} ×{v}" for k, v in raised.items()) or "none"), ""]
+    # the exact rewrites before raising (cse-aten, simplify-aten, fold-constants: weights computed at build time)
+    rewritten = {k: v for k, v in counters.items() if k.startswith(("cse.", "simplify.", "fold."))}
+    if rewritten:
+        lines += ["Rewritten before raising: " + ", ".join(f"{k} ×{v}" for k, v in rewritten.items()), ""]
     if counters.get("paged_kv.caches"):  # paged-kv: the caches became page pools
         scales = counters.get("paged_kv.scale_buffers", 0)  # per-token fp8 scales, paged with their caches
         lines += [f"Paged KV: paged {counters['paged_kv.caches']} caches into page pools"

@@ -94,6 +94,16 @@ VIEW_OPS = frozenset({
 ARANGES = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
 
 
+def may_share_state(value) -> bool:
+    """Whether `value` may be (a view of) a buffer or a kernel's result, which an in-place write
+    could change after `value` was read: a copy or a sum of it is a snapshot, a view is not."""
+    from coopt.ir.dialect import KernelOp, StateUpdateOp
+
+    while aten_target(value.owner) in VIEW_OPS:
+        value = value.owner.inputs[0]
+    return isinstance(value.owner, (WeightOp, StateUpdateOp, KernelOp))
+
+
 def written_refs(module) -> set[str]:
     """The buffers the program writes (state updates and writes, by ref): their values at import
     are only their first call's."""

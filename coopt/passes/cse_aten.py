@@ -33,8 +33,8 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.dialects.func import FuncOp
 
-from coopt.ir.dialect import AtenOp, KernelOp, StateUpdateOp, WeightOp
-from coopt.passes.base import VIEW_OPS, CooptPass, aten_target, tensor_arg
+from coopt.ir.dialect import AtenOp
+from coopt.passes.base import CooptPass, aten_target, may_share_state, tensor_arg
 from coopt.passes.stats import count
 
 _DETERMINISTIC = frozenset({
@@ -56,14 +56,6 @@ def _integral(value) -> bool:
     return isinstance(value.type, TensorType) and str(value.type.element_type) in ("i64", "i32", "i16", "i8", "i1", "ui8")
 
 
-def _may_share_state(value) -> bool:
-    """Whether `value` may be (a view of) a buffer, which an in-place write could change after the
-    copy was taken."""
-    while aten_target(value.owner) in VIEW_OPS:
-        value = value.owner.inputs[0]
-    return isinstance(value.owner, (WeightOp, StateUpdateOp, KernelOp))
-
-
 def _aliased_value(op: AtenOp):
     """x when op is alias(x) of x's own type."""
     if aten_target(op) != "aten.alias.default":
@@ -79,7 +71,7 @@ def _copied_value(op: AtenOp):
     if aten_target(op) != "aten.copy.default":
         return None
     dst, src = tensor_arg(op, 0), tensor_arg(op, 1)
-    if dst is None or src is None or src.type != dst.type or not _integral(src) or _may_share_state(src):
+    if dst is None or src is None or src.type != dst.type or not _integral(src) or may_share_state(src):
         return None
     return src
 

@@ -14,6 +14,8 @@ from coopt.errors import ConfigError
 _BUILTIN = {
     "inplace-state-writes": "coopt.passes.inplace_state_writes:InplaceStateWrites",
     "cse-aten": "coopt.passes.cse_aten:CseAten",
+    "simplify-aten": "coopt.passes.simplify_aten:SimplifyAten",
+    "fold-constants": "coopt.passes.fold_constants:FoldConstants",
     "raise-patterns": "coopt.passes.raise_patterns:RaisePatterns",
     "fp8-kv-cache": "coopt.passes.fp8_kv_cache:Fp8KvCache",
     "fuse-parallel-linears": "coopt.passes.fuse_parallel_linears:FuseParallelLinears",
@@ -32,15 +34,17 @@ _BUILTIN = {
 
 # Phase order matters: state writes become in-place first (they change what later ops read),
 # then the same small computations repeated per layer are merged (one value for every layer's
-# positions: the raising below then sees one), then raise (fusion matches raised ops), then merge linears that share an input (before any
-# of them is outlined with an epilogue), then the decode GEMVs take the RMSNorm before them and
+# positions: the raising below then sees one), then exact ATen rewrites to fewer kernels (a K = 1
+# matmul as a product, views and repeats moved onto inputs) leave expressions of weights alone,
+# which are computed once at build time, then raise (fusion matches raised ops), then merge
+# linears that share an input (before any of them is outlined with an epilogue), then the decode GEMVs take the RMSNorm before them and
 # the SwiGLU after the merged gate|up (before fuse-norm-residual would give that norm a kernel of
 # its own; the residual add it leaves becomes the previous GEMV's epilogue), then the big regions
 # (norms, attention, GEMM epilogues) before plain elementwise chains take what is left. The
 # KV-cache writes take K's rope into their region before fuse-rope gives every remaining rope a
 # region of its own. A batched step's norm GEMVs take their rows' statistics from the o / down
 # projection + residual before them once fuse-linear-epilogue has made those regions.
-DEFAULT_PIPELINE = "inplace-state-writes,cse-aten,raise-patterns,fuse-parallel-linears,fuse-decode-gemv,fuse-norm-residual,fuse-attention,fuse-kv-write,fuse-kv-write-attention,fuse-rope,fuse-linear-epilogue,fuse-norm-statistics,fuse-elementwise"
+DEFAULT_PIPELINE = "inplace-state-writes,cse-aten,simplify-aten,fold-constants,raise-patterns,fuse-parallel-linears,fuse-decode-gemv,fuse-norm-residual,fuse-attention,fuse-kv-write,fuse-kv-write-attention,fuse-rope,fuse-linear-epilogue,fuse-norm-statistics,fuse-elementwise"
 # The default without fuse-norm-statistics: a batched step's norms each a row kernel of their own
 # (or in their GEMV's loop), as before session 15; what the statistics are measured against
 # (bench/decode.py mode coopt-rownorms; bench/RESULTS.md session 15: b32 / 2048 replayed in 1765.9

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from built_calls import beside_eager
 
 import coopt
 
@@ -56,11 +57,11 @@ def build_and_follow(tmp_path, family: str, steps: int = 8, **config):
     for name, buffer in built.named_buffers():
         if "cache" in name:  # the build's own checks wrote rows: start both from empty caches
             buffer.zero_()
-    token = torch.tensor([[5]])
+    token, call = torch.tensor([[5]]), beside_eager(built)
     with torch.no_grad():
         for pos in range(steps):
             expected = eager(token, torch.tensor([pos]))
-            torch.testing.assert_close(built(token, torch.tensor([pos])), expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(call(token, torch.tensor([pos])), expected, rtol=1e-4, atol=1e-4)
             token = expected[:, -1:].argmax(-1)
     return result, built
 
@@ -79,11 +80,14 @@ def test_a_transformers_decode_step_builds_as_the_projects_own_llama(tmp_path, f
     families = [r.summary.family for r in result.regions]
     assert families.count("decode_attention") == LAYERS and not {"attention", "kv_write"} & set(families)
     assert "row_reduction" not in families
-    # between the kernels, a step: the embedding, the rotary angles (matmul, cat), the position
-    # arithmetic once for all layers, and each layer's cumulative_length write (one
-    # torch._foreach_copy_ in program.py)
-    assert result.unfused_ops == {"aten.embedding.default": 1, "aten.matmul.default": 1, "aten.cat.default": 1,
-                                  "aten.arange.default": 1, "aten.add.Tensor": 3, "coopt.state_write": LAYERS}
+    # the rotary tables one elementwise kernel (cos and sin of positions * cat(inv_freq, inv_freq),
+    # that weight computed at build time: simplify-aten, fold-constants)
+    assert counters["simplify.outer_product"] == 1 and counters["simplify.cat_of_repeats"] == 1
+    assert counters["fold.constants"] == 1 and families.count("elementwise") == 1
+    # between the kernels, a step: the embedding, the position arithmetic once for all layers,
+    # and each layer's cumulative_length write (one torch._foreach_copy_ in program.py)
+    assert result.unfused_ops == {"aten.embedding.default": 1, "aten.arange.default": 1, "aten.add.Tensor": 3,
+                                  "coopt.state_write": LAYERS}
     assert not result.fallback_ops
     # the runtime's generate() drives it as a decoder (greedy): transformers' tokens, one call a token
     prompt, eager = torch.tensor([[5, 17, 3]]), DecodeStep(family)
@@ -94,12 +98,12 @@ def test_a_transformers_decode_step_builds_as_the_projects_own_llama(tmp_path, f
         for pos in range(prompt.shape[1], prompt.shape[1] + 6):
             expected.append(logits[:, -1:].argmax(-1))
             logits = eager(expected[-1], torch.tensor([pos]))
-    assert torch.equal(built.generate(prompt, max_new_tokens=6), torch.cat(expected, dim=1))
+    assert torch.equal(built.generate(prompt, max_new_tokens=6).cpu(), torch.cat(expected, dim=1))
     # a position outside the cache is refused at call time (the write's positions are computed
     # as arange(1) + cache_position[0]: still the input's value)
     for outside in (MAX_CACHE, -1):
         with pytest.raises(ValueError, match=rf"cache_position: holds {outside}, outside \[0, {MAX_CACHE}\)"):
-            built(torch.tensor([[5]]), torch.tensor([outside]))
+            beside_eager(built)(torch.tensor([[5]]), torch.tensor([outside]))
 
 
 def test_a_sliding_window_shorter_than_the_cache_stays_sdpa(tmp_path):
@@ -125,7 +129,7 @@ def test_a_transformers_prompt_chunk_attends_over_the_cache(tmp_path):
     with torch.no_grad():
         for start in (0, 4):  # the second chunk reads the rows the first wrote
             chunk, positions = prompt[:, start:start + 4], torch.arange(start, start + 4)
-            torch.testing.assert_close(built(chunk, positions), eager(chunk, positions), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(beside_eager(built)(chunk, positions), eager(chunk, positions), rtol=1e-4, atol=1e-4)
 
 
 def test_the_example_model_file_builds(tmp_path, monkeypatch):
@@ -154,4 +158,4 @@ def test_the_example_model_file_builds(tmp_path, monkeypatch):
         for pos in range(prompt.shape[1], prompt.shape[1] + 6):
             expected.append(logits[:, -1:].argmax(-1))
             logits = eager(expected[-1], torch.tensor([pos]))
-    assert torch.equal(coopt.load(tmp_path / "out").generate(prompt, max_new_tokens=6), torch.cat(expected, dim=1))
+    assert torch.equal(coopt.load(tmp_path / "out").generate(prompt, max_new_tokens=6).cpu(), torch.cat(expected, dim=1))
