@@ -70,10 +70,14 @@ def load_case(layers: int, batch: int, pos: int, cache: int, model_file: Path = 
         COOPT_LLAMA_PRESET="llama-3-8b", COOPT_LLAMA_LAYERS=str(layers), COOPT_LLAMA_BATCH=str(batch),
         COOPT_LLAMA_POS=str(pos), COOPT_LLAMA_MAX_SEQ=str(cache), COOPT_EXAMPLE_DTYPE="bfloat16",
     )
+    import torch
+
+    from coopt.compile import moved_in_place
     from coopt.frontend.model_file import load_model_file
 
     loaded = load_model_file(model_file)
-    return loaded.model.cuda(), tuple(x.cuda() for x in loaded.example_inputs)
+    # in place: transformers' wrapper also holds its caches on plain objects (.cuda() would leave those on the CPU)
+    return moved_in_place(loaded.model, torch.device("cuda")), tuple(x.cuda() for x in loaded.example_inputs)
 
 
 def measure(row: dict, mode: str, fn, expected, setup_s: float, *, warmup: int, rep: int) -> None:
@@ -321,11 +325,12 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         if args.agreement_steps:  # accuracy of the build: logits and top-1 vs eager in fp32
             import copy
 
+            from coopt.compile import moved_in_place
             from coopt.verify.decode_agreement import decode_agreement
 
             steps = min(args.agreement_steps, cache - pos)
             try:
-                reference = copy.deepcopy(model).float()
+                reference = moved_in_place(copy.deepcopy(model), dtype=torch.float32)  # (aliases kept: transformers)
                 row.setdefault("agreement", {})[mode] = decode_agreement(built, reference, inputs[0], pos, steps).to_json()
             except torch.OutOfMemoryError:  # 32 layers at b32 in fp32 (66 GB) beside both models: not on an H100
                 reference = None

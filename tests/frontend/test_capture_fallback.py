@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import coopt
+from coopt.compile import moved_in_place
 from coopt.frontend.capture import capture
 
 
@@ -96,3 +97,21 @@ def test_kernels_run_in_the_interpreter_after_triton_was_imported_first(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_a_model_moved_in_place_keeps_the_state_its_plain_objects_hold():
+    """The build moves a GPU build's model copy with compile.moved_in_place: `.to()` makes new
+    buffer objects, and a forward writing through the plain object's reference then writes the
+    old tensor (on a GPU: CPU caches with GPU rows, session 42)."""
+    x, pos = torch.randn(1, 3, dtype=torch.float64), torch.tensor([2])
+    with pytest.raises(RuntimeError):  # the plain object still holds the float32 tensor
+        AliasedState().double()(x, pos)
+    model = AliasedState()
+    model.proj = torch.nn.Linear(3, 3)
+    weight, cache = model.proj.weight, model.cache
+    moved_in_place(model, dtype=torch.float64)
+    assert model.cache is cache is model.holder.tensor and model.proj.weight is weight
+    assert cache.dtype == weight.dtype == torch.float64 and isinstance(weight, torch.nn.Parameter)
+    assert torch.equal(model(x, pos)[2], 2 * x[0]) and torch.equal(model.cache[2], x[0])
+    moved_in_place(model, torch.device("meta"))  # (a device move, where this machine has no GPU)
+    assert model.holder.tensor is cache and cache.device.type == "meta"

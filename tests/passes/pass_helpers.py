@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from built_calls import beside_eager
 from xdsl.context import Context
 
 from coopt.fp8_cache import calibrate_kv_absmax, set_calibration
@@ -11,6 +11,8 @@ from coopt.frontend.importer import import_program
 from coopt.ir.dialect import KernelOp
 from coopt.passes.registry import DEFAULT_PIPELINE, parse_pipeline_text
 from coopt.passes.stats import collect_counters
+
+__all__ = ["beside_eager", "kernel_families", "kernels", "run_pipeline"]
 
 
 def run_pipeline(model, inputs, pipeline: str = DEFAULT_PIPELINE, dynamic_shapes=None, calibrate: bool = False):
@@ -34,14 +36,3 @@ def kernel_families(module) -> list[str]:
 
 def kernels(module) -> list[KernelOp]:
     return [op for op in module.walk() if isinstance(op, KernelOp)]
-
-
-def beside_eager(built):
-    """`built` called as the tests' CPU eager models are: inputs moved to the device it was
-    loaded on (the GPU where there is one), outputs brought back to the CPU."""
-    device = next(iter(built.state_dict().values())).device
-
-    def call(*args):
-        out = built(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
-        return out.cpu() if isinstance(out, torch.Tensor) else type(out)(t.cpu() for t in out)
-    return call

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from pass_helpers import kernel_families, run_pipeline
+from pass_helpers import beside_eager, kernel_families, run_pipeline
 
 import coopt
 from coopt.ir.dialect import AtenOp, AttentionOp, DecodeAttentionOp
@@ -96,7 +96,7 @@ def test_the_build_matches_the_model(tmp_path, form):
     inputs = prompt_inputs(s=8)
     inputs = [x * 2 for x in inputs]  # other values than the build saw
     with torch.no_grad():
-        torch.testing.assert_close(coopt.load(tmp_path / "out")(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(beside_eager(coopt.load(tmp_path / "out"))(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
 
 
 class DecodeStep(torch.nn.Module):
@@ -134,7 +134,7 @@ def test_a_decode_step_over_a_repeated_cache_reads_the_cache_itself():
 
 def test_a_built_decode_step_over_a_repeated_cache_matches_the_model(tmp_path):
     coopt.Pipeline(top_k=1).build(DecodeStep(), tuple(decode_inputs()), tmp_path / "out")
-    built, model = coopt.load(tmp_path / "out"), DecodeStep()
+    built, model = beside_eager(coopt.load(tmp_path / "out")), DecodeStep()
     torch.manual_seed(2)
     with torch.no_grad():
         for pos in range(3):  # three steps: each reads what the ones before wrote
@@ -169,7 +169,7 @@ def test_the_explicit_attention_over_repeated_heads_folds_too(tmp_path, form, fo
     coopt.Pipeline(top_k=1).build(model, tuple(inputs), tmp_path / "out")
     inputs = [x * 2 for x in prompt_inputs()]
     with torch.no_grad():
-        torch.testing.assert_close(coopt.load(tmp_path / "out")(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(beside_eager(coopt.load(tmp_path / "out"))(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
 
 
 class SelfAttention(torch.nn.Module):
@@ -189,7 +189,7 @@ def test_a_query_that_is_the_repeated_tensor_keeps_its_heads(tmp_path):
     coopt.Pipeline(top_k=1).build(model, (x,), tmp_path / "out")
     x = torch.randn(1, 2, 8, 8)
     with torch.no_grad():
-        torch.testing.assert_close(coopt.load(tmp_path / "out")(x), model(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(beside_eager(coopt.load(tmp_path / "out"))(x), model(x), rtol=1e-4, atol=1e-4)
 
 
 class OneQueryHead(torch.nn.Module):

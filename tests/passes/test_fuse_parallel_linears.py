@@ -4,7 +4,7 @@
 import torch
 import torch.nn.functional as F
 
-from pass_helpers import run_pipeline
+from pass_helpers import beside_eager, run_pipeline
 from test_raise_patterns import Lambda
 
 import coopt
@@ -62,10 +62,10 @@ def test_biased_projections_merge_with_their_biases_concatenated(tmp_path):
     model = Lambda(biased_qkv, **BIASED_QKV).eval()
     coopt.Pipeline(top_k=1).build(model, (x,), tmp_path / "out")
     stored = torch.load(tmp_path / "out" / "weights.pt", weights_only=True)
-    assert torch.equal(stored[concat_ref(["bq", "bk", "bv"])], torch.cat([BIASED_QKV[b] for b in ("bq", "bk", "bv")]))
+    assert torch.equal(stored[concat_ref(["bq", "bk", "bv"])].cpu(), torch.cat([BIASED_QKV[b] for b in ("bq", "bk", "bv")]))
     fresh = torch.randn(2, 3, 16)
     with torch.no_grad():
-        for got, want in zip(coopt.load(tmp_path / "out", device="cpu")(fresh), model(fresh)):
+        for got, want in zip(beside_eager(coopt.load(tmp_path / "out"))(fresh), model(fresh)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -89,10 +89,10 @@ def test_built_swiglu_and_qkv_match_eager_and_store_only_the_merged_weights(tmp_
     assert result.counters["fuse.parallel_linears"] == 2
     stored = torch.load(out / "weights.pt", weights_only=True)
     assert set(stored) == {concat_ref(["wq", "wk", "wv"]), concat_ref(["gate", "up"]), "down"}
-    assert torch.equal(stored[concat_ref(["gate", "up"])], torch.cat([params["gate"], params["up"]]))
+    assert torch.equal(stored[concat_ref(["gate", "up"])].cpu(), torch.cat([params["gate"], params["up"]]))
     fresh = torch.randn(2, 3, 16)
     with torch.no_grad():
-        for got, want in zip(coopt.load(out, device="cpu")(fresh), model(fresh)):
+        for got, want in zip(beside_eager(coopt.load(out))(fresh), model(fresh)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
