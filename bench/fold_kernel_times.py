@@ -72,6 +72,19 @@ def without_rope(attention):
                                attrs={k: v for k, v in attention.attrs.items() if k != "rope"})
 
 
+LOOP_BODY_START = "    const unsigned char* k_slot = slot(i);\n"
+LOOP_BODY_END = "    __syncwarp();  // every lane is done with the slot: refill it\n"
+
+
+def loads_only(module_source: str) -> str:
+    """The CUDA family's rendered module with its key loop's body (dots, softmax, PV) removed: the
+    warps only wait for their ring's copies and issue the next ones. Its output is meaningless; its
+    time is the stream's alone at the same grid, ring and copies (session 25's probe measured this
+    at b1 only, on its own kernel)."""
+    start, end = module_source.index(LOOP_BODY_START), module_source.index(LOOP_BODY_END)
+    return module_source[:start] + module_source[end:]
+
+
 def launch_once(call, sets) -> float:
     """--once: one plain launch, untimed (ncu measures it); NaN stands for the time."""
     import torch
@@ -82,9 +95,10 @@ def launch_once(call, sets) -> float:
 
 
 def time_mma(case, points, attention, folded, sets, fresh, traffic, module, attention_inputs, write_step, family,
-             timer):
+             timer, ablate: bool = False):
     """The CUDA family's points on the same inputs: without the query's rope (its inputs less cos,
-    sin), with it, and folded; the folded output against write-then-attend's."""
+    sin), with it, and folded; the folded output against write-then-attend's; `ablate`: the bare
+    kernel's loads alone too (`loads_only`)."""
     no_rope = without_rope(attention)
     rows = []
     for point in filter(None, points.split(",")):
@@ -99,6 +113,9 @@ def time_mma(case, points, attention, folded, sets, fresh, traffic, module, atte
         bare, roped, fold = (module(r, family, params, f"{name}_{form}")
                              for r, form in ((no_rope, "bare"), (attention, "rope"), (folded, "folded")))
         bare_ms = timer(lambda *t: bare(*t[:4], *t[6:attention_inputs]), sets)
+        if ablate:
+            stream = module(no_rope, family, params, f"{name}_loads", patch=loads_only)
+            loads_ms = timer(lambda *t: stream(*t[:4], *t[6:attention_inputs]), sets)
         rope_ms = timer(lambda *t: roped(*t[:attention_inputs]), sets)
         fold_ms = timer(fold, sets)
         a, b = [t.clone() for t in fresh[0]], [t.clone() for t in fresh[1]]
@@ -106,9 +123,12 @@ def time_mma(case, points, attention, folded, sets, fresh, traffic, module, atte
         err = (roped(*a[:attention_inputs])[0].float() - fold(*b)[2].float()).abs().max().item()
         row = {"case": case, "mma": params, "bare_us": bare_ms * 1e3, "rope_us": rope_ms * 1e3,
                "folded_us": fold_ms * 1e3, "folded_tb_per_s": traffic / fold_ms / 1e9, "max_abs_diff": err}
+        if ablate:
+            row["loads_only_us"] = loads_ms * 1e3
         rows.append(row)
         print(f"  mma {point}: attention {row['bare_us']:6.2f} us, with rope {row['rope_us']:6.2f} us, folded "
-              f"{row['folded_us']:6.2f} us ({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}", flush=True)
+              f"{row['folded_us']:6.2f} us ({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}"
+              + (f"; its loads alone {row['loads_only_us']:6.2f} us" if ablate else ""), flush=True)
     return rows
 
 
@@ -120,6 +140,8 @@ def main() -> int:
                         help="decode_attention_mma points SPLIT:CHUNK:COPY:warps:stages[:MEET], timed plain, with rope and "
                              "folded (cases it takes; points it does not admit are skipped)")
     parser.add_argument("--once", action="store_true", help="launch each kernel once, untimed (for ncu)")
+    parser.add_argument("--loads-only", action="store_true",
+                        help="also time each --mma point's kernel with its key loop's body removed (the stream alone)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     import torch
@@ -150,10 +172,10 @@ def main() -> int:
         sets = input_copies([*inputs, position, k_new, v_new], traffic)
         fresh = [[t.clone() for t in sets[0]] for _ in range(2)]  # one step each way from the same caches
 
-        def module(region, family, params, name):
+        def module(region, family, params, name, patch=lambda source: source):
             assert family.check(region, params, H200) is None, family.check(region, params, H200)
             path = work / f"{case}_{name}.py"
-            path.write_text(family.render(region, params))
+            path.write_text(patch(family.render(region, params)))
             return load_module_from_file(path).run
 
         kv_write = module(write, write_family, advised(write, write_family)[0], "kv_write")
@@ -188,7 +210,7 @@ def main() -> int:
                   f"({row['folded_tb_per_s']:.2f} TB/s), outputs apart by {err:.1e}", flush=True)
         if mma_problem(attention) is None:
             rows += time_mma(case, args.mma, attention, folded, sets, fresh, traffic, module, attention_inputs,
-                             write_step, DecodeAttentionMmaFamily(), timer)
+                             write_step, DecodeAttentionMmaFamily(), timer, args.loads_only)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -37,6 +37,7 @@
 #   bash bench/gpu_session.sh layers32-2048-quick  # 32 layers at b32 and b1 / 2048, reduce-overhead and coopt (~9.5 min)
 #   bash bench/gpu_session.sh layers32-fp8  # 32 layers at b1 / 32768, coopt-fp8 only (~5 min)
 #   bash bench/gpu_session.sh fp8-b32-quick  # b32 / 2048 coopt-fp8 beside reduce-overhead, nothing else (~4 min)
+#   bash bench/gpu_session.sh attention-b32-stream  # b32 attention points (ring depth, chunk, warps) beside their loads alone (~3 min)
 #   bash bench/gpu_session.sh mlp-dataflow  # b32 gate|up + down as one launch whose down tasks wait only for their inputs (~3 min)
 #   bash bench/gpu_session.sh tma-gemv   # the b32 GEMMs: TMA-fed split GEMV against pointer loads, cuBLAS, the template (~1 min)
 #   bash bench/gpu_session.sh layers32-b32-quick  # 32 layers at b32 / 2048 alone, reduce-overhead and coopt (~7 min)
@@ -368,7 +369,8 @@ case "${1:-}" in
         step 150 pending-39 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/templates/test_row_reduction.py \
             tests/passes/test_fold_repeated_kv.py tests/passes/test_raise_hf_rms_norm.py tests/passes/test_raise_log_softmax.py \
             tests/e2e/test_transformers_style_llama.py tests/e2e/test_elementwise_ops_build.py
-        # session 40: transformers' StaticCache forms, cse-aten, biased parallel linears, transformers' own models
+        # session 40: transformers' StaticCache forms, cse-aten, biased parallel linears, transformers' own models;
+        # session 42: simplify-aten and fold-constants (the rotary tables one kernel)
         # (those skip unless .whl brought transformers: ../shared/tools/device-wheels.sh transformers==5.18.0)
         # (session 41 on an H100: the masks' tests passed; test_cse_aten's MovingOffset build ran its cache out of
         # range in the build's end-to-end timing, a device-side assert that ends the run's CUDA context; such a
@@ -376,7 +378,16 @@ case "${1:-}" in
         step 200 pending-40 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/passes/test_hf_static_cache.py \
             tests/passes/test_fuse_parallel_linears.py tests/passes/test_inplace_state_writes.py \
             tests/frontend/test_capture_fallback.py tests/e2e/test_grouped_state_writes.py tests/e2e/test_transformers_llama.py \
-            tests/passes/test_cse_aten.py
+            tests/passes/test_simplify_aten.py tests/passes/test_cse_aten.py
+        ;;
+    attention-b32-stream)  # issue 4, session 42: is b32 / 2048 fp8's attention (35.9 µs a layer in the build, 32.0 of
+        # bytes; bf16's 0.8 over) short of bytes in flight? Its 256 blocks of 4 warps hold one 4 KiB chunk each in
+        # flight at 2 slots (~32 KiB an SM against the ~48 KiB a 32 GB/s share needs at ~1.5 µs of latency), bf16's
+        # twice that. The family's kernel at deeper rings, wider chunks and 8 warps, fp8 and bf16, each beside its
+        # loads alone (the key loop's body removed: fold_kernel_times.py --loads-only) (~3 min)
+        step 200 attention-b32 python bench/fold_kernel_times.py --cases b32-2048-fp8,b32-2048 --splits "" \
+            --mma 1:16:ca:4:2,1:16:ca:4:3,1:16:ca:4:4,1:32:ca:4:2,1:32:ca:4:3,1:16:ca:8:2,1:16:ca:8:3,2:16:ca:4:2 \
+            --loads-only --json "$OUT/attention_b32_stream.json"
         ;;
     prefetch-bulk)  # issue 3, session 38: does pulling the o weights into L2 with the TMA's bulk prefetch during the
         # b1 / 2048 attention (latency-bound: 7 µs for 8.4 MB) make the o GEMV after it faster than the prefetch's own

@@ -142,7 +142,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             "CHUNK": [16, 32],
             "COPY": ["ca", "cg"],
             "num_warps": [4, 8],
-            "num_stages": [2, 3],
+            "num_stages": [2, 3, 4],
             "MEET": ["global", "cluster"],
         }
 
