@@ -280,6 +280,31 @@ class RaiseExplicitRMSNorm(RewritePattern):
                 return
 
 
+class RaiseNarrowedRMSNorm(RewritePattern):
+    """An fp32 rms_norm of a widened 16-bit x whose only reader casts it back to x's dtype →
+    one rms_norm of x with that result dtype. Gemma's RMSNorm, `(norm(x.float()) * (1 +
+    w.float())).type_as(x)` (the weight folded by fold-constants, type_as a cast by
+    simplify-aten), is F.rms_norm's own numerics for a 16-bit input with an fp32 weight: fp32
+    throughout, the weight applied in fp32, one rounding at the end: exact. Raised, it is one norm
+    a GEMV can take as its prologue instead of three kernels."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ElementwiseOp, rewriter: PatternRewriter) -> None:
+        if op.fn.data not in ("to_bf16", "to_f16") or len(op.inputs) != 1:
+            return
+        norm = op.inputs[0].owner
+        if not isinstance(norm, RMSNormOp) or norm.bias is not None or len(list(op.inputs[0].uses)) != 1:
+            return
+        widen = norm.x.owner
+        if not isinstance(widen, ElementwiseOp) or widen.fn.data not in _WIDENINGS.values():
+            return
+        x = widen.inputs[0]
+        if x.type.element_type != op.results[0].type.element_type:
+            return
+        rewriter.replace_matched_op(RMSNormOp(x, norm.weight, None, norm.eps.value.data, op.results[0].type))
+        count("raise.rms_norm.narrowed")
+
+
 def _cast_back_from_fp32(value):
     """(x, product, x32) where `value` is product.to(x's 16-bit dtype) and x32 = x.to(float32)
     feeds the product (both casts raised to coopt.ew): transformers' RMSNorm body in fp32 between
@@ -421,7 +446,7 @@ class RaisePatterns(CooptPass):
 
             later.append(FoldRepeatedKVIntoAttention())
         later += [RaiseRope()] if self.rope else []
-        later += [RaiseExplicitRMSNorm()] if self.explicit_rms_norm else []
+        later += [RaiseExplicitRMSNorm(), RaiseNarrowedRMSNorm()] if self.explicit_rms_norm else []
         PatternRewriteWalker(GreedyRewritePatternApplier(later)).rewrite_module(op)
         # the explicit RMSNorm and RoPE leave their old chains dead: drop them (all pure)
         from xdsl.transforms.dead_code_elimination import region_dce

@@ -19,7 +19,12 @@ kernel:
 - CatOfRepeats: cat([x, x, ...], d) of a pointwise x read only there is the op over its operands
   repeated along d; an operand of size 1 there (broadcast) is read as it is.
 
-Counters `simplify.outer_product`, `simplify.transpose_sunk`, `simplify.cat_of_repeats`.
+- TypeAsToCast: `x.type_as(y)` is x where the dtypes agree, else the cast `x.to(y.dtype)` that
+  raise-patterns knows (Gemma's RMSNorm ends in `.type_as(x)`; left as it was, the norm had a
+  reader that is not a linear and could not become a GEMV's prologue).
+
+Counters `simplify.outer_product`, `simplify.transpose_sunk`, `simplify.cat_of_repeats`,
+`simplify.type_as`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from xdsl.pattern_rewriter import (
 
 from coopt.frontend.aten_table import ELEMENTWISE
 from coopt.ir.dialect import AtenOp, KernelOp
+from coopt.ir.summary import dtype_name
 from coopt.passes.base import (
     CooptPass,
     aten_op,
@@ -158,6 +164,23 @@ class CatOfRepeats(RewritePattern):
         count("simplify.cat_of_repeats")
 
 
+class TypeAsToCast(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
+        if op.target.data != "aten.type_as.default" or not _outside_kernels(op):
+            return
+        source, like = tensor_arg(op, 0), tensor_arg(op, 1)
+        if source is None or like is None or not isinstance(source.type, TensorType):
+            return
+        if source.type == op.results[0].type:  # already of that dtype: type_as returns it
+            rewriter.replace_matched_op([], [source])
+        else:
+            dtype = dtype_name(op.results[0])
+            rewriter.replace_matched_op(aten_op("aten._to_copy.default", [{"$t": 0}], [source], op.results[0].type,
+                                                {"dtype": {"$dtype": dtype}}))
+        count("simplify.type_as")
+
+
 @dataclass(frozen=True)
 class SimplifyAten(CooptPass):
     name = "simplify-aten"
@@ -165,6 +188,7 @@ class SimplifyAten(CooptPass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         PatternRewriteWalker(
-            GreedyRewritePatternApplier([OuterProductMatmul(), TransposeIntoPointwise(), CatOfRepeats()]),
+            GreedyRewritePatternApplier([OuterProductMatmul(), TransposeIntoPointwise(), CatOfRepeats(),
+                                         TypeAsToCast()]),
             apply_recursively=True,
         ).rewrite_module(op)

@@ -24,7 +24,10 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # q, k, v with biases
     "mistral": ("MistralConfig", "MistralForCausalLM"),  # a sliding window (default 4096) in its mask
+    # RMSNorm (normed * (1 + w)).type_as(x), GeGLU (gelu tanh), the embedding scaled by sqrt(hidden)
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
 }
+FAMILY_CONFIG = {"gemma": {"head_dim": 16}}  # (Gemma's default is 256 whatever the hidden size)
 
 
 class DecodeStep(torch.nn.Module):
@@ -36,7 +39,7 @@ class DecodeStep(torch.nn.Module):
         config_class, model_class = (getattr(transformers, name) for name in FAMILIES[family])
         config = config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=LAYERS,
                               intermediate_size=96, vocab_size=128, max_position_embeddings=64,
-                              attn_implementation="sdpa", **config)
+                              attn_implementation="sdpa", **{**FAMILY_CONFIG.get(family, {}), **config})
         model = model_class(config).eval()
         model.generation_config = transformers.GenerationConfig(
             use_cache=True, cache_implementation="static", max_length=MAX_CACHE,
@@ -81,9 +84,15 @@ def test_a_transformers_decode_step_builds_as_the_projects_own_llama(tmp_path, f
     assert families.count("decode_attention") == LAYERS and not {"attention", "kv_write"} & set(families)
     assert "row_reduction" not in families
     # the rotary tables one elementwise kernel (cos and sin of positions * cat(inv_freq, inv_freq),
-    # that weight computed at build time: simplify-aten, fold-constants)
+    # that weight computed at build time: simplify-aten, fold-constants); Gemma's norms' (1 + w)
+    # folded too, their type_as a cast, each norm one rms_norm of its input (a GEMV prologue
+    # above), and its embedding's scaling one more elementwise kernel
+    gemma = family == "gemma"
     assert counters["simplify.outer_product"] == 1 and counters["simplify.cat_of_repeats"] == 1
-    assert counters["fold.constants"] == 1 and families.count("elementwise") == 1
+    assert counters["fold.constants"] == 1 + gemma * (2 * LAYERS + 1)
+    assert counters.get("simplify.type_as", 0) == gemma * (2 * LAYERS + 1)
+    assert counters.get("fuse.decode_gemv.glu.gelu_tanh", 0) == gemma * LAYERS
+    assert families.count("elementwise") == 1 + gemma
     # between the kernels, a step: the embedding, the position arithmetic once for all layers,
     # and each layer's cumulative_length write (one torch._foreach_copy_ in program.py)
     assert result.unfused_ops == {"aten.embedding.default": 1, "aten.arange.default": 1, "aten.add.Tensor": 3,

@@ -78,3 +78,68 @@ def test_it_builds_into_the_gemv_with_a_norm_prologue_and_matches_the_model(tmp_
 def test_kernel_families_after_the_default_pipeline():
     module, _ = run_pipeline(NormThenLinear(torch.bfloat16), [torch.randn(4, 64, dtype=torch.bfloat16)])
     assert kernel_families(module) == ["matmul_epilogue"]
+
+
+class GemmaRMSNorm(torch.nn.Module):
+    """transformers' GemmaRMSNorm: the weight (1 + w) applied in fp32, one cast back at the end."""
+
+    def __init__(self, size: int, back_to_input: bool = True):
+        super().__init__()
+        self.weight = torch.nn.Parameter(0.1 * torch.randn(size))
+        self.eps, self.back_to_input = 1e-6, back_to_input
+
+    def forward(self, x):
+        h = x.float()
+        output = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x) if self.back_to_input else output.to(torch.float16)
+
+
+class GemmaNormThenLinear(torch.nn.Module):
+    def __init__(self, dtype=torch.bfloat16, **norm):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = GemmaRMSNorm(64, **norm)
+        self.proj = torch.nn.Linear(64, 96, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+GEMMA_PASSES = "simplify-aten,fold-constants,raise-patterns"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemmas_form_is_one_rms_norm_of_the_16_bit_input(tmp_path, dtype):
+    x = torch.randn(4, 64, dtype=dtype)
+    model = GemmaNormThenLinear(dtype)
+    module, counters = run_pipeline(model, [x], GEMMA_PASSES)
+    assert counters["fold.constants"] == 1 and counters["simplify.type_as"] == 1  # (1 + w), type_as
+    assert counters["raise.rms_norm.narrowed"] == 1
+    (norm,) = [op for op in module.walk() if isinstance(op, RMSNormOp)]
+    assert norm.x is module.body.block.first_op.body.block.args[0] and norm.results[0].type == norm.x.type
+    assert str(norm.weight.type.element_type) == "f32"  # the folded (1 + w), kept in fp32
+    # exact: F.rms_norm of a 16-bit input with an fp32 weight is that code's numerics
+    coopt.Pipeline(passes=GEMMA_PASSES, top_k=1).build(model, (x,), tmp_path / "out")
+    built = coopt.load(tmp_path / "out")  # no kernels: the raised norm as F.rms_norm, on the build's device
+    device = next(iter(built.state_dict().values())).device
+    x = torch.randn(4, 64, dtype=dtype, device=device) * 3
+    with torch.no_grad():
+        assert torch.equal(built(x), model.to(device)(x))
+
+
+def test_gemmas_norm_cast_to_another_dtype_stays():
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    _, counters = run_pipeline(GemmaNormThenLinear(torch.float16, back_to_input=False), [x], GEMMA_PASSES)
+    assert counters["raise.rms_norm.explicit"] == 1 and not counters.get("raise.rms_norm.narrowed")
+
+
+def test_gemmas_norm_builds_into_the_gemv_prologue(tmp_path):
+    model, x = GemmaNormThenLinear(torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16)
+    result = coopt.Pipeline(top_k=1).build(model, (x,), tmp_path / "out")
+    assert [r.summary.family for r in result.regions] == ["matmul_epilogue"]
+    assert result.regions[0].summary.attrs["prologue"]["kind"] == "rms_norm"
+    x = torch.randn(4, 64, dtype=torch.bfloat16) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(beside_eager(coopt.load(tmp_path / "out"))(x).float(), model(x).float(),
+                                   rtol=2e-2, atol=2e-2)
