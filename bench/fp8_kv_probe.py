@@ -176,6 +176,38 @@ def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smo
     return transform
 
 
+@contextlib.contextmanager
+def recent_exact_hook(transform, window: int):
+    """attention_hook's form for the recent-window variants: each query reads the `window` keys
+    nearest it (itself included) exact and older ones through `transform` (K and V rounded): what
+    a cache whose newest rows stay bf16 until they age into fp8 gives (KIVI's full-precision
+    residual). Per query, so not one transformed K: the attention is computed here, in fp32
+    (causal, the kv heads repeated for their query heads); the control row (a window past the
+    sequence) measures what that fp32 attention alone changes against the model's SDPA."""
+    calls = [0]
+
+    def hooked(q, k, v, *args, **kwargs):
+        k_hat, v_hat = transform(calls[0], k, v)
+        calls[0] += 1
+        repeat = q.shape[1] // k.shape[1]
+        k, v, k_hat, v_hat = (x.float().repeat_interleave(repeat, dim=1) for x in (k, v, k_hat, v_hat))
+        positions = torch.arange(q.shape[2], device=q.device)
+        distance = positions[:, None] - positions[None, :]  # query t - key j
+        causal, near = distance >= 0, (distance >= 0) & (distance < window)
+        qf = q.float() * q.shape[-1] ** -0.5
+        scores = torch.where(near, qf @ k.transpose(-1, -2), qf @ k_hat.transpose(-1, -2))
+        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        out = (weights * near) @ v + (weights * (causal & ~near)) @ v_hat
+        return out.to(q.dtype)
+
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = hooked
+    try:
+        yield calls
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 VARIANTS = {
     "K+V per-head (the build's per-head)": dict(k="head", v="head"),
     "K per-head only": dict(k="head", v=None),
@@ -194,6 +226,12 @@ VARIANTS = {
     "K+V per-token, K smoothed": dict(k="token", v="token", smooth_k=True),
     "K+V per-token, K and V smoothed": dict(k="token", v="token", smooth_k=True, smooth_v=True),
     "K per-token smoothed, V per-head": dict(k="token", v="head", smooth_k=True),
+    # session 42: the newest rows exact (a bf16 residual window before they age into fp8), against
+    # a reference through the same fp32 attention with every row exact (main: its noise against
+    # the model's own SDPA is not the rounding's)
+    "K+V per-head, K smoothed, newest 4 exact": dict(k="head", v="head", smooth_k=True, recent=4),
+    "K+V per-head, K smoothed, newest 16 exact": dict(k="head", v="head", smooth_k=True, recent=16),
+    "K+V per-head, K smoothed, newest 32 exact": dict(k="head", v="head", smooth_k=True, recent=32),
 }
 # --per-layer: the build's default (K smoothed) with one layer's K kept in bf16 at a time, which
 # says whether K's cost sits in a few layers that a mixed cache could spare
@@ -240,12 +278,21 @@ def main(argv=None) -> dict:
                 if args.per_layer else VARIANTS)
     if args.only:
         variants = {name: knobs for name, knobs in variants.items() if args.only in name}
+    def exact_fp32_attention(tokens):  # the recent-window variants' reference: no row rounded
+        with recent_exact_hook(lambda call, key, value: (key, value), window=1 << 30):
+            return plain(tokens)
+
+    recent_reference = metrics.remembered(exact_fp32_attention)
     for name, knobs in variants.items():
-        def quantized(tokens, transform=variant(stats, layers, **knobs)):
-            with attention_hook(transform):  # only the candidate's calls: the reference stays plain bf16
+        knobs = dict(knobs)
+        recent = knobs.pop("recent", None)
+        hook = (lambda t, window=recent: recent_exact_hook(t, window)) if recent else attention_hook
+
+        def quantized(tokens, transform=variant(stats, layers, **knobs), hook=hook):
+            with hook(transform):  # only the candidate's calls: the reference stays plain bf16
                 return plain(tokens)
-        report = metrics.compare(reference, quantized, corpus.heldout, seq_len=args.seq_len, windows=args.windows,
-                                 greedy_tokens=0)
+        report = metrics.compare(recent_reference if recent else reference, quantized, corpus.heldout,
+                                 seq_len=args.seq_len, windows=args.windows, greedy_tokens=0)
         results[name] = {"perplexity_change": report.perplexity_change, "kl_mean": report.kl_mean,
                          "top1_agreement": report.top1_agreement, "positions": report.windows * report.seq_len,
                          "flip_margin_median": report.flip_margin_median, "flip_near_ties": report.flip_near_ties}

@@ -74,3 +74,19 @@ def test_a_layer_in_bf16_k_layers_keeps_its_k_and_rounds_its_v():
         key, value = transform(call, k, v)
         assert torch.equal(key, k) == k_kept and not torch.equal(value, v)
     assert set(probe.per_layer_variants(3)) == {f"K+V per-head, K smoothed, layer {i}'s K bf16" for i in range(3)}
+
+
+def test_the_recent_window_hook_reads_the_newest_keys_exact_and_older_ones_transformed():
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 6, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8, dtype=torch.float64)
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with probe.recent_exact_hook(lambda call, key, value: (key, torch.zeros_like(value)), window=6):
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), exact)
+    # window 2: a query's own row and the one before it exact, the older values read as zeros
+    with probe.recent_exact_hook(lambda call, key, value: (key, torch.zeros_like(value)), window=2):
+        mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    weights = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8 ** 0.5)
+                            .masked_fill(torch.ones(6, 6).triu(1).bool(), float("-inf")), dim=-1)
+    near = torch.ones(6, 6).tril() - torch.ones(6, 6).tril(-2)  # keys t - 1 and t
+    torch.testing.assert_close(mixed, (weights * near) @ v.repeat_interleave(2, 1))
