@@ -107,27 +107,46 @@ class OuterProductMatmul(RewritePattern):
         count("simplify.outer_product")
 
 
+def _pointwise_read_once(value) -> AtenOp | None:
+    """The pointwise op `value` is the only result of, where nothing else reads it and its
+    operands have its rank (so a view or repeat of it is the same one of each operand)."""
+    inner = value.owner if value is not None else None
+    if (isinstance(inner, AtenOp) and _pointwise(inner) and len(inner.results) == 1
+            and len(list(value.uses)) == 1 and _same_rank_operands(inner)):
+        return inner
+    return None
+
+
+def _onto_operands(op: AtenOp, inner: AtenOp, rewriter: PatternRewriter, operand) -> None:
+    """Replace `op`, a view or repeat of `inner`'s result, by `inner` over `operand(value)` of each
+    of its operands: the value itself, or a new op computing it (inserted before `op`)."""
+    operands = []
+    for value in inner.inputs:
+        moved = operand(value)
+        if isinstance(moved, AtenOp):
+            rewriter.insert_op(moved)
+            moved = moved.results[0]
+        operands.append(moved)
+    rewriter.replace_matched_op(_rebuilt(inner, operands, static_shape(op.results[0])))
+    rewriter.erase_op(inner)
+
+
 class TransposeIntoPointwise(RewritePattern):
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: AtenOp, rewriter: PatternRewriter) -> None:
         if op.target.data != "aten.transpose.int" or not _outside_kernels(op):
             return
-        source = tensor_arg(op, 0)
-        inner = source.owner if source is not None else None
-        if not isinstance(inner, AtenOp) or not _pointwise(inner) or len(list(source.uses)) != 1:
-            return
-        if len(inner.results) != 1 or not _same_rank_operands(inner):
+        inner = _pointwise_read_once(tensor_arg(op, 0))
+        if inner is None:
             return
         d0, d1 = literal_arg(op, 1), literal_arg(op, 2)
-        transposed = []
-        for value in inner.inputs:
+
+        def transposed(value):
             shape = static_shape(value)
             shape[d0], shape[d1] = shape[d1], shape[d0]
-            view = aten_op("aten.transpose.int", [{"$t": 0}, d0, d1], [value], _typed(value, shape))
-            rewriter.insert_op(view)
-            transposed.append(view.results[0])
-        rewriter.replace_matched_op(_rebuilt(inner, transposed, static_shape(op.results[0])))
-        rewriter.erase_op(inner)
+            return aten_op("aten.transpose.int", [{"$t": 0}, d0, d1], [value], _typed(value, shape))
+
+        _onto_operands(op, inner, rewriter, transposed)
         count("simplify.transpose_sunk")
 
 
@@ -139,28 +158,22 @@ class CatOfRepeats(RewritePattern):
         parts = literal_arg(op, 0)
         if not isinstance(parts, list) or len(parts) < 2 or any(p != {"$t": 0} for p in parts):
             return
-        source = op.inputs[0]
-        inner = source.owner
-        if not isinstance(inner, AtenOp) or not _pointwise(inner) or len(list(source.uses)) != 1:
+        inner = _pointwise_read_once(op.inputs[0])
+        if inner is None:
             return
-        if len(inner.results) != 1 or not _same_rank_operands(inner):
-            return
-        shape = static_shape(source)
+        shape = static_shape(op.inputs[0])
         dim = literal_arg(op, 1, "dim", 0) % len(shape)
         if shape[dim] == 1:  # operands of size 1 there: broadcast or not, undecidable; rare
             return
-        repeated = []
-        for value in inner.inputs:
+
+        def repeated(value):
             value_shape = static_shape(value)
             if value_shape[dim] == 1:  # broadcast along dim: read as it is
-                repeated.append(value)
-                continue
+                return value
             value_shape[dim] *= len(parts)
-            cat = aten_op("aten.cat.default", [parts, dim], [value], _typed(value, value_shape))
-            rewriter.insert_op(cat)
-            repeated.append(cat.results[0])
-        rewriter.replace_matched_op(_rebuilt(inner, repeated, static_shape(op.results[0])))
-        rewriter.erase_op(inner)
+            return aten_op("aten.cat.default", [parts, dim], [value], _typed(value, value_shape))
+
+        _onto_operands(op, inner, rewriter, repeated)
         count("simplify.cat_of_repeats")
 
 
