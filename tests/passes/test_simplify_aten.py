@@ -137,3 +137,31 @@ def test_fold_constants_folds_weight_expressions_only(tmp_path):
     for _ in range(2):
         for got, want in zip(built(*on_device), reference(*on_device)):
             assert torch.equal(got, want)
+
+
+class CastWeightsEachCall(torch.nn.Module):
+    """Weights kept in fp64 and cast for each call (as mixed-precision code does): the casts fold,
+    and the folded weights still merge as q|k|v."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wq, self.wk, self.wv = (torch.nn.Parameter(torch.randn(n, 16, dtype=torch.float64)) for n in (16, 8, 8))
+
+    def forward(self, x):
+        return tuple(torch.nn.functional.linear(x, w.to(torch.float32)) for w in (self.wq, self.wk, self.wv))
+
+
+def test_folded_weights_merge_as_parallel_linears(tmp_path):
+    passes = "fold-constants,raise-patterns,fuse-parallel-linears"
+    model, x = CastWeightsEachCall(), torch.randn(2, 3, 16)
+    module, counters = run_pipeline(model, [x], passes)
+    assert counters["fold.constants"] == 3 and counters["fuse.parallel_linears"] == 1
+    coopt.Pipeline(passes=passes, top_k=1).build(model, (x,), tmp_path / "out")
+    stored = torch.load(tmp_path / "out" / "weights.pt", weights_only=True)
+    (merged,) = stored.values()  # one fp32 q|k|v weight, made of the folded casts; no fp64 weight kept
+    assert merged.dtype == torch.float32 and merged.shape == (32, 16)
+    torch.testing.assert_close(merged.cpu(), torch.cat([model.wq, model.wk, model.wv]).float(), rtol=0, atol=0)
+    with torch.no_grad():
+        for got, want in zip(beside_eager(coopt.load(tmp_path / "out"))(x), model(x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
