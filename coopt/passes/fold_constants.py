@@ -140,7 +140,8 @@ class FoldConstants(CooptPass):
         lines = [line for call in chain for line in aten_call(call, names)]
         recipe = {"lines": lines, "result": names[root]}
         digest = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]
-        ref = f"{CONST_PREFIX}{'|'.join(sorted({w.owner.ref.data for w in weights}))}:{digest}"
+        # (weights joined by "+": a concatenation's ref joins its parts by "|", and may hold this one)
+        ref = f"{CONST_PREFIX}{'+'.join(sorted({w.owner.ref.data for w in weights}))}:{digest}"
         record[ref] = recipe
         weight = WeightOp(ref, root.type)
         Rewriter.insert_op(weight, InsertPoint.before(root.owner))
