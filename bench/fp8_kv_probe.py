@@ -127,13 +127,16 @@ def _run_calibration(model, windows: torch.Tensor, record) -> None:
 
 
 def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smooth_k: bool = False,
-            smooth_v: bool = False, rotate: bool = False, bf16_k_layers: frozenset = frozenset()):
+            smooth_v: bool = False, rotate: bool = False, bf16_k_layers: frozenset = frozenset(),
+            k_mean_back: bool = False):
     """transform for attention_hook: K and V each None (kept bf16), "head" (one scale per kv head),
     "channel" (one per kv head and channel) or "token" (one per row, from the row itself); smooth_k subtracts K's calibrated channel means;
     smooth_v rounds v - mean and adds the mean back (what adding it to the attention's output
     does: the probabilities of a query sum to 1); rotate stores (x - mean) @ H (H: hadamard(D))
     and reads it back times H, which attention does by rotating q and its output alike. The
-    layers in bf16_k_layers keep their K in bf16 (V as the others')."""
+    layers in bf16_k_layers keep their K in bf16 (V as the others'). k_mean_back adds a smoothed
+    K's mean back after rounding: where some keys of a query are read exact and others rounded
+    (the recent-window variants), the shift softmax ignores must be the same for all of them."""
     def scale(absmax, granularity):
         if granularity == "token":
             return None  # fake_fp8 takes each row's own
@@ -164,7 +167,8 @@ def variant(stats: list[dict], layers: int, *, k: str | None, v: str | None, smo
             return (key if k is None else rotated(key, layer, "k", k, smooth_k),
                     value if v is None else rotated(value, layer, "v", v, smooth_v))
         if k is not None and smooth_k:
-            key, _ = centred(key, layer["k_absmax"], layer["k_mean"], k)  # nothing added back: softmax ignores q . mean
+            key, mean = centred(key, layer["k_absmax"], layer["k_mean"], k)  # nothing added back: softmax ignores q . mean
+            key = key + mean if k_mean_back else key
         elif k is not None:
             key = fake_fp8(key, scale(layer["k_absmax"], k))
         if v is not None and smooth_v:
@@ -229,9 +233,12 @@ VARIANTS = {
     # session 42: the newest rows exact (a bf16 residual window before they age into fp8), against
     # a reference through the same fp32 attention with every row exact (main: its noise against
     # the model's own SDPA is not the rounding's)
-    "K+V per-head, K smoothed, newest 4 exact": dict(k="head", v="head", smooth_k=True, recent=4),
-    "K+V per-head, K smoothed, newest 16 exact": dict(k="head", v="head", smooth_k=True, recent=16),
-    "K+V per-head, K smoothed, newest 32 exact": dict(k="head", v="head", smooth_k=True, recent=32),
+    "K+V per-head, K smoothed, newest 4 exact": dict(k="head", v="head", smooth_k=True, k_mean_back=True,
+                                                    recent=4),
+    "K+V per-head, K smoothed, newest 16 exact": dict(k="head", v="head", smooth_k=True, k_mean_back=True,
+                                                    recent=16),
+    "K+V per-head, K smoothed, newest 32 exact": dict(k="head", v="head", smooth_k=True, k_mean_back=True,
+                                                    recent=32),
 }
 # --per-layer: the build's default (K smoothed) with one layer's K kept in bf16 at a time, which
 # says whether K's cost sits in a few layers that a mixed cache could spare
