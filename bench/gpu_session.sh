@@ -48,6 +48,7 @@
 #   bash bench/gpu_session.sh layers32-b1-quick  # 32 layers at b1 / 2048, reduce-overhead and coopt (~5 min)
 #   bash bench/gpu_session.sh gemv-ncu   # the CUDA GEMV's GPU tests, then ncu on it with and without its norm (~3 min)
 #   bash bench/gpu_session.sh kv-probe   # bench/fp8_kv_probe.py: fp8 K/V rounding variants in eager against bf16 (~1-2 min)
+#   bash bench/gpu_session.sh kv-probe-recent  # the same with each query's newest rows exact (session 42's lead, ~2 min)
 #   bash bench/gpu_session.sh attention-latency  # the decode attention's fixed cost against its streaming, b1 (~2-3 min)
 #   bash bench/gpu_session.sh fold-profile-b1  # both b1 builds (folded, unfolded) profiled kernel by kernel (~6 min)
 #   bash bench/gpu_session.sh fp8-values / accuracy-values  # values-only fp8 KV: latency at b32 / 2048, accuracy
@@ -792,6 +793,11 @@ smsp__inst_executed_op_ldgsts.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ldgst
         ;;
     attention-latency)  # issue 3: b1 decode attention timed at growing lengths beside an empty launch (bench/NOTES-decode.md)
         step 240 latency python bench/attention_sweep.py --latency b1-2048-rope --advised 3 --json "$OUT/attention_latency.json"
+        ;;
+    kv-probe-recent)  # issue 4, session 42: the build's fp8 rounding with each query's newest 4 / 16 / 32 rows exact
+        # (a bf16 ring of the last rows beside the fp8 cache), on the GPU-trained model (CPU: 99.19 % at 4; ~2 min)
+        step 240 kv-probe-recent python bench/fp8_kv_probe.py --device cuda --only "K smoothed" \
+            --out "$OUT/fp8_kv_probe_recent.json"
         ;;
     kv-probe)  # issue 4: which fp8 KV quantization reaches the top-1 target (eager, the harness's model; ~1-2 min)
         step 200 kv-probe python bench/fp8_kv_probe.py --device cuda --out "$OUT/fp8_kv_probe.json"
