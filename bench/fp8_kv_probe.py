@@ -233,6 +233,10 @@ VARIANTS = {
     # session 42: the newest rows exact (a bf16 residual window before they age into fp8), against
     # a reference through the same fp32 attention with every row exact (main: its noise against
     # the model's own SDPA is not the rounding's)
+    "K+V per-head, K smoothed, newest 1 exact": dict(k="head", v="head", smooth_k=True, k_mean_back=True,
+                                                    recent=1),
+    "K+V per-head, K smoothed, newest 2 exact": dict(k="head", v="head", smooth_k=True, k_mean_back=True,
+                                                    recent=2),
     "K+V per-head, K smoothed, newest 4 exact": dict(k="head", v="head", smooth_k=True, k_mean_back=True,
                                                     recent=4),
     "K+V per-head, K smoothed, newest 16 exact": dict(k="head", v="head", smooth_k=True, k_mean_back=True,

@@ -367,7 +367,7 @@ case "${1:-}" in
     pending)  # what no GPU has run yet, in one call (~5 min; sessions 33-38's CUDA attention, CUDA GEMV and
         # elementwise tests passed on an H100 in session 39: 169 GPU-marked, 117 elementwise).
         # session 39: the cast fns, log_softmax, the repeated-KV fold and a transformers-style layer, built on the GPU
-        step 150 pending-39 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/templates/test_row_reduction.py \
+        step 200 pending-39 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/templates/test_row_reduction.py \
             tests/passes/test_fold_repeated_kv.py tests/passes/test_raise_hf_rms_norm.py tests/passes/test_raise_log_softmax.py \
             tests/e2e/test_transformers_style_llama.py tests/e2e/test_elementwise_ops_build.py
         # session 40: transformers' StaticCache forms, cse-aten, biased parallel linears, transformers' own models;
@@ -376,7 +376,7 @@ case "${1:-}" in
         # (session 41 on an H100: the masks' tests passed; test_cse_aten's MovingOffset build ran its cache out of
         # range in the build's end-to-end timing, a device-side assert that ends the run's CUDA context; such a
         # model is no longer timed, but its file goes last until a GPU run shows it)
-        step 200 pending-40 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/passes/test_hf_static_cache.py \
+        step 330 pending-40 python -m pytest -q -p no:cacheprovider --tb=short -rs tests/passes/test_hf_static_cache.py \
             tests/passes/test_fuse_parallel_linears.py tests/passes/test_inplace_state_writes.py \
             tests/frontend/test_capture_fallback.py tests/e2e/test_grouped_state_writes.py tests/e2e/test_transformers_llama.py \
             tests/passes/test_simplify_aten.py tests/passes/test_cse_aten.py

@@ -124,7 +124,30 @@ def fp8_weights(record: dict, state: dict) -> dict[str, torch.Tensor]:
     for output_ref, of in record.get("output_offsets", {}).items():  # smooth-v: added to attention outputs
         offset = tensors[of["offset"]].repeat_interleave(of["repeat"], dim=1)  # [1, H, 1, D]
         tensors[output_ref] = offset.to(getattr(torch, of["dtype"]))
+    recent = record.get("recent") or {}
+    for cache_ref, ring_ref in recent.get("rings", {}).items():  # exact-recent: the newest rows unrounded
+        cache = state[cache_ref].float()
+        if cache_ref in offsets:
+            cache = cache - tensors[offsets[cache_ref]]
+        tensors[ring_ref] = newest_rows_ring(state[cache_ref], cache, recent["window"]).to(
+            getattr(torch, recent["dtypes"][ring_ref]))
     return tensors
+
+
+def newest_rows_ring(held: torch.Tensor, rows: torch.Tensor, window: int) -> torch.Tensor:
+    """exact-recent's ring [B, Hkv, window, D] at build time: for each sequence the rows of
+    `rows` [B, Hkv, S, D] at its newest `window` positions, each at slot position % window. A
+    sequence's newest position is the last one whose row of `held` (the cache as the model holds
+    it) is not all zeros: what a cache written in order up to there holds; zeros where none is."""
+    batch, heads, length, head_dim = rows.shape
+    ring = rows.new_zeros(batch, heads, window, head_dim)
+    written = held.detach().abs().amax(dim=(1, 3)) > 0  # [B, S]
+    for b in range(batch):
+        filled = written[b].nonzero()
+        end = int(filled[-1]) + 1 if len(filled) else 0
+        for position in range(max(0, end - window), end):
+            ring[b, :, position % window] = rows[b, :, position]
+    return ring
 
 
 def kv_cache_bytes(record: dict, state: dict) -> dict:
@@ -139,4 +162,8 @@ def kv_cache_bytes(record: dict, state: dict) -> dict:
         after += cache.numel() + 4 * scales
     for offset_ref in record.get("offset_values", {}):  # smooth-k / smooth-v: fp32 [Hkv, D] a cache
         after += 4 * sum(len(head) for head in record["offset_values"][offset_ref])
+    recent = record.get("recent") or {}
+    for cache_ref, ring_ref in recent.get("rings", {}).items():  # exact-recent: [B, Hkv, window, D] a cache
+        batch, heads, _, head_dim = state[cache_ref].shape
+        after += batch * heads * recent["window"] * head_dim * getattr(torch, recent["dtypes"][ring_ref]).itemsize
     return {"before": before, "after": after, "saved": before - after}

@@ -40,18 +40,21 @@ CACHE_SUFFIXES = ("k_cache", "v_cache", "k_cache.scale", "v_cache.scale")  # the
 
 
 def fp8_kv_pipeline(granularity: str, base: str = DEFAULT_PIPELINE, headroom: float | None = None,
-                    smooth_k: bool = False, smooth_v: bool = False, values_only: bool = False) -> str:
+                    smooth_k: bool = False, smooth_v: bool = False, values_only: bool = False,
+                    exact_recent: int = 0) -> str:
     """`base` with fp8-kv-cache{granularity=...} right after raise-patterns, where `--kv-cache
     fp8` puts it; per-token scales are computed at each write (scale-source=dynamic). `headroom`
     (the pass's knob, default its own 1.0): scale = absmax x headroom / 448. `smooth_k`: keys
     stored less their calibrated channel means (the pass's smooth-k); `smooth_v` the same for the
     values, their means added back to the attention's output (smooth-v). `values_only`: the
-    value caches in fp8, the keys kept in bf16 (the pass's values-only)."""
+    value caches in fp8, the keys kept in bf16 (the pass's values-only). `exact_recent`: each
+    query reads its newest that many keys unrounded (the pass's exact-recent)."""
     knobs = f"granularity={granularity}" + (",scale-source=dynamic" if granularity == "per-token" else "")
     knobs += f",headroom={float(headroom)!r}" if headroom is not None else ""  # a float literal: the knob is a float
     knobs += ",smooth-k=true" if smooth_k else ""
     knobs += ",smooth-v=true" if smooth_v else ""
     knobs += ",values-only=true" if values_only else ""
+    knobs += f",exact-recent={exact_recent}" if exact_recent else ""
     text, found = re.subn(r"(^|,)raise-patterns(\{[^}]*\})?", lambda m: f"{m.group(0)},fp8-kv-cache{{{knobs}}}", base, count=1)
     if not found:
         raise ValueError(f"pipeline '{base}' has no raise-patterns for fp8-kv-cache to follow")

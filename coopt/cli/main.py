@@ -99,7 +99,9 @@ def build(
         "none", "--kv-cache",
         help="KV-cache storage: none/bf16 (default: as the model), fp8 (lossy: adds fp8-kv-cache after raise-patterns, "
              "per-head calibrated scales, keys centred (smooth-k); the report measures the accuracy cost; exit 5 for a model "
-             "without a KV cache) or fp8-values (lossy: only the values in fp8, the keys kept: fp8-kv-cache{values-only})"),
+             "without a KV cache), fp8-recent (fp8, each query's newest 4 keys read unrounded from a ring beside the cache: "
+             "fp8-kv-cache{exact-recent=4}) or fp8-values (lossy: only the values in fp8, the keys kept: "
+             "fp8-kv-cache{values-only})"),
     prefill_chunk: Optional[int] = typer.Option(
         None, "--prefill-chunk",
         help="tokens per prefill call (a power of two >= 16): adds chunked-prefill{chunk=N} to entry points with a "

@@ -84,6 +84,19 @@ def _decode(arg, operands: list[str]) -> str:
 _STRIDE_TOLERANT = {"aten.view.default": "aten.reshape.default", "aten._unsafe_view.default": "aten.reshape.default"}
 
 
+def _ring_write_lines(op: StateUpdateOp, names: Names) -> list[str]:
+    """ring[b, :, p % N] = row of x for each position p written (the last N of a call's: older
+    ones would land in the same slots and are never read again); per row, sequence b's one row
+    at its own position."""
+    ring, positions, x = (names[v] for v in op.inputs)
+    window, per_row = op.call["args"][3], op.call["args"][4]
+    if per_row:
+        write = f"{ring}[torch.arange({x}.shape[0], device={x}.device), :, {positions} % {window}] = {x}[:, :, 0]"
+    else:
+        write = f"{ring}[:{x}.shape[0], :, {positions}[-{window}:] % {window}] = {x}[:, :, -{window}:]"
+    return [write, f"{names.new(op.results[0])} = {ring}"]
+
+
 def callable_expr(target: str) -> str:
     """'aten.mm.default' → 'torch.ops.aten.mm.default'; 'operator.mul' stays as is."""
     target = _STRIDE_TOLERANT.get(target, target)
@@ -98,6 +111,8 @@ def aten_call(op: AtenOp | FallbackOp | StateUpdateOp, names: Names) -> list[str
     operands = [names[v] for v in op.inputs]
     parts = [_decode(a, operands) for a in call["args"]]
     parts += [f"{k}={_decode(v, operands)}" for k, v in call["kwargs"].items()]
+    if op.target.data == "coopt.ring_write_":  # fp8-kv-cache's exact-recent ring (StateUpdateOp's docstring)
+        return _ring_write_lines(op, names)
     if op.target.data == "coopt.slice_copy_":  # slice_scatter(buf, src, dim, start, end, step) in place
         buffer, src, *rest = parts
         return [
@@ -198,6 +213,44 @@ def _dequantized_cache(op, names: Names) -> tuple[str, str]:
             f"({v}.float() * {names[op.v_scale]}{broadcast}).to({dtype})")
 
 
+def _exact_recent_lines(op, names: Names) -> list[str]:
+    """A cache attention whose queries read their newest `recent` keys unrounded (fp8-kv-cache's
+    exact-recent; the op's docstring has the semantics), written out in fp32: the exact rows of
+    every position laid out like the cache (the rings' by slot, the call's own rows over them at
+    their positions), each score and weight taken from them inside the window and from the cache
+    outside it, the kv heads repeated for their query heads. Its temporaries are deleted at once
+    (a reference at 32768 positions holds [B, H, S, D] fp32 copies of the cache)."""
+    out = names.new(op.result)
+    q, k, lengths = names[op.q], names[op.k], names[op.lengths]
+    keys, values = _dequantized_cache(op, names)
+    window = op.recent.value.data
+    t = {name: f"{out}_{name}" for name in ("pos", "k", "v", "ke", "ve", "near", "s")}
+    decode = isinstance(op, DecodeAttentionOp)
+    view = "[:, None, None, :]" if decode else ""  # masks per sequence, or per query
+    own = f"torch.arange({q}.shape[0], device={q}.device), :, {lengths} - 1" if decode else f":, :, {lengths} - 1"
+    lines = [f"{t['pos']} = torch.arange({k}.shape[2], device={k}.device)"]
+    for name, ring, rows in (("ke", op.k_recent, op.k_exact), ("ve", op.v_recent, op.v_exact)):
+        if ring is not None:
+            lines.append(f"{t[name]} = {names[ring]}[:{q}.shape[0]][:, :, {t['pos']} % {window}].float()")
+        else:
+            lines.append(f"{t[name]} = {k}.new_zeros({q}.shape[0], {k}.shape[1], {k}.shape[2], {q}.shape[3], dtype=torch.float32)")
+        lines.append(f"{t[name]}[{own}] = {names[rows]}{'[:, :, 0]' if decode else ''}.float()")
+    repeat = f".float().repeat_interleave({q}.shape[1] // {k}.shape[1], 1)"
+    newest = f"{t['pos']}[None, :] - ({lengths}[:, None] - 1)"  # key position - query position
+    return lines + [
+        f"{t['k']}, {t['v']} = {keys}{repeat}, {values}{repeat}",
+        f"{t['ke']}, {t['ve']} = {t['ke']}{repeat}, {t['ve']}{repeat}",
+        f"{t['near']} = (({newest} <= 0) & ({newest} > -{window})){view}",
+        f"{t['s']} = torch.where({t['near']}, {q}.float() @ {t['ke']}.transpose(-1, -2), "
+        f"{q}.float() @ {t['k']}.transpose(-1, -2)) * {op.scale.value.data!r}",
+        f"{t['s']} = torch.softmax({t['s']}.masked_fill(~(({t['pos']}[None, :] < {lengths}[:, None]){view}), "
+        "float('-inf')), -1)",
+        f"{out} = (torch.where({t['near']}, {t['s']}, 0.0) @ {t['ve']} "
+        f"+ torch.where({t['near']}, 0.0, {t['s']}) @ {t['v']}).to({q}.dtype)",
+        f"del {', '.join(t.values())}",
+    ]
+
+
 def op_lines(op, names: Names, *, weight_expr, state_expr, kernel_expr) -> list[str]:
     """Python lines for one op. The three callbacks say how the surrounding module reaches
     weights, state buffers and kernels (the program uses attributes; references never do).
@@ -210,6 +263,8 @@ def op_lines(op, names: Names, *, weight_expr, state_expr, kernel_expr) -> list[
         outs = [names.new(r) for r in op.results]
         args = ", ".join(names[v] for v in op.inputs)
         return [f"{', '.join(outs)}{',' if len(outs) == 1 else ''} = {kernel_expr(op.sym_name.data)}({args})"]
+    if isinstance(op, (CacheAttentionOp, DecodeAttentionOp)) and op.recent is not None:
+        return _exact_recent_lines(op, names)
     return [_high_level(op, names)]
 
 

@@ -18,9 +18,11 @@ import json
 from xdsl.dialects.builtin import (
     BoolAttr,
     FloatAttr,
+    IntegerAttr,
     StringAttr,
     TensorType,
     f64,
+    i64,
 )
 from xdsl.ir import Dialect
 from xdsl.irdl import (
@@ -258,7 +260,15 @@ class _CachedAttentionBase(IRDLOperation):
 
     An fp8 cache (the fp8-kv-cache pass, docs/kv-cache.md) stores k/v as float8_e4m3fn and
     carries k_scale / v_scale with `kv_scale` naming their granularity ("per-tensor" [1],
-    "per-head" [Hkv], "per-token" [B,Hkv,S_max]): attention reads k·k_scale and v·v_scale."""
+    "per-head" [Hkv], "per-token" [B,Hkv,S_max]): attention reads k·k_scale and v·v_scale.
+
+    With `recent` = N (fp8-kv-cache's exact-recent), query i, at position p = lengths[i] − 1,
+    reads its newest N keys (positions p − N + 1 .. p) unrounded: the rows the call itself wrote
+    from k_exact / v_exact ([B,Hkv,T,D], the row at position lengths[i] − 1 at index i of dim 2;
+    a decode step: T = 1, sequence b's at [b, :, 0]), older ones from the rings k_recent /
+    v_recent ([B_max,Hkv,N,D], position j at slot j % N: the row an earlier call wrote there,
+    read before this call's ring write; absent for N = 1), all as the cache would store them
+    before rounding (centred where the cache is, not scaled); older keys from the cache."""
 
     q = operand_def(TensorType)
     k = operand_def(TensorType)
@@ -266,19 +276,33 @@ class _CachedAttentionBase(IRDLOperation):
     lengths = operand_def(TensorType)
     k_scale = opt_operand_def(TensorType)
     v_scale = opt_operand_def(TensorType)
+    k_exact = opt_operand_def(TensorType)
+    v_exact = opt_operand_def(TensorType)
+    k_recent = opt_operand_def(TensorType)
+    v_recent = opt_operand_def(TensorType)
     scale = prop_def(FloatAttr)
     kv_scale = opt_prop_def(StringAttr)
+    recent = opt_prop_def(IntegerAttr)
     result = result_def(TensorType)
     irdl_options = (AttrSizedOperandSegments(as_property=True),)
 
-    def __init__(self, q, k, v, lengths, scale: float, type_, k_scale=None, v_scale=None, kv_scale: str | None = None):
+    def __init__(self, q, k, v, lengths, scale: float, type_, k_scale=None, v_scale=None, kv_scale: str | None = None,
+                 k_exact=None, v_exact=None, k_recent=None, v_recent=None, recent: int | None = None):
         if (k_scale is None) != (v_scale is None) or (k_scale is None) != (kv_scale is None):
             raise ValueError("k_scale, v_scale and kv_scale go together")
+        if (k_exact is None) != (v_exact is None) or (k_exact is None) != (recent is None) \
+                or (k_recent is None) != (v_recent is None) or (k_recent is None) != (recent in (None, 1)) \
+                or (recent is not None and (kv_scale is None or recent < 1)):
+            raise ValueError("k_exact, v_exact and recent >= 1 go together (with k_recent, v_recent where recent > 1), "
+                             "with an fp8 cache's scales")
         properties = {"scale": FloatAttr(float(scale), f64)}
         if kv_scale is not None:
             properties["kv_scale"] = StringAttr(kv_scale)
+        if recent is not None:
+            properties["recent"] = IntegerAttr(recent, i64)
         super().__init__(
-            operands=[q, k, v, lengths, [] if k_scale is None else [k_scale], [] if v_scale is None else [v_scale]],
+            operands=[q, k, v, lengths, *([] if x is None else [x] for x in (k_scale, v_scale, k_exact, v_exact, k_recent,
+                                                                             v_recent))],
             properties=properties,
             result_types=[type_],
         )

@@ -71,6 +71,8 @@ SCALE_SOURCES = ("calibration", "dynamic")
 LEGAL = {"calibration": ("per-tensor", "per-head"), "dynamic": ("per-token",)}
 
 _SLICE = "aten.slice.Tensor"
+MAX_EXACT_RECENT = 64  # rows of the exact window: past that the ring's bytes stop being small
+RING_WRITE = "coopt.ring_write_"  # StateUpdateOp target of the exact-recent rings
 
 
 def scale_ref(cache_ref: str) -> str:
@@ -110,6 +112,15 @@ class Fp8KvCache(CooptPass):
     # rounding is most of fp8's top-1 cost (bench/RESULTS.md session 11's probe: V alone 99.13 %,
     # both 98.03-98.60 %)
     values_only: bool = False
+    # each query reads its newest N keys unrounded (0: none): the rows its own call writes from
+    # the values the writes store before rounding, older ones in the window from a ring of the
+    # last N rows written (a state buffer `<cache>.recent` [B_max, Hkv, N, D] beside each cache,
+    # written after the attention), the rest from the cache (KIVI's full-precision residual).
+    # bench/fp8_kv_probe.py (session 43, CPU): newest 1 / 2 / 4 exact take the top-1 from 98.29 %
+    # to 98.57 / 98.88 / 99.19 %. Needs each sequence's positions written in increasing order (a
+    # ring slot holds the newest row of its residue). Where a write's positions are not provably
+    # the attention's lengths - 1 the attention reads every row from the cache (counted skipped).
+    exact_recent: int = 0
 
     def __post_init__(self):
         if self.granularity not in KV_SCALE_GRANULARITIES:
@@ -122,6 +133,9 @@ class Fp8KvCache(CooptPass):
                 f"(calibration: per-tensor or per-head; dynamic: per-token)")
         if not float(self.headroom) >= 1.0:
             raise ConfigError(f"fp8-kv-cache: knob headroom={self.headroom} must be a number >= 1.0")
+        if not (isinstance(self.exact_recent, int) and 0 <= self.exact_recent <= MAX_EXACT_RECENT):
+            raise ConfigError(f"fp8-kv-cache: knob exact-recent={self.exact_recent!r} must be a whole number of rows "
+                              f"from 0 to {MAX_EXACT_RECENT}")
         if self.values_only and (self.scale_source != "calibration" or self.smooth_k):
             raise ConfigError("fp8-kv-cache: knob values-only keeps the keys in the model's dtype: it goes with "
                               "calibrated scales (per-tensor or per-head), not with scale-source=dynamic or smooth-k")
@@ -171,11 +185,20 @@ class Fp8KvCache(CooptPass):
             scales.update(self._quantize_writes(cache, scale.results[0], offset.results[0] if offset is not None else None))
             count("fp8_kv_cache.buffers")
         value_refs = _value_refs(caches)  # again: the writes above replaced the caches' views
+        exact = 0  # attentions reading their own rows exact (exact-own-row)
         for attention in _attentions(op):
             if attention.k in scales and attention.v in scales:
                 attention = _give_scales(attention, scales[attention.k], scales[attention.v], self.granularity)
                 if value_refs.get(attention.v) in smoothed_values:
                     _add_value_offset(attention, value_refs[attention.v], record)
+                if self.exact_recent:
+                    exact += _read_recent_rows_exact(attention, self.exact_recent, record)
+        if self.exact_recent:
+            if not exact:
+                raise ConfigError(
+                    "fp8-kv-cache: knob exact-recent found no attention whose queries' own rows it can tell (each "
+                    "cache written at a user input's positions, read with that input + 1 as lengths); drop the knob")
+            record.setdefault("recent", {"window": self.exact_recent, "rings": {}})
         op.attributes[FP8_ATTR] = StringAttr(json.dumps(record, sort_keys=True))
 
     def _unit_scale(self, cache: _Cache, record: dict) -> dict[SSAValue, SSAValue]:
@@ -534,6 +557,94 @@ def read_row_scales(scales: SSAValue) -> RowScales | None:
     if any(len(list(op.results[0].uses)) != 1 for op in ops[:-1]):
         return None
     return RowScales(magnitude.inputs[0], factor * FP8_MAX, ops)
+
+
+def _read_recent_rows_exact(attention, window: int, record: dict) -> bool:
+    """exact-recent: the attention, replaced by one that reads each query's newest `window` keys
+    from the values its caches' writes store before rounding (this call's rows) and from a ring
+    per cache of the rows earlier calls wrote (window > 1: made here, with its write after the
+    attention); left as it is (counted) where a write's positions are not provably the
+    attention's lengths - 1 (both from one user input, the lengths that input + 1: raise-patterns'
+    form) or its rows do not line up with the queries."""
+    from coopt.passes.raise_decode_attention import lengths_source
+
+    lengths = lengths_source(attention.lengths)
+    writes = []
+    for cache in (attention.k, attention.v):
+        write = _writer(cache)
+        if write is None:
+            count("fp8_kv_cache.exact_recent.skipped.no_write")
+            return False
+        positions = write.inputs[literal_arg(write, 1)[2]["$t"]]
+        if lengths is None or lengths_source(positions) != (lengths[0], lengths[1] - 1):
+            count("fp8_kv_cache.exact_recent.skipped.positions")
+            return False
+        rows = _stored_before_rounding(write)
+        q_shape, rows_shape = attention.q.type.get_shape(), rows.type.get_shape()
+        q_names, rows_names = _names(attention.q.type) or [None] * 4, _names(rows.type) or [None] * 4
+        if any(q_shape[d] != rows_shape[d] or (q_shape[d] < 0 and q_names[d] != rows_names[d]) for d in (0, 2)):
+            count("fp8_kv_cache.exact_recent.skipped.rows")
+            return False
+        writes.append((write, positions, rows))
+    rings = [_ring(write, rows, window, record) if window > 1 else None for write, _, rows in writes]
+    new = type(attention)(attention.q, attention.k, attention.v, attention.lengths, attention.scale.value.data,
+                          attention.result.type, k_scale=attention.k_scale, v_scale=attention.v_scale,
+                          kv_scale=attention.kv_scale.data, k_exact=writes[0][2], v_exact=writes[1][2],
+                          k_recent=rings[0], v_recent=rings[1], recent=window)
+    Rewriter.replace_op(attention, new)
+    for ring, (write, positions, rows) in zip(rings, writes):
+        if ring is not None:  # after the attention, which reads the earlier calls' rows
+            ref = ring.owner.ref.data
+            update = StateUpdateOp(ref, RING_WRITE, {"args": [{"$t": 0}, {"$t": 1}, {"$t": 2}, window, _per_row(write)],
+                                                     "kwargs": {}}, [ring, positions, rows], ring.type)
+            Rewriter.insert_op(update, InsertPoint.after(new))
+    count("fp8_kv_cache.exact_recent")
+    return True
+
+
+def _ring(write: Operation, rows: SSAValue, window: int, record: dict) -> SSAValue:
+    """The ring of the cache `write` writes: a state buffer `<cache>.recent` [B_max, Hkv, window,
+    D] in the dtype of the rows it keeps (made once; recorded for fp8_cache.fp8_weights, which
+    fills it from the cache's newest rows at build time)."""
+    buffer = write.operands[0]
+    while not isinstance(buffer.owner, WeightOp):
+        buffer = buffer.owner.operands[0]  # (through the batch view and earlier writes)
+    weight = buffer.owner
+    ref = ring_ref(weight.ref.data)
+    block = weight.parent_block()
+    for op in block.ops:
+        if isinstance(op, WeightOp) and op.ref.data == ref:
+            return op.results[0]
+    b_max, heads, _, head_dim = weight.results[0].type.get_shape()
+    ring = WeightOp(ref, TensorType(rows.type.element_type, [b_max, heads, window, head_dim]))
+    Rewriter.insert_op(ring, InsertPoint.after(weight))
+    record.setdefault("recent", {"window": window, "rings": {}})["rings"][weight.ref.data] = ref
+    record["recent"].setdefault("dtypes", {})[ref] = dtype_name(ring.results[0])
+    return ring.results[0]
+
+
+def ring_ref(cache_ref: str) -> str:
+    """The state name of a cache's exact-recent ring."""
+    return cache_ref + ".recent"
+
+
+def _writer(cache: SSAValue) -> Operation | None:
+    """The cache write whose result `cache` is, through batch views (slices of dim 0 from 0)."""
+    while aten_target(cache.owner) == _SLICE and literal_arg(cache.owner, 1, "dim", 0) == 0 \
+            and literal_arg(cache.owner, 2, "start", 0) in (0, None):
+        cache = cache.owner.inputs[0]
+    return cache.owner if isinstance(cache.owner, Operation) and _is_write(cache.owner) else None
+
+
+def _stored_before_rounding(write: Operation) -> SSAValue:
+    """What `write` stores as [B, Hkv, T, D], before its quantize_fp8 (centred where the cache
+    is; a values-only key cache's write stores its value as it is)."""
+    value = write.operands[_write_value_index(write)]
+    if aten_target(value.owner) == "aten.select.int" and isinstance(value.owner.inputs[0].owner, QuantizeFp8Op):
+        value = value.owner.inputs[0]  # a per-row write stores select(quantize(x), 2, 0)
+    if isinstance(value.owner, QuantizeFp8Op):
+        return value.owner.x
+    return _row_as_rank4(write) if _per_row(write) else _rank4(value, write)
 
 
 def _give_scales(attention, k_scale: SSAValue, v_scale: SSAValue, granularity: str):

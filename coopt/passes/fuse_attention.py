@@ -73,6 +73,9 @@ class FuseAttention(CooptPass):
                 attrs["kv_scale"] = attn.kv_scale.data
                 inputs += scales
                 count("fuse.attention.fp8_cache")
+            if attn.recent is not None:  # exact-recent: the newest keys unrounded, the region's last inputs
+                attrs.update({"exact_rows_input": len(inputs), "recent": attn.recent.value.data})
+                inputs += [attn.k_exact, attn.v_exact] + ([attn.k_recent, attn.v_recent] if attn.k_recent is not None else [])
             family = "decode_attention" if decode else "attention"
             outline(ops, family, attrs, inputs=inputs, outputs=[attn.result])
             count("fuse.decode_attention" if decode else "fuse.attention.prompt_over_cache")

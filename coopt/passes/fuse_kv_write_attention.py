@@ -82,6 +82,8 @@ def _fold(attention: KernelOp) -> str | None:
         return "fp8"
     if attrs.get("kv_write"):
         return "folded"
+    if "exact_rows_input" in attrs:  # (the kernel reads the own row from its inputs; not folded yet)
+        return "exact_rows"
     (k_write, k_views), (v_write, v_views) = (_written_by(attention.inputs[i]) for i in (1, 2))
     write = k_write.owner if k_write is not None else None
     if not (isinstance(write, KernelOp) and write.family.data == "kv_write"

@@ -168,7 +168,10 @@ def test_kv_cache_option_inserts_the_pass_after_raise_patterns():
     values = coopt.Pipeline("inplace-state-writes,raise-patterns,fuse-attention", kv_cache="fp8-values")
     assert values.pipeline_text == "inplace-state-writes,raise-patterns,fp8-kv-cache{values-only=true},fuse-attention"
     assert values.passes[2].values_only is True
-    with pytest.raises(ConfigError, match="choices: none, bf16, fp8, fp8-values"):
+    recent = coopt.Pipeline("inplace-state-writes,raise-patterns,fuse-attention", kv_cache="fp8-recent")
+    assert recent.pipeline_text == "inplace-state-writes,raise-patterns,fp8-kv-cache{smooth-k=true,exact-recent=4},fuse-attention"
+    assert recent.passes[2].exact_recent == 4
+    with pytest.raises(ConfigError, match="choices: none, bf16, fp8, fp8-recent, fp8-values"):
         coopt.Pipeline(kv_cache="fp4")
 
 
@@ -392,3 +395,88 @@ def test_values_only_build_matches_eager_within_the_values_rounding(tmp_path):
             scale = built.state_tensor("v_cache.scale")[None, :, None, None]
             torch.testing.assert_close(stored.float() * scale, eager.v_cache, rtol=0.07, atol=1e-6 + float(scale.max()) / 8)
     assert 0 < errors["values"] <= errors["both"], errors
+
+
+def test_exact_recent_reads_what_each_write_stores_before_its_rounding_and_keeps_a_ring():
+    module, counters, _ = run(RAISE + ",fp8-kv-cache{smooth-k=true,exact-recent=4}")
+    (attention,) = ops(module, DecodeAttentionOp)
+    quantizes = {q.scale.owner.ref.data: q for q in ops(module, QuantizeFp8Op)}
+    # this call's rows: the quantizes' inputs, K's centred as the cache stores it, V's as written
+    assert attention.k_exact is quantizes["k_cache.scale"].x and attention.v_exact is quantizes["v_cache.scale"].x
+    assert attention.recent.value.data == 4
+    assert [attention.k_recent.owner.ref.data, attention.v_recent.owner.ref.data] == ["k_cache.recent", "v_cache.recent"]
+    assert str(attention.k_recent.type) == "tensor<1x2x4x16xf32>"
+    # each ring written after the attention with this call's rows, at their positions
+    rings = [op for op in ops(module, StateUpdateOp) if op.target.data == "coopt.ring_write_"]
+    block = attention.parent_block()
+    assert sorted(r.ref.data for r in rings) == ["k_cache.recent", "v_cache.recent"]
+    assert all(block.get_operation_index(r) > block.get_operation_index(attention) for r in rings)
+    (k_ring,) = [r for r in rings if r.ref.data == "k_cache.recent"]
+    assert k_ring.inputs[2] is attention.k_exact and k_ring.call["args"][3:] == [4, False]
+    recent = json.loads(module.attributes[FP8_ATTR].data)["recent"]
+    assert recent["window"] == 4 and recent["rings"] == {"k_cache": "k_cache.recent", "v_cache": "v_cache.recent"}
+    assert counters["fp8_kv_cache.exact_recent"] == 1
+    # one row: no ring
+    module, _, _ = run(RAISE + ",fp8-kv-cache{exact-recent=1}")
+    (attention,) = ops(module, DecodeAttentionOp)
+    assert attention.k_recent is None and attention.k_exact is not None and "recent" not in json.loads(
+        module.attributes[FP8_ATTR].data)["recent"].get("rings", {})
+
+
+class ShiftedWrite(DecodeStep):
+    """Writes the row at input_pos + 1 but reads input_pos + 1 positions: the row a query reads
+    last is not the one its step wrote."""
+
+    def forward(self, q, k, v, input_pos):
+        self.k_cache[:, :, input_pos + 1] = k
+        self.v_cache[:, :, input_pos + 1] = v
+        mask = self.cache_positions[None, :] <= input_pos[:, None]
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("knobs", ["exact-recent=2,granularity=per-token", "exact-recent=65", "exact-recent=-1"])
+def test_exact_recent_knob_errors(knobs):
+    with pytest.raises(ConfigError, match="exact-recent"):
+        run(RAISE + f",fp8-kv-cache{{{knobs}}}" if "65" in knobs or "-1" in knobs else
+            RAISE + ",fp8-kv-cache{exact-recent=2}", model=None if "65" in knobs or "-1" in knobs else ShiftedWrite())
+
+
+def dequantized(built, name: str, offset: bool) -> torch.Tensor:
+    """A built fp8 cache as its attention reads it (x scale, + the offset of a smoothed cache)."""
+    stored, scale = built.state_tensor(name).float(), built.state_tensor(name + ".scale")
+    scale = scale[None, :, None, None] if scale.dim() == 1 else scale[..., None]
+    return stored * scale + (built.state_tensor(name + ".offset") if offset else 0)
+
+
+@pytest.mark.parametrize("knobs", ["", ",smooth-k=true,smooth-v=true", ",granularity=per-token,scale-source=dynamic"])
+@pytest.mark.parametrize("window", [1, 3])
+def test_exact_recent_build_reads_its_newest_rows_exact_over_several_steps(tmp_path, knobs, window):
+    """Steps 4..9 built with exact-recent: each equals eager over a cache holding what the build
+    stored (rounded) but its newest `window` rows as eager wrote them. Without the knob the same
+    build differs from that by the newest rows' rounding. (The caches hold rows 0..3 at build
+    time: the build fills each ring with the newest rows held.)"""
+    errors = {}
+    for recent in (window, 0):
+        torch.manual_seed(0)
+        eager, build_model = DecodeStep(), DecodeStep()
+        with torch.no_grad():
+            eager.k_cache[:, :, 4:], eager.v_cache[:, :, 4:] = 0.0, 0.0
+        build_model.load_state_dict(eager.state_dict())
+        pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{{exact-recent={recent}{knobs}}},fuse-attention"
+        out = tmp_path / str(recent)
+        coopt.Pipeline(pipeline, top_k=1).build(build_model, step(3), out, calibration_inputs=[step(p) for p in (1, 2, 3)])
+        built = coopt.load(out)
+        exact = {name: getattr(eager, name).clone() for name in ("k_cache", "v_cache")}  # every row as written
+        errors[recent] = 0.0
+        for pos in range(4, 10):
+            inputs = step(pos, torch.Generator().manual_seed(100 + pos))
+            with torch.no_grad():
+                for name in ("k_cache", "v_cache"):
+                    history = dequantized(built, name, f"smooth-{name[0]}=true" in knobs)
+                    newest = slice(max(0, pos - window + 1), pos)
+                    history[:, :, newest] = exact[name][:, :, newest]
+                    getattr(eager, name).copy_(history)
+                want = eager(*inputs)
+                exact["k_cache"][:, :, pos], exact["v_cache"][:, :, pos] = inputs[1][:, :, 0], inputs[2][:, :, 0]
+            errors[recent] = max(errors[recent], float((built(*inputs) - want).abs().max()))
+    assert errors[window] < 1e-5 < errors[0], errors

@@ -1,0 +1,85 @@
+"""decode_attention over an fp8 cache whose newest keys are read unrounded (fp8-kv-cache's
+exact-recent, attrs "exact_rows_input" and "recent" = N): each sequence's own row (position
+lengths[b] - 1) from k_exact / v_exact, the N - 1 before it from the rings (position p at slot
+p % N), older rows from the cache. The cache rows inside the window hold NaN: the kernel must not
+read them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_decode_attention import DEVICE, FAMILY, FP8_DOT, FP8_FMA, dequantize, fp8_region, make_fp8_inputs, run_candidate
+
+from coopt.ir.region import TensorSpec
+from coopt.targets import H200
+from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily
+
+BATCH, KV_HEADS, HEAD_DIM, MAX_LENGTH = 3, 2, 64, 80
+LENGTHS = [46, 3, 80]  # the window past the first position in sequence 1 (for N 4), at the cache's end in 2
+
+
+def exact_region(granularity: str, window: int, dtype: str = "bfloat16", rows_dtype: str = "float32"):
+    base = fp8_region(BATCH, 8, KV_HEADS, MAX_LENGTH, HEAD_DIM, granularity, dtype)
+    rows = TensorSpec((BATCH, KV_HEADS, 1, HEAD_DIM), rows_dtype)
+    rings = (TensorSpec((BATCH, KV_HEADS, window, HEAD_DIM), rows_dtype),) * 2 if window > 1 else ()
+    return dataclasses.replace(base, inputs=(*base.inputs, rows, rows, *rings),
+                               attrs={**base.attrs, "exact_rows_input": len(base.inputs), "recent": window})
+
+
+def exact_inputs(region, window: int, seed: int = 0):
+    """The fp8 inputs with NaN in every cache row of the window, the exact rows and rings ~N(0, 1)."""
+    inputs = make_fp8_inputs(dataclasses.replace(region, inputs=region.inputs[:6]), LENGTHS, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dtype = getattr(torch, region.inputs[6].dtype)
+    rows = [torch.randn(BATCH, KV_HEADS, 1, HEAD_DIM, generator=gen).to(dtype).to(DEVICE) for _ in "kv"]
+    rings = [torch.randn(BATCH, KV_HEADS, window, HEAD_DIM, generator=gen).to(dtype).to(DEVICE) for _ in "kv"] \
+        if window > 1 else []
+    for cache in inputs[1:3]:
+        for b, length in enumerate(LENGTHS):
+            cache.view(torch.uint8)[b, :, max(0, length - window):length] = 0x7F  # e4m3 NaN
+    return inputs + rows + rings
+
+
+def expected(region, window: int, inputs) -> torch.Tensor:
+    """Each sequence over the dequantized cache with its window's rows replaced (fp32 SDPA)."""
+    q, k, v, lengths, k_scale, v_scale, k_own, v_own, *rings = inputs
+    granularity, group = region.attrs["kv_scale"], 8 // KV_HEADS
+    keys, values = (dequantize(c, s, granularity, q.dtype).float() for c, s in ((k, k_scale), (v, v_scale)))
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b, length in enumerate(lengths.tolist()):
+        for position in range(max(0, length - window), length):
+            for cache, own, ring in ((keys, k_own, rings[0] if rings else None), (values, v_own, rings[1] if rings else None)):
+                cache[b, :, position] = (own[b, :, 0] if position == length - 1 else ring[b, :, position % window]).float()
+        kb, vb = (t[b:b + 1, :, :length].repeat_interleave(group, 1) for t in (keys, values))
+        out[b] = F.scaled_dot_product_attention(q[b:b + 1].float(), kb, vb, scale=region.attrs["scale"])[0]
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 3, 4])
+@pytest.mark.parametrize("granularity", ["per-head", "per-token"])
+@pytest.mark.parametrize("params", [FP8_FMA, FP8_DOT, {**FP8_DOT, "TILE_FP16": True}], ids=["fma", "dot-four-splits", "fp16-tiles"])
+def test_the_newest_rows_come_from_the_exact_inputs(window, granularity, params, load_candidate):
+    if params.get("TILE_FP16") and granularity == "per-token":
+        pytest.skip("TILE_FP16 is for per-tensor / per-head scales")
+    region = exact_region(granularity, window)
+    inputs = exact_inputs(region, window)
+    (out,) = run_candidate(load_candidate, region, params, inputs)
+    torch.testing.assert_close(out.float(), expected(region, window, inputs), rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_rows_and_the_schema(load_candidate):
+    region = exact_region("per-head", 4, rows_dtype="bfloat16")
+    inputs = exact_inputs(region, 4, seed=3)
+    (out,) = run_candidate(load_candidate, region, FP8_FMA, inputs)
+    torch.testing.assert_close(out.float(), expected(region, 4, inputs), rtol=2e-2, atol=2e-2)
+    assert FAMILY.matches(region) and FAMILY.check(region, FP8_FMA, H200) is None
+    # the CUDA family reads every row from the cache: not for these regions
+    assert not DecodeAttentionMmaFamily().matches(region)
+    # rings missing, of another window, or rows of the wrong shape: not this schema
+    assert not FAMILY.matches(dataclasses.replace(region, inputs=region.inputs[:-2]))
+    assert not FAMILY.matches(dataclasses.replace(region, attrs={**region.attrs, "recent": 8}))
+    short = TensorSpec((BATCH, KV_HEADS, 2, HEAD_DIM), "bfloat16")
+    assert not FAMILY.matches(dataclasses.replace(region, inputs=(*region.inputs[:6], short, short, *region.inputs[8:])))
