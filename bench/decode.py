@@ -50,7 +50,8 @@ def parse_args():
                              "coopt-rownorms: the default without fuse-norm-statistics (each batched norm a row kernel); "
                              "coopt-normstats32: its sums over 32-column chunks (BLOCK_N 32 allowed in the o / down GEMVs); "
                              "coopt-fp8-unfolded / coopt-fp8-values-unfolded: those fp8 builds without "
-                             "fuse-kv-write-attention")
+                             "fuse-kv-write-attention; coopt-fp8-recent: --kv-cache fp8-recent (the newest 4 keys "
+                             "unrounded, from rings beside the caches)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -271,6 +272,7 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
     from coopt.passes.registry import DEFAULT_PIPELINE, ROW_NORMS_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
 
     for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
+                                     ("coopt-fp8-recent", "fp8-recent", DEFAULT_PIPELINE),
                                      ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE),
                                      ("coopt-rownorms", "none", ROW_NORMS_PIPELINE),
                                      ("coopt-normstats32", "none",
@@ -313,7 +315,7 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         if launch:  # the build's own PDL choice, from its replayed step (coopt/tune/launch.py)
             print(f"  {mode}: launched with PDL for {launch['pdl'] or 'nothing'} (build's replays, ms: "
                   + ", ".join(f"{k} {v:.4f}" for k, v in launch["step_ms"].items()) + ")", flush=True)
-        if kv_cache == "fp8":  # its own floor: the cache is read at one byte per element (+ per-head scales)
+        if kv_cache in ("fp8", "fp8-recent"):  # its own floor: the cache read at one byte per element (+ scales)
             row["fp8_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1, bandwidth=args.floor_bandwidth)
             print(f"  {mode}: {row['fp8_floor_ms'] / row['ms'][mode]:.0%} of its fp8 floor "
                   f"({row['fp8_floor_ms']:.3f} ms)", flush=True)

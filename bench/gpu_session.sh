@@ -56,6 +56,8 @@
 #   bash bench/gpu_session.sh values-now   # values-only b1 / 32768 and b32 / 2048 beside reduce-overhead (~9 min)
 #   BASE=dir bash bench/gpu_session.sh mma-prologues  # the CUDA attention's GPU tests; its kernel beside BASE's (~6 min)
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
+#   bash bench/gpu_session.sh exact-recent  # the harness with fp8-recent, its kernel's GPU tests, a transformers GPU test (~9.5 min)
+#   bash bench/gpu_session.sh fp8-recent-b32  # b32 / 2048: reduce-overhead, coopt-fp8, coopt-fp8-recent (~6 min)
 #   bash bench/gpu_session.sh pending    # sessions 39-41's CPU work built and run on the GPU (~5 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
@@ -380,6 +382,21 @@ case "${1:-}" in
             tests/passes/test_fuse_parallel_linears.py tests/passes/test_inplace_state_writes.py \
             tests/frontend/test_capture_fallback.py tests/e2e/test_grouped_state_writes.py tests/e2e/test_transformers_llama.py \
             tests/passes/test_simplify_aten.py tests/passes/test_cse_aten.py
+        ;;
+    exact-recent)  # issue 4, session 43: the harness with --kv-cache fp8-recent (the newest 4 keys unrounded,
+        # rings beside the caches) beside bf16 and fp8 smoothed K; the exact-recent kernel's GPU tests; the
+        # first transformers-model GPU test with its traceback (session 43: all seven failed on an H100) (~9.5 min)
+        step 330 accuracy python bench/accuracy.py --config small --steps 2000 --device cuda --windows 128 \
+            --only "coopt bf16,coopt fp8 KV per-head, smoothed K,coopt fp8 KV per-head, smoothed K, newest 4 exact" \
+            --out "$OUT/accuracy_recent.json"
+        step 100 exact-tests python -m pytest -q -p no:cacheprovider --tb=short tests/templates/test_decode_attention_exact_recent.py
+        step 120 hf-first python -m pytest -q -x -p no:cacheprovider --tb=long -p no:logging \
+            "tests/e2e/test_transformers_llama.py::test_a_transformers_decode_step_builds_as_the_projects_own_llama[llama]"
+        ;;
+    fp8-recent-b32)  # issue 4, session 43: b32 / 2048 with --kv-cache fp8 and fp8-recent in one run (~6 min)
+        step 560 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8,coopt-fp8-recent \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_recent_b32.json" --build-dir /tmp/coopt-recent
+        reports reports_recent coopt-recent
         ;;
     attention-b32-stream)  # issue 4, session 42: is b32 / 2048 fp8's attention (35.9 µs a layer in the build, 32.0 of
         # bytes; bf16's 0.8 over) short of bytes in flight? Its 256 blocks of 4 warps hold one 4 KiB chunk each in
