@@ -505,6 +505,5 @@ class DecodeAttentionFamily(TemplateFamily):
             gathered=gathered_tables(region),
             exact_rows=exact_rows_at(region) is not None,
             recent=region.attrs.get("recent"),
-            recent_p=next_pow2(region.attrs.get("recent") or 1),
             ring=(region.attrs.get("recent") or 1) > 1,
         )

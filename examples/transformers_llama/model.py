@@ -63,10 +63,13 @@ class Model(torch.nn.Module):
         super().__init__()
         config = transformers.LlamaConfig(**config, max_position_embeddings=max(max_seq, 2048),
                                           attn_implementation="sdpa")
-        model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+        # made where it will be built (the GPU where there is one): StaticCache keeps the device it
+        # was made on, a plain attribute that moving the model's tensors does not change
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval().to(device)
         model.generation_config = transformers.GenerationConfig(
             use_cache=True, cache_implementation="static", max_length=max_seq,
-            cache_config={"batch_size": batch, "max_cache_len": max_seq, "device": "cpu"})
+            cache_config={"batch_size": batch, "max_cache_len": max_seq, "device": device})
         self.wrapped = TorchExportableModuleWithStaticCache(model)
         generator = torch.Generator().manual_seed(1234)
         with torch.no_grad():

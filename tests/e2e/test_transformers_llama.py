@@ -28,22 +28,26 @@ FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM"),
 }
 FAMILY_CONFIG = {"gemma": {"head_dim": 16}}  # (Gemma's default is 256 whatever the hidden size)
+# where builds run: transformers' StaticCache keeps the device it was made on (a plain attribute
+# its arange uses), so a model to build on the GPU is made there (session 43: made on the CPU and
+# moved, its capture met CPU and GPU tensors in one add)
+BUILD_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class DecodeStep(torch.nn.Module):
     """The wrapper called with positional inputs (the build's example inputs are a tuple)."""
 
-    def __init__(self, family: str, seed: int = 0, **config):
+    def __init__(self, family: str, seed: int = 0, device: str = "cpu", **config):
         super().__init__()
         torch.manual_seed(seed)
         config_class, model_class = (getattr(transformers, name) for name in FAMILIES[family])
         config = config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=LAYERS,
                               intermediate_size=96, vocab_size=128, max_position_embeddings=64,
                               attn_implementation="sdpa", **{**FAMILY_CONFIG.get(family, {}), **config})
-        model = model_class(config).eval()
+        model = model_class(config).eval().to(device)
         model.generation_config = transformers.GenerationConfig(
             use_cache=True, cache_implementation="static", max_length=MAX_CACHE,
-            cache_config={"batch_size": 1, "max_cache_len": MAX_CACHE, "device": "cpu"})
+            cache_config={"batch_size": 1, "max_cache_len": MAX_CACHE, "device": device})
         self.wrapped = TorchExportableModuleWithStaticCache(model)
 
     def forward(self, input_ids, cache_position):
@@ -53,7 +57,8 @@ class DecodeStep(torch.nn.Module):
 def build_and_follow(tmp_path, family: str, steps: int = 8, **config):
     """Build the family's step, then run it beside transformers' own from empty caches, teacher-
     forced by transformers' greedy tokens; returns (the build's result, the loaded build)."""
-    result = coopt.Pipeline(top_k=1).build(DecodeStep(family, **config), (torch.tensor([[5]]), torch.tensor([3])),
+    result = coopt.Pipeline(top_k=1).build(DecodeStep(family, device=BUILD_DEVICE, **config),
+                                           (torch.tensor([[5]]), torch.tensor([3])),
                                            tmp_path / "out")
     assert result.e2e["ok"] and any("strict torch.export" in w for w in result.warnings)
     built, eager = coopt.load(tmp_path / "out"), DecodeStep(family, **config)
@@ -128,7 +133,8 @@ def test_a_transformers_prompt_chunk_attends_over_the_cache(tmp_path):
     """Four tokens a call (a prompt in chunks): the mask's four query positions become one
     attention over the cache with a length per position; two chunks match transformers'."""
     prompt = torch.tensor([[5, 17, 3, 99, 42, 7, 64, 1]])
-    result = coopt.Pipeline(top_k=1).build(DecodeStep("llama"), (prompt[:, :4], torch.arange(4)), tmp_path / "out")
+    result = coopt.Pipeline(top_k=1).build(DecodeStep("llama", device=BUILD_DEVICE), (prompt[:, :4], torch.arange(4)),
+                                           tmp_path / "out")
     assert result.counters["raise.attention.prompt_over_cache"] == LAYERS and result.e2e["ok"]
     assert "aten.scaled_dot_product_attention.default" not in result.unfused_ops
     built, eager = coopt.load(tmp_path / "out"), DecodeStep("llama")
@@ -161,6 +167,7 @@ def test_the_example_model_file_builds(tmp_path, monkeypatch):
     from coopt.frontend.model_file import load_model_file
 
     eager, prompt = load_model_file(example).model, torch.tensor([[5, 17, 3, 99]])
+    eager = beside_eager(eager)  # (made on the GPU where there is one, as the build's model)
     with torch.no_grad():
         logits = eager(prompt, torch.arange(prompt.shape[1]))
         expected = [prompt]

@@ -60,7 +60,9 @@ def expected(region, window: int, inputs) -> torch.Tensor:
 
 @pytest.mark.parametrize("window", [1, 3, 4])
 @pytest.mark.parametrize("granularity", ["per-head", "per-token"])
-@pytest.mark.parametrize("params", [FP8_FMA, FP8_DOT, {**FP8_DOT, "TILE_FP16": True}], ids=["fma", "dot-four-splits", "fp16-tiles"])
+@pytest.mark.parametrize("params", [FP8_FMA, FP8_DOT, {**FP8_DOT, "TILE_FP16": True}, {**FP8_FMA, "SPLIT_KV": 4},
+                                    {**FP8_DOT, "SPLIT_KV": 1}],
+                         ids=["fma", "dot-four-splits", "fp16-tiles", "fma-four-splits", "dot"])
 def test_the_newest_rows_come_from_the_exact_inputs(window, granularity, params, load_candidate):
     if params.get("TILE_FP16") and granularity == "per-token":
         pytest.skip("TILE_FP16 is for per-tensor / per-head scales")
