@@ -215,38 +215,44 @@ def _dequantized_cache(op, names: Names) -> tuple[str, str]:
 
 def _exact_recent_lines(op, names: Names) -> list[str]:
     """A cache attention whose queries read their newest `recent` keys unrounded (fp8-kv-cache's
-    exact-recent; the op's docstring has the semantics), written out in fp32: the exact rows of
-    every position laid out like the cache (the rings' by slot, the call's own rows over them at
-    their positions), each score and weight taken from them inside the window and from the cache
-    outside it, the kv heads repeated for their query heads. Its temporaries are deleted at once
-    (a reference at 32768 positions holds [B, H, S, D] fp32 copies of the cache)."""
+    exact-recent; the op's docstring has the semantics), written out in fp32: each query's window
+    rows [B, Hkv, T, N, D] gathered (this call's rows counted back from its own, then the rings'),
+    its scores over the cache before the window and over the window in one softmax, the kv heads
+    repeated for their query heads. Its temporaries are deleted at once."""
     out = names.new(op.result)
     q, k, lengths = names[op.q], names[op.k], names[op.lengths]
     keys, values = _dequantized_cache(op, names)
     window = op.recent.value.data
-    t = {name: f"{out}_{name}" for name in ("pos", "k", "v", "ke", "ve", "near", "s")}
+    t = {name: f"{out}_{name}" for name in ("d", "back", "mine", "pos", "k", "v", "kw", "vw", "s", "sw", "p")}
     decode = isinstance(op, DecodeAttentionOp)
-    view = "[:, None, None, :]" if decode else ""  # masks per sequence, or per query
-    own = f"torch.arange({q}.shape[0], device={q}.device), :, {lengths} - 1" if decode else f":, :, {lengths} - 1"
-    lines = [f"{t['pos']} = torch.arange({k}.shape[2], device={k}.device)"]
-    for name, ring, rows in (("ke", op.k_recent, op.k_exact), ("ve", op.v_recent, op.v_exact)):
-        if ring is not None:
-            lines.append(f"{t[name]} = {names[ring]}[:{q}.shape[0]][:, :, {t['pos']} % {window}].float()")
-        else:
-            lines.append(f"{t[name]} = {k}.new_zeros({q}.shape[0], {k}.shape[1], {k}.shape[2], {q}.shape[3], dtype=torch.float32)")
-        lines.append(f"{t[name]}[{own}] = {names[rows]}{'[:, :, 0]' if decode else ''}.float()")
-    repeat = f".float().repeat_interleave({q}.shape[1] // {k}.shape[1], 1)"
-    newest = f"{t['pos']}[None, :] - ({lengths}[:, None] - 1)"  # key position - query position
+    # per query: its position [B, 1, T or 1, 1] (decode: one per sequence), its index in the call
+    position = f"({lengths} - 1)[:, None, None, None]" if decode else f"({lengths} - 1)[None, None, :, None]"
+    lines = [
+        f"{t['d']} = torch.arange({window}, device={q}.device)",  # d: how far back in the window
+        f"{t['back']} = torch.arange({q}.shape[2], device={q}.device)[:, None] - {t['d']}",  # [T, N]: i - d
+        f"{t['mine']} = {t['back']} >= 0",  # a row this call wrote
+        f"{t['pos']} = {position} - {t['d']}",  # [B or 1, 1, T, N]: the window's positions
+    ]
+    repeat = f".repeat_interleave({q}.shape[1] // {k}.shape[1], 1)"
+    for name, rows, ring in (("kw", op.k_exact, op.k_recent), ("vw", op.v_exact, op.v_recent)):
+        own = f"{names[rows]}.float()[:, :, {t['back']}.clamp(min=0)]"  # [B, Hkv, T, N, D]
+        if ring is None:
+            lines.append(f"{t[name]} = {own}")
+            continue
+        slots = f"({t['pos']} % {window}).expand({q}.shape[0], 1, {q}.shape[2], {window})"
+        from_ring = (f"torch.stack([{names[ring]}[:{q}.shape[0]].float()[b][:, {slots}[b, 0]] "
+                     f"for b in range({q}.shape[0])])")
+        lines.append(f"{t[name]} = torch.where({t['mine']}[None, None, :, :, None], {own}, {from_ring})")
+    newest = f"({position} - {t['d']}[-1])"  # the window's oldest position: keys before it from the cache
     return lines + [
-        f"{t['k']}, {t['v']} = {keys}{repeat}, {values}{repeat}",
-        f"{t['ke']}, {t['ve']} = {t['ke']}{repeat}, {t['ve']}{repeat}",
-        f"{t['near']} = (({newest} <= 0) & ({newest} > -{window})){view}",
-        f"{t['s']} = torch.where({t['near']}, {q}.float() @ {t['ke']}.transpose(-1, -2), "
-        f"{q}.float() @ {t['k']}.transpose(-1, -2)) * {op.scale.value.data!r}",
-        f"{t['s']} = torch.softmax({t['s']}.masked_fill(~(({t['pos']}[None, :] < {lengths}[:, None]){view}), "
-        "float('-inf')), -1)",
-        f"{out} = (torch.where({t['near']}, {t['s']}, 0.0) @ {t['ve']} "
-        f"+ torch.where({t['near']}, 0.0, {t['s']}) @ {t['v']}).to({q}.dtype)",
+        f"{t['k']}, {t['v']} = {keys}.float(){repeat}, {values}.float(){repeat}",
+        f"{t['kw']}, {t['vw']} = {t['kw']}{repeat}, {t['vw']}{repeat}",
+        f"{t['s']} = ({q}.float() @ {t['k']}.transpose(-1, -2)).masked_fill("
+        f"torch.arange({k}.shape[2], device={q}.device) >= {newest}.clamp(min=0), float('-inf'))",
+        f"{t['sw']} = ({q}.float()[:, :, :, None, :] * {t['kw']}).sum(-1).masked_fill({t['pos']} < 0, "
+        "float('-inf'))",
+        f"{t['p']} = torch.softmax(torch.cat([{t['s']}, {t['sw']}], -1) * {op.scale.value.data!r}, -1)",
+        f"{out} = ({t['p']}[..., :{k}.shape[2]] @ {t['v']} + ({t['p']}[..., {k}.shape[2]:, None] * {t['vw']}).sum(-2)).to({q}.dtype)",
         f"del {', '.join(t.values())}",
     ]
 

@@ -263,12 +263,14 @@ class _CachedAttentionBase(IRDLOperation):
     "per-head" [Hkv], "per-token" [B,Hkv,S_max]): attention reads k·k_scale and v·v_scale.
 
     With `recent` = N (fp8-kv-cache's exact-recent), query i, at position p = lengths[i] − 1,
-    reads its newest N keys (positions p − N + 1 .. p) unrounded: the rows the call itself wrote
-    from k_exact / v_exact ([B,Hkv,T,D], the row at position lengths[i] − 1 at index i of dim 2;
-    a decode step: T = 1, sequence b's at [b, :, 0]), older ones from the rings k_recent /
-    v_recent ([B_max,Hkv,N,D], position j at slot j % N: the row an earlier call wrote there,
-    read before this call's ring write; absent for N = 1), all as the cache would store them
-    before rounding (centred where the cache is, not scaled); older keys from the cache."""
+    reads its newest N keys (positions p − d, d = 0 .. N − 1, those >= 0) unrounded: while
+    i − d >= 0 from k_exact / v_exact [B,Hkv,T,D] at index i − d of dim 2 (this call's rows,
+    counted back from the query's own: the row at position p − d where the call's positions are
+    consecutive, as a prompt's and a decode step's are; a decode step: T = 1, sequence b's own
+    row at [b, :, 0]), before that from the rings k_recent / v_recent ([B_max,Hkv,N,D], slot
+    (p − d) % N: the row an earlier call wrote there, read before this call's ring write; absent
+    for N = 1); all as the cache would store them before rounding (centred where the cache is,
+    not scaled). Keys older than the window come from the cache."""
 
     q = operand_def(TensorType)
     k = operand_def(TensorType)

@@ -58,6 +58,7 @@ Example (one decode step of a 32-head model with 8 kv heads, cache of up to 4096
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from coopt.ir.region import DTYPE_BYTES, RegionSummary, TensorSpec
@@ -129,6 +130,43 @@ def kv_cache_problem(region: RegionSummary, scales_at: int) -> str | None:
     return None
 
 
+# fp8-kv-cache's exact-recent (attrs "exact_rows_input", "recent"): the last inputs, after the
+# rest of either cached attention's schema, are k_exact, v_exact [B, Hkv, T, D] (this call's rows
+# before rounding; T = 1 in a decode step) and, with "recent" > 1, the rings k_recent, v_recent
+# [B_max >= B, Hkv, recent, D]; each query reads its newest "recent" keys from them (the
+# semantics: coopt/ir/dialect.py, _CachedAttentionBase).
+def exact_rows_at(region: RegionSummary) -> int | None:
+    """Index of k_exact where the region reads its queries' newest keys unrounded, else None."""
+    return region.attrs.get("exact_rows_input")
+
+
+def without_exact_rows(region: RegionSummary) -> RegionSummary:
+    """The region less its exact rows and rings, for the checks of the rest of its schema."""
+    at = exact_rows_at(region)
+    return region if at is None else dataclasses.replace(region, inputs=region.inputs[:at])
+
+
+def exact_rows_problem(region: RegionSummary) -> str | None:
+    """Why the exact rows and rings break their schema (None: they fit, or there are none)."""
+    at, window = exact_rows_at(region), region.attrs.get("recent")
+    if at is None:
+        return None
+    if not isinstance(window, int) or window < 1 or kv_scale(region) is None:
+        return "exact rows need an fp8 cache and attrs recent >= 1"
+    q, k = region.inputs[:2]
+    rows, rings = region.inputs[at:at + 2], region.inputs[at + 2:]
+    if len(rows) != 2 or len(rings) != 2 * (window > 1) or any(t.dtype not in _TL_DTYPE for t in (*rows, *rings)):
+        return f"exact rows: k_exact, v_exact{' and two rings' if window > 1 else ''} of floats last"
+    if any(tuple(t.shape) != (q.shape[0], k.shape[1], q.shape[2], q.shape[3]) for t in rows):
+        return "k_exact / v_exact are not [B, Hkv, T, D] of the query's B, T and D"
+    batch = q.shape[0]
+    if any(tuple(t.shape[1:]) != (k.shape[1], window, q.shape[3])
+           or not (t.shape[0] == batch or not isinstance(batch, int) or (isinstance(t.shape[0], int) and t.shape[0] >= batch))
+           for t in rings):
+        return f"the rings are not [B_max >= B, Hkv, {window}, D]"
+    return None
+
+
 def kv_element_bytes(region: RegionSummary) -> int:
     """Bytes of the larger of a K and a V element (1 for an fp8 cache; a values-only cache keeps
     K in q's dtype): what a tile of either takes in shared memory at most."""
@@ -194,6 +232,9 @@ class AttentionFamily(TemplateFamily):
         return 3 + cls._query_lengths(region) + cls._paged(region)
 
     def matches(self, region: RegionSummary) -> bool:
+        if exact_rows_problem(region) is not None or (exact_rows_at(region) is not None and not self._query_lengths(region)):
+            return False
+        region = without_exact_rows(region)  # (the rest's schema is the plain one)
         lengths = self._query_lengths(region)
         # only a prompt over a KV cache (lengths) reads an fp8 cache, with its two scales, or pages
         fp8 = lengths and kv_scale(region) is not None
@@ -231,7 +272,9 @@ class AttentionFamily(TemplateFamily):
         }
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        problem = kv_cache_problem(region, self._scales_at(region)) or (paged_problem(region) if self._paged(region) else None)
+        problem = exact_rows_problem(region)
+        region = without_exact_rows(region)
+        problem = problem or kv_cache_problem(region, self._scales_at(region)) or (paged_problem(region) if self._paged(region) else None)
         if problem is not None:
             return problem
         bm, bn, warps, stages = params["BLOCK_M"], params["BLOCK_N"], params["num_warps"], params["num_stages"]
@@ -312,4 +355,7 @@ class AttentionFamily(TemplateFamily):
             tile_tl_dtype=_TL_DTYPE[dtype],  # fp8 K/V tiles are widened to q's dtype for tl.dot
             out_tl_dtype=_TL_DTYPE[region.outputs[0].dtype],
             out_torch_dtype=_TORCH_DTYPE[region.outputs[0].dtype],
+            exact_rows=exact_rows_at(region) is not None,
+            recent=region.attrs.get("recent"),
+            ring=(region.attrs.get("recent") or 1) > 1,
         )

@@ -141,8 +141,9 @@ import math
 
 from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope, rope_at
 from coopt.targets import Target
-from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE, kv_cache_problem, kv_element_bytes, kv_scale,
-                                       page_size, paged_problem, paged_schema_ok)
+from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem,
+                                       kv_cache_problem, kv_element_bytes, kv_scale, page_size, paged_problem,
+                                       paged_schema_ok, without_exact_rows)
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 # knobs some regions' spaces add, and their value where a point leaves them out
@@ -208,42 +209,6 @@ def _v_words_problem(region: RegionSummary) -> str | None:
 _MAX_MERGE_VALUES_PER_THREAD = 128
 
 
-def exact_rows_at(region: RegionSummary) -> int | None:
-    """Index of k_exact (v_exact, then with attrs "recent" > 1 the rings k_recent, v_recent
-    follow) where each sequence's newest "recent" keys are read unrounded (attrs
-    "exact_rows_input": fp8-kv-cache's exact-recent), else None."""
-    return region.attrs.get("exact_rows_input")
-
-
-def _without_exact_rows(region: RegionSummary) -> RegionSummary:
-    """The region less its exact rows (the last two inputs), for the checks of the rest."""
-    at = exact_rows_at(region)
-    return region if at is None else dataclasses.replace(region, inputs=region.inputs[:at])
-
-
-def _exact_rows_ok(region: RegionSummary) -> bool:
-    """The last inputs: k_exact, v_exact [B, Hkv, 1, D] floats, and with "recent" > 1 the rings
-    [B_max >= B, Hkv, recent, D]; an fp8 cache, not with the write folded in."""
-    at, window = exact_rows_at(region), region.attrs.get("recent")
-    if at is None:
-        return True
-    if not isinstance(window, int) or window < 1:
-        return False
-    q, k = region.inputs[:2]
-    batch, kv_heads, head_dim = q.shape[0], k.shape[1], q.shape[3]
-    rows, rings = region.inputs[at:at + 2], region.inputs[at + 2:]
-    return (kv_write_inputs(region) is None and kv_scale(region) is not None and len(rings) == 2 * (window > 1)
-            and all(t.dtype in _TL_DTYPE for t in (*rows, *rings))
-            and all(tuple(t.shape) == (batch, kv_heads, 1, head_dim) for t in rows)
-            and all(tuple(t.shape[1:]) == (kv_heads, window, head_dim) and _at_least(t.shape[0], batch) for t in rings))
-
-
-def _at_least(size, batch) -> bool:
-    """A ring's batch against the query's: the same dim, or a larger static one (a dynamic batch
-    reads the first B rows)."""
-    return size == batch or (isinstance(size, int) and isinstance(batch, int) and size >= batch) or not isinstance(batch, int)
-
-
 def scales_at(region: RegionSummary) -> int:
     """Index of k_scale (when fp8): after the lengths, the page table and the rope tables."""
     return 4 + (page_size(region) is not None) + 2 * bool(region.attrs.get("rope"))
@@ -297,9 +262,9 @@ class DecodeAttentionFamily(TemplateFamily):
         return max(16, rows) if use_dot else rows
 
     def matches(self, region: RegionSummary) -> bool:
-        if not _exact_rows_ok(region):
+        if exact_rows_problem(region) is not None or (exact_rows_at(region) is not None and kv_write_inputs(region) is not None):
             return False
-        region = _without_exact_rows(region)  # (the rest's schema is the plain one)
+        region = without_exact_rows(region)  # (the rest's schema is the plain one)
         first_scale = scales_at(region)
         written = kv_write_inputs(region)
         if written is not None:  # the step's cache write folded in: its inputs last, the written caches first out
@@ -397,9 +362,10 @@ class DecodeAttentionFamily(TemplateFamily):
         return space
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
-        if not _exact_rows_ok(region):
-            return "k_exact, v_exact are not [B, Hkv, 1, D] floats after the rest"
-        region = _without_exact_rows(region)
+        problem = exact_rows_problem(region)
+        if problem is not None:
+            return problem
+        region = without_exact_rows(region)
         folded = kv_write_inputs(region) is not None  # a bf16 / fp32 unpaged cache (_kv_write_ok)
         problem = (None if folded else kv_cache_problem(region, scales_at(region))) or paged_problem(region)
         if problem is not None:

@@ -480,3 +480,40 @@ def test_exact_recent_build_reads_its_newest_rows_exact_over_several_steps(tmp_p
                 exact["k_cache"][:, :, pos], exact["v_cache"][:, :, pos] = inputs[1][:, :, 0], inputs[2][:, :, 0]
             errors[recent] = max(errors[recent], float((built(*inputs) - want).abs().max()))
     assert errors[window] < 1e-5 < errors[0], errors
+
+
+def test_exact_recent_prompt_reads_its_own_rows_then_the_ring(tmp_path):
+    """A 4-token chunk at positions 5..8 over a history of rows 0..4, built with exact-recent=3:
+    query p reads positions p-2..p unrounded (the chunk's own rows as written, the history's
+    newest rows 3 and 4 from the ring the build filled), older ones as the build stored them."""
+    window, start, chunk = 3, 5, 4
+    torch.manual_seed(0)
+    model = DecodeStep()
+    with torch.no_grad():
+        model.k_cache[:, :, start:], model.v_cache[:, :, start:] = 0.0, 0.0
+    history = {name: getattr(model, name).clone() for name in ("k_cache", "v_cache")}
+    g = torch.Generator().manual_seed(7)
+    inputs = (torch.randn(1, HEADS, chunk, DIM, generator=g), torch.randn(1, KV_HEADS, chunk, DIM, generator=g),
+              torch.randn(1, KV_HEADS, chunk, DIM, generator=g), torch.arange(start, start + chunk))
+    pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{{smooth-k=true,exact-recent={window}}},fuse-attention"
+    result = coopt.Pipeline(pipeline, top_k=1).build(model, inputs, tmp_path / "out")
+    assert result.counters["fp8_kv_cache.exact_recent"] == 1 and result.counters["raise.attention.prompt_over_cache"] == 1
+    built = coopt.load(tmp_path / "out")
+    cached = {name: dequantized(built, name, name == "k_cache") for name in ("k_cache", "v_cache")}  # before the call
+    out = built(*inputs)
+    q, (k_new, v_new) = inputs[0], inputs[1:3]
+    exact = {name: history[name].clone() for name in history}
+    exact["k_cache"][:, :, start:start + chunk], exact["v_cache"][:, :, start:start + chunk] = k_new, v_new
+    for name, rows in (("k_cache", k_new), ("v_cache", v_new)):  # the chunk's rows as the build stores them
+        cached[name][:, :, start:start + chunk] = dequantized(built, name, name == "k_cache")[:, :, start:start + chunk]
+    for i in range(chunk):
+        p = start + i
+        keys, values = cached["k_cache"].clone(), cached["v_cache"].clone()
+        keys[:, :, p - window + 1:p + 1] = exact["k_cache"][:, :, p - window + 1:p + 1]
+        values[:, :, p - window + 1:p + 1] = exact["v_cache"][:, :, p - window + 1:p + 1]
+        want = F.scaled_dot_product_attention(q[:, :, i:i + 1], keys[:, :, :p + 1], values[:, :, :p + 1], enable_gqa=True)
+        torch.testing.assert_close(out[:, :, i:i + 1], want, rtol=1e-5, atol=1e-5)
+    # the rings now hold the chunk's last 3 rows (positions 6, 7, 8 at slots 0, 1, 2), centred keys
+    ring = built.state_tensor("k_cache.recent")
+    offset = built.state_tensor("k_cache.offset")
+    torch.testing.assert_close(ring[:, :, [6 % window, 7 % window, 8 % window]], (k_new - offset)[:, :, 1:])

@@ -85,3 +85,64 @@ def test_bf16_rows_and_the_schema(load_candidate):
     assert not FAMILY.matches(dataclasses.replace(region, attrs={**region.attrs, "recent": 8}))
     short = TensorSpec((BATCH, KV_HEADS, 2, HEAD_DIM), "bfloat16")
     assert not FAMILY.matches(dataclasses.replace(region, inputs=(*region.inputs[:6], short, short, *region.inputs[8:])))
+
+
+# -- the prompt over the cache (family attention): query i's window counted back from its own row --
+
+from test_attention import SMALL, fp8_lengths_region  # noqa: E402
+from test_attention import make_fp8_inputs as make_prompt_inputs  # noqa: E402
+
+from coopt.templates.attention import AttentionFamily  # noqa: E402
+
+PROMPT = AttentionFamily()
+PROMPT_LENGTHS = {"a chunk at 10..15": [11, 12, 13, 14, 15, 16], "from position 0": [1, 2, 3, 4, 5, 6],
+                  "any lengths (as fuzzing draws them)": [70, 1, 17, 3, 16, 33]}
+
+
+def prompt_region(granularity: str, window: int, rows_dtype: str = "float32"):
+    base = fp8_lengths_region(2, 4, 2, 6, 70, 32, granularity)
+    rows = TensorSpec((2, 2, 6, 32), rows_dtype)
+    rings = (TensorSpec((2, 2, window, 32), rows_dtype),) * 2 if window > 1 else ()
+    return dataclasses.replace(base, inputs=(*base.inputs, rows, rows, *rings),
+                               attrs={**base.attrs, "exact_rows_input": len(base.inputs), "recent": window})
+
+
+def prompt_expected(region, window: int, inputs) -> torch.Tensor:
+    """The op's semantics, query by query: keys p - d (d < window, p - d >= 0) from k_exact row
+    i - d while that is >= 0, else from the ring's slot (p - d) % window; older keys dequantized."""
+    q, k, v, lengths, k_scale, v_scale, k_rows, v_rows, *rings = inputs
+    granularity, group = region.attrs["kv_scale"], q.shape[1] // k.shape[1]
+    keys, values = (dequantize(c, s, granularity, q.dtype).float() for c, s in ((k, k_scale), (v, v_scale)))
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for i, length in enumerate(lengths.tolist()):
+        kq, vq = keys[:, :, :length].clone(), values[:, :, :length].clone()
+        for d in range(min(window, length)):
+            row = (k_rows[:, :, i - d], v_rows[:, :, i - d]) if i - d >= 0 else \
+                (rings[0][:, :, (length - 1 - d) % window], rings[1][:, :, (length - 1 - d) % window])
+            kq[:, :, length - 1 - d], vq[:, :, length - 1 - d] = row[0].float(), row[1].float()
+        out[:, :, i:i + 1] = F.scaled_dot_product_attention(q[:, :, i:i + 1].float(), kq.repeat_interleave(group, 1),
+                                                            vq.repeat_interleave(group, 1), scale=region.attrs["scale"])
+    return out
+
+
+@pytest.mark.parametrize("case", PROMPT_LENGTHS)
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("params", [SMALL, {**SMALL, "PACK_GQA": True}, {**SMALL, "SPLIT_KV": 2}],
+                         ids=["plain", "pack_gqa", "split_kv"])
+def test_a_prompt_reads_its_rows_then_the_rings_for_each_querys_window(case, window, params, load_candidate):
+    region = prompt_region("per-head", window)
+    inputs = make_prompt_inputs(dataclasses.replace(region, inputs=region.inputs[:6]), PROMPT_LENGTHS[case], seed=5)
+    gen = torch.Generator().manual_seed(6)
+    inputs += [torch.randn(2, 2, 6, 32, generator=gen).to(DEVICE) for _ in "kv"]
+    inputs += [torch.randn(2, 2, window, 32, generator=gen).to(DEVICE) for _ in "kv"] if window > 1 else []
+    assert PROMPT.matches(region) and not FAMILY.matches(region)
+    (out,) = run_candidate.func(PROMPT, H200, load_candidate, region, params, inputs)
+    torch.testing.assert_close(out.float(), prompt_expected(region, window, inputs), rtol=2e-2, atol=2e-2)
+
+
+def test_prompt_schema():
+    region = prompt_region("per-token", 3)
+    assert PROMPT.matches(region)
+    assert not PROMPT.matches(dataclasses.replace(region, inputs=region.inputs[:-2]))  # rings missing
+    short = TensorSpec((2, 2, 5, 32), "float32")  # one row fewer than the queries
+    assert not PROMPT.matches(dataclasses.replace(region, inputs=(*region.inputs[:6], short, short, *region.inputs[8:])))
