@@ -164,7 +164,9 @@ def _lossy_lines(accuracy: dict) -> list[str]:
         lines.append(f"- pass `{entry['pass']}` ({knobs})")
     memory = accuracy.get("kv_cache_bytes")
     if memory:
-        lines.append(f"- KV cache: {memory['before']:,} bytes → {memory['after']:,} bytes with scales "
+        rings = any(entry["knobs"].get("exact-recent") for entry in accuracy["passes"])  # fp8-kv-cache's rings
+        lines.append(f"- KV cache: {memory['before']:,} bytes → {memory['after']:,} bytes with scales"
+                     f"{' and the newest rows’ rings' if rings else ''} "
                      f"({memory['saved']:,} bytes saved, {memory['saved'] / max(memory['before'], 1):.0%})")
     lines.append(f"- outputs on fresh inputs ({accuracy['trials']} trials): max abs err {accuracy['max_abs_err']:.3g}, "
                  f"max rel err {accuracy['max_rel_err']:.3g} (relative to the largest output magnitude)")

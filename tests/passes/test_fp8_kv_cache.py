@@ -517,3 +517,17 @@ def test_exact_recent_prompt_reads_its_own_rows_then_the_ring(tmp_path):
     ring = built.state_tensor("k_cache.recent")
     offset = built.state_tensor("k_cache.offset")
     torch.testing.assert_close(ring[:, :, [6 % window, 7 % window, 8 % window]], (k_new - offset)[:, :, 1:])
+
+
+def test_rings_start_with_each_sequences_newest_held_rows_and_count_in_the_bytes():
+    from coopt.fp8_cache import kv_cache_bytes, newest_rows_ring
+
+    cache = torch.zeros(2, 1, 10, 2)
+    cache[0, :, :6] = torch.arange(1, 7.0)[None, :, None]  # sequence 0 holds rows 0..5, sequence 1 none
+    ring = newest_rows_ring(cache, cache * 10, 4)
+    assert ring[0, 0, :, 0].tolist() == [50.0, 60.0, 30.0, 40.0]  # positions 4, 5, 2, 3 at slots p % 4
+    assert not ring[1].any()
+    record = {"granularity": "per-head", "caches": {"k": "k.scale"}, "scales": {"k.scale": [1.0]},
+              "recent": {"window": 4, "rings": {"k": "k.recent"}, "dtypes": {"k.recent": "bfloat16"}}}
+    sizes = kv_cache_bytes(record, {"k": cache})
+    assert sizes["after"] == cache.numel() + 4 + 2 * 1 * 4 * 2 * 2  # fp8 rows, the scale, the bf16 ring
