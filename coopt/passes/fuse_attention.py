@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 
-from coopt.ir.dialect import AttentionOp, CacheAttentionOp, DecodeAttentionOp, KernelOp, RopeOp
+from coopt.ir.dialect import AttentionOp, CacheAttentionOp, DecodeAttentionOp, KernelOp, RopeOp, StateUpdateOp
 from coopt.ir.outline import outline
 from coopt.passes.base import CooptPass, static_shape
+from coopt.passes.fp8_kv_cache import RING_WRITE
 from coopt.passes.fusion_common import only_user
 from coopt.passes.paged_kv import read_paged_attention
 from coopt.passes.stats import count
@@ -73,12 +74,40 @@ class FuseAttention(CooptPass):
                 attrs["kv_scale"] = attn.kv_scale.data
                 inputs += scales
                 count("fuse.attention.fp8_cache")
+            outputs = [attn.result]
             if attn.recent is not None:  # exact-recent: the newest keys unrounded, the region's last inputs
                 attrs.update({"exact_rows_input": len(inputs), "recent": attn.recent.value.data})
                 inputs += [attn.k_exact, attn.v_exact] + ([attn.k_recent, attn.v_recent] if attn.k_recent is not None else [])
+                writes = _ring_writes(attn) if decode else None
+                if writes is not None:  # the step's one row a sequence into the rings, by the attention
+                    attrs.update({"ring_write": {"positions_input": len(inputs), "per_row": writes[0].call["args"][4]},
+                                  "inplace": [len(inputs) - 2, len(inputs) - 1]})
+                    inputs.append(writes[0].inputs[1])
+                    ops += writes
+                    outputs = [w.results[0] for w in writes] + outputs
+                    count("fuse.decode_attention.ring_write")
             family = "decode_attention" if decode else "attention"
-            outline(ops, family, attrs, inputs=inputs, outputs=[attn.result])
+            outline(ops, family, attrs, inputs=inputs, outputs=outputs)
             count("fuse.decode_attention" if decode else "fuse.attention.prompt_over_cache")
+
+
+def _ring_writes(attn: DecodeAttentionOp) -> list[StateUpdateOp] | None:
+    """The two ring writes right after a decode attention (fp8-kv-cache's exact-recent), K's then
+    V's, when they store its own rows (k_exact / v_exact) at one positions value into its rings:
+    one row a sequence, whose slot no query of this step reads (its position is N before the own
+    row's), so the attention's kernel may store it; else None."""
+    block = attn.parent_block()
+    index = block.get_operation_index(attn)
+    following = list(block.ops)[index + 1:index + 3]
+    if len(following) != 2 or not all(isinstance(w, StateUpdateOp) and w.target.data == RING_WRITE for w in following):
+        return None
+    by_ring = {w.inputs[0]: w for w in following}
+    writes = [by_ring.get(attn.k_recent), by_ring.get(attn.v_recent)]
+    if None in writes or [w.inputs[2] for w in writes] != [attn.k_exact, attn.v_exact] \
+            or writes[0].inputs[1] is not writes[1].inputs[1] or writes[0].call["args"][4] != writes[1].call["args"][4] \
+            or any(len(list(w.results[0].uses)) for w in writes):
+        return None
+    return writes
 
 
 def _query_rope(attn):

@@ -134,16 +134,24 @@ def kv_cache_problem(region: RegionSummary, scales_at: int) -> str | None:
 # rest of either cached attention's schema, are k_exact, v_exact [B, Hkv, T, D] (this call's rows
 # before rounding; T = 1 in a decode step) and, with "recent" > 1, the rings k_recent, v_recent
 # [B_max >= B, Hkv, recent, D]; each query reads its newest "recent" keys from them (the
-# semantics: coopt/ir/dialect.py, _CachedAttentionBase).
+# semantics: coopt/ir/dialect.py, _CachedAttentionBase). A decode step may write its rows into
+# the rings too (attrs "ring_write": {"positions_input": i, "per_row": bool}, fuse-attention):
+# positions [1] (or [B] per row) last, the rings written in place (attrs "inplace", outputs the
+# two rings, then the attention's output), each sequence's row at slot positions[b] % recent.
 def exact_rows_at(region: RegionSummary) -> int | None:
     """Index of k_exact where the region reads its queries' newest keys unrounded, else None."""
     return region.attrs.get("exact_rows_input")
 
 
 def without_exact_rows(region: RegionSummary) -> RegionSummary:
-    """The region less its exact rows and rings, for the checks of the rest of its schema."""
+    """The region less its exact rows, rings and ring write, for the checks of the rest of its schema."""
     at = exact_rows_at(region)
-    return region if at is None else dataclasses.replace(region, inputs=region.inputs[:at])
+    if at is None:
+        return region
+    if "ring_write" not in region.attrs:
+        return dataclasses.replace(region, inputs=region.inputs[:at])
+    attrs = {k: v for k, v in region.attrs.items() if k not in ("ring_write", "inplace")}
+    return dataclasses.replace(region, inputs=region.inputs[:at], outputs=region.outputs[-1:], attrs=attrs)
 
 
 def exact_rows_problem(region: RegionSummary) -> str | None:
@@ -154,9 +162,21 @@ def exact_rows_problem(region: RegionSummary) -> str | None:
     if not isinstance(window, int) or window < 1 or kv_scale(region) is None:
         return "exact rows need an fp8 cache and attrs recent >= 1"
     q, k = region.inputs[:2]
-    rows, rings = region.inputs[at:at + 2], region.inputs[at + 2:]
+    written = region.attrs.get("ring_write")
+    rings_end = at + 2 + 2 * (window > 1)
+    rows, rings = region.inputs[at:at + 2], region.inputs[at + 2:rings_end]
     if len(rows) != 2 or len(rings) != 2 * (window > 1) or any(t.dtype not in _TL_DTYPE for t in (*rows, *rings)):
         return f"exact rows: k_exact, v_exact{' and two rings' if window > 1 else ''} of floats last"
+    if written is not None:
+        positions = region.inputs[rings_end:]
+        if (window == 1 or q.shape[2] != 1 or written.get("positions_input") != rings_end or len(positions) != 1
+                or positions[0].dtype not in ("int32", "int64")
+                or tuple(positions[0].shape) != ((q.shape[0],) if written.get("per_row") else (1,))
+                or list(region.attrs.get("inplace") or ()) != [at + 2, at + 3] or len(region.outputs) != 3
+                or [o.dtype for o in region.outputs[:2]] != [r.dtype for r in rings]):
+            return "a ring write: a decode step's positions last, the two rings written in place, then the output"
+    elif len(region.inputs) != rings_end:
+        return "inputs past the exact rows and rings"
     if any(tuple(t.shape) != (q.shape[0], k.shape[1], q.shape[2], q.shape[3]) for t in rows):
         return "k_exact / v_exact are not [B, Hkv, T, D] of the query's B, T and D"
     batch = q.shape[0]
@@ -232,8 +252,9 @@ class AttentionFamily(TemplateFamily):
         return 3 + cls._query_lengths(region) + cls._paged(region)
 
     def matches(self, region: RegionSummary) -> bool:
-        if exact_rows_problem(region) is not None or (exact_rows_at(region) is not None and not self._query_lengths(region)):
-            return False
+        if (exact_rows_problem(region) is not None or "ring_write" in region.attrs
+                or (exact_rows_at(region) is not None and not self._query_lengths(region))):
+            return False  # (the rings' write is a decode step's: a prompt's rows overwrite slots other queries read)
         region = without_exact_rows(region)  # (the rest's schema is the plain one)
         lengths = self._query_lengths(region)
         # only a prompt over a KV cache (lengths) reads an fp8 cache, with its two scales, or pages

@@ -472,4 +472,5 @@ class DecodeAttentionFamily(TemplateFamily):
             exact_rows=exact_rows_at(region) is not None,
             recent=region.attrs.get("recent"),
             ring=(region.attrs.get("recent") or 1) > 1,
+            ring_write="ring_write" in region.attrs,
         )

@@ -146,3 +146,30 @@ def test_prompt_schema():
     assert not PROMPT.matches(dataclasses.replace(region, inputs=region.inputs[:-2]))  # rings missing
     short = TensorSpec((2, 2, 5, 32), "float32")  # one row fewer than the queries
     assert not PROMPT.matches(dataclasses.replace(region, inputs=(*region.inputs[:6], short, short, *region.inputs[8:])))
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared-position", "per-row"])
+@pytest.mark.parametrize("params", [FP8_FMA, FP8_DOT], ids=["fma", "dot-four-splits"])
+def test_a_decode_step_writes_its_rows_into_the_rings_after_reading_them(per_row, params, load_candidate):
+    """attrs "ring_write": the output as without it (the rings read before the write), then each
+    sequence's own row at slot positions[b] % N of both rings, every other slot unchanged."""
+    window = 4
+    base = exact_region("per-head", window)
+    positions = TensorSpec((BATCH,) if per_row else (1,), "int64")
+    at = base.attrs["exact_rows_input"]
+    region = dataclasses.replace(base, inputs=(*base.inputs, positions),
+                                 outputs=(base.inputs[at + 2], base.inputs[at + 3], *base.outputs),
+                                 attrs={**base.attrs, "ring_write": {"positions_input": len(base.inputs), "per_row": per_row},
+                                        "inplace": [at + 2, at + 3]})
+    assert FAMILY.matches(region) and not PROMPT.matches(region)
+    inputs = exact_inputs(base, window, seed=2)
+    written = torch.tensor([45, 2, 79] if per_row else [45], dtype=torch.int64, device=DEVICE)
+    want = expected(base, window, inputs)
+    rings = [r.clone() for r in inputs[-2:]]
+    for b in range(BATCH):
+        slot = int(written[b if per_row else 0]) % window
+        for ring, rows in zip(rings, inputs[6:8]):
+            ring[b, :, slot] = rows[b, :, 0]
+    k_ring, v_ring, out = run_candidate(load_candidate, region, params, inputs + [written])
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(k_ring.cpu(), rings[0].cpu()) and torch.equal(v_ring.cpu(), rings[1].cpu())
