@@ -58,6 +58,7 @@
 #   bash bench/gpu_session.sh mma-cluster  # the CUDA attention's cluster meeting: GPU tests, its kernel beside the global meeting (~5 min)
 #   bash bench/gpu_session.sh exact-recent  # the harness with fp8-recent, its kernel's GPU tests, a transformers GPU test (~9.5 min)
 #   bash bench/gpu_session.sh fp8-recent-b32  # b32 / 2048: reduce-overhead, coopt-fp8, coopt-fp8-recent (~6 min)
+#   bash bench/gpu_session.sh pending-43  # session 43's exact-recent tests, transformers' remaining GPU tests (~9 min)
 #   bash bench/gpu_session.sh pending    # sessions 39-41's CPU work built and run on the GPU (~5 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
 #   bash bench/gpu_session.sh fp8-values-b1  # values-only and both-fp8 at b1 / 32768 and 131072 (~8 min)
@@ -392,6 +393,16 @@ case "${1:-}" in
             --only "coopt bf16,coopt fp8 KV per-head, smoothed K, newest 4 exact" --out "$OUT/accuracy_recent.json"
         step 100 hf-first python -m pytest -q -x -p no:cacheprovider --tb=long -p no:logging \
             "tests/e2e/test_transformers_llama.py::test_a_transformers_decode_step_builds_as_the_projects_own_llama[llama]"
+        ;;
+    pending-43)  # session 43's CPU work not yet run on a GPU (~9 min): the exact-recent builds and kernels (the
+        # ring write in the decode kernel, the prompt kernel), then transformers' tests call 4 did not reach
+        step 200 exact python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/templates/test_decode_attention_exact_recent.py tests/passes/test_fp8_kv_cache.py -k "exact or rings"
+        step 360 hf python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            "tests/e2e/test_transformers_llama.py::test_a_transformers_decode_step_builds_as_the_projects_own_llama[qwen2]" \
+            "tests/e2e/test_transformers_llama.py::test_a_transformers_decode_step_builds_as_the_projects_own_llama[mistral]" \
+            tests/e2e/test_transformers_llama.py::test_a_sliding_window_shorter_than_the_cache_stays_sdpa \
+            tests/e2e/test_transformers_llama.py::test_a_transformers_prompt_chunk_attends_over_the_cache
         ;;
     fp8-recent-b32)  # issue 4, session 43: b32 / 2048 with --kv-cache fp8 and fp8-recent in one run (~6 min)
         step 560 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8,coopt-fp8-recent \
