@@ -139,7 +139,7 @@ def newest_rows_ring(held: torch.Tensor, rows: torch.Tensor, window: int) -> tor
     `rows` [B, Hkv, S, D] at its newest `window` positions, each at slot position % window. A
     sequence's newest position is the last one whose row of `held` (the cache as the model holds
     it) is not all zeros: what a cache written in order up to there holds; zeros where none is."""
-    batch, heads, length, head_dim = rows.shape
+    batch, heads, _, head_dim = rows.shape
     ring = rows.new_zeros(batch, heads, window, head_dim)
     written = held.detach().abs().amax(dim=(1, 3)) > 0  # [B, S]
     for b in range(batch):

@@ -11,10 +11,22 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from test_decode_attention import DEVICE, FAMILY, FP8_DOT, FP8_FMA, dequantize, fp8_region, make_fp8_inputs, run_candidate
+from test_attention import SMALL, fp8_lengths_region
+from test_attention import make_fp8_inputs as make_prompt_inputs
+from test_decode_attention import (
+    DEVICE,
+    FAMILY,
+    FP8_DOT,
+    FP8_FMA,
+    dequantize,
+    fp8_region,
+    make_fp8_inputs,
+    run_candidate,
+)
 
 from coopt.ir.region import TensorSpec
 from coopt.targets import H200
+from coopt.templates.attention import AttentionFamily
 from coopt.templates.decode_attention_mma import DecodeAttentionMmaFamily
 
 BATCH, KV_HEADS, HEAD_DIM, MAX_LENGTH = 3, 2, 64, 80
@@ -88,11 +100,6 @@ def test_bf16_rows_and_the_schema(load_candidate):
 
 
 # -- the prompt over the cache (family attention): query i's window counted back from its own row --
-
-from test_attention import SMALL, fp8_lengths_region  # noqa: E402
-from test_attention import make_fp8_inputs as make_prompt_inputs  # noqa: E402
-
-from coopt.templates.attention import AttentionFamily  # noqa: E402
 
 PROMPT = AttentionFamily()
 PROMPT_LENGTHS = {"a chunk at 10..15": [11, 12, 13, 14, 15, 16], "from position 0": [1, 2, 3, 4, 5, 6],
