@@ -56,7 +56,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None, 
     except Exception:  # noqa: BLE001 - the first failure is the one to report: non-strict is the usual form
         exc = first
         hint = "" if dynamic_shapes is not None else "; if an input size varies, define dynamic_shapes() in the model file"
-        if "different devices" in str(exc):  # a device kept outside the tensors the build moves
+        if any(text in str(exc) for text in ("two different devices", "at least two devices")):
+            # a device kept outside the tensors the build moves
             hint = ("; the build moved the model's parameters and buffers to the build device, but the model keeps a "
                     "tensor or a device elsewhere (e.g. transformers' StaticCache): make the model on that device")
         raise CaptureError(

@@ -115,3 +115,22 @@ def test_a_model_moved_in_place_keeps_the_state_its_plain_objects_hold():
     assert torch.equal(model(x, pos)[2], 2 * x[0]) and torch.equal(model.cache[2], x[0])
     moved_in_place(model, torch.device("meta"))  # (a device move, where this machine has no GPU)
     assert model.holder.tensor is cache and cache.device.type == "meta"
+
+
+class DeviceOfItsOwn(torch.nn.Module):
+    """Keeps a device as a plain attribute (as transformers' StaticCache does): moving its
+    tensors leaves that device behind."""
+
+    def __init__(self):
+        super().__init__()
+        self.device = "meta"
+
+    def forward(self, x):
+        return x + torch.arange(x.shape[-1], device=self.device)
+
+
+def test_a_device_kept_outside_the_tensors_is_named_in_the_capture_error():
+    from coopt.errors import CaptureError
+
+    with pytest.raises(CaptureError, match="keeps a tensor or a device elsewhere.*make the model on that device"):
+        capture(DeviceOfItsOwn(), (torch.randn(2, 4),))
