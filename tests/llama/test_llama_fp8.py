@@ -102,7 +102,8 @@ def test_build_json_and_report_state_the_measured_accuracy_cost(built_dir):
     accuracy = json.loads((built_dir / "build.json").read_text())["accuracy"]
     assert accuracy["passes"] == [{"pass": "fp8-kv-cache",
                                    "knobs": {"granularity": "per-head", "scale-source": "calibration", "headroom": 1.0,
-                                             "smooth-k": True, "smooth-v": False, "values-only": False}}]
+                                             "smooth-k": True, "smooth-v": False, "values-only": False,
+                                             "exact-recent": 0}}]
     for key in ("max_abs_err", "max_rel_err", "top1_agreement", "mean_kl"):
         assert math.isfinite(accuracy[key]) and accuracy[key] >= 0, key
     assert accuracy["decode_steps"] == 16 and accuracy["top1_agreement"] >= MIN_TOP1, accuracy
