@@ -33,7 +33,8 @@ The pass touches no data: it records in the module attribute `coopt.fp8_kv_cache
 {"granularity", "headroom", "caches": {cache ref: scale ref}, "scales": {scale ref: [values]}
 (calibration only), with smooth-k "offsets": {cache ref: offset ref} and "offset_values":
 {offset ref: [[mean per channel] per head]}, with values-only "unit_scales": {key cache ref:
-scale ref}, key caches kept in their dtype whose scales are ones}) what the emitter (`compile.program_weights`) materialises: scale weights
+scale ref}, key caches kept in their dtype whose scales are ones}, with exact-recent "recent":
+{"window": N, "rings": {cache ref: ring ref}, "dtypes": {ring ref: dtype}}) what the emitter (`compile.program_weights`) materialises: scale weights
 from those values, per-token scale buffers from the caches' existing contents, and each cache
 quantized with its scale. Lossy: never in the default pipeline; `--kv-cache fp8` adds it.
 """
@@ -185,7 +186,7 @@ class Fp8KvCache(CooptPass):
             scales.update(self._quantize_writes(cache, scale.results[0], offset.results[0] if offset is not None else None))
             count("fp8_kv_cache.buffers")
         value_refs = _value_refs(caches)  # again: the writes above replaced the caches' views
-        exact = 0  # attentions reading their own rows exact (exact-own-row)
+        exact = 0  # attentions reading their newest keys unrounded (exact-recent)
         for attention in _attentions(op):
             if attention.k in scales and attention.v in scales:
                 attention = _give_scales(attention, scales[attention.k], scales[attention.v], self.granularity)
