@@ -187,6 +187,8 @@ class Fp8KvCache(CooptPass):
             count("fp8_kv_cache.buffers")
         value_refs = _value_refs(caches)  # again: the writes above replaced the caches' views
         exact = 0  # attentions reading their newest keys unrounded (exact-recent)
+        if self.exact_recent:
+            record["recent"] = {"window": self.exact_recent, "rings": {}, "dtypes": {}}
         for attention in _attentions(op):
             if attention.k in scales and attention.v in scales:
                 attention = _give_scales(attention, scales[attention.k], scales[attention.v], self.granularity)
@@ -194,12 +196,10 @@ class Fp8KvCache(CooptPass):
                     _add_value_offset(attention, value_refs[attention.v], record)
                 if self.exact_recent:
                     exact += _read_recent_rows_exact(attention, self.exact_recent, record)
-        if self.exact_recent:
-            if not exact:
-                raise ConfigError(
-                    "fp8-kv-cache: knob exact-recent found no attention whose queries' own rows it can tell (each "
-                    "cache written at a user input's positions, read with that input + 1 as lengths); drop the knob")
-            record.setdefault("recent", {"window": self.exact_recent, "rings": {}})
+        if self.exact_recent and not exact:
+            raise ConfigError(
+                "fp8-kv-cache: knob exact-recent found no attention whose queries' own rows it can tell (each "
+                "cache written at a user input's positions, read with that input + 1 as lengths); drop the knob")
         op.attributes[FP8_ATTR] = StringAttr(json.dumps(record, sort_keys=True))
 
     def _unit_scale(self, cache: _Cache, record: dict) -> dict[SSAValue, SSAValue]:
@@ -605,8 +605,8 @@ def _read_recent_rows_exact(attention, window: int, record: dict) -> bool:
 
 def _ring(write: Operation, rows: SSAValue, window: int, record: dict) -> SSAValue:
     """The ring of the cache `write` writes: a state buffer `<cache>.recent` [B_max, Hkv, window,
-    D] in the dtype of the rows it keeps (made once; recorded for fp8_cache.fp8_weights, which
-    fills it from the cache's newest rows at build time)."""
+    D] in the dtype of the rows it keeps (made once; recorded in record["recent"] for
+    fp8_cache.fp8_weights, which fills it from the cache's newest rows at build time)."""
     buffer = write.operands[0]
     while not isinstance(buffer.owner, WeightOp):
         buffer = buffer.owner.operands[0]  # (through the batch view and earlier writes)
@@ -619,8 +619,8 @@ def _ring(write: Operation, rows: SSAValue, window: int, record: dict) -> SSAVal
     b_max, heads, _, head_dim = weight.results[0].type.get_shape()
     ring = WeightOp(ref, TensorType(rows.type.element_type, [b_max, heads, window, head_dim]))
     Rewriter.insert_op(ring, InsertPoint.after(weight))
-    record.setdefault("recent", {"window": window, "rings": {}})["rings"][weight.ref.data] = ref
-    record["recent"].setdefault("dtypes", {})[ref] = dtype_name(ring.results[0])
+    record["recent"]["rings"][weight.ref.data] = ref
+    record["recent"]["dtypes"][ref] = dtype_name(ring.results[0])
     return ring.results[0]
 
 

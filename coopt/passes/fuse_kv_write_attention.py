@@ -31,7 +31,8 @@ Measured on the H200: -11 µs a b1 / 2048 step with the fold against the unfolde
 (bench/RESULTS.md session 14).
 
 Left alone, each with a counter `fuse.kv_write_attention.skipped.<why>`: a paged attention or
-one with per-token fp8 scales, which the write computes and stores (`paged`, `fp8`), caches not
+one with per-token fp8 scales, which the write computes and stores (`paged`, `fp8`), one whose queries read their newest rows unrounded (`exact_rows`: fp8-kv-cache's
+exact-recent; its kernel does not compute them from the folded write yet), caches not
 written by a kv_write just before (`no_write`), a write of another form (`write_form`) or
 quantizing with other scale values (`scales_differ`), written caches read elsewhere too
 (`read_elsewhere`), and a group that cannot be outlined in place (`order`).

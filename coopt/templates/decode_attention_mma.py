@@ -104,7 +104,7 @@ def mma_problem(region: RegionSummary) -> str | None:
     """Why the kernel cannot implement a decode_attention region (None: it can)."""
     q, k, v = region.inputs[:3]
     if "exact_rows_input" in region.attrs:
-        return "reads every row from the caches (no exact own rows: fp8-kv-cache's exact-own-row)"
+        return "reads every row from the caches (not the newest rows unrounded: fp8-kv-cache's exact-recent)"
     if not bf16_cache(region):
         if kv_scale(region) not in ("per-tensor", "per-head"):
             return "needs both caches in bf16, or in fp8 with per-tensor or per-head scales"

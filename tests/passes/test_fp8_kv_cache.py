@@ -419,8 +419,8 @@ def test_exact_recent_reads_what_each_write_stores_before_its_rounding_and_keeps
     # one row: no ring
     module, _, _ = run(RAISE + ",fp8-kv-cache{exact-recent=1}")
     (attention,) = ops(module, DecodeAttentionOp)
-    assert attention.k_recent is None and attention.k_exact is not None and "recent" not in json.loads(
-        module.attributes[FP8_ATTR].data)["recent"].get("rings", {})
+    assert attention.k_recent is None and attention.k_exact is not None
+    assert json.loads(module.attributes[FP8_ATTR].data)["recent"]["rings"] == {}
 
 
 class ShiftedWrite(DecodeStep):
@@ -434,11 +434,15 @@ class ShiftedWrite(DecodeStep):
         return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
 
 
-@pytest.mark.parametrize("knobs", ["exact-recent=2,granularity=per-token", "exact-recent=65", "exact-recent=-1"])
-def test_exact_recent_knob_errors(knobs):
-    with pytest.raises(ConfigError, match="exact-recent"):
-        run(RAISE + f",fp8-kv-cache{{{knobs}}}" if "65" in knobs or "-1" in knobs else
-            RAISE + ",fp8-kv-cache{exact-recent=2}", model=None if "65" in knobs or "-1" in knobs else ShiftedWrite())
+@pytest.mark.parametrize("window", [65, -1])
+def test_an_exact_recent_window_outside_0_to_64_is_a_pipeline_error(window):
+    with pytest.raises(ConfigError, match=f"exact-recent={window} must be a whole number of rows from 0 to 64"):
+        run(RAISE + f",fp8-kv-cache{{exact-recent={window}}}")
+
+
+def test_exact_recent_needs_writes_at_the_queries_own_positions():
+    with pytest.raises(ConfigError, match="exact-recent found no attention"):
+        run(RAISE + ",fp8-kv-cache{exact-recent=2}", model=ShiftedWrite())
 
 
 def dequantized(built, name: str, offset: bool) -> torch.Tensor:
