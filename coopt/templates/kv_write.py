@@ -120,7 +120,9 @@ class KvWriteFamily(TemplateFamily):
             and k_cache.shape[1] == v_cache.shape[1] == k.shape[1] == v.shape[1]
             and k.shape[2] == v.shape[2] == indexed[1] and positions.shape[0] == indexed[0]
             and positions.dtype in ("int32", "int64")
-            and k.dtype in FLOAT_DTYPES and v.dtype == k.dtype
+            # quantized, K and V may differ in dtype (exact-recent's centred keys are fp32 beside bf16
+            # values: each row is widened to fp32 before its quant); stored as they are, they match
+            and k.dtype in FLOAT_DTYPES and v.dtype in FLOAT_DTYPES and (quant != "none" or v.dtype == k.dtype)
             and k_cache.dtype == (k.dtype if values_only else cache_dtype) and v_cache.dtype == cache_dtype
             and all(len(s.shape) <= 4 and s.dtype in FLOAT_DTYPES for s in region.inputs[5:5 + 2 * rope])
             and all(s.dtype == "float32" for s in region.inputs[5 + 2 * rope:len(region.inputs) - paged])

@@ -261,3 +261,17 @@ def test_values_only_stores_keys_as_they_are_and_quantizes_the_values(load_candi
     assert torch.equal(v_out.cpu().float(), expected_v.float())
     # the K offset and per-token scales are the both-fp8 form's only
     assert not FAMILY.matches(dataclasses.replace(summary, attrs={**summary.attrs, "quant": "per-token"}))
+
+
+@pytest.mark.parametrize("quant", ["per-head", "per-token"])
+def test_fp32_keys_beside_bf16_values_each_round_from_their_own_dtype(load_candidate, quant):
+    """exact-recent's write: keys already centred in fp32 (the sub's result, which the attention
+    also reads unrounded) beside the step's bf16 values. Both caches bit-exact against torch; a
+    write that stores rows as they are still needs one dtype (index_put_'s)."""
+    summary = region(2, 2, 8, 2, 1, 32, quant=quant, dtype="bfloat16", headroom=1.25 if quant == "per-token" else None)
+    k_row = TensorSpec(summary.inputs[3].shape, "float32")
+    mixed = dataclasses.replace(summary, inputs=(*summary.inputs[:3], k_row, *summary.inputs[4:]))
+    assert FAMILY.matches(mixed)
+    check(load_candidate, mixed, [5], seed=4, magnitude=7.0)
+    plain = region(2, 2, 8, 2, 1, 32, dtype="bfloat16")
+    assert not FAMILY.matches(dataclasses.replace(plain, inputs=(*plain.inputs[:3], k_row, *plain.inputs[4:])))
