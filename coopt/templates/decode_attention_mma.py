@@ -80,7 +80,8 @@ import math
 
 from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope
 from coopt.targets import Target
-from coopt.templates.attention import FP8_CACHE_DTYPE, kv_scale, page_size
+from coopt.templates.attention import (FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem, kv_scale, page_size,
+                                       without_exact_rows)
 from coopt.templates.base import TemplateFamily, cuda_point_problem, render_template
 from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 
@@ -88,6 +89,8 @@ OPTIONAL_KNOBS = {"MEET": "global"}  # a point without it (from a cache, an olde
 MAX_CLUSTER = 8  # the portable cluster size: past it the launch needs a non-portable attribute and whole GPCs free
 HEAD_DIM = 128  # the kernel's rows: 128 elements (e4m3: eight 16-byte pieces; bf16: sixteen)
 MAX_GROUP = 8  # query heads a kv head: the PV dot's N (heads 2t, 2t + 1 of the 4 lane columns)
+MAX_RECENT = 16  # exact-recent's window: its rows in shared memory, a score a row in registers
+EXACT_DTYPES = {"float32": 4, "bfloat16": 2}  # an exact row's element bytes
 
 
 def bf16_cache(region: RegionSummary) -> bool:
@@ -100,11 +103,34 @@ def element_bytes(region: RegionSummary) -> tuple[int, int]:
     return tuple(1 if cache.dtype == FP8_CACHE_DTYPE else 2 for cache in region.inputs[1:3])
 
 
+def exact_problem(region: RegionSummary) -> str | None:
+    """Why the kernel cannot read a region's newest rows unrounded (fp8-kv-cache's exact-recent;
+    None: it can, or the region has none)."""
+    at = exact_rows_at(region)
+    if at is None:
+        return None
+    problem = exact_rows_problem(region)
+    if problem is not None:
+        return problem
+    window = region.attrs["recent"]
+    rows = region.inputs[at:at + 2]
+    rings = region.inputs[at + 2:at + 2 + 2 * (window > 1)]
+    if kv_write_inputs(region) is not None or page_size(region) is not None:
+        return "exact rows beside a folded cache write or pages: not implemented"
+    if window > MAX_RECENT:
+        return f"exact-recent windows of at most {MAX_RECENT} rows (has {window})"
+    if any(t.dtype not in EXACT_DTYPES for t in rows) or any(r.dtype != t.dtype for r, t in zip(rings, rows)):
+        return "exact rows in fp32 or bf16, each ring in its rows' dtype"
+    return None
+
+
 def mma_problem(region: RegionSummary) -> str | None:
     """Why the kernel cannot implement a decode_attention region (None: it can)."""
+    problem = exact_problem(region)
+    if problem is not None:
+        return problem
+    region = without_exact_rows(region)
     q, k, v = region.inputs[:3]
-    if "exact_rows_input" in region.attrs:
-        return "reads every row from the caches (not the newest rows unrounded: fp8-kv-cache's exact-recent)"
     if not bf16_cache(region):
         if kv_scale(region) not in ("per-tensor", "per-head"):
             return "needs both caches in bf16, or in fp8 with per-tensor or per-head scales"
@@ -120,15 +146,26 @@ def mma_problem(region: RegionSummary) -> str | None:
     return None
 
 
-def shared_bytes(params: dict, group: int, k_bytes: int = 1, v_bytes: int = 1) -> int:
+def shared_bytes(params: dict, group: int, k_bytes: int = 1, v_bytes: int = 1, window: int = 0) -> int:
     """Dynamic shared memory a block (the kernel has no static __shared__: it would move the rings
     off a 128-byte boundary): every warp's ring (K and V rows of a chunk a slot, `k_bytes` and
-    `v_bytes` a cache element), the warps' partials (m, l, acc of each head), the merge's weights
-    and sums of every split, its flag; meeting in a cluster, the block's partials too."""
+    `v_bytes` a cache element), `window` bytes of exact-recent rows, the warps' partials (m, l,
+    acc of each head), the merge's weights and sums of every split, its flag; meeting in a
+    cluster, the block's partials too."""
     warps = params["num_warps"]
     ring = params["num_stages"] * params["CHUNK"] * HEAD_DIM * (k_bytes + v_bytes)
     cluster = 4 * group * (2 + HEAD_DIM) if params.get("MEET", OPTIONAL_KNOBS["MEET"]) == "cluster" else 0
-    return warps * ring + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group) + 16 + cluster
+    return warps * ring + window + 4 * (warps * group * (2 + HEAD_DIM) + 2 * params["SPLIT"] * group) + 16 + cluster
+
+
+def window_bytes(region: RegionSummary) -> int:
+    """exact-recent's rows in shared memory: every ring slot and the own row, of K and of V."""
+    at = exact_rows_at(region)
+    if at is None:
+        return 0
+    window = region.attrs["recent"]
+    slots = (window if window > 1 else 0) + 1
+    return slots * HEAD_DIM * sum(EXACT_DTYPES[t.dtype] for t in region.inputs[at:at + 2])
 
 
 class DecodeAttentionMmaFamily(TemplateFamily):
@@ -160,6 +197,17 @@ class DecodeAttentionMmaFamily(TemplateFamily):
         return cuda_point_problem(region_shared_bytes(region, params), target)
 
     def render(self, region: RegionSummary, params: dict) -> str:
+        exact_at, window = exact_rows_at(region), region.attrs.get("recent") or 1
+        ring_write = region.attrs.get("ring_write")
+        exact = {"exact": exact_at is not None, "recent": window, "ring": exact_at is not None and window > 1,
+                 "ring_write": ring_write is not None, "kx_float": False, "vx_float": False, "ring_positions_t": "int"}
+        shared = region_shared_bytes(region, params)  # (its window's rows included)
+        if exact_at is not None:
+            exact["kx_float"], exact["vx_float"] = (t.dtype == "float32" for t in region.inputs[exact_at:exact_at + 2])
+            if ring_write is not None:
+                positions = region.inputs[ring_write["positions_input"]]
+                exact["ring_positions_t"] = "int" if positions.dtype == "int32" else "long long"
+            region = without_exact_rows(region)  # (the rest renders as the plain region)
         written, k_tables = kv_write_inputs(region), kv_write_rope(region)
         k_offset, v_offset = kv_write_offsets(region)
         scale = region.attrs.get("scale")
@@ -175,7 +223,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             num_heads=region.attrs["num_heads"],
             num_kv_heads=region.attrs["num_kv_heads"],
             scale=repr(float(scale if scale is not None else 1.0 / math.sqrt(HEAD_DIM))),
-            shared_bytes=region_shared_bytes(region, params),
+            shared_bytes=shared,
             bf16=bf16_cache(region),
             k16=k_bytes == 2,
             v16=v_bytes == 2,
@@ -192,10 +240,11 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             paged=page_size(region) is not None,
             page_size=page_size(region),
             row="table_row" if gathered else "batch",  # the rotary tables' row: the write's position, or the sequence's
+            **exact,
         )
 
 
 def region_shared_bytes(region: RegionSummary, params: dict) -> int:
-    """`shared_bytes` of a point on a region: its head group, its caches' element sizes."""
+    """`shared_bytes` of a point on a region: its head group, its caches' element sizes, its window's rows."""
     group = region.attrs["num_heads"] // region.attrs["num_kv_heads"]
-    return shared_bytes(params, group, *element_bytes(region))
+    return shared_bytes(params, group, *element_bytes(region), window_bytes(region))

@@ -33,24 +33,29 @@ BATCH, KV_HEADS, HEAD_DIM, MAX_LENGTH = 3, 2, 64, 80
 LENGTHS = [46, 3, 80]  # the window past the first position in sequence 1 (for N 4), at the cache's end in 2
 
 
-def exact_region(granularity: str, window: int, dtype: str = "bfloat16", rows_dtype: str = "float32"):
-    base = fp8_region(BATCH, 8, KV_HEADS, MAX_LENGTH, HEAD_DIM, granularity, dtype)
-    rows = TensorSpec((BATCH, KV_HEADS, 1, HEAD_DIM), rows_dtype)
-    rings = (TensorSpec((BATCH, KV_HEADS, window, HEAD_DIM), rows_dtype),) * 2 if window > 1 else ()
+def exact_region(granularity: str, window: int, dtype: str = "bfloat16", rows_dtype: str = "float32",
+                 shape=(BATCH, 8, KV_HEADS, MAX_LENGTH, HEAD_DIM)):
+    """decode_attention over fp8 caches reading each sequence's newest `window` keys unrounded;
+    `shape` = (batch, heads, kv heads, S_max, D)."""
+    batch, heads, kv_heads, max_length, head_dim = shape
+    base = fp8_region(batch, heads, kv_heads, max_length, head_dim, granularity, dtype)
+    rows = TensorSpec((batch, kv_heads, 1, head_dim), rows_dtype)
+    rings = (TensorSpec((batch, kv_heads, window, head_dim), rows_dtype),) * 2 if window > 1 else ()
     return dataclasses.replace(base, inputs=(*base.inputs, rows, rows, *rings),
                                attrs={**base.attrs, "exact_rows_input": len(base.inputs), "recent": window})
 
 
-def exact_inputs(region, window: int, seed: int = 0):
+def exact_inputs(region, window: int, seed: int = 0, lengths=LENGTHS):
     """The fp8 inputs with NaN in every cache row of the window, the exact rows and rings ~N(0, 1)."""
-    inputs = make_fp8_inputs(dataclasses.replace(region, inputs=region.inputs[:6]), LENGTHS, seed=seed)
+    inputs = make_fp8_inputs(dataclasses.replace(region, inputs=region.inputs[:6]), lengths, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     dtype = getattr(torch, region.inputs[6].dtype)
-    rows = [torch.randn(BATCH, KV_HEADS, 1, HEAD_DIM, generator=gen).to(dtype).to(DEVICE) for _ in "kv"]
-    rings = [torch.randn(BATCH, KV_HEADS, window, HEAD_DIM, generator=gen).to(dtype).to(DEVICE) for _ in "kv"] \
+    batch, kv_heads, _, head_dim = region.inputs[6].shape
+    rows = [torch.randn(batch, kv_heads, 1, head_dim, generator=gen).to(dtype).to(DEVICE) for _ in "kv"]
+    rings = [torch.randn(batch, kv_heads, window, head_dim, generator=gen).to(dtype).to(DEVICE) for _ in "kv"] \
         if window > 1 else []
     for cache in inputs[1:3]:
-        for b, length in enumerate(LENGTHS):
+        for b, length in enumerate(lengths):
             cache.view(torch.uint8)[b, :, max(0, length - window):length] = 0x7F  # e4m3 NaN
     return inputs + rows + rings
 
@@ -58,7 +63,7 @@ def exact_inputs(region, window: int, seed: int = 0):
 def expected(region, window: int, inputs) -> torch.Tensor:
     """Each sequence over the dequantized cache with its window's rows replaced (fp32 SDPA)."""
     q, k, v, lengths, k_scale, v_scale, k_own, v_own, *rings = inputs
-    granularity, group = region.attrs["kv_scale"], 8 // KV_HEADS
+    granularity, group = region.attrs["kv_scale"], q.shape[1] // k.shape[1]
     keys, values = (dequantize(c, s, granularity, q.dtype).float() for c, s in ((k, k_scale), (v, v_scale)))
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b, length in enumerate(lengths.tolist()):
@@ -90,7 +95,7 @@ def test_bf16_rows_and_the_schema(load_candidate):
     (out,) = run_candidate(load_candidate, region, FP8_FMA, inputs)
     torch.testing.assert_close(out.float(), expected(region, 4, inputs), rtol=2e-2, atol=2e-2)
     assert FAMILY.matches(region) and FAMILY.check(region, FP8_FMA, H200) is None
-    # the CUDA family reads every row from the cache: not for these regions
+    # the CUDA family takes D = 128 only (tests/templates/test_decode_attention_mma_exact.py)
     assert not DecodeAttentionMmaFamily().matches(region)
     # rings missing, of another window, or rows of the wrong shape: not this schema
     assert not FAMILY.matches(dataclasses.replace(region, inputs=region.inputs[:-2]))
@@ -155,6 +160,28 @@ def test_prompt_schema():
     assert not PROMPT.matches(dataclasses.replace(region, inputs=(*region.inputs[:6], short, short, *region.inputs[8:])))
 
 
+def with_ring_write(region, per_row: bool):
+    """The region storing the step's rows into its rings (attrs "ring_write"): positions last, the
+    rings written in place."""
+    positions = TensorSpec((region.inputs[0].shape[0],) if per_row else (1,), "int64")
+    at = region.attrs["exact_rows_input"]
+    return dataclasses.replace(region, inputs=(*region.inputs, positions),
+                               outputs=(region.inputs[at + 2], region.inputs[at + 3], *region.outputs),
+                               attrs={**region.attrs, "ring_write": {"positions_input": len(region.inputs), "per_row": per_row},
+                                      "inplace": [at + 2, at + 3]})
+
+
+def rings_after_write(inputs, written, window: int):
+    """The rings as the step leaves them: each sequence's own row at slot written[b] % window."""
+    rings = [r.clone() for r in inputs[-2:]]
+    per_row = written.numel() > 1
+    for b in range(rings[0].shape[0]):
+        slot = int(written[b if per_row else 0]) % window
+        for ring, rows in zip(rings, inputs[6:8]):
+            ring[b, :, slot] = rows[b, :, 0]
+    return rings
+
+
 @pytest.mark.parametrize("per_row", [False, True], ids=["shared-position", "per-row"])
 @pytest.mark.parametrize("params", [FP8_FMA, FP8_DOT], ids=["fma", "dot-four-splits"])
 def test_a_decode_step_writes_its_rows_into_the_rings_after_reading_them(per_row, params, load_candidate):
@@ -162,21 +189,12 @@ def test_a_decode_step_writes_its_rows_into_the_rings_after_reading_them(per_row
     sequence's own row at slot positions[b] % N of both rings, every other slot unchanged."""
     window = 4
     base = exact_region("per-head", window)
-    positions = TensorSpec((BATCH,) if per_row else (1,), "int64")
-    at = base.attrs["exact_rows_input"]
-    region = dataclasses.replace(base, inputs=(*base.inputs, positions),
-                                 outputs=(base.inputs[at + 2], base.inputs[at + 3], *base.outputs),
-                                 attrs={**base.attrs, "ring_write": {"positions_input": len(base.inputs), "per_row": per_row},
-                                        "inplace": [at + 2, at + 3]})
+    region = with_ring_write(base, per_row)
     assert FAMILY.matches(region) and not PROMPT.matches(region)
     inputs = exact_inputs(base, window, seed=2)
     written = torch.tensor([45, 2, 79] if per_row else [45], dtype=torch.int64, device=DEVICE)
     want = expected(base, window, inputs)
-    rings = [r.clone() for r in inputs[-2:]]
-    for b in range(BATCH):
-        slot = int(written[b if per_row else 0]) % window
-        for ring, rows in zip(rings, inputs[6:8]):
-            ring[b, :, slot] = rows[b, :, 0]
+    rings = rings_after_write(inputs, written, window)
     k_ring, v_ring, out = run_candidate(load_candidate, region, params, inputs + [written])
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
     assert torch.equal(k_ring.cpu(), rings[0].cpu()) and torch.equal(v_ring.cpu(), rings[1].cpu())
