@@ -67,7 +67,7 @@ def test_the_newest_rows_come_from_the_exact_inputs(load_candidate, form, window
     module = load_candidate(MMA.render(exact, FORMS[form]), "mma_exact")
     for _ in range(2):  # the merge's counters are zero again after a launch
         (out,) = module.run(*inputs)
-        check_attention(out, expected(exact, window, inputs))
+        check_attention(out, expected(exact, window, inputs, torch.float64))
 
 
 @pytest.mark.gpu
@@ -77,7 +77,7 @@ def test_a_decode_step_writes_its_rows_into_the_rings_after_reading_them(load_ca
     plain = region(window)
     inputs = exact_inputs(plain, window, seed=2, lengths=LENGTHS["edges"])
     written = torch.tensor([256, 3, 511], dtype=torch.int64, device="cuda")  # each sequence's own position
-    want, rings = expected(plain, window, inputs), rings_after_write(inputs, written, window)
+    want, rings = expected(plain, window, inputs, torch.float64), rings_after_write(inputs, written, window)
     module = load_candidate(MMA.render(region(window, ring_write=True), FORMS[form]), "mma_ring_write")
     k_ring, v_ring, out = module.run(*inputs, written)
     check_attention(out, want)
