@@ -59,6 +59,7 @@
 #   bash bench/gpu_session.sh exact-recent  # the harness with fp8-recent, its kernel's GPU tests, a transformers GPU test (~9.5 min)
 #   bash bench/gpu_session.sh fp8-recent-b32  # b32 / 2048: reduce-overhead, coopt-fp8, coopt-fp8-recent (~6 min)
 #   bash bench/gpu_session.sh fp8-recent-mma  # the CUDA attention's exact-recent GPU tests, then fp8-recent-b32 (~8.5 min)
+#   bash bench/gpu_session.sh fp8-recent-fold  # exact-recent's folded write's GPU tests, then fp8-recent-b32 (~9.5 min)
 #   bash bench/gpu_session.sh pending-43  # session 43's exact-recent tests, transformers' remaining GPU tests (~9 min)
 #   bash bench/gpu_session.sh pending    # sessions 39-41's CPU work built and run on the GPU (~5 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
@@ -404,6 +405,15 @@ case "${1:-}" in
             "tests/e2e/test_transformers_llama.py::test_a_transformers_decode_step_builds_as_the_projects_own_llama[mistral]" \
             tests/e2e/test_transformers_llama.py::test_a_sliding_window_shorter_than_the_cache_stays_sdpa \
             tests/e2e/test_transformers_llama.py::test_a_transformers_prompt_chunk_attends_over_the_cache
+        ;;
+    fp8-recent-fold)  # issue 4, session 44: exact-recent's write folded into the attention (Triton and CUDA), the
+        # kv_write's exact outputs, the pending exact-recent kernel tests; then b32 / 2048 fp8 against fp8-recent (~9.5 min)
+        step 150 exact-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/templates/test_decode_attention_mma_exact.py tests/templates/test_decode_attention_exact_folded.py \
+            tests/templates/test_decode_attention_exact_recent.py tests/templates/test_kv_write.py
+        step 400 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8,coopt-fp8-recent \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_recent_b32.json" --build-dir /tmp/coopt-recent
+        reports reports_recent coopt-recent
         ;;
     fp8-recent-mma)  # issue 4, session 44: the CUDA attention reading the window (its GPU tests), then b32 / 2048
         # with --kv-cache fp8 and fp8-recent in one run (the kv_write over fp32 keys now a template) (~8.5 min)

@@ -44,6 +44,13 @@ B from the written value's batch (`sym_size(value, 0)`: the outer B is a size fr
 region): the kernel writes rows [0, B) (per-token: of the scale buffers too). Counted
 `fuse.kv_write.batch_view`.
 
+exact-recent (fp8-kv-cache): where attentions (and ring writes) also read a quantized write's
+rows before rounding, those rows no longer stop the walk at the quantize: the region takes K's
+rope and centring as ever and outputs the rows it computes before rounding (attrs
+"exact_outputs": ["k"] / ["k", "v"], after the written buffers), which those readers then read.
+One launch where a rope kernel, a sub and the write were three (bench/RESULTS.md session 44).
+Counted `fuse.kv_write.exact_rows`.
+
 Left unfused, each with a counter `fuse.kv_write.skipped.<why>`: a write into another slice of the
 cache (`sliced_cache`), a value that is not the whole indexed shape
 (index_put_ would broadcast it over the batch), per-token fp8 whose scales are not that
@@ -145,6 +152,13 @@ class FuseKvWrite(CooptPass):
             attrs.update({"page_size": k.paged.page_size, "page_table_input": len(inputs) - 1, "pool_input": 0})
             if rows is not None:
                 attrs["index_bound"] = [len(inputs) - 1, 1]
+        # exact-recent: the rows before rounding that attentions also read unrounded (K's rope and
+        # centring now inside), after the written buffers
+        exact = [(name, w.exact_rows) for name, w in (("k", k), ("v", v)) if w.exact_rows is not None]
+        if exact:
+            attrs["exact_outputs"] = [name for name, _ in exact]
+            outputs += [rows_value for _, rows_value in exact]
+            count("fuse.kv_write.exact_rows")
         # a value passed twice (one scale weight for K and V) is two kernel inputs, in schema order
         outline(ops, "kv_write", attrs, inputs=inputs, outputs=outputs)
         count("fuse.kv_write")
@@ -235,6 +249,9 @@ def _normalize(write: Write) -> list[Operation]:
         centre = AtenOp(old.target.data, old.call, [value, old.inputs[1]],
                         [TensorType(old.results[0].type.element_type, value.type.get_shape(), value.type.encoding)])
         Rewriter.insert_op(centre, InsertPoint.before(write.update))
+        if write.exact_rows is old.results[0]:  # exact-recent's readers read the region's output of it
+            old.results[0].replace_all_uses_with(centre.results[0])
+            write.exact_rows = centre.results[0]
         write.centre = centre
         value = centre.results[0]
         ops.append(centre)

@@ -83,8 +83,6 @@ def _fold(attention: KernelOp) -> str | None:
         return "fp8"
     if attrs.get("kv_write"):
         return "folded"
-    if "exact_rows_input" in attrs:  # (the kernel reads the own row from its inputs; not folded yet)
-        return "exact_rows"
     (k_write, k_views), (v_write, v_views) = (_written_by(attention.inputs[i]) for i in (1, 2))
     write = k_write.owner if k_write is not None else None
     if not (isinstance(write, KernelOp) and write.family.data == "kv_write"
@@ -94,12 +92,16 @@ def _fold(attention: KernelOp) -> str | None:
     if (write_attrs.get("quant", "none") != (granularity or "none") or write_attrs.get("page_size")
             or write_attrs.get("positions")):
         return "write_form"
+    exact = _exact_rows(attention, write)
+    if isinstance(exact, str):
+        return exact
+    attrs, own_inputs, rings = exact
     rope = bool(write_attrs.get("rope"))
     # an fp8 write quantizes with the attention's own scales (values-only: V's alone), the same
     # values: the kernel has one k_scale and one v_scale input
     first_scale = 5 + 2 * rope
     scales = 0 if granularity is None else 1 if write_attrs.get("values_only") else 2
-    if list(write.inputs[first_scale:first_scale + scales]) != list(attention.inputs[len(attention.inputs) - scales:]):
+    if list(write.inputs[first_scale:first_scale + scales]) != list(own_inputs[len(own_inputs) - scales:]):
         return "scales_differ"
     offsets = list(write.inputs[first_scale + scales:])  # smooth-k's / smooth-v's, in that order
     views = k_views + v_views
@@ -109,15 +111,15 @@ def _fold(attention: KernelOp) -> str | None:
     if not can_outline([write, *views, attention]):
         return "order"
     caches, written_inputs = list(write.inputs[:2]), list(write.inputs[2:5])
-    folded = {"positions_input": len(attention.inputs), "rope": rope}
+    folded = {"positions_input": len(own_inputs), "rope": rope}
     if rope:
         # K's cos and sin: the query's own tables when they are the same values (a Llama layer
         # gathers them once), so that no value is two inputs (verification would draw two)
         tables = list(write.inputs[5:7])
-        shared = attrs.get("rope") and tables == list(attention.inputs[4:6])
-        folded["rope_tables_input"] = 4 if shared else len(attention.inputs) + 3
+        shared = attrs.get("rope") and tables == list(own_inputs[4:6])
+        folded["rope_tables_input"] = 4 if shared else len(own_inputs) + 3
         written_inputs += [] if shared else tables
-    inputs = [attention.inputs[0], *caches, *attention.inputs[3:], *written_inputs]
+    inputs = [own_inputs[0], *caches, *own_inputs[3:], *written_inputs]
     gathers = _own_gathers(inputs, _table_indices(attrs, folded), written_inputs[0], (write, attention),
                            rows=caches[0].type.get_shape()[2])
     if gathers:  # the tables whole, read at the position in the kernel (their gathers in its body)
@@ -135,12 +137,42 @@ def _fold(attention: KernelOp) -> str | None:
     named = [knob for knob in ("k_offset", "v_offset") if write_attrs.get(knob)]
     folded.update({f"{knob}_input": len(inputs) + i for i, knob in enumerate(named)})
     inputs += offsets
+    inplace = [1, 2]
+    if rings:  # exact-recent's rings last, written in place at the step's position
+        attrs["rings_input"] = len(inputs)
+        inplace += [len(inputs), len(inputs) + 1]
+        inputs += rings
     write_ops, written = inline(write)
-    attention_ops, (out,) = inline(attention)
+    attention_ops, (*ring_outputs, out) = inline(attention)
+    # (an exact write's rows before rounding, which the attention read, are inside the region now)
     outline([*gathers, *write_ops, *views, *attention_ops], "decode_attention",
-            {**attrs, "kv_write": folded, "inplace": [1, 2]},
-            inputs=inputs, outputs=[*written, out])
+            {**attrs, "kv_write": folded, "inplace": inplace},
+            inputs=inputs, outputs=[*written[:2], *ring_outputs, out])
+    if "exact_rows" in attrs:
+        count("fuse.kv_write_attention.exact_rows")
     return None
+
+
+def _exact_rows(attention: KernelOp, write: KernelOp) -> tuple[dict, list[SSAValue], list[SSAValue]] | str:
+    """(the folded region's attrs so far, the attention's inputs but its exact rows', its rings)
+    where the attention reads exactly what `write` computes before rounding as its own rows and
+    writes its rings at the write's position (fp8-kv-cache's exact-recent, one position for every
+    sequence); the attention as it is where it reads no exact rows; else why not."""
+    attrs = attention.family_attrs
+    at = attrs.get("exact_rows_input")
+    if at is None:
+        return attrs, list(attention.inputs), []
+    window, names = attrs["recent"], write.family_attrs.get("exact_outputs", [])
+    # the rows before rounding: the write's output of them, or its k / v input where it rounds them as they are
+    computed = [write.results[2 + names.index(name)] if name in names else write.inputs[3 + i] for i, name in enumerate("kv")]
+    if list(attention.inputs[at:at + 2]) != computed:
+        return "exact_rows"
+    ring_write, rings = attrs.get("ring_write"), list(attention.inputs[at + 2:at + 4]) if window > 1 else []
+    if rings and (not isinstance(ring_write, dict) or ring_write.get("per_row")
+                  or attention.inputs[ring_write["positions_input"]] is not write.inputs[2]):
+        return "exact_rows"  # (the rings written elsewhere, or at other positions)
+    folded = {k: v for k, v in attrs.items() if k not in ("exact_rows_input", "ring_write", "inplace")}
+    return {**folded, "exact_rows": "folded"}, list(attention.inputs[:at]), rings
 
 
 def _table_indices(attrs: dict, folded: dict) -> list[int]:

@@ -16,7 +16,7 @@ from xdsl.ir import Operation, SSAValue
 
 from coopt.ir.dialect import KernelOp, QuantizeFp8Op, RopeOp, StateUpdateOp, WeightOp
 from coopt.passes.base import aten_arange, aten_target, literal_arg, tensor_arg
-from coopt.passes.fp8_kv_cache import RowScales, read_row_scales
+from coopt.passes.fp8_kv_cache import RING_WRITE, RowScales, read_row_scales
 from coopt.passes.fusion_common import only_user
 from coopt.passes.paged_kv import PagedWrite, read_paged_write
 from coopt.passes.shapes import dims
@@ -57,6 +57,9 @@ class Write:
     scales: ScaleWrite | None = None  # per-token fp8: the scales' computation and write
     batch_view: Operation | None = None  # a dynamic batch's write through slice(cache, 0, 0, B)
     centre: Operation | None = None  # smooth-k / smooth-v: the sub of the cache's offset weight between rope and quantize
+    # the rows before rounding where attentions read them unrounded too (fp8-kv-cache's
+    # exact-recent): computed inside the region, which outputs them
+    exact_rows: SSAValue | None = None
 
     def updates(self) -> list[tuple[StateUpdateOp, PagedWrite | None]]:
         """The writes of the region: the cache's, and its scale buffer's (per-token)."""
@@ -164,19 +167,42 @@ def _read_only_by(value: SSAValue, user: Operation, scales: RowScales | None) ->
     return {use.operation for use in value.uses} == {user, *others}
 
 
+def _read_exactly(value: SSAValue, user: Operation) -> bool:
+    """Whether `user` reads `value` as rows it keeps unrounded (fp8-kv-cache's exact-recent): an
+    attention's k_exact / v_exact (raised or a region's), or a ring write's rows."""
+    if isinstance(user, KernelOp):
+        at = user.family_attrs.get("exact_rows_input")
+        return at is not None and value in tuple(user.operands[at:at + 2])
+    if isinstance(user, StateUpdateOp):
+        return user.target.data == RING_WRITE and user.operands[2] is value
+    return value in (getattr(user, "k_exact", None), getattr(user, "v_exact", None))
+
+
 def _value_chain(update: StateUpdateOp, value: SSAValue, absorb_rope: bool):
-    """(source, views, rope, quantize, scales, centre): walk back from the written value through
-    single-use views that only drop or add leading size-1 dims, one quantize_fp8, the sub of a
-    smoothed cache's offset before it (`centre`) and (when `absorb_rope`) one rope. `source` is the
-    value before all of them (the region's k or v input). Per-token `scales` computed from the
-    quantized rows (else None): their abs is the rows' other reader."""
+    """(source, views, rope, quantize, scales, centre, exact_rows): walk back from the written
+    value through single-use views that only drop or add leading size-1 dims, one quantize_fp8,
+    the sub of a smoothed cache's offset before it (`centre`) and (when `absorb_rope`) one rope.
+    `source` is the value before all of them (the region's k or v input). Per-token `scales`
+    computed from the quantized rows (else None): their abs is the rows' other reader. The
+    quantize's input may also be read unrounded (exact-recent's attentions and ring writes):
+    `exact_rows`, which the region then outputs (None where that is `source` itself)."""
     views: list[Operation] = []
-    rope = quantize = scales = centre = None
+    rope = quantize = scales = centre = exact_rows = None
+    stop_at_exact = None  # the walk's result had it stopped at the exact rows
     user: Operation = update
-    while _read_only_by(value, user, scales):
+    while True:
+        if not _read_only_by(value, user, scales):
+            exact = quantize is not None and user is quantize and exact_rows is None
+            others = {use.operation for use in value.uses} - {user}
+            if not (exact and others and all(_read_exactly(value, other) for other in others)):
+                break
+            exact_rows, stop_at_exact = value, (value, list(views), rope, quantize, scales, centre, None)
         producer = value.owner
         target = getattr(producer, "target", None)
-        if target is not None and not isinstance(producer, StateUpdateOp) and target.data in _VIEWS:
+        # (views are bypassed, not in the region: the exact rows must be what the region computes,
+        # its centring, rebuilt on the 4-D value below)
+        if target is not None and not isinstance(producer, StateUpdateOp) and target.data in _VIEWS \
+                and (exact_rows is None or centre is not None):
             source = producer.inputs[0]
             if _strip_leading_ones(dims(source)) != _strip_leading_ones(dims(value)):
                 break
@@ -195,7 +221,10 @@ def _value_chain(update: StateUpdateOp, value: SSAValue, absorb_rope: bool):
         user, value = producer, source
         if rope is not None:
             break
-    return value, views, rope, quantize, scales, centre
+    if exact_rows is not None and centre is not None \
+            and dims(rope.results[0] if rope is not None else value) != dims(exact_rows):
+        return stop_at_exact  # (the centring rebuilt on the 4-D value would not be the rows read)
+    return value, views, rope, quantize, scales, centre, None if exact_rows is value else exact_rows
 
 
 def _cache_offset(op) -> SSAValue | None:
@@ -231,7 +260,7 @@ def read_write(update: StateUpdateOp, absorb_rope: bool, absorb_quantize: bool) 
         user = select
     else:
         user = paged.index_ops[-1] if paged is not None else update  # a paged shared write stores permute(x)
-    source, chain_views, rope, quantize, scales, centre = _value_chain(user, value, absorb_rope)
+    source, chain_views, rope, quantize, scales, centre, exact_rows = _value_chain(user, value, absorb_rope)
     views += chain_views
     if quantize is not None and not absorb_quantize:
         return "quantized"
@@ -243,7 +272,8 @@ def read_write(update: StateUpdateOp, absorb_rope: bool, absorb_quantize: bool) 
         return "shape"  # not the whole indexed shape: index_put_ would broadcast it
     # the first B rows of a dynamic batch: the region takes the whole buffer
     whole, view = _whole_buffer(cache)
-    write = Write(update, whole, positions, source, views, rope, quantize, rows, paged, batch_view=view, centre=centre)
+    write = Write(update, whole, positions, source, views, rope, quantize, rows, paged, batch_view=view, centre=centre,
+                  exact_rows=exact_rows)
     if quantize is not None and quantize.granularity.data == "per-token":
         write.scales = _scale_write(write, scales)
         if write.scales is None:

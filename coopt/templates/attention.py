@@ -143,8 +143,23 @@ def exact_rows_at(region: RegionSummary) -> int | None:
     return region.attrs.get("exact_rows_input")
 
 
+# A decode step's exact-recent attention with its cache write folded in (fuse-kv-write-attention;
+# attrs "exact_rows": "folded", "recent", "rings_input" where recent > 1): no k_exact / v_exact
+# inputs, the own rows being what the folded write stores before rounding (rope(k_new), less
+# K's offset; v_new, less V's), and the rings last, written in place at slot positions[0] %
+# recent (inplace [1, 2, r, r + 1]; outputs the caches, the rings, the attention's output).
+def folded_exact(region: RegionSummary) -> bool:
+    """Whether the region's own exact rows are its folded write's rows before rounding."""
+    return region.attrs.get("exact_rows") == "folded"
+
+
 def without_exact_rows(region: RegionSummary) -> RegionSummary:
     """The region less its exact rows, rings and ring write, for the checks of the rest of its schema."""
+    if folded_exact(region):
+        rings = region.attrs.get("rings_input")
+        attrs = {k: v for k, v in region.attrs.items() if k not in ("exact_rows", "recent", "rings_input")}
+        outputs = region.outputs if rings is None else (*region.outputs[:2], region.outputs[-1])
+        return dataclasses.replace(region, inputs=region.inputs[:rings], outputs=outputs, attrs={**attrs, "inplace": [1, 2]})
     at = exact_rows_at(region)
     if at is None:
         return region
@@ -154,11 +169,66 @@ def without_exact_rows(region: RegionSummary) -> RegionSummary:
     return dataclasses.replace(region, inputs=region.inputs[:at], outputs=region.outputs[-1:], attrs=attrs)
 
 
+def _rings_problem(region: RegionSummary, rings, window: int) -> str | None:
+    q, k = region.inputs[:2]
+    batch = q.shape[0]
+    if any(tuple(t.shape[1:]) != (k.shape[1], window, q.shape[3])
+           or not (t.shape[0] == batch or not isinstance(batch, int) or (isinstance(t.shape[0], int) and t.shape[0] >= batch))
+           for t in rings):
+        return f"the rings are not [B_max >= B, Hkv, {window}, D]"
+    return None
+
+
+def _folded_exact_problem(region: RegionSummary) -> str | None:
+    """Why a folded exact region breaks its schema (None: it fits)."""
+    window, folded = region.attrs.get("recent"), region.attrs.get("kv_write")
+    if not isinstance(window, int) or window < 1 or kv_scale(region) not in ("per-tensor", "per-head") \
+            or not isinstance(folded, dict):
+        return "folded exact rows need a folded write into fp8 caches with per-tensor or per-head scales, recent >= 1"
+    at = region.attrs.get("rings_input")
+    rings = region.inputs[at:] if at is not None else ()
+    if (window > 1) != (at is not None) or len(rings) != 2 * (window > 1):
+        return "folded exact rows: the two rings last where recent > 1"
+    k_new, v_new = region.inputs[folded["positions_input"] + 1:folded["positions_input"] + 3]
+    want = ["float32" if folded.get("k_offset_input") is not None else k_new.dtype,
+            "float32" if folded.get("v_offset_input") is not None else v_new.dtype]
+    if [t.dtype for t in rings] != want[:len(rings)]:
+        return f"the rings hold the rows before rounding: {' and '.join(want)}"
+    inplace = [1, 2, at, at + 1] if rings else [1, 2]
+    if list(region.attrs.get("inplace") or ()) != inplace or len(region.outputs) != len(inplace) + 1 \
+            or [o.dtype for o in region.outputs[2:-1]] != [t.dtype for t in rings]:
+        return "folded exact rows: the caches, then the rings, written in place, then the output"
+    return _rings_problem(region, rings, window)
+
+
 def exact_rows_problem(region: RegionSummary) -> str | None:
     """Why the exact rows and rings break their schema (None: they fit, or there are none)."""
+    if folded_exact(region):
+        return _folded_exact_problem(region)
     at, window = exact_rows_at(region), region.attrs.get("recent")
     if at is None:
         return None
+    if not isinstance(window, int) or window < 1 or kv_scale(region) is None:
+        return "exact rows need an fp8 cache and attrs recent >= 1"
+    q, k = region.inputs[:2]
+    written = region.attrs.get("ring_write")
+    rings_end = at + 2 + 2 * (window > 1)
+    rows, rings = region.inputs[at:at + 2], region.inputs[at + 2:rings_end]
+    if len(rows) != 2 or len(rings) != 2 * (window > 1) or any(t.dtype not in _TL_DTYPE for t in (*rows, *rings)):
+        return f"exact rows: k_exact, v_exact{' and two rings' if window > 1 else ''} of floats last"
+    if written is not None:
+        positions = region.inputs[rings_end:]
+        if (window == 1 or q.shape[2] != 1 or written.get("positions_input") != rings_end or len(positions) != 1
+                or positions[0].dtype not in ("int32", "int64")
+                or tuple(positions[0].shape) != ((q.shape[0],) if written.get("per_row") else (1,))
+                or list(region.attrs.get("inplace") or ()) != [at + 2, at + 3] or len(region.outputs) != 3
+                or [o.dtype for o in region.outputs[:2]] != [r.dtype for r in rings]):
+            return "a ring write: a decode step's positions last, the two rings written in place, then the output"
+    elif len(region.inputs) != rings_end:
+        return "inputs past the exact rows and rings"
+    if any(tuple(t.shape) != (q.shape[0], k.shape[1], q.shape[2], q.shape[3]) for t in rows):
+        return "k_exact / v_exact are not [B, Hkv, T, D] of the query's B, T and D"
+    return _rings_problem(region, rings, window)
     if not isinstance(window, int) or window < 1 or kv_scale(region) is None:
         return "exact rows need an fp8 cache and attrs recent >= 1"
     q, k = region.inputs[:2]

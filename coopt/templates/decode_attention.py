@@ -142,8 +142,8 @@ import math
 from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope, rope_at
 from coopt.targets import Target
 from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem,
-                                       kv_cache_problem, kv_element_bytes, kv_scale, page_size, paged_problem,
-                                       paged_schema_ok, without_exact_rows)
+                                       folded_exact, kv_cache_problem, kv_element_bytes, kv_scale, page_size,
+                                       paged_problem, paged_schema_ok, without_exact_rows)
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 # knobs some regions' spaces add, and their value where a point leaves them out
@@ -469,8 +469,9 @@ class DecodeAttentionFamily(TemplateFamily):
             kv_rope=k_tables is not None,
             kv_own_tables=k_tables is not None and k_tables == written + 3,  # else the query's
             gathered=gathered_tables(region),
-            exact_rows=exact_rows_at(region) is not None,
+            exact_rows=exact_rows_at(region) is not None or folded_exact(region),
+            exact_folded=folded_exact(region),  # the own rows the folded write's, the rings its positions'
             recent=region.attrs.get("recent"),
             ring=(region.attrs.get("recent") or 1) > 1,
-            ring_write="ring_write" in region.attrs,
+            ring_write="ring_write" in region.attrs or (folded_exact(region) and region.attrs["recent"] > 1),
         )

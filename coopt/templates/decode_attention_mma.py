@@ -80,8 +80,8 @@ import math
 
 from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope
 from coopt.targets import Target
-from coopt.templates.attention import (FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem, kv_scale, page_size,
-                                       without_exact_rows)
+from coopt.templates.attention import (FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem, folded_exact, kv_scale,
+                                       page_size, without_exact_rows)
 from coopt.templates.base import TemplateFamily, cuda_point_problem, render_template
 from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 
@@ -103,23 +103,36 @@ def element_bytes(region: RegionSummary) -> tuple[int, int]:
     return tuple(1 if cache.dtype == FP8_CACHE_DTYPE else 2 for cache in region.inputs[1:3])
 
 
+def exact_rows_dtypes(region: RegionSummary) -> tuple[str, str] | None:
+    """The dtypes of a region's exact rows (K's, V's: fp8-kv-cache's exact-recent), else None: its
+    k_exact / v_exact inputs', or folded, what its write computes before rounding (fp32 where it
+    subtracts an offset, else k_new's / v_new's)."""
+    if folded_exact(region):
+        k_offset, v_offset = kv_write_offsets(region)
+        written = kv_write_inputs(region)
+        k_new, v_new = region.inputs[written + 1:written + 3]
+        return ("float32" if k_offset is not None else k_new.dtype, "float32" if v_offset is not None else v_new.dtype)
+    at = exact_rows_at(region)
+    return None if at is None else (region.inputs[at].dtype, region.inputs[at + 1].dtype)
+
+
 def exact_problem(region: RegionSummary) -> str | None:
     """Why the kernel cannot read a region's newest rows unrounded (fp8-kv-cache's exact-recent;
     None: it can, or the region has none)."""
-    at = exact_rows_at(region)
-    if at is None:
+    dtypes = exact_rows_dtypes(region)
+    if dtypes is None:
         return None
     problem = exact_rows_problem(region)
     if problem is not None:
         return problem
     window = region.attrs["recent"]
-    rows = region.inputs[at:at + 2]
-    rings = region.inputs[at + 2:at + 2 + 2 * (window > 1)]
-    if kv_write_inputs(region) is not None or page_size(region) is not None:
-        return "exact rows beside a folded cache write or pages: not implemented"
+    if page_size(region) is not None or (kv_write_inputs(region) is not None and not folded_exact(region)):
+        return "exact rows through pages: not implemented"
     if window > MAX_RECENT:
         return f"exact-recent windows of at most {MAX_RECENT} rows (has {window})"
-    if any(t.dtype not in EXACT_DTYPES for t in rows) or any(r.dtype != t.dtype for r, t in zip(rings, rows)):
+    at = exact_rows_at(region)
+    rings = region.inputs[at + 2:at + 2 + 2 * (window > 1)] if at is not None else ()
+    if any(t not in EXACT_DTYPES for t in dtypes) or any(r.dtype != t for r, t in zip(rings, dtypes)):
         return "exact rows in fp32 or bf16, each ring in its rows' dtype"
     return None
 
@@ -160,12 +173,12 @@ def shared_bytes(params: dict, group: int, k_bytes: int = 1, v_bytes: int = 1, w
 
 def window_bytes(region: RegionSummary) -> int:
     """exact-recent's rows in shared memory: every ring slot and the own row, of K and of V."""
-    at = exact_rows_at(region)
-    if at is None:
+    dtypes = exact_rows_dtypes(region)
+    if dtypes is None:
         return 0
     window = region.attrs["recent"]
     slots = (window if window > 1 else 0) + 1
-    return slots * HEAD_DIM * sum(EXACT_DTYPES[t.dtype] for t in region.inputs[at:at + 2])
+    return slots * HEAD_DIM * sum(EXACT_DTYPES[t] for t in dtypes)
 
 
 class DecodeAttentionMmaFamily(TemplateFamily):
@@ -197,13 +210,15 @@ class DecodeAttentionMmaFamily(TemplateFamily):
         return cuda_point_problem(region_shared_bytes(region, params), target)
 
     def render(self, region: RegionSummary, params: dict) -> str:
-        exact_at, window = exact_rows_at(region), region.attrs.get("recent") or 1
+        dtypes, window = exact_rows_dtypes(region), region.attrs.get("recent") or 1
         ring_write = region.attrs.get("ring_write")
-        exact = {"exact": exact_at is not None, "recent": window, "ring": exact_at is not None and window > 1,
-                 "ring_write": ring_write is not None, "kx_float": False, "vx_float": False, "ring_positions_t": "int"}
+        folded = folded_exact(region)
+        exact = {"exact": dtypes is not None, "exact_folded": folded, "recent": window,
+                 "ring": dtypes is not None and window > 1, "ring_write": ring_write is not None or (folded and window > 1),
+                 "kx_float": False, "vx_float": False, "ring_positions_t": "int"}
         shared = region_shared_bytes(region, params)  # (its window's rows included)
-        if exact_at is not None:
-            exact["kx_float"], exact["vx_float"] = (t.dtype == "float32" for t in region.inputs[exact_at:exact_at + 2])
+        if dtypes is not None:
+            exact["kx_float"], exact["vx_float"] = (t == "float32" for t in dtypes)
             if ring_write is not None:
                 positions = region.inputs[ring_write["positions_input"]]
                 exact["ring_positions_t"] = "int" if positions.dtype == "int32" else "long long"

@@ -13,6 +13,11 @@ Region schema (coopt.ir.region, docs/kv-cache.md):
     Per row ("positions": "per-row", a ragged decode step): positions [B], k, v [B, Hkv, 1, D]:
     cache[b, :, positions[b]] = quant(rope(k[b, :, 0])), each sequence at its own position.
 
+    Exact rows (fp8-kv-cache's exact-recent; attrs "exact_outputs": ["k"], ["v"] or ["k", "v"],
+    quant per-tensor or per-head): after the written buffers, outputs [B, Hkv, T, D] of the rows
+    as they are before rounding, rope(k) - k_offset (fp32 with an offset, else k's dtype) and
+    v - v_offset (fp32), which attentions read unrounded.
+
     Values only (fp8-kv-cache's values-only; attrs "values_only": true, quant per-tensor or
     per-head): k_cache stays in k's dtype, v_cache float8_e4m3fn, and one scale input, v_scale:
     cache[..] = rope(k) for K, quant(v) for V.
@@ -92,7 +97,11 @@ class KvWriteFamily(TemplateFamily):
         inplace = [0, 1, 5 + 2 * rope, 6 + 2 * rope] if quant == "per-token" else [0, 1]
         if len(region.inputs) != want_inputs or list(attrs.get("inplace") or ()) != inplace:
             return False
-        if len(region.outputs) != len(inplace):
+        exact = attrs.get("exact_outputs", [])
+        if not (isinstance(exact, list) and exact in ([], ["k"], ["v"], ["k", "v"])) \
+                or (exact and quant not in ("per-tensor", "per-head")):
+            return False
+        if len(region.outputs) != len(inplace) + len(exact):
             return False
         k_cache, v_cache, positions, k, v = region.inputs[:5]
         if any(len(s.shape) != 4 for s in (k_cache, v_cache, k, v)) or len(positions.shape) != 1:
@@ -126,8 +135,17 @@ class KvWriteFamily(TemplateFamily):
             and k_cache.dtype == (k.dtype if values_only else cache_dtype) and v_cache.dtype == cache_dtype
             and all(len(s.shape) <= 4 and s.dtype in FLOAT_DTYPES for s in region.inputs[5:5 + 2 * rope])
             and all(s.dtype == "float32" for s in region.inputs[5 + 2 * rope:len(region.inputs) - paged])
-            and [o.dtype for o in region.outputs] == [region.inputs[i].dtype for i in inplace]
+            and [o.dtype for o in region.outputs[:len(inplace)]] == [region.inputs[i].dtype for i in inplace]
+            and all(self._exact_output_ok(region, name, out) for name, out in zip(exact, region.outputs[len(inplace):]))
         )
+
+    @staticmethod
+    def _exact_output_ok(region: RegionSummary, name: str, out) -> bool:
+        """An exact-rows output: the rows' shape, fp32 where an offset is subtracted, else the
+        rope's result in k's dtype (a V row with neither is v itself, never an output)."""
+        attrs, rows = region.attrs, region.inputs[3 if name == "k" else 4]
+        offset, rope = attrs.get(f"{name}_offset", False), name == "k" and attrs["rope"]
+        return (offset or rope) and out.shape == rows.shape and out.dtype == ("float32" if offset else rows.dtype)
 
     @staticmethod
     def _paged_ok(region: RegionSummary) -> bool:
@@ -171,6 +189,8 @@ class KvWriteFamily(TemplateFamily):
             k_offset=bool(attrs.get("k_offset", False)),
             values_only=bool(attrs.get("values_only", False)),
             v_offset=bool(attrs.get("v_offset", False)),
+            exact_outputs=attrs.get("exact_outputs", []),
+            exact_dtypes=[o.dtype for o in region.outputs[len(region.outputs) - len(attrs.get("exact_outputs", [])):]],
             page_size=attrs.get("page_size") or 0,
             headroom=repr(float(attrs.get("headroom", 1.0))),
         )

@@ -454,11 +454,14 @@ def dequantized(built, name: str, offset: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("knobs", ["", ",smooth-k=true,smooth-v=true", ",granularity=per-token,scale-source=dynamic"])
 @pytest.mark.parametrize("window", [1, 3])
-def test_exact_recent_build_reads_its_newest_rows_exact_over_several_steps(tmp_path, knobs, window):
+@pytest.mark.parametrize("fusions", ["fuse-attention", "fuse-attention,fuse-kv-write,fuse-kv-write-attention"],
+                         ids=["attention", "folded-write"])
+def test_exact_recent_build_reads_its_newest_rows_exact_over_several_steps(tmp_path, knobs, window, fusions):
     """Steps 4..9 built with exact-recent: each equals eager over a cache holding what the build
     stored (rounded) but its newest `window` rows as eager wrote them. Without the knob the same
     build differs from that by the newest rows' rounding. (The caches hold rows 0..3 at build
-    time: the build fills each ring with the newest rows held.)"""
+    time: the build fills each ring with the newest rows held.) With the write fused (its centring
+    inside, the centred rows an output) and folded into the attention where it can be, the same."""
     errors = {}
     for recent in (window, 0):
         torch.manual_seed(0)
@@ -466,7 +469,7 @@ def test_exact_recent_build_reads_its_newest_rows_exact_over_several_steps(tmp_p
         with torch.no_grad():
             eager.k_cache[:, :, 4:], eager.v_cache[:, :, 4:] = 0.0, 0.0
         build_model.load_state_dict(eager.state_dict())
-        pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{{exact-recent={recent}{knobs}}},fuse-attention"
+        pipeline = f"inplace-state-writes,raise-patterns,fp8-kv-cache{{exact-recent={recent}{knobs}}},{fusions}"
         out = tmp_path / str(recent)
         coopt.Pipeline(pipeline, top_k=1).build(build_model, step(3), out, calibration_inputs=[step(p) for p in (1, 2, 3)])
         built = coopt.load(out)

@@ -275,3 +275,31 @@ def test_fp32_keys_beside_bf16_values_each_round_from_their_own_dtype(load_candi
     check(load_candidate, mixed, [5], seed=4, magnitude=7.0)
     plain = region(2, 2, 8, 2, 1, 32, dtype="bfloat16")
     assert not FAMILY.matches(dataclasses.replace(plain, inputs=(*plain.inputs[:3], k_row, *plain.inputs[4:])))
+
+
+@pytest.mark.parametrize("centred", ["k", "kv"])
+def test_exact_outputs_are_the_rows_before_rounding(load_candidate, centred):
+    """exact-recent's write (attrs "exact_outputs"): beside the caches, the rows as they are
+    before rounding, rope(k) in k's dtype less K's offset (fp32) and v less V's, bit for bit as
+    the unfused ops compute them; the caches as without the outputs."""
+    k_on, v_on = True, "v" in centred
+    # (fp32 rows: the interpreter truncates a bf16 rounding, TRITON-INTERPRETER.md)
+    plain = region(2, 2, 8, 2, 1, 32, rope=True, quant="per-head", k_offset=k_on, v_offset=v_on)
+    row = plain.inputs[3]
+    names = ["k", "v"] if v_on else ["k"]
+    summary = dataclasses.replace(plain, outputs=(*plain.outputs, *(TensorSpec(row.shape, "float32") for _ in names)),
+                                  attrs={**plain.attrs, "exact_outputs": names})
+    assert FAMILY.matches(summary)
+    assert not FAMILY.matches(dataclasses.replace(summary, outputs=(*plain.outputs, TensorSpec(row.shape, "bfloat16"),
+                                                                      *summary.outputs[3:])))  # centred rows are fp32
+    inputs = make_inputs(summary, [5], seed=7)
+    module = load_candidate(FAMILY.render(summary, FAMILY.legal_points(summary, H200)[0]))
+    outputs = module.run(*on_test_device([t.clone() for t in inputs]))
+    expected = reference(inputs, rope_on=True, quant="per-head", k_offset=k_on, v_offset=v_on)
+    for got, want in zip(outputs[:2], expected):
+        assert torch.equal(got.cpu().float(), want.float())
+    k, v, cos, sin = inputs[3], inputs[4], inputs[5], inputs[6]
+    k_rows = rope(k, cos, sin).float() - inputs[-1 - v_on]
+    assert outputs[2].dtype == torch.float32 and torch.equal(outputs[2].cpu(), k_rows)
+    if v_on:
+        assert torch.equal(outputs[3].cpu(), v.float() - inputs[-1])
