@@ -74,10 +74,12 @@ def step_inputs(region: RegionSummary, window: int, lengths, seed: int = 0):
     return inputs, own, roped, offsets
 
 
-def want(region: RegionSummary, window: int, inputs, own, dequantized=None) -> torch.Tensor:
-    """The attention over the caches before the write (its position is in the windows or past a
-    length), the own rows and the rings (the exact-recent reference), q rotated."""
-    q, k, v, lengths, cos, sin, k_scale, v_scale = inputs[:8]
+def want(region: RegionSummary, window: int, inputs, own, caches, dequantized=None) -> torch.Tensor:
+    """The attention over the written `caches` (the position a key where it lies below a length
+    and outside the window), the own rows and the rings before the write (the exact-recent
+    reference), q rotated."""
+    q, _, _, lengths, cos, sin, k_scale, v_scale = inputs[:8]
+    k, v = caches
     at = region.attrs.get("rings_input")
     rings = inputs[at:at + 2] if at is not None else []
     plain = fp8_region(q.shape[0], region.attrs["num_heads"], region.attrs["num_kv_heads"], k.shape[2], q.shape[3], "per-head")
@@ -95,7 +97,7 @@ def test_the_own_rows_are_the_folded_writes_before_rounding(window, offsets, par
     before = [t.clone() for t in inputs]
     outputs = run_candidate(load_candidate, region, params, inputs)
     k_out, v_out, *rings_out, out = outputs
-    torch.testing.assert_close(out.float(), want(region, window, before, own), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), want(region, window, before, own, (k_out, v_out)), rtol=2e-2, atol=2e-2)
     # the caches: the quantized row at the position (K rounded to nearest or, the interpreter,
     # truncated to bf16 first), every other row untouched, NaN bytes included
     k_rows = [roped.to(torch.bfloat16).float(), truncated(roped, torch.bfloat16)]
@@ -161,4 +163,4 @@ def test_the_cuda_kernel_writes_and_reads_as_the_triton_template(load_candidate,
     ref = load_candidate(FAMILY.render(region, triton_params), "triton_exact_folded").run(*fresh())
     for mine, theirs in zip(got[:-1], ref[:-1]):  # the caches, then the rings
         assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
-    check_attention(got[-1], want(region, window, inputs, own, torch.float64))
+    check_attention(got[-1], want(region, window, inputs, own, got[:2], torch.float64))
