@@ -30,9 +30,16 @@ become the query's inputs (`rope_tables_input` 4). Counted `fuse.kv_write_attent
 Measured on the H200: -11 µs a b1 / 2048 step with the fold against the unfolded default
 (bench/RESULTS.md session 14).
 
+fp8-kv-cache's exact-recent: an attention that reads its newest rows unrounded folds where those
+rows are exactly what the write computes before rounding (its `exact_outputs`, or its k / v
+inputs where it rounds them as they are) and its rings are written at the write's position: the
+region drops k_exact / v_exact (the body computes them: the write's ops come first) and takes the
+rings last (attrs "exact_rows": "folded", "rings_input", the rings in place after the caches;
+schema: templates/attention.py, folded_exact). Counted `fuse.kv_write_attention.exact_rows`.
+
 Left alone, each with a counter `fuse.kv_write_attention.skipped.<why>`: a paged attention or
-one with per-token fp8 scales, which the write computes and stores (`paged`, `fp8`), one whose queries read their newest rows unrounded (`exact_rows`: fp8-kv-cache's
-exact-recent; its kernel does not compute them from the folded write yet), caches not
+one with per-token fp8 scales, which the write computes and stores (`paged`, `fp8`), an exact one
+whose rows or rings are not the write's (`exact_rows`), caches not
 written by a kv_write just before (`no_write`), a write of another form (`write_form`) or
 quantizing with other scale values (`scales_differ`), written caches read elsewhere too
 (`read_elsewhere`), and a group that cannot be outlined in place (`order`).

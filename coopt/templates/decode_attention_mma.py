@@ -57,6 +57,15 @@ template, bench/NOTES-decode.md). A values-only cache (session 34) takes each ca
 K's 256-byte rows and the bf16 score dots, V's 128-byte rows and the fp16 PV dots over widened
 e4m3 (the rows of the two caches copied by separate loops where their sizes differ).
 
+fp8-kv-cache's exact-recent (session 44): each sequence's newest N <= 16 keys are read unrounded,
+not from the cache. The key loop stops at length - N; one warp of the last split (the one after
+its last chunk's warp: the fewest chunks) copies the rings' slots and the own row (k_exact /
+v_exact, or with the write folded in, the row it computes before rounding) into shared memory
+with its first ring copies, and after its loop weighs them as one more online-softmax step
+(scores from q's dot operands in fp32, V over V's scale into the accumulator), then stores the
+step's rows into the rings. b32 / 2048 on the H100: 50.4 µs a layer against 49.0 without the
+window (bench/RESULTS.md session 44).
+
 Numerics against the Triton template: a query rotated here is rounded to bf16 (as the unfused
 rope stores it) before the shift; the folded write rounds rope(k_new) to bf16, subtracts a
 smooth-k / smooth-v offset, divides by the scale (IEEE) and rounds to e4m3 with the hardware's
