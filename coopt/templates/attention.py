@@ -229,32 +229,6 @@ def exact_rows_problem(region: RegionSummary) -> str | None:
     if any(tuple(t.shape) != (q.shape[0], k.shape[1], q.shape[2], q.shape[3]) for t in rows):
         return "k_exact / v_exact are not [B, Hkv, T, D] of the query's B, T and D"
     return _rings_problem(region, rings, window)
-    if not isinstance(window, int) or window < 1 or kv_scale(region) is None:
-        return "exact rows need an fp8 cache and attrs recent >= 1"
-    q, k = region.inputs[:2]
-    written = region.attrs.get("ring_write")
-    rings_end = at + 2 + 2 * (window > 1)
-    rows, rings = region.inputs[at:at + 2], region.inputs[at + 2:rings_end]
-    if len(rows) != 2 or len(rings) != 2 * (window > 1) or any(t.dtype not in _TL_DTYPE for t in (*rows, *rings)):
-        return f"exact rows: k_exact, v_exact{' and two rings' if window > 1 else ''} of floats last"
-    if written is not None:
-        positions = region.inputs[rings_end:]
-        if (window == 1 or q.shape[2] != 1 or written.get("positions_input") != rings_end or len(positions) != 1
-                or positions[0].dtype not in ("int32", "int64")
-                or tuple(positions[0].shape) != ((q.shape[0],) if written.get("per_row") else (1,))
-                or list(region.attrs.get("inplace") or ()) != [at + 2, at + 3] or len(region.outputs) != 3
-                or [o.dtype for o in region.outputs[:2]] != [r.dtype for r in rings]):
-            return "a ring write: a decode step's positions last, the two rings written in place, then the output"
-    elif len(region.inputs) != rings_end:
-        return "inputs past the exact rows and rings"
-    if any(tuple(t.shape) != (q.shape[0], k.shape[1], q.shape[2], q.shape[3]) for t in rows):
-        return "k_exact / v_exact are not [B, Hkv, T, D] of the query's B, T and D"
-    batch = q.shape[0]
-    if any(tuple(t.shape[1:]) != (k.shape[1], window, q.shape[3])
-           or not (t.shape[0] == batch or not isinstance(batch, int) or (isinstance(t.shape[0], int) and t.shape[0] >= batch))
-           for t in rings):
-        return f"the rings are not [B_max >= B, Hkv, {window}, D]"
-    return None
 
 
 def kv_element_bytes(region: RegionSummary) -> int:

@@ -1,11 +1,14 @@
 """Hugging Face-format checkpoint directories for the Llama tests, written with safetensors and
 a name table of their own (independent of the model file's); `llama_env`, the model file's
-settings for a module-scoped build; `assert_steps_match_eager`, a build against its eager model file."""
+settings for a module-scoped build; `cli_build`, the example built by the CLI;
+`assert_steps_match_eager`, a build against its eager model file."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,6 +35,18 @@ def llama_env(dtype: str | None = None, **settings):
         if dtype is not None:
             env.setenv("COOPT_EXAMPLE_DTYPE", dtype)
         yield
+
+
+def cli_build(out: Path, *options: str) -> dict:
+    """`coopt build` of the example model file (its tiny preset: no COOPT_LLAMA_* or
+    COOPT_EXAMPLE_DTYPE of the caller's) into `out` with --top-k 1 --json and `options`; the
+    build's JSON summary, after asserting it exited 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COOPT_LLAMA_") and k != "COOPT_EXAMPLE_DTYPE"}
+    command = [sys.executable, "-m", "coopt.cli.main", "build", str(MODEL_PATH), "-o", str(out), "--top-k", "1",
+               "--json", *options]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout[result.stdout.index("{"):])
 
 
 # our state-dict name -> Hugging Face's, written out independently of the model file's table

@@ -7,9 +7,6 @@ Without a GPU the kernels run in Triton's interpreter; this build takes about 30
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,18 +14,14 @@ import torch
 import coopt
 from coopt.emit.state_file import stored_state
 from coopt.frontend.model_file import load_model_file
-from llama_helpers import MODEL_PATH
+from llama_helpers import MODEL_PATH, cli_build
 
 
 @pytest.fixture(scope="module")
 def built_dir(tmp_path_factory):
     """The CLI build of the tiny preset: the decode step plus its prefill entry point."""
     out = tmp_path_factory.mktemp("llama") / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COOPT_LLAMA_") and k != "COOPT_EXAMPLE_DTYPE"}
-    command = [sys.executable, "-m", "coopt.cli.main", "build", str(MODEL_PATH), "-o", str(out), "--top-k", "1", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    build = json.loads(result.stdout[result.stdout.index("{"):])
+    build = cli_build(out)
     assert build["end_to_end"]["ok"] and build["entries"]["prefill"]["end_to_end"]["ok"]
     return out
 

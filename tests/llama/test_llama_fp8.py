@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import coopt
 from coopt.frontend.model_file import load_model_file
-from llama_helpers import MODEL_PATH
+from llama_helpers import MODEL_PATH, cli_build
 
 CACHES = [f"layers.{layer}.attention.{kind}_cache" for layer in range(2) for kind in "kv"]
 # Top-1 bound over the 16 teacher-forced decode steps. Per-head e4m3 keeps 3 mantissa bits (a
@@ -29,12 +26,7 @@ MIN_TOP1 = 0.5
 @pytest.fixture(scope="module")
 def built_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama_fp8") / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COOPT_LLAMA_") and k != "COOPT_EXAMPLE_DTYPE"}
-    command = [sys.executable, "-m", "coopt.cli.main", "build", str(MODEL_PATH), "-o", str(out), "--top-k", "1",
-               "--kv-cache", "fp8", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    build = json.loads(result.stdout[result.stdout.index("{"):])
+    build = cli_build(out, "--kv-cache", "fp8")
     assert "raise-patterns,fp8-kv-cache{smooth-k=true}," in json.loads((out / "build.json").read_text())["pipeline"]
     assert build["end_to_end"]["lossy"] and build["entries"]["prefill"]["end_to_end"]["lossy"]
     return out

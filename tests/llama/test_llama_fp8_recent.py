@@ -7,15 +7,12 @@ the rows it rounds, and every kernel is judged against the build's own reference
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import coopt
-from llama_helpers import MODEL_PATH
+from llama_helpers import cli_build
 
 CACHES = [f"layers.{layer}.attention.{kind}_cache" for layer in range(2) for kind in "kv"]
 
@@ -23,11 +20,7 @@ CACHES = [f"layers.{layer}.attention.{kind}_cache" for layer in range(2) for kin
 @pytest.fixture(scope="module")
 def built_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama_fp8_recent") / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COOPT_LLAMA_") and k != "COOPT_EXAMPLE_DTYPE"}
-    command = [sys.executable, "-m", "coopt.cli.main", "build", str(MODEL_PATH), "-o", str(out), "--top-k", "1",
-               "--kv-cache", "fp8-recent", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cli_build(out, "--kv-cache", "fp8-recent")
     assert "fp8-kv-cache{smooth-k=true,exact-recent=4}," in json.loads((out / "build.json").read_text())["pipeline"]
     return out
 

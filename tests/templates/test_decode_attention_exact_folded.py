@@ -157,7 +157,7 @@ def test_the_cuda_form_compiles_for_hopper_without_spills(hopper_registers, form
 def test_the_cuda_kernel_writes_and_reads_as_the_triton_template(load_candidate, form, window, offsets, lengths):
     region = mma_region(window, OFFSETS[offsets])
     inputs, own, _, _ = step_inputs(region, window, lengths)
-    fresh = lambda: [t.clone() for t in inputs]  # noqa: E731
+    fresh = lambda: [t.clone() for t in inputs]
     triton_params = {"BLOCK_N": 64, "SPLIT_KV": 4, "USE_DOT": True, "TILE_FP16": True, "num_warps": 4, "num_stages": 2}
     got = load_candidate(MMA.render(region, FORMS[form]), "mma_exact_folded").run(*fresh())
     ref = load_candidate(FAMILY.render(region, triton_params), "triton_exact_folded").run(*fresh())
