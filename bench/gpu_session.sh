@@ -60,6 +60,7 @@
 #   bash bench/gpu_session.sh fp8-recent-b32  # b32 / 2048: reduce-overhead, coopt-fp8, coopt-fp8-recent (~6 min)
 #   bash bench/gpu_session.sh fp8-recent-mma  # the CUDA attention's exact-recent GPU tests, then fp8-recent-b32 (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-fold  # exact-recent's folded write's GPU tests, then fp8-recent-b32 (~9.5 min)
+#   bash bench/gpu_session.sh fp8-recent-b1  # b1 / 32768: reduce-overhead, coopt-fp8, coopt-fp8-recent (~7 min)
 #   bash bench/gpu_session.sh pending-43  # session 43's exact-recent tests, transformers' remaining GPU tests (~9 min)
 #   bash bench/gpu_session.sh pending    # sessions 39-41's CPU work built and run on the GPU (~5 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
@@ -405,6 +406,12 @@ case "${1:-}" in
             "tests/e2e/test_transformers_llama.py::test_a_transformers_decode_step_builds_as_the_projects_own_llama[mistral]" \
             tests/e2e/test_transformers_llama.py::test_a_sliding_window_shorter_than_the_cache_stays_sdpa \
             tests/e2e/test_transformers_llama.py::test_a_transformers_prompt_chunk_attends_over_the_cache
+        ;;
+    fp8-recent-b1)  # issue 4, session 44: b1 / 32768 with --kv-cache fp8 and fp8-recent beside reduce-overhead
+        # (the window in the last of 16-32 splits; ~7 min)
+        step 540 decode python bench/decode.py --cases 1:32768:32832 --modes reduce-overhead,coopt-fp8,coopt-fp8-recent \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_recent_b1.json" --build-dir /tmp/coopt-recent-b1
+        reports reports_recent_b1 coopt-recent-b1
         ;;
     fp8-recent-fold)  # issue 4, session 44: exact-recent's write folded into the attention (Triton and CUDA), the
         # kv_write's exact outputs, the pending exact-recent kernel tests; then b32 / 2048 fp8 against fp8-recent (~9.5 min)
