@@ -100,7 +100,7 @@ def build(
         help="KV-cache storage: none/bf16 (default: as the model), fp8 (lossy: adds fp8-kv-cache after raise-patterns, "
              "per-head calibrated scales, keys centred (smooth-k); the report measures the accuracy cost; exit 5 for a model "
              "without a KV cache), fp8-recent (fp8, each query's newest 4 keys read unrounded from a ring beside the cache: "
-             "fp8-kv-cache{exact-recent=4}) or fp8-values (lossy: only the values in fp8, the keys kept: "
+             "fp8-kv-cache{exact-recent=4}; not with --paged-kv: exit 5) or fp8-values (lossy: only the values in fp8, the keys kept: "
              "fp8-kv-cache{values-only})"),
     prefill_chunk: Optional[int] = typer.Option(
         None, "--prefill-chunk",

@@ -113,6 +113,12 @@ class PagedKv(CooptPass):
         problems = [c for c in caches if isinstance(c, str)]
         if problems:
             raise ConfigError(f"paged-kv: {problems[0]}")
+        if any(getattr(o, "k_exact", None) is not None for o in op.walk()):
+            # the rings hold each batch row's newest rows, and a paged caller (PagedDecoder) moves
+            # sequences between rows and prefills every prompt in row 0: a window would read
+            # another sequence's rows
+            raise ConfigError("paged-kv: fp8-kv-cache's exact-recent keeps each sequence's newest rows in a ring per batch "
+                              "row, which pages do not follow; build with --kv-cache fp8 (or without --paged-kv)")
         batches = {c.batch for c in caches}
         max_seq = max(c.shape[2] for c in caches)
         if len(batches) != 1:

@@ -155,8 +155,8 @@ def test_num_pages_sizes_the_pools():
     assert not [op for op in module.walk() if isinstance(op, StateUpdateOp) and op.inputs[0].type.get_shape()[0] == 3]
 
 
-def _fp8_paged(pipeline_tail: str):
-    """The ragged step through fp8-kv-cache (per-head, calibrated) and paged-kv."""
+def _fp8_paged(pipeline_tail: str, knobs: str = ""):
+    """The ragged step through fp8-kv-cache (per-head, calibrated; `knobs` added) and paged-kv."""
     from xdsl.context import Context
 
     from coopt.fp8_cache import calibrate_kv_absmax, set_calibration
@@ -168,7 +168,7 @@ def _fp8_paged(pipeline_tail: str):
     module = import_program(capture(model, tuple(inputs())), tuple(inputs())).module
     set_calibration(module, calibrate_kv_absmax(model, [inputs()]))
     with collect_counters() as counters:
-        for compiler_pass in parse_pipeline_text(RAISE + ",fp8-kv-cache,paged-kv{page-size=16}" + pipeline_tail):
+        for compiler_pass in parse_pipeline_text(RAISE + f",fp8-kv-cache{knobs},paged-kv{{page-size=16}}" + pipeline_tail):
             compiler_pass.apply(Context(allow_unregistered=True), module)
             module.verify()
     return module, counters
@@ -252,3 +252,11 @@ def test_per_token_scales_that_cannot_be_paged_are_refused():
     Rewriter.insert_op(reader, InsertPoint.after(scale))  # something else reads V's scales
     with pytest.raises(ConfigError, match="v_cache.scale"):
         parse_pipeline_text("paged-kv{page-size=16}")[0].apply(Context(allow_unregistered=True), module)
+
+
+def test_exact_recent_rings_are_refused_with_pages():
+    """fp8-kv-cache's exact-recent keeps each batch row's newest rows in a ring, which a paged
+    caller's rows do not follow (PagedDecoder moves sequences between rows, prefills in row 0):
+    a pipeline error, not a window reading another sequence's rows."""
+    with pytest.raises(ConfigError, match="exact-recent keeps each sequence's newest rows in a ring per batch row"):
+        _fp8_paged("", knobs="{exact-recent=2}")
