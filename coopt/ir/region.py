@@ -81,7 +81,11 @@ decode_attention (one new token per sequence over a static KV cache, valid prefi
     at j: i + 3, or 4 where the query's serve); outputs k_cache and v_cache after
     cache[:, :, positions] = rope(k_new) / v_new, then the attention over them. With
     "gathered_tables": true in "kv_write", every rotary table (the query's and K's) is a whole
-    table [S, D] (S >= S_max) whose row positions[0] the region uses.
+    table [S, D] (S >= S_max) whose row positions[0] the region uses. Over fp8 caches whose
+    newest rows the queries read unrounded (attrs "exact_rows": "folded", "recent" N, and for
+    N > 1 "rings_input" r): the own rows are the write's rows before rounding, and the rings
+    [B_max, Hkv, N, D] (inputs r, r + 1, last) are written in place at slot positions[0] % N
+    ("inplace" [1, 2, r, r + 1], outputs the caches, the rings, the attention's output).
 
 kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quantization)
     attrs = {"rope": bool, "quant": "none" | "per-tensor" | "per-head" | "per-token",
@@ -97,7 +101,9 @@ kv_write (a step's KV-cache write; optional rotary embedding of K and fp8 quanti
     [N, Hkv, P, D] and a last input page_table [B, max_pages] int32 says where position p of
     sequence b goes (row p % P of page page_table[b, p // P]). Values only (attrs "values_only":
     true, fp8-kv-cache's values-only, quant per-tensor / per-head): k_cache in k's dtype, written
-    unquantized, and V's scale the one scale input. docs/kv-cache.md has the whole contract.
+    unquantized, and V's scale the one scale input. Exact rows (attrs "exact_outputs": ["k"] / ["v"]
+    / ["k", "v"], fp8-kv-cache's exact-recent): after the written buffers, the rows as they are before
+    rounding, [B, Hkv, T, D] (fp32 with an offset, else k's dtype). docs/kv-cache.md has the whole contract.
 
 rope (rotary embedding, rotate-half form)
     attrs = {}
