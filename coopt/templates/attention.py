@@ -153,6 +153,15 @@ def folded_exact(region: RegionSummary) -> bool:
     return region.attrs.get("exact_rows") == "folded"
 
 
+def folded_exact_dtypes(region: RegionSummary) -> tuple[str, str]:
+    """The dtypes of a folded exact region's own K and V rows (and of its rings): what its write
+    computes before rounding, fp32 where it subtracts an offset, else k_new's / v_new's."""
+    folded = region.attrs["kv_write"]
+    k_new, v_new = region.inputs[folded["positions_input"] + 1:folded["positions_input"] + 3]
+    return ("float32" if folded.get("k_offset_input") is not None else k_new.dtype,
+            "float32" if folded.get("v_offset_input") is not None else v_new.dtype)
+
+
 def without_exact_rows(region: RegionSummary) -> RegionSummary:
     """The region less its exact rows, rings and ring write, for the checks of the rest of its schema."""
     if folded_exact(region):
@@ -170,6 +179,7 @@ def without_exact_rows(region: RegionSummary) -> RegionSummary:
 
 
 def _rings_problem(region: RegionSummary, rings, window: int) -> str | None:
+    """Why `rings` are not [B_max >= B, Hkv, window, D] of the region's query and caches (None: they are)."""
     q, k = region.inputs[:2]
     batch = q.shape[0]
     if any(tuple(t.shape[1:]) != (k.shape[1], window, q.shape[3])
@@ -189,10 +199,8 @@ def _folded_exact_problem(region: RegionSummary) -> str | None:
     rings = region.inputs[at:] if at is not None else ()
     if (window > 1) != (at is not None) or len(rings) != 2 * (window > 1):
         return "folded exact rows: the two rings last where recent > 1"
-    k_new, v_new = region.inputs[folded["positions_input"] + 1:folded["positions_input"] + 3]
-    want = ["float32" if folded.get("k_offset_input") is not None else k_new.dtype,
-            "float32" if folded.get("v_offset_input") is not None else v_new.dtype]
-    if [t.dtype for t in rings] != want[:len(rings)]:
+    want = folded_exact_dtypes(region)
+    if [t.dtype for t in rings] != list(want[:len(rings)]):
         return f"the rings hold the rows before rounding: {' and '.join(want)}"
     inplace = [1, 2, at, at + 1] if rings else [1, 2]
     if list(region.attrs.get("inplace") or ()) != inplace or len(region.outputs) != len(inplace) + 1 \

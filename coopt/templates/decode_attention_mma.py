@@ -89,8 +89,8 @@ import math
 
 from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope
 from coopt.targets import Target
-from coopt.templates.attention import (FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem, folded_exact, kv_scale,
-                                       page_size, without_exact_rows)
+from coopt.templates.attention import (FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem, folded_exact,
+                                       folded_exact_dtypes, kv_scale, page_size, without_exact_rows)
 from coopt.templates.base import TemplateFamily, cuda_point_problem, render_template
 from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 
@@ -117,10 +117,7 @@ def exact_rows_dtypes(region: RegionSummary) -> tuple[str, str] | None:
     k_exact / v_exact inputs', or folded, what its write computes before rounding (fp32 where it
     subtracts an offset, else k_new's / v_new's)."""
     if folded_exact(region):
-        k_offset, v_offset = kv_write_offsets(region)
-        written = kv_write_inputs(region)
-        k_new, v_new = region.inputs[written + 1:written + 3]
-        return ("float32" if k_offset is not None else k_new.dtype, "float32" if v_offset is not None else v_new.dtype)
+        return folded_exact_dtypes(region)
     at = exact_rows_at(region)
     return None if at is None else (region.inputs[at].dtype, region.inputs[at + 1].dtype)
 
