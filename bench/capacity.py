@@ -17,7 +17,8 @@ budget // (max length x bytes per token) sequences whatever their lengths.
 Throughput (`--throughput`, the real runtime): examples/llama/model.py (`--preset`, `--decode-layers`,
 random weights, `--dtype`) built three times with one KV budget (`--decode-budget-mib`) and
 cache length (the top of `--decode-lengths`):
-- `paged`, `paged-fp8`: the ragged decode step (COOPT_LLAMA_RAGGED=1) at batch `--step-batch` (by
+- `paged`, `paged-fp8` (and on request `paged-fp8-recent`: `--kv-cache fp8-recent`, its rings of
+  `--ring-slots` slots, 256 by default, taken out of the budget first): the ragged decode step (COOPT_LLAMA_RAGGED=1) at batch `--step-batch` (by
   default the sequences the variant's pool holds, rounded up to 8: one call a step, so a pool that
   holds more sequences streams the weights once for all of them; session 7 measured 32-row
   steps, 3 and 7 calls a step, slower than the static batch), with
@@ -60,7 +61,9 @@ from coopt.runtime.paged import PagedKVCache, PoolExhausted
 
 ROOT = Path(__file__).resolve().parents[1]
 KV_HEADS, HEAD_DIM = 8, 128  # Llama-3-8B
-DECODE_VARIANTS = ("paged", "static", "paged-fp8")  # in this order: the comparison first
+DECODE_VARIANTS = ("paged", "static", "paged-fp8", "paged-fp8-recent")  # in this order: the comparison first
+DEFAULT_VARIANTS = DECODE_VARIANTS[:3]  # paged-fp8-recent on request (--variants)
+RECENT = 4  # fp8-recent's window: newest keys kept exact, in a ring slot a sequence
 
 
 def parse_args(argv=None):
@@ -89,7 +92,11 @@ def parse_args(argv=None):
                              "positions (session 8: 216 rows ran an H200 out of memory)")
     decode.add_argument("--steps", type=int, default=8, help="timed steps (after one untimed)")
     decode.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    decode.add_argument("--variants", default=",".join(DECODE_VARIANTS))
+    decode.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"of {', '.join(DECODE_VARIANTS)} (default: the first three)")
+    decode.add_argument("--ring-slots", type=int, default=256,
+                        help="paged-fp8-recent: ring slots (paged-kv max-sequences), the most live sequences; their "
+                             "rings come out of the KV budget")
     decode.add_argument("--top-k", type=int, default=2)
     decode.add_argument("--reference-program", action="store_true",
                         help="build without kernel regions (seconds on a CPU; smoke tests, not reported numbers)")
@@ -189,7 +196,7 @@ def placed_decoder(built, cuda_graph: bool = False):
 
     class PlacedDecoder(PagedDecoder):
         def place(self, length: int) -> int:
-            seq_id = self.pages.add_sequence(length)  # all or nothing: PoolExhausted changes nothing
+            seq_id = self._new_sequence(length)  # all or nothing: PoolExhausted changes nothing
             self._pending[seq_id] = 0  # what add() records after the prefill: the token the next step emits
             return seq_id
 
@@ -281,16 +288,18 @@ def _synchronize():
         torch.cuda.synchronize()
 
 
-def decode_pipeline(args, num_pages: int) -> str:
-    """The pipeline with paged-kv{page-size=P,num-pages=N} right after raise-patterns (fp8-kv-cache,
-    added by Pipeline(kv_cache="fp8"), then goes between them, where --kv-cache fp8 puts it)."""
+def decode_pipeline(args, num_pages: int, ring_slots: int | None = None) -> str:
+    """The pipeline with paged-kv{page-size=P,num-pages=N[,max-sequences=R]} right after
+    raise-patterns (fp8-kv-cache, added by Pipeline(kv_cache="fp8"), then goes between them,
+    where --kv-cache fp8 puts it)."""
     import re
 
     from coopt.accuracy.builds import REFERENCE_PIPELINE
     from coopt.passes.registry import DEFAULT_PIPELINE
 
     base = REFERENCE_PIPELINE if args.reference_program else DEFAULT_PIPELINE
-    paged = f"paged-kv{{page-size={args.page_size},num-pages={num_pages}}}"
+    slots = f",max-sequences={ring_slots}" if ring_slots else ""
+    paged = f"paged-kv{{page-size={args.page_size},num-pages={num_pages}{slots}}}"
     return re.sub(r"(^|,)raise-patterns(\{[^}]*\})?", lambda m: f"{m.group(0)},{paged}", base, count=1)
 
 
@@ -319,11 +328,17 @@ def decode_settings(args, model) -> dict:
     """KV bytes per token of each variant, the pools' pages, the paged steps' rows and the static
     batch in one budget."""
     dtype, margs = getattr(torch, args.dtype), model.args
+    recent = "paged-fp8-recent" in args.variants  # (on request only: the settings of the default run unchanged)
     token_bytes = {name: margs.n_layers * 2 * margs.n_kv_heads * margs.head_dim * size
-                   for name, size in (("paged", dtype.itemsize), ("static", dtype.itemsize), ("paged-fp8", 1))}
+                   for name, size in (("paged", dtype.itemsize), ("static", dtype.itemsize), ("paged-fp8", 1),
+                                      ("paged-fp8-recent", 1)) if recent or name != "paged-fp8-recent"}
     budget = int(args.decode_budget_mib * 2**20)
     longest = args.decode_max - args.steps - 4  # every sequence can take the measured steps within the cache
-    pool_pages = {name: budget // (token_bytes[name] * args.page_size) for name in ("paged", "paged-fp8")}
+    # fp8-recent's rings (fp32 keys, values in the model's dtype: RECENT rows a ring slot) come
+    # out of the same budget, the pages get the rest
+    ring_bytes = args.ring_slots * margs.n_layers * margs.n_kv_heads * RECENT * margs.head_dim * (4 + dtype.itemsize)
+    kept = {"paged": budget, "paged-fp8": budget, "paged-fp8-recent": max(0, budget - ring_bytes)}
+    pool_pages = {name: kept[name] // (token_bytes[name] * args.page_size) for name in kept if name in token_bytes}
     if args.step_batch == "capacity":  # every held sequence in one call: the weights stream once a step
         lengths = decode_lengths(args)
         step_batch = {name: planned_step_batch(pages, args.page_size, lengths, 2 + args.steps, args.max_step_rows)
@@ -334,7 +349,8 @@ def decode_settings(args, model) -> dict:
             "cache": args.decode_max, "lengths": [args.decode_min, longest], "page_size": args.page_size,
             "step_batch": step_batch, "steps": args.steps, "top_k": args.top_k, "cuda_graph": args.cuda_graph,
             "pipeline": "reference program" if args.reference_program else "default", "kv_bytes_per_token": token_bytes,
-            "pool_pages": pool_pages, "static_batch": budget // (args.decode_max * token_bytes["static"])}
+            "pool_pages": pool_pages, **({"ring_bytes": ring_bytes} if recent else {}),
+            "static_batch": budget // (args.decode_max * token_bytes["static"])}
 
 
 class _PlannedPool:
@@ -374,11 +390,11 @@ def build_variant(name: str, model, loaded, llama, settings: dict, args, out: Pa
         top = min(top, (settings["pool_pages"][name] - 1) // batch * args.page_size - 1)
     positions = llama.ragged_positions(top, batch) if paged else torch.tensor([top])
     if paged:
-        passes = decode_pipeline(args, settings["pool_pages"][name])
+        passes = decode_pipeline(args, settings["pool_pages"][name], args.ring_slots if name == "paged-fp8-recent" else None)
     else:
         passes = REFERENCE_PIPELINE if args.reference_program else DEFAULT_PIPELINE
-    kv_cache = "fp8" if name == "paged-fp8" else "none"
-    calibration = [tuple(x.to(device) for x in call) for call in loaded.calibration_inputs] if kv_cache == "fp8" else None
+    kv_cache = {"paged-fp8": "fp8", "paged-fp8-recent": "fp8-recent"}.get(name, "none")
+    calibration = [tuple(x.to(device) for x in call) for call in loaded.calibration_inputs] if kv_cache != "none" else None
     start = time.monotonic()
     coopt.Pipeline(passes, top_k=args.top_k, kv_cache=kv_cache).build(
         model, (tokens.to(device), positions.to(device)), out, force=True, calibration_inputs=calibration,

@@ -32,7 +32,7 @@ from coopt.frontend.importer import import_program
 from coopt.ir.summary import kernels, name_regions, summarize, symbol_table
 from coopt.ir.unfused import unfused_ops
 from coopt.passes.chunked_prefill import fit_example_inputs, prefill_chunk
-from coopt.passes.paged_kv import PAGE_TABLE, paged_record
+from coopt.passes.paged_kv import PAGE_TABLE, RING_SLOTS, paged_record
 from coopt.passes.stats import collect_counters
 from coopt.targets import Target
 from coopt.tune.launch import choose_pdl, pdl_capable
@@ -554,8 +554,9 @@ INDUCTOR = "torch.compile"
 
 def _emit(module, program, imported, model, example_inputs, regions, out, config, measured, shared_weights=None) -> None:
     params = _forward_params(model, len(imported.user_input_names))
-    if paged_record(module) is not None:  # paged-kv added the page table as the last input
-        params = [*params, PAGE_TABLE]
+    paged = paged_record(module)
+    if paged is not None:  # paged-kv added the page table (and with exact-recent rings, their slots) last
+        params = [*params, PAGE_TABLE, *([RING_SLOTS] if paged.get("ring_slots_input") is not None else [])]
     out_spec = torch.utils._pytree.treespec_dumps(program.call_spec.out_spec)
     source = program_source(
         module,
@@ -588,7 +589,7 @@ def program_weights(module: ModuleOp, state: dict) -> dict:
     from coopt.ir.dialect import StateUpdateOp, StateWriteOp, WeightOp
     from coopt.passes.fold_constants import compute_constant, constants_record
     from coopt.passes.fuse_parallel_linears import concat_parts
-    from coopt.runtime.paged_layout import cache_to_pages
+    from coopt.runtime.paged_layout import cache_to_pages, rings_to_slots
 
     record = fp8_record(module)  # fp8-kv-cache: quantized caches and their scales
     fp8 = fp8_weights(record, state) if record is not None else {}
@@ -611,6 +612,8 @@ def program_weights(module: ModuleOp, state: dict) -> dict:
         tensor = value(name)
         if paged is not None and name in paged["pools"]:
             tensor = cache_to_pages(tensor, paged["batch"], paged["num_pages"], paged["page_size"], paged["max_pages"])
+        if paged is not None and name in paged.get("rings", {}):  # exact-recent rings: row b's in slot b
+            tensor = rings_to_slots(tensor, paged["batch"], paged["ring_slots"])
         weights[name] = tensor.detach().clone()
     return weights
 

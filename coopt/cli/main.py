@@ -100,7 +100,7 @@ def build(
         help="KV-cache storage: none/bf16 (default: as the model), fp8 (lossy: adds fp8-kv-cache after raise-patterns, "
              "per-head calibrated scales, keys centred (smooth-k); the report measures the accuracy cost; exit 5 for a model "
              "without a KV cache), fp8-recent (fp8, each query's newest 4 keys read unrounded from a ring beside the cache: "
-             "fp8-kv-cache{exact-recent=4}; not with --paged-kv: exit 5) or fp8-values (lossy: only the values in fp8, the keys kept: "
+             "fp8-kv-cache{exact-recent=4}; with --paged-kv a ring slot a live sequence, knob max-sequences) or fp8-values (lossy: only the values in fp8, the keys kept: "
              "fp8-kv-cache{values-only})"),
     prefill_chunk: Optional[int] = typer.Option(
         None, "--prefill-chunk",
@@ -109,8 +109,8 @@ def build(
     paged_kv: Optional[int] = typer.Option(
         None, "--paged-kv",
         help="page size (16, 32, 64, 128 or 256): KV caches become page pools read and written through a page_table "
-             "input (adds paged-kv{page-size=N} after raise-patterns / fp8-kv-cache; knob num-pages in the pipeline "
-             "string; exit 5 for a model without a KV cache)"),
+             "input (adds paged-kv{page-size=N} after raise-patterns / fp8-kv-cache; knobs num-pages and, with "
+             "--kv-cache fp8-recent, max-sequences in the pipeline string; exit 5 for a model without a KV cache)"),
     force: bool = typer.Option(False, "--force", help="replace a non-empty output directory"),
     as_json: bool = typer.Option(False, "--json", help="print a machine-readable result on stdout"),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="no progress display"),

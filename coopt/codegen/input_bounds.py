@@ -282,6 +282,10 @@ def derive_input_bounds(module, fn: func.FuncOp, symbols: dict[str, list[int]]) 
                 f"{paged['page_size']} through a page table of {paged['max_pages']})")
         index.setdefault((paged["positions_input"], 0, paged["max_seq"]),
                          IndexBound(paged["positions_input"], 0, paged["max_seq"], what, True))
+    if paged is not None and paged.get("ring_slots_input") is not None:
+        slots = paged["ring_slots"]  # exact-recent: a row's ring slot indexes the ring pools
+        index.setdefault((paged["ring_slots_input"], 0, slots),
+                         IndexBound(paged["ring_slots_input"], 0, slots, f"the exact-recent ring slots ({slots})", True))
     # tightest first: the first bound a call breaks is the one its error message names
     index_bounds = sorted(index.values(), key=lambda b: (b.input, b.high - b.low))
     size_bounds = sorted(size.values(), key=lambda b: (b.input, b.dim, b.high))
@@ -295,10 +299,13 @@ def derive_input_bounds(module, fn: func.FuncOp, symbols: dict[str, list[int]]) 
 
 def _paged_contract(fn: func.FuncOp, paged: dict, index_bounds, symbols: dict, chunk: int | None) -> dict | None:
     """What `coopt.runtime.serve.PagedDecoder` needs of a paged-kv program forward(tokens [B, T],
-    positions ([B] per row, T = 1; else [T]), page_table [B, max_pages]): the pool's geometry,
-    the batch and tokens per call, the vocabulary."""
+    positions ([B] per row, T = 1; else [T]), page_table [B, max_pages][, ring_slots [B]]): the
+    pool's geometry, the batch and tokens per call, the vocabulary, and with exact-recent rings
+    their slots."""
     args = fn.body.block.args
-    if paged.get("positions_input") != 1 or paged.get("page_table_input") != len(args) - 1 or len(args) != 3:
+    rings = paged.get("ring_slots_input") is not None  # exact-recent rings: ring_slots [B] after the table
+    if paged.get("positions_input") != 1 or paged.get("page_table_input") != 2 or len(args) != 3 + rings \
+            or (rings and paged["ring_slots_input"] != 3):
         return None
     tokens = dims(args[0])
     length = _range(tokens[1], symbols, paged["max_seq"]) if len(tokens) == 2 else None
@@ -310,6 +317,8 @@ def _paged_contract(fn: func.FuncOp, paged: dict, index_bounds, symbols: dict, c
         **{k: paged[k] for k in ("page_size", "num_pages", "max_pages", "max_seq")},
         "pools": sorted(paged["pools"]),
     }
+    if rings:  # row b's sequence's ring slot, one of num_ring_slots
+        contract.update({"ring_slots": 3, "num_ring_slots": paged["ring_slots"], "rings": sorted(paged["rings"])})
     if chunk is not None:
         contract["prefill_chunk"] = chunk
     return contract

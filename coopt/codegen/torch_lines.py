@@ -87,10 +87,16 @@ _STRIDE_TOLERANT = {"aten.view.default": "aten.reshape.default", "aten._unsafe_v
 def _ring_write_lines(op: StateUpdateOp, names: Names) -> list[str]:
     """ring[b, :, p % N] = row of x for each position p written (the last N of a call's: older
     ones would land in the same slots and are never read again); per row, sequence b's one row
-    at its own position."""
-    ring, positions, x = (names[v] for v in op.inputs)
+    at its own position. With a fourth input (paged-kv's ring_slots [B]) row b's ring is
+    ring[ring_slots[b]] instead of ring[b]."""
+    ring, positions, x, *slots = (names[v] for v in op.inputs)
     window, per_row = op.call["args"][3], op.call["args"][4]
-    if per_row:
+    if slots:
+        rows = f"{slots[0]}.long()" if per_row else f"{slots[0]}.long()[:, None]"
+        newest = f"{x}[:, :, 0]" if per_row else f"{x}[:, :, -{window}:].transpose(1, 2)"  # [B, N', Hkv, D]
+        where = f"{positions} % {window}" if per_row else f"({positions}[-{window}:] % {window})[None, :]"
+        write = f"{ring}[{rows}, :, {where}] = {newest}"
+    elif per_row:
         write = f"{ring}[torch.arange({x}.shape[0], device={x}.device), :, {positions} % {window}] = {x}[:, :, 0]"
     else:
         write = f"{ring}[:{x}.shape[0], :, {positions}[-{window}:] % {window}] = {x}[:, :, -{window}:]"

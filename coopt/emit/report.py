@@ -218,7 +218,9 @@ def write_report(out: Path) -> None:
         lines += [f"Paged KV: paged {counters['paged_kv.caches']} caches into page pools"
                   + (f" (and their {scales} per-token scale buffers into scale pools)" if scales else "") + "; "
                   f"{counters.get('paged_kv.writes', 0)} writes and {counters.get('paged_kv.attention_reads', 0)} attention "
-                  f"reads go through the page table (`page_table` input)", ""]
+                  f"reads go through the page table (`page_table` input)"
+                  + (f"; {counters['paged_kv.rings']} exact-recent rings became pools of ring slots, one a live "
+                     "sequence (`ring_slots` input)" if counters.get("paged_kv.rings") else ""), ""]
     lines += ["## What fell back to PyTorch", ""]
     if build["fallback_ops"]:
         lines += ["ATen ops the importer does not know run unchanged through PyTorch:", ""]

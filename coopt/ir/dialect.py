@@ -115,6 +115,9 @@ class StateUpdateOp(_AtenCallBase):
     into a slice), operand 0 the buffer, `ref` its state-dict name. The result is the buffer
     after the write (it aliases the buffer). Made by inplace-state-writes from a functional
     update + coopt.state_write, so a decode step writes one token instead of copying the cache.
+    "coopt.ring_write_" (fp8-kv-cache's exact-recent) stores rows into a ring: args [ring,
+    positions, rows [B, Hkv, T, D], N, per_row] writes row b's newest rows at slot p % N of
+    ring[b]; paged-kv adds a sixth, ring_slots [B] int32, and row b's ring is ring[ring_slots[b]].
     """
 
     name = "coopt.state_update"

@@ -15,7 +15,7 @@ from coopt.ir.outline import outline
 from coopt.passes.base import CooptPass, static_shape
 from coopt.passes.fp8_kv_cache import RING_WRITE
 from coopt.passes.fusion_common import only_user
-from coopt.passes.paged_kv import read_paged_attention
+from coopt.passes.paged_kv import read_paged_attention, read_ring_view
 from coopt.passes.stats import count
 
 
@@ -77,8 +77,14 @@ class FuseAttention(CooptPass):
             outputs = [attn.result]
             if attn.recent is not None:  # exact-recent: the newest keys unrounded, the region's last inputs
                 attrs.update({"exact_rows_input": len(inputs), "recent": attn.recent.value.data})
-                inputs += [attn.k_exact, attn.v_exact] + ([attn.k_recent, attn.v_recent] if attn.k_recent is not None else [])
-                writes = _ring_writes(attn) if decode else None
+                rings = [attn.k_recent, attn.v_recent] if attn.k_recent is not None else []
+                views = [read_ring_view(r) for r in rings]
+                paged_rings = bool(rings) and None not in views and views[0][1] is views[1][1]
+                if paged_rings:  # paged-kv: the kernel reads each row's ring through ring_slots
+                    rings = [pool for pool, _ in views]
+                    ops = [r.owner for r in (attn.k_recent, attn.v_recent)] + ops
+                inputs += [attn.k_exact, attn.v_exact] + rings
+                writes = _ring_writes(attn, rings) if decode else None
                 if writes is not None:  # the step's one row a sequence into the rings, by the attention
                     attrs.update({"ring_write": {"positions_input": len(inputs), "per_row": writes[0].call["args"][4]},
                                   "inplace": [len(inputs) - 2, len(inputs) - 1]})
@@ -86,24 +92,32 @@ class FuseAttention(CooptPass):
                     ops += writes
                     outputs = [w.results[0] for w in writes] + outputs
                     count("fuse.decode_attention.ring_write")
+                if paged_rings:  # ring_slots last
+                    attrs["ring_slots_input"] = len(inputs)
+                    inputs.append(views[0][1])
+                    count("fuse.decode_attention.paged_rings" if decode else "fuse.attention.paged_rings")
             family = "decode_attention" if decode else "attention"
             outline(ops, family, attrs, inputs=inputs, outputs=outputs)
             count("fuse.decode_attention" if decode else "fuse.attention.prompt_over_cache")
 
 
-def _ring_writes(attn: DecodeAttentionOp) -> list[StateUpdateOp] | None:
+def _ring_writes(attn: DecodeAttentionOp, rings: list) -> list[StateUpdateOp] | None:
     """The two ring writes right after a decode attention (fp8-kv-cache's exact-recent), K's then
-    V's, when they store its own rows (k_exact / v_exact) at one positions value into its rings:
-    one row a sequence, whose slot no query of this step reads (its position is N before the own
-    row's), so the attention's kernel may store it; else None."""
+    V's, when they store its own rows (k_exact / v_exact) at one positions value into `rings`
+    (its k_recent / v_recent, or with paged-kv the pools they select from, at the same
+    ring_slots): one row a sequence, whose slot no query of this step reads (its position is N
+    before the own row's), so the attention's kernel may store it; else None."""
     block = attn.parent_block()
     index = block.get_operation_index(attn)
     following = list(block.ops)[index + 1:index + 3]
     if len(following) != 2 or not all(isinstance(w, StateUpdateOp) and w.target.data == RING_WRITE for w in following):
         return None
     by_ring = {w.inputs[0]: w for w in following}
-    writes = [by_ring.get(attn.k_recent), by_ring.get(attn.v_recent)]
+    writes = [by_ring.get(r) for r in rings] if len(rings) == 2 else [None]
+    slots = [w.inputs[3:] for w in writes if w is not None]
+    paged = rings and rings[0] is not attn.k_recent  # (the pools of ring views: written at their slots)
     if None in writes or [w.inputs[2] for w in writes] != [attn.k_exact, attn.v_exact] \
+            or any(list(s) != ([attn.k_recent.owner.inputs[1]] if paged else []) for s in slots) \
             or writes[0].inputs[1] is not writes[1].inputs[1] or writes[0].call["args"][4] != writes[1].call["args"][4] \
             or any(len(list(w.results[0].uses)) for w in writes):
         return None

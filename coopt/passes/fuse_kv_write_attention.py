@@ -175,6 +175,8 @@ def _exact_rows(attention: KernelOp, write: KernelOp) -> tuple[dict, list[SSAVal
     if list(attention.inputs[at:at + 2]) != computed:
         return "exact_rows"
     ring_write, rings = attrs.get("ring_write"), list(attention.inputs[at + 2:at + 4]) if window > 1 else []
+    if "ring_slots_input" in attrs:
+        return "exact_rows"  # (paged-kv's ring slots: the folded form indexes the rings by batch row)
     if rings and (not isinstance(ring_write, dict) or ring_write.get("per_row")
                   or attention.inputs[ring_write["positions_input"]] is not write.inputs[2]):
         return "exact_rows"  # (the rings written elsewhere, or at other positions)

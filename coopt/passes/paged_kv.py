@@ -30,9 +30,16 @@ of sequence b in row p % P of the same page. Rewritten:
   fuse-kv-write takes the paged writes (a cache's and its scales') into a kv_write region in
   paged mode.
 
+With fp8-kv-cache's exact-recent, each ring [B_max, Hkv, W, D] (a batch row's newest W rows)
+becomes a pool of `max-sequences` ring slots [R, Hkv, W, D] and the program takes a last input
+`ring_slots` [B] int32 (row b's sequence's slot; a paged caller moves sequences between rows):
+attentions read index_select(pool, 0, ring_slots) (`ring_view`), the ring writes store at
+[ring_slots[b], :, p % W]; fuse-attention takes the selects into the attention's region.
+
 The pass touches no data: it records {"page_size", "num_pages", "max_pages", "batch",
 "max_seq", "pools": {ref: [N, Hkv, P, D] or, scales, [N, Hkv, P]}, "page_table_input",
-"positions_input", "per_row"} in
+"positions_input", "per_row"[, "rings": {ref: [R, Hkv, W, D]}, "ring_slots": R,
+"ring_slots_input"]} in
 the module attribute `coopt.paged_kv`; the emitter lays each cache's contents out as pages
 (`coopt.runtime.paged_layout.cache_to_pages`, sequence b in pages b*J .. b*J+J-1) and the program's
 PAGED contract tells the runtime (`coopt.runtime.serve.PagedDecoder`) how to call it. Not
@@ -71,12 +78,15 @@ from coopt.passes.base import (
     literal_arg,
     tensor_arg,
 )
+from coopt.passes.fp8_kv_cache import RING_WRITE
 from coopt.passes.shapes import dims, typed
 from coopt.passes.stats import count
 from coopt.runtime.pages import PAGE_SIZES
 
 PAGED_ATTR = "coopt.paged_kv"
 PAGE_TABLE = "page_table"  # the name of the new input in the program
+RING_SLOTS = "ring_slots"  # with exact-recent rings: the input naming each row's ring slot
+DEFAULT_RING_SLOTS = 256  # ring slots when max-sequences is 0 (and the pool has as many pages)
 # permutations, truncated to the rank of what they move (a cache, or its per-token scales without D):
 _TOKENS_FIRST = [0, 2, 1, 3]  # a shared write's value [B, Hkv, T, D] -> [B, T, Hkv, D], as the page ids index it
 _PAGES_IN_ORDER = [0, 2, 1, 3, 4]  # gathered pages [B, max_pages, Hkv, P, D] -> [B, Hkv, max_pages, P, D]
@@ -95,9 +105,15 @@ class PagedKv(CooptPass):
 
     page_size: int = 16  # positions per page: a power of two, 16 .. 256
     num_pages: int = 0  # pages in each pool; 0: as many as the static caches hold (B_max * cdiv(S_max, P))
+    # with fp8-kv-cache's exact-recent: ring slots, the sequences that can be live at once (one
+    # slot each, one more for a caller's padding rows); 0: min(num-pages, 256)
+    max_sequences: int = 0
 
     def __post_init__(self):
         size, pages = self.page_size, self.num_pages
+        slots = self.max_sequences
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise ConfigError(f"paged-kv: knob max-sequences={slots!r} must be an int >= 2 (0: min(num-pages, 256))")
         if isinstance(size, bool) or not isinstance(size, int) or size not in PAGE_SIZES:
             raise ConfigError(f"paged-kv: knob page-size={size!r} must be one of {', '.join(map(str, PAGE_SIZES))}")
         if isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
@@ -113,12 +129,6 @@ class PagedKv(CooptPass):
         problems = [c for c in caches if isinstance(c, str)]
         if problems:
             raise ConfigError(f"paged-kv: {problems[0]}")
-        if any(getattr(o, "k_exact", None) is not None for o in op.walk()):
-            # the rings hold each batch row's newest rows, and a paged caller (PagedDecoder) moves
-            # sequences between rows and prefills every prompt in row 0: a window would read
-            # another sequence's rows
-            raise ConfigError("paged-kv: fp8-kv-cache's exact-recent keeps each sequence's newest rows in a ring per batch "
-                              "row, which pages do not follow; build with --kv-cache fp8 (or without --paged-kv)")
         batches = {c.batch for c in caches}
         max_seq = max(c.shape[2] for c in caches)
         if len(batches) != 1:
@@ -141,6 +151,9 @@ class PagedKv(CooptPass):
             "pools": pools, "page_table_input": table.index, "positions_input": _positions_input(caches),
             "per_row": caches[0].rows is not None,
         }
+        rings = _rings(op)
+        if rings:  # exact-recent: each sequence's newest rows, in a ring slot the caller names per row
+            record.update(_page_rings(fn, rings, batch, self.max_sequences or min(num_pages, DEFAULT_RING_SLOTS)))
         op.attributes[PAGED_ATTR] = StringAttr(json.dumps(record, sort_keys=True))
 
 
@@ -343,6 +356,76 @@ def paged_view(pool: SSAValue, table: SSAValue, size: int, before: Operation) ->
                           typed(element, [gathered_shape[i] for i in order]), before)
     return insert_aten("aten.reshape.default", [{"$t": 0}, [batch, heads, max_pages * size, *head_dim]], [ordered],
                        typed(element, [batch, heads, max_pages * size, *head_dim]), before)
+
+
+# -- exact-recent rings ---------------------------------------------------------------------------
+
+
+def _rings(module: ModuleOp) -> list[WeightOp]:
+    """The exact-recent rings (fp8-kv-cache): state buffers [B_max, Hkv, N, D] that attentions
+    read as k_recent / v_recent."""
+    rings = {}
+    for op in module.walk():
+        if isinstance(op, (DecodeAttentionOp, CacheAttentionOp)) and op.k_recent is not None:
+            for ring in (op.k_recent, op.v_recent):
+                if not isinstance(ring.owner, WeightOp) or isinstance(ring.owner.parent_op(), KernelOp):
+                    raise ConfigError("paged-kv: an exact-recent ring is not a state buffer outside kernels: run paged-kv "
+                                      "before the fusion passes")
+                rings[ring.owner.ref.data] = ring.owner
+    return list(rings.values())
+
+
+def _page_rings(fn: func.FuncOp, rings: list[WeightOp], batch: int, slots: int) -> dict:
+    """Each ring [B_max, Hkv, N, D] -> a pool of `slots` rings [slots, Hkv, N, D] indexed by a
+    new last input `ring_slots` [B] int32 (row b's sequence's slot): a paged caller moves
+    sequences between rows, so a ring cannot follow the row. Attentions read
+    index_select(pool, 0, ring_slots); ring writes store at [ring_slots[b], :, p % N]."""
+    if slots < max(batch, 2):
+        raise ConfigError(f"paged-kv: knob max-sequences={slots} is under {max(batch, 2)}: each of a call's {batch} rows "
+                          "names an exact-recent ring slot, and a caller's padding rows hold one of their own")
+    slot_input = _add_input(fn, TensorType(i32, [batch]))
+    shapes = {}
+    for ring in rings:
+        _, heads, window, head_dim = ring.results[0].type.get_shape()
+        shape = [slots, heads, window, head_dim]
+        pool = WeightOp(ring.ref.data, TensorType(ring.results[0].type.element_type, shape))
+        Rewriter.insert_op(pool, InsertPoint.after(ring))
+        for use in list(ring.results[0].uses):
+            user = use.operation
+            if isinstance(user, (DecodeAttentionOp, CacheAttentionOp)):
+                operands = list(user.operands)
+                operands[use.index] = ring_view(pool.results[0], slot_input, before=user)
+                user.operands = operands
+            elif isinstance(user, StateUpdateOp) and user.target.data == RING_WRITE and use.index == 0:
+                call = {"args": [*user.call["args"][:5], {"$t": 3}], "kwargs": {}}
+                written = StateUpdateOp(user.ref.data, RING_WRITE, call, [pool.results[0], *user.inputs[1:3], slot_input],
+                                        pool.results[0].type)
+                Rewriter.replace_op(user, written)
+            else:
+                raise ConfigError(f"paged-kv: the ring '{ring.ref.data}' is read by {user.name} (only exact-recent "
+                                  "attentions and their ring writes can read a paged ring)")
+        ring.detach()
+        ring.erase()
+        shapes[pool.ref.data] = shape
+        count("paged_kv.rings")
+    return {"rings": shapes, "ring_slots": slots, "ring_slots_input": slot_input.index}
+
+
+def ring_view(pool: SSAValue, slots: SSAValue, before: Operation) -> SSAValue:
+    """The rings of a call's rows: index_select(pool, 0, ring_slots) [B, Hkv, N, D] (inserted
+    before `before`)."""
+    shape = [dims(slots)[0], *dims(pool)[1:]]
+    return insert_aten("aten.index_select.default", [{"$t": 0}, 0, {"$t": 1}], [pool, slots],
+                       typed(pool.type.element_type, shape), before)
+
+
+def read_ring_view(value: SSAValue) -> tuple[SSAValue, SSAValue] | None:
+    """(pool, ring_slots) when `value` is a `ring_view`, else None."""
+    select = value.owner
+    if aten_target(select) != "aten.index_select.default" or literal_arg(select, 1) != 0 \
+            or not isinstance(select.inputs[0].owner, WeightOp) or len(list(select.results[0].uses)) != 1:
+        return None
+    return select.inputs[0], select.inputs[1]
 
 
 # -- recognising what the pass built (for the fusion passes) -------------------------------------

@@ -4,7 +4,8 @@ paged-kv (coopt/passes/paged_kv.py) turns each KV cache [B_max, Hkv, S, D] (and 
 fp8 scale buffer [B_max, Hkv, S]) into a pool of pages;
 the emitter stores each cache's contents in the identity layout (sequence b in pages b * J ..
 b * J + J - 1), and the build's end-to-end check calls the paged program through `StaticView`
-with that layout's page table, so that it can be compared with the original model.
+with that layout's page table (and, with exact-recent rings, row b's ring in slot b), so that it
+can be compared with the original model.
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ def cache_to_pages(cache: torch.Tensor, batch: int, num_pages: int, page_size: i
     return pool
 
 
+def rings_to_slots(rings: torch.Tensor, batch: int, slots: int) -> torch.Tensor:
+    """exact-recent rings [B_max, Hkv, N, D] as a pool of `slots` rings in the identity layout:
+    row b < batch's ring in slot b (what `identity_ring_slots` names), the other slots zeros."""
+    pool = rings.new_zeros(slots, *rings.shape[1:])
+    rows = min(batch, rings.shape[0], slots)
+    pool[:rows] = rings[:rows]
+    return pool
+
+
+def identity_ring_slots(batch: int, device=None) -> torch.Tensor:
+    """int32 [batch]: row b's ring in slot b (the layout `rings_to_slots` stored)."""
+    return torch.arange(batch, dtype=torch.int32, device=device)
+
+
 class StaticView(torch.nn.Module):
     """A paged build called as the static-cache model it was built from: `forward(*inputs)` is
     `program(*inputs, page_table)` with the identity page table (sequence b in pages b * J ..),
@@ -70,4 +85,5 @@ class StaticView(torch.nn.Module):
             raise ValueError(f"positions up to {int(positions.max())}: the identity layout of {self.paged['num_pages']} pages "
                              f"holds {limit} positions per sequence (paged-kv num-pages too small to check the build "
                              f"against its static-cache original)")
-        return self.program(*inputs, self.table.to(positions.device))
+        slots = () if self.paged.get("ring_slots") is None else (identity_ring_slots(self.paged["batch"], positions.device),)
+        return self.program(*inputs, self.table.to(positions.device), *slots)

@@ -31,6 +31,11 @@ each, so the decoder's page table serves them all).
   Returns {seq_id: token} in the order the sequences were added.
 - release(seq_id): returns the pages; UnknownSequence for an unknown or released id.
 
+A build with fp8-kv-cache's exact-recent (`--kv-cache fp8-recent`) keeps each sequence's newest
+rows in a ring slot of its own (the program's last input, ring_slots [B]): add() takes one of the
+build's `num_ring_slots` - 1 (the last is the padding rows'), release() returns it, and an add()
+with none free raises RingSlotsExhausted (a PoolExhausted: nothing changed, release and retry).
+
 Tokens are chosen by `coopt.runtime.generate.sample`: greedy (argmax) at temperature 0, the
 default; else sampled from softmax(logits / temperature), within the top_k most likely when
 top_k is given. The decoder's `temperature` / `top_k` apply to every sequence unless add()
@@ -61,6 +66,16 @@ from coopt.runtime.generate import check_sampling, sample
 from coopt.runtime.pages import PageAllocator, PoolExhausted, UnknownSequence  # noqa: F401 (re-exported)
 
 
+class RingSlotsExhausted(PoolExhausted):
+    """Every exact-recent ring slot is held by a live sequence; the request changed nothing."""
+
+    def __init__(self, slots: int):
+        RuntimeError.__init__(self, f"a sequence needs an exact-recent ring slot but all {slots} are held by live "
+                                    "sequences (nothing was allocated: release sequences and retry, or build with a "
+                                    "larger paged-kv max-sequences)")
+        self.needed, self.free = 1, 0
+
+
 class PagedDecoder:
     """Continuous batching over a paged build: greedy by default, or sampled (per decoder or per
     sequence), with the decode step optionally replayed as a CUDA graph.
@@ -87,12 +102,19 @@ class PagedDecoder:
         entry = getattr(model, "entry_points", {}).get("prefill")
         entry_contract = getattr(entry, "paged", None)
         same_pools = isinstance(entry_contract, dict) and all(
-            entry_contract[k] == contract[k] for k in ("page_size", "num_pages", "max_pages", "pools"))
+            entry_contract.get(k) == contract.get(k) for k in ("page_size", "num_pages", "max_pages", "pools", "rings",
+                                                                "num_ring_slots"))
         self.prefill_entry = entry if same_pools and not entry_contract["per_row"] else None
         self.prefill_contract = entry_contract if self.prefill_entry is not None else None
         self.device = next(iter(model.buffers())).device
         self.pages = PageAllocator(contract["num_pages"], contract["page_size"], self.device, seed=seed, reserved=1)
         self.scratch = self.pages.reserved_pages[0]  # padding rows read and write only this page
+        # exact-recent rings (fp8-kv-cache): one ring slot a live sequence, the last slot the
+        # padding rows'; free slots are a stack (released ones reused first)
+        slots = contract.get("num_ring_slots")
+        self._free_slots = list(range(slots - 2, -1, -1)) if slots else None
+        self.scratch_slot = slots - 1 if slots else None
+        self._slot: dict[int, int] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(int(seed))  # every sample draws from it
         self._last: dict[int, int] = {}  # the last token of each sequence (fed by its next decode)
         self._pending: dict[int, int] = {}  # a prefilled sequence's first token, emitted by the next step
@@ -111,13 +133,12 @@ class PagedDecoder:
         tokens = self._prompt(prompt)
         sampling = (self.temperature if temperature is None else temperature, self.top_k if top_k is None else top_k)
         check_sampling(*sampling)
-        seq_id = self.pages.add_sequence(tokens.numel())
+        seq_id = self._new_sequence(tokens.numel())
         self._sampling[seq_id] = (float(sampling[0]), sampling[1])
         try:
             logits = self._prefill(seq_id, tokens)
         except BaseException:
-            self.pages.release(seq_id)  # a failed prefill holds no pages
-            del self._sampling[seq_id]
+            self.release(seq_id)  # a failed prefill holds no pages (and no ring slot)
             raise
         self._pending[seq_id] = int(self._choose([seq_id], logits[None])[0])
         return seq_id
@@ -151,6 +172,16 @@ class PagedDecoder:
             self._last[seq_id] = emitted[seq_id] = token
         return emitted
 
+    def _new_sequence(self, length: int) -> int:
+        """A new sequence holding the pages of `length` positions and, with exact-recent rings, a
+        ring slot: all or nothing (PoolExhausted, RingSlotsExhausted change nothing)."""
+        if self._free_slots == []:
+            raise RingSlotsExhausted(self.contract["num_ring_slots"] - 1)
+        seq_id = self.pages.add_sequence(length)
+        if self._free_slots is not None:
+            self._slot[seq_id] = self._free_slots.pop()
+        return seq_id
+
     def release(self, seq_id: int) -> None:
         """End a sequence: its pages return to the pool. UnknownSequence for an unknown or
         released id."""
@@ -158,6 +189,8 @@ class PagedDecoder:
         self._pending.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self._sampling.pop(seq_id, None)
+        if seq_id in self._slot:
+            self._free_slots.append(self._slot.pop(seq_id))
 
     def live_sequences(self) -> list[int]:
         return self.pages.live_sequences()
@@ -211,6 +244,16 @@ class PagedDecoder:
             table[:len(seq_ids)] = self.pages.page_table(seq_ids, width, fill=self.scratch)
         return table
 
+    def _tables_and_slots(self, seq_ids: Sequence[int], rows: int) -> tuple[torch.Tensor, ...]:
+        """The page tables (`_tables`) and, with exact-recent rings, int32 [rows]: each
+        sequence's ring slot, then the padding rows' scratch slot."""
+        table = self._tables(seq_ids, rows)
+        if self._free_slots is None:
+            return (table,)
+        slots = torch.full((rows,), self.scratch_slot, dtype=torch.int32)
+        slots[:len(seq_ids)] = torch.tensor([self._slot[s] for s in seq_ids], dtype=torch.int32)
+        return table, slots.to(self.device)
+
     def _call_step(self, seq_ids: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """The ragged step over these sequences (padded to the build's batch): their logits [n, V]."""
         rows, count = self.contract["batch"], len(seq_ids)
@@ -220,7 +263,7 @@ class PagedDecoder:
         token_rows[:count, 0] = torch.tensor(list(tokens), dtype=token_dtype)
         position_rows[:count] = torch.tensor(list(positions), dtype=torch.int64)
         step = self.graph if self.graph is not None else self.model
-        logits = step(token_rows, position_rows, self._tables(seq_ids, rows))[:count, -1]
+        logits = step(token_rows, position_rows, *self._tables_and_slots(seq_ids, rows))[:count, -1]
         return logits.clone() if self.graph is not None else logits  # a replay overwrites the graph's output
 
     def _prefill(self, seq_id: int, tokens: torch.Tensor) -> torch.Tensor:
@@ -248,7 +291,7 @@ class PagedDecoder:
         chunk = torch.zeros(rows, tokens.numel(), dtype=tokens.dtype, device=self.device)
         chunk[0] = tokens
         positions = torch.arange(start, start + tokens.numel(), device=self.device)
-        logits = self.prefill_entry(chunk, positions, self._tables([seq_id], rows))
+        logits = self.prefill_entry(chunk, positions, *self._tables_and_slots([seq_id], rows))
         return logits[0, -1]
 
     def _choose(self, seq_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
@@ -278,4 +321,4 @@ class PagedDecoder:
         tokens = torch.zeros(rows, 1, dtype=getattr(torch, self.contract["dtype"]), device=self.device)
         positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
         # check=False: the decoder checks positions and prompt ids itself; a replay then needs no host sync
-        return GraphedStep(self.model, (tokens, positions, self._tables([], rows)), check=False)
+        return GraphedStep(self.model, (tokens, positions, *self._tables_and_slots([], rows)), check=False)

@@ -138,6 +138,13 @@ def kv_cache_problem(region: RegionSummary, scales_at: int) -> str | None:
 # the rings too (attrs "ring_write": {"positions_input": i, "per_row": bool}, fuse-attention):
 # positions [1] (or [B] per row) last, the rings written in place (attrs "inplace", outputs the
 # two rings, then the attention's output), each sequence's row at slot positions[b] % recent.
+# With paged-kv the rings are pools [R, Hkv, recent, D] and row b's ring is pool[ring_slots[b]]
+# (attrs "ring_slots_input": ring_slots [B] int32, the very last input).
+def ring_slots_at(region: RegionSummary) -> int | None:
+    """Index of ring_slots where a paged region reads each row's ring through it, else None."""
+    return region.attrs.get("ring_slots_input")
+
+
 def exact_rows_at(region: RegionSummary) -> int | None:
     """Index of k_exact where the region reads its queries' newest keys unrounded, else None."""
     return region.attrs.get("exact_rows_input")
@@ -172,16 +179,24 @@ def without_exact_rows(region: RegionSummary) -> RegionSummary:
     at = exact_rows_at(region)
     if at is None:
         return region
+    attrs = {k: v for k, v in region.attrs.items() if k != "ring_slots_input"}
     if "ring_write" not in region.attrs:
-        return dataclasses.replace(region, inputs=region.inputs[:at])
-    attrs = {k: v for k, v in region.attrs.items() if k not in ("ring_write", "inplace")}
+        return dataclasses.replace(region, inputs=region.inputs[:at], attrs=attrs)
+    attrs = {k: v for k, v in attrs.items() if k not in ("ring_write", "inplace")}
     return dataclasses.replace(region, inputs=region.inputs[:at], outputs=region.outputs[-1:], attrs=attrs)
 
 
-def _rings_problem(region: RegionSummary, rings, window: int) -> str | None:
-    """Why `rings` are not [B_max >= B, Hkv, window, D] of the region's query and caches (None: they are)."""
+def _rings_problem(region: RegionSummary, rings, window: int, slots=None) -> str | None:
+    """Why `rings` are not [B_max >= B, Hkv, window, D] of the region's query and caches, or with
+    `slots` (paged-kv's ring_slots) pools [R, Hkv, window, D] and slots [B] int32 (None: they are)."""
     q, k = region.inputs[:2]
     batch = q.shape[0]
+    if slots is not None:
+        if slots.dtype != "int32" or tuple(slots.shape) != (batch,) or not rings:
+            return "ring_slots: [B] int32 after the rings' pools"
+        if any(tuple(t.shape[1:]) != (k.shape[1], window, q.shape[3]) for t in rings):
+            return f"the ring pools are not [R, Hkv, {window}, D]"
+        return None
     if any(tuple(t.shape[1:]) != (k.shape[1], window, q.shape[3])
            or not (t.shape[0] == batch or not isinstance(batch, int) or (isinstance(t.shape[0], int) and t.shape[0] >= batch))
            for t in rings):
@@ -222,21 +237,27 @@ def exact_rows_problem(region: RegionSummary) -> str | None:
     written = region.attrs.get("ring_write")
     rings_end = at + 2 + 2 * (window > 1)
     rows, rings = region.inputs[at:at + 2], region.inputs[at + 2:rings_end]
+    slots_at = ring_slots_at(region)
+    inputs = region.inputs
+    if slots_at is not None:  # paged-kv's ring_slots: the very last input
+        if slots_at != len(inputs) - 1:
+            return "ring_slots is not the last input"
+        inputs = inputs[:-1]
     if len(rows) != 2 or len(rings) != 2 * (window > 1) or any(t.dtype not in _TL_DTYPE for t in (*rows, *rings)):
         return f"exact rows: k_exact, v_exact{' and two rings' if window > 1 else ''} of floats last"
     if written is not None:
-        positions = region.inputs[rings_end:]
+        positions = inputs[rings_end:]
         if (window == 1 or q.shape[2] != 1 or written.get("positions_input") != rings_end or len(positions) != 1
                 or positions[0].dtype not in ("int32", "int64")
                 or tuple(positions[0].shape) != ((q.shape[0],) if written.get("per_row") else (1,))
                 or list(region.attrs.get("inplace") or ()) != [at + 2, at + 3] or len(region.outputs) != 3
                 or [o.dtype for o in region.outputs[:2]] != [r.dtype for r in rings]):
             return "a ring write: a decode step's positions last, the two rings written in place, then the output"
-    elif len(region.inputs) != rings_end:
+    elif len(inputs) != rings_end:
         return "inputs past the exact rows and rings"
     if any(tuple(t.shape) != (q.shape[0], k.shape[1], q.shape[2], q.shape[3]) for t in rows):
         return "k_exact / v_exact are not [B, Hkv, T, D] of the query's B, T and D"
-    return _rings_problem(region, rings, window)
+    return _rings_problem(region, rings, window, None if slots_at is None else region.inputs[slots_at])
 
 
 def kv_element_bytes(region: RegionSummary) -> int:
@@ -431,4 +452,5 @@ class AttentionFamily(TemplateFamily):
             exact_rows=exact_rows_at(region) is not None,
             recent=region.attrs.get("recent"),
             ring=(region.attrs.get("recent") or 1) > 1,
+            ring_slots=ring_slots_at(region) is not None,  # paged-kv: row b's ring is ring_slots[b]'s
         )

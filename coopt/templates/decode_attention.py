@@ -143,7 +143,7 @@ from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs, kv_writ
 from coopt.targets import Target
 from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem,
                                        folded_exact, kv_cache_problem, kv_element_bytes, kv_scale, page_size,
-                                       paged_problem, paged_schema_ok, without_exact_rows)
+                                       paged_problem, paged_schema_ok, ring_slots_at, without_exact_rows)
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 # knobs some regions' spaces add, and their value where a point leaves them out
@@ -474,4 +474,5 @@ class DecodeAttentionFamily(TemplateFamily):
             recent=region.attrs.get("recent"),
             ring=(region.attrs.get("recent") or 1) > 1,
             ring_write="ring_write" in region.attrs or (folded_exact(region) and region.attrs["recent"] > 1),
+            ring_slots=ring_slots_at(region) is not None,  # paged-kv: row b's ring is ring_slots[b]'s
         )

@@ -28,6 +28,9 @@ their lengths and index bounds count positions through the table (max_pages * P)
 pool's page dim. A paged write (an in-place region with an index input) then gets a page of its
 own for every table entry it writes through (`distinct_written_pages`), however small the pool.
 
+Exact-recent rings read through paged-kv's ring slots (attrs "ring_slots_input") get distinct
+slots of the ring pools (`valid_ring_slots`), one a row, as a caller gives each live sequence.
+
 Sums of squares (a matmul_epilogue whose prologue is "rms_norm_stats", fuse-norm-statistics:
 input `squares_input`, sq [C, M] fp32, C chunks of K / C columns of each row's h^2) are positive,
 (K / C) * magnitude^2 within a factor of two: the chunk sums of rows of the example's magnitude,
@@ -266,6 +269,9 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
         elif index == region.attrs.get("page_table_input"):
             pool = region.inputs[region.attrs.get("pool_input", 0)].concrete(dims)[0]
             tensor = valid_page_table(shape, pool, example.seed).to(dtype).to(device)
+        elif index == region.attrs.get("ring_slots_input"):
+            rings = region.inputs[region.attrs["exact_rows_input"] + 2].concrete(dims)[0]
+            tensor = valid_ring_slots(shape[0], rings, example.seed).to(dtype).to(device)
         elif index == region.attrs.get("lengths_input"):
             tensor = valid_lengths(shape, _max_length(region, dims), example.seed).to(dtype).to(device)
             if example.seed % 2 == 0 and tensor.dim() == 1 and tensor.numel() > 1:
@@ -440,6 +446,18 @@ def valid_page_table(shape, num_pages: int, seed: int) -> torch.Tensor:
     perm = torch.randperm(max(1, num_pages), generator=torch.Generator().manual_seed(seed))
     slots = (torch.arange(width)[None, :] * batch + torch.arange(batch)[:, None]) % max(1, num_pages)
     return perm[slots]
+
+
+def valid_ring_slots(batch: int, num_slots: int, seed: int) -> torch.Tensor:
+    """int64 [batch]: each row's exact-recent ring slot, distinct rows in distinct slots of
+    [0, num_slots) (a seeded permutation's first entries; a caller gives each live sequence its
+    own), so that no two rows write one ring.
+
+        >>> valid_ring_slots(3, 8, seed=0).tolist()
+        [4, 0, 7]
+    """
+    slots = max(1, num_slots)
+    return torch.randperm(slots, generator=torch.Generator().manual_seed(seed))[torch.arange(batch) % slots]
 
 
 def _bound_of(region: RegionSummary, attr: str, dims: dict[str, int]) -> int:

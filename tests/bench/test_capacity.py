@@ -154,3 +154,20 @@ def test_throughput_at_capacity_within_one_budget(tiny_throughput):
     saved = json.loads(out.read_text())
     assert saved["throughput"]["rows"].keys() == rows.keys() and "commit" in saved["environment"]
     assert saved["capacity"]["paged bf16"]["sequences"] == result["capacity"]["paged bf16"]["sequences"]
+
+
+def test_fp8_recent_pages_serve_every_sequence_its_ring_slots_allow(tmp_path):
+    """paged-fp8-recent (on request): the rings of --ring-slots slots come out of the budget
+    before the pages, and the decoder holds at most slots - 1 sequences (one slot is the padding
+    rows')."""
+    result = run_tiny(tmp_path / "capacity.json", "--variants", "paged-fp8,paged-fp8-recent", "--ring-slots", "6",
+                      "--step-batch", "4")
+    settings, rows = result["throughput"]["settings"], result["throughput"]["rows"]
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    ring_bytes = 6 * 2 * 2 * 4 * 16 * (4 + 4)  # slots x layers x kv heads x 4 rows x D x (fp32 K + fp32 V)
+    assert settings["ring_bytes"] == ring_bytes
+    page_bytes = settings["kv_bytes_per_token"]["paged-fp8-recent"] * 16
+    assert settings["pool_pages"]["paged-fp8-recent"] == (128 * 2**10 - ring_bytes) // page_bytes
+    recent, plain = rows["paged-fp8-recent"], rows["paged-fp8"]
+    assert recent["capacity_sequences"] == 5 < plain["capacity_sequences"]  # the slots, not the pages, ran out
+    assert recent["tokens_per_s"] > 0 and recent["sequences"] <= 5

@@ -36,7 +36,7 @@ def test_passes_lists_paged_kv_outside_the_default_pipeline():
     result = CliRunner().invoke(app, ["passes", "--json"])
     listing = json.loads(result.output)
     knobs = {k["name"]: k["default"] for k in listing["passes"]["paged-kv"]["knobs"]}
-    assert knobs == {"page-size": "16", "num-pages": "0"} and not listing["passes"]["paged-kv"]["lossy"]
+    assert knobs == {"page-size": "16", "num-pages": "0", "max-sequences": "0"} and not listing["passes"]["paged-kv"]["lossy"]
     assert "paged-kv" not in listing["default_pipeline"]
 
 

@@ -254,9 +254,72 @@ def test_per_token_scales_that_cannot_be_paged_are_refused():
         parse_pipeline_text("paged-kv{page-size=16}")[0].apply(Context(allow_unregistered=True), module)
 
 
-def test_exact_recent_rings_are_refused_with_pages():
-    """fp8-kv-cache's exact-recent keeps each batch row's newest rows in a ring, which a paged
-    caller's rows do not follow (PagedDecoder moves sequences between rows, prefills in row 0):
-    a pipeline error, not a window reading another sequence's rows."""
-    with pytest.raises(ConfigError, match="exact-recent keeps each sequence's newest rows in a ring per batch row"):
-        _fp8_paged("", knobs="{exact-recent=2}")
+# -- exact-recent rings (fp8-kv-cache{exact-recent=N}) paged as ring slots ------------------------
+
+EXACT = RAISE + ",fp8-kv-cache{granularity=per-token,scale-source=dynamic,exact-recent=2}"
+
+
+def test_exact_recent_rings_become_pools_read_through_ring_slots():
+    """Each ring [B_max, Hkv, N, D] becomes a pool of ring slots [R, Hkv, N, D] and the program
+    takes ring_slots [B] int32 after the page table; the decode attention reads the pools through
+    it, and its ring write stays in the kernel, at the row's slot."""
+    module, counters = run_pipeline(RaggedStep(), inputs(), EXACT + ",paged-kv{page-size=16 max-sequences=5}" + FUSION)
+    assert counters["paged_kv.rings"] == 2 and counters["fuse.decode_attention.paged_rings"] == 1
+    assert counters["fuse.decode_attention.ring_write"] == 1
+    record = json.loads(module.attributes[PAGED_ATTR].data)
+    assert record["rings"] == {"k_cache.recent": [5, 2, 2, 8], "v_cache.recent": [5, 2, 2, 8]}
+    assert record["ring_slots"] == 5 and record["ring_slots_input"] == 7 and record["page_table_input"] == 6
+    slots = forward_args(module)[-1]
+    assert slots.get_shape() == (3,) and str(slots.element_type) == "i32"
+    attention = next(k for k in kernels(module) if k.family.data == "decode_attention")
+    attrs = attention.family_attrs
+    assert attrs["ring_slots_input"] == len(attention.inputs) - 1 and attrs["ring_write"]["per_row"]
+    rings = attention.inputs[attrs["exact_rows_input"] + 2:attrs["exact_rows_input"] + 4]
+    assert [r.owner.ref.data for r in rings] == ["k_cache.recent", "v_cache.recent"]
+    assert attention.inputs[-1] is next(op for op in module.walk() if isinstance(op, func.FuncOp)).body.block.args[-1]
+    # the default: a slot a page, at most 256
+    module, _ = run_pipeline(RaggedStep(), inputs(), EXACT + ",paged-kv{page-size=16}")
+    assert json.loads(module.attributes[PAGED_ATTR].data)["ring_slots"] == 6
+
+
+def test_too_few_ring_slots_are_refused():
+    with pytest.raises(ConfigError, match="max-sequences=2 is under 3"):
+        run_pipeline(RaggedStep(), inputs(), EXACT + ",paged-kv{page-size=16 max-sequences=2}")
+    with pytest.raises(ConfigError, match="knob max-sequences"):
+        parse_pipeline_text("paged-kv{max-sequences=-1}")
+
+
+@pytest.mark.parametrize("step,args", [(RaggedStep, inputs), (PromptStep, prompt_inputs)], ids=["ragged", "prompt"])
+def test_exact_recent_references_match_the_static_step_through_shuffled_ring_slots(tmp_path, step, args):
+    """The paged exact-recent program (regions on their references) against the static one over
+    the same fp8 contents, each row's ring in a shuffled slot of a larger pool: the same output
+    (so every row read its own ring), and each slot holding what the static program's row's ring
+    holds after the step (so every row wrote its own)."""
+    from coopt.fp8_cache import fp8_record, fp8_weights
+
+    torch.manual_seed(0)
+    eager = step()
+    state = dict(eager.named_buffers())
+    for name in ("k_cache", "v_cache"):  # every row of the caches written: the rings' rows defined
+        state[name] = state[name].clone()
+    static, _ = run_pipeline(step(), args(), EXACT + FUSION)
+    paged, _ = run_pipeline(step(), args(), EXACT + ",paged-kv{page-size=16 max-sequences=7}" + FUSION)
+    fp8 = fp8_weights(fp8_record(static), state)
+    record = json.loads(paged.attributes[PAGED_ATTR].data)
+    layout = (record["batch"], record["num_pages"], 16, record["max_pages"])
+    table = identity_page_table(record["batch"], record["max_pages"], record["num_pages"])
+    slots = torch.tensor([5, 0, 3][:record["batch"]], dtype=torch.int32)
+    static_weights = {"cache_positions": eager.cache_positions, **{n: t.clone() for n, t in fp8.items()}}
+    paged_weights = {"cache_positions": eager.cache_positions}
+    for name, tensor in fp8.items():
+        if name in record["rings"]:
+            pool = torch.full((7, *tensor.shape[1:]), float("nan"), dtype=tensor.dtype)
+            pool[slots.long()] = tensor[:record["batch"]]  # other slots: NaN, which no row may read
+            paged_weights[name] = pool
+        else:
+            paged_weights[name] = cache_to_pages(tensor, *layout)
+    want = run_program(static, static_weights, args(), tmp_path / "static")
+    got = run_program(paged, paged_weights, [*args(), table, slots], tmp_path / "paged")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # (a prompt's padded keys: another sum order)
+    for name in record["rings"]:
+        assert torch.equal(paged_weights[name][slots.long()], static_weights[name][:record["batch"]]), name

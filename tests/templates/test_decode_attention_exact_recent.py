@@ -202,3 +202,62 @@ def test_a_decode_step_writes_its_rows_into_the_rings_after_reading_them(per_row
     k_ring, v_ring, out = run_candidate(load_candidate, region, params, inputs + [written])
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
     assert torch.equal(k_ring.cpu(), rings[0].cpu()) and torch.equal(v_ring.cpu(), rings[1].cpu())
+
+
+# -- paged-kv's ring slots (attrs "ring_slots_input"): row b's ring is pool[ring_slots[b]] ---------
+
+SLOTS = [4, 0, 2]  # shuffled, in a pool of 5 rings: slots 1 and 3 belong to no row (NaN)
+
+
+def in_ring_slots(region, inputs, rings_at: int, pool: int = 5):
+    """The region reading its rings as pools of `pool` slots through ring_slots [B] int32 (last),
+    and its inputs with each row's ring moved to its slot of SLOTS, NaN in every other slot."""
+    batch = region.inputs[0].shape[0]
+    ring = region.inputs[rings_at]
+    pools = (TensorSpec((pool, *ring.shape[1:]), ring.dtype),) * 2
+    slots = torch.tensor(SLOTS[:batch], dtype=torch.int32, device=DEVICE)
+    moved = []
+    for tensor in inputs[rings_at:rings_at + 2]:
+        slotted = torch.full((pool, *tensor.shape[1:]), float("nan"), dtype=tensor.dtype, device=DEVICE)
+        slotted[slots.long()] = tensor
+        moved.append(slotted)
+    spec = (*region.inputs[:rings_at], *pools, *region.inputs[rings_at + 2:], TensorSpec((batch,), "int32"))
+    outputs = tuple(pools[i] if o is ring else o for i, o in enumerate(region.outputs))
+    region = dataclasses.replace(region, inputs=spec, outputs=outputs,
+                                 attrs={**region.attrs, "ring_slots_input": len(spec) - 1})
+    return region, [*inputs[:rings_at], *moved, *inputs[rings_at + 2:], slots]
+
+
+@pytest.mark.parametrize("params", [FP8_FMA, FP8_DOT], ids=["fma", "dot-four-splits"])
+def test_a_decode_step_reads_and_writes_each_rows_ring_through_its_slot(params, load_candidate):
+    """The ring-write test above with the rings in shuffled slots of larger pools: the same
+    output (no row reads another's ring, nor a NaN slot) and each row's write in its own slot."""
+    window = 4
+    base = exact_region("per-head", window)
+    inputs = exact_inputs(base, window, seed=2)
+    written = torch.tensor([45, 2, 79], dtype=torch.int64, device=DEVICE)
+    want, rings = expected(base, window, inputs), rings_after_write(inputs, written, window)
+    region, slotted = in_ring_slots(with_ring_write(base, per_row=True), inputs + [written], 8)
+    assert FAMILY.matches(region) and not DecodeAttentionMmaFamily().matches(region)
+    k_ring, v_ring, out = run_candidate(load_candidate, region, params, slotted)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    slots = torch.tensor(SLOTS).long()
+    assert torch.equal(k_ring.cpu()[slots], rings[0].cpu()) and torch.equal(v_ring.cpu()[slots], rings[1].cpu())
+    assert k_ring.cpu()[[1, 3]].isnan().all()  # no write outside the rows' slots
+    # ring_slots must be [B] int32, last
+    wrong = dataclasses.replace(region, inputs=(*region.inputs[:-1], TensorSpec((3,), "int64")))
+    assert not FAMILY.matches(wrong)
+
+
+def test_a_prompt_reads_each_rows_ring_through_its_slot(load_candidate):
+    window, lengths = 3, PROMPT_LENGTHS["a chunk at 10..15"]
+    base = prompt_region("per-head", window)
+    inputs = make_prompt_inputs(dataclasses.replace(base, inputs=base.inputs[:6]), lengths, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    inputs += [torch.randn(2, 2, 6, 32, generator=gen).to(DEVICE) for _ in "kv"]
+    inputs += [torch.randn(2, 2, window, 32, generator=gen).to(DEVICE) for _ in "kv"]
+    want = prompt_expected(base, window, inputs)
+    region, slotted = in_ring_slots(base, inputs, 8)
+    assert PROMPT.matches(region)
+    (out,) = run_candidate.func(PROMPT, H200, load_candidate, region, SMALL, slotted)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
