@@ -61,7 +61,7 @@
 #   bash bench/gpu_session.sh fp8-recent-mma  # the CUDA attention's exact-recent GPU tests, then fp8-recent-b32 (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-fold  # exact-recent's folded write's GPU tests, then fp8-recent-b32 (~9.5 min)
 #   bash bench/gpu_session.sh fp8-recent-b1  # b1 / 32768: reduce-overhead, coopt-fp8, coopt-fp8-recent (~7 min)
-#   bash bench/gpu_session.sh paged-recent  # exact-recent through pages: GPU tests, then fp8-recent-b32's run (~9.5 min)
+#   bash bench/gpu_session.sh paged-recent  # exact-recent through pages: the kernels' and PagedDecoder's GPU tests (~4 min)
 #   bash bench/gpu_session.sh pending-43  # session 43's exact-recent tests, transformers' remaining GPU tests (~9 min)
 #   bash bench/gpu_session.sh pending    # sessions 39-41's CPU work built and run on the GPU (~5 min)
 #   bash bench/gpu_session.sh mma-values   # the CUDA attention over values-only caches: GPU tests, both values-only builds (~9.5 min)
@@ -414,14 +414,11 @@ case "${1:-}" in
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_recent_b1.json" --build-dir /tmp/coopt-recent-b1
         reports reports_recent_b1 coopt-recent-b1
         ;;
-    paged-recent)  # issue 4, session 45: exact-recent through pages (ring slots): the Triton kernels' GPU tests,
-        # PagedDecoder over a paged fp8-recent build (also graph-replayed); then b32 / 2048 fp8 against fp8-recent (~9.5 min)
-        step 170 paged-recent-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
-            tests/templates/test_decode_attention_exact_recent.py tests/llama/test_llama_paged_fp8_recent.py \
-            tests/runtime/test_serve_graph.py
-        step 390 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8,coopt-fp8-recent \
-            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_recent_b32.json" --build-dir /tmp/coopt-recent
-        reports reports_recent coopt-recent
+    paged-recent)  # issue 4, session 45: exact-recent through pages (ring slots): the Triton and CUDA kernels' GPU
+        # tests, PagedDecoder over a paged fp8-recent build (also graph-replayed) (~4 min)
+        step 420 paged-recent-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/templates/test_decode_attention_exact_recent.py tests/templates/test_decode_attention_mma_exact.py \
+            tests/llama/test_llama_paged_fp8_recent.py tests/runtime/test_serve_graph.py
         ;;
     fp8-recent-fold)  # issue 4, session 44: exact-recent's write folded into the attention (Triton and CUDA), the
         # kv_write's exact outputs, the pending exact-recent kernel tests; then b32 / 2048 fp8 against fp8-recent (~9.5 min)

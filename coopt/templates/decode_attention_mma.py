@@ -90,7 +90,7 @@ import math
 from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope
 from coopt.targets import Target
 from coopt.templates.attention import (FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem, folded_exact,
-                                       folded_exact_dtypes, kv_scale, page_size, without_exact_rows)
+                                       folded_exact_dtypes, kv_scale, page_size, ring_slots_at, without_exact_rows)
 from coopt.templates.base import TemplateFamily, cuda_point_problem, render_template
 from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 
@@ -132,8 +132,10 @@ def exact_problem(region: RegionSummary) -> str | None:
     if problem is not None:
         return problem
     window = region.attrs["recent"]
-    if page_size(region) is not None or (kv_write_inputs(region) is not None and not folded_exact(region)):
-        return "exact rows through pages: not implemented"
+    if kv_write_inputs(region) is not None and not folded_exact(region):
+        return "exact rows beside a folded write that is not exact-recent's: not implemented"
+    if page_size(region) is not None and (folded_exact(region) or (window > 1 and ring_slots_at(region) is None)):
+        return "exact rows through pages: not folded, the rings read through ring_slots"
     if window > MAX_RECENT:
         return f"exact-recent windows of at most {MAX_RECENT} rows (has {window})"
     at = exact_rows_at(region)
@@ -221,7 +223,8 @@ class DecodeAttentionMmaFamily(TemplateFamily):
         folded = folded_exact(region)
         exact = {"exact": dtypes is not None, "exact_folded": folded, "recent": window,
                  "ring": dtypes is not None and window > 1, "ring_write": ring_write is not None or (folded and window > 1),
-                 "kx_float": False, "vx_float": False, "ring_positions_t": "int"}
+                 "kx_float": False, "vx_float": False, "ring_positions_t": "int",
+                 "ring_slots": ring_slots_at(region) is not None}
         shared = region_shared_bytes(region, params)  # (its window's rows included)
         if dtypes is not None:
             exact["kx_float"], exact["vx_float"] = (t == "float32" for t in dtypes)
