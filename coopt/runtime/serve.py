@@ -35,6 +35,7 @@ A build with fp8-kv-cache's exact-recent (`--kv-cache fp8-recent`) keeps each se
 rows in a ring slot of its own (the program's last input, ring_slots [B]): add() takes one of the
 build's `num_ring_slots` - 1 (the last is the padding rows'), release() returns it, and an add()
 with none free raises RingSlotsExhausted (a PoolExhausted: nothing changed, release and retry).
+ring_bytes() is the rings' memory, allocated once beside the pages.
 
 Tokens are chosen by `coopt.runtime.generate.sample`: greedy (argmax) at temperature 0, the
 default; else sampled from softmax(logits / temperature), within the top_k most likely when
@@ -216,6 +217,11 @@ class PagedDecoder:
     def bytes_held(self) -> int:
         """KV-cache bytes the live sequences hold: pages in use x bytes per page."""
         return self.pages_in_use() * self.bytes_per_page()
+
+    def ring_bytes(self) -> int:
+        """Bytes of the exact-recent ring pools (every slot of every ring: allocated once, held
+        whatever the sequences), 0 without them."""
+        return sum(self.model.state_tensor(name).nbytes for name in self.contract.get("rings", ()))
 
     # -- calls -------------------------------------------------------------------------------
     def _prompt(self, prompt) -> torch.Tensor:

@@ -122,6 +122,7 @@ def test_each_sequence_decodes_as_it_would_alone(built_dir, llama):
 
 def test_a_decoder_without_a_free_slot_refuses_a_sequence_and_changes_nothing(built_dir):
     decoder = PagedDecoder(coopt.load(built_dir, device=DEVICE))
+    assert decoder.ring_bytes() == 2 * 8 * 2 * 4 * 16 * (4 + 2)  # 2 layers x 8 slots x 2 kv heads x 4 rows x D, K fp32 + V bf16
     held = [decoder.add([1]) for _ in range(7)]  # 8 slots: 7 for sequences, 1 for padding rows
     pages = decoder.pages_in_use()
     with pytest.raises(RingSlotsExhausted, match="all 7 are held"):
