@@ -112,7 +112,7 @@ class PagedKv(CooptPass):
     def __post_init__(self):
         size, pages = self.page_size, self.num_pages
         slots = self.max_sequences
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0 or slots == 1:
             raise ConfigError(f"paged-kv: knob max-sequences={slots!r} must be an int >= 2 (0: min(num-pages, 256))")
         if isinstance(size, bool) or not isinstance(size, int) or size not in PAGE_SIZES:
             raise ConfigError(f"paged-kv: knob page-size={size!r} must be one of {', '.join(map(str, PAGE_SIZES))}")

@@ -285,8 +285,9 @@ def test_exact_recent_rings_become_pools_read_through_ring_slots():
 def test_too_few_ring_slots_are_refused():
     with pytest.raises(ConfigError, match="max-sequences=2 is under 3"):
         run_pipeline(RaggedStep(), inputs(), EXACT + ",paged-kv{page-size=16 max-sequences=2}")
-    with pytest.raises(ConfigError, match="knob max-sequences"):
-        parse_pipeline_text("paged-kv{max-sequences=-1}")
+    for bad in ("-1", "1"):
+        with pytest.raises(ConfigError, match="knob max-sequences"):
+            parse_pipeline_text(f"paged-kv{{max-sequences={bad}}}")
 
 
 @pytest.mark.parametrize("step,args", [(RaggedStep, inputs), (PromptStep, prompt_inputs)], ids=["ragged", "prompt"])
