@@ -337,8 +337,8 @@ def decode_settings(args, model) -> dict:
     # fp8-recent's rings (fp32 keys, values in the model's dtype: RECENT rows a ring slot) come
     # out of the same budget, the pages get the rest
     ring_bytes = args.ring_slots * margs.n_layers * margs.n_kv_heads * RECENT * margs.head_dim * (4 + dtype.itemsize)
-    kept = {"paged": budget, "paged-fp8": budget, "paged-fp8-recent": max(0, budget - ring_bytes)}
-    pool_pages = {name: kept[name] // (token_bytes[name] * args.page_size) for name in kept if name in token_bytes}
+    pool_pages = {name: max(0, budget - (ring_bytes if name == "paged-fp8-recent" else 0)) // (token_bytes[name] * args.page_size)
+                  for name in ("paged", "paged-fp8", "paged-fp8-recent") if name in token_bytes}
     if args.step_batch == "capacity":  # every held sequence in one call: the weights stream once a step
         lengths = decode_lengths(args)
         step_batch = {name: planned_step_batch(pages, args.page_size, lengths, 2 + args.steps, args.max_step_rows)

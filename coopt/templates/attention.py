@@ -191,16 +191,15 @@ def _rings_problem(region: RegionSummary, rings, window: int, slots=None) -> str
     `slots` (paged-kv's ring_slots) pools [R, Hkv, window, D] and slots [B] int32 (None: they are)."""
     q, k = region.inputs[:2]
     batch = q.shape[0]
-    if slots is not None:
+    rows = "R" if slots is not None else "B_max >= B"
+    if any(tuple(t.shape[1:]) != (k.shape[1], window, q.shape[3]) for t in rings):
+        return f"the rings are not [{rows}, Hkv, {window}, D]"
+    if slots is not None:  # any R: row b's ring is the pool's ring_slots[b]
         if slots.dtype != "int32" or tuple(slots.shape) != (batch,) or not rings:
             return "ring_slots: [B] int32 after the rings' pools"
-        if any(tuple(t.shape[1:]) != (k.shape[1], window, q.shape[3]) for t in rings):
-            return f"the ring pools are not [R, Hkv, {window}, D]"
-        return None
-    if any(tuple(t.shape[1:]) != (k.shape[1], window, q.shape[3])
-           or not (t.shape[0] == batch or not isinstance(batch, int) or (isinstance(t.shape[0], int) and t.shape[0] >= batch))
-           for t in rings):
-        return f"the rings are not [B_max >= B, Hkv, {window}, D]"
+    elif any(not (t.shape[0] == batch or not isinstance(batch, int) or (isinstance(t.shape[0], int) and t.shape[0] >= batch))
+             for t in rings):
+        return f"the rings are not [{rows}, Hkv, {window}, D]"
     return None
 
 
