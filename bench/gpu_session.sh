@@ -60,6 +60,8 @@
 #   bash bench/gpu_session.sh fp8-recent-b32  # b32 / 2048: reduce-overhead, coopt-fp8, coopt-fp8-recent (~6 min)
 #   bash bench/gpu_session.sh fp8-recent-mma  # the CUDA attention's exact-recent GPU tests, then fp8-recent-b32 (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-fold  # exact-recent's folded write's GPU tests, then fp8-recent-b32 (~9.5 min)
+#   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
+#   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-b1  # b1 / 32768: reduce-overhead, coopt-fp8, coopt-fp8-recent (~7 min)
 #   bash bench/gpu_session.sh paged-recent  # exact-recent through pages: the kernels' and PagedDecoder's GPU tests (~4 min)
 #   bash bench/gpu_session.sh pending-43  # session 43's exact-recent tests, transformers' remaining GPU tests (~9 min)
@@ -441,6 +443,30 @@ case "${1:-}" in
         step 560 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8,coopt-fp8-recent \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_recent_b32.json" --build-dir /tmp/coopt-recent
         reports reports_recent coopt-recent
+        ;;
+    profile-fp8-b32)  # issue 4, session 46: the b32 / 2048 --kv-cache fp8 build's replayed step, kernel by kernel
+        # (each launch's time and the gap before it; ~4 min)
+        step 300 decode python bench/decode.py --cases 32:2048:4096 --modes coopt-fp8 --prefill 0 --agreement-steps 0 \
+            --keep-weights --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
+        step 60 profile python bench/profile_step.py /tmp/coopt-fp8/b32-pos2048-fp8 --batch 32 --launches --out "$OUT/profile_fp8_b32.json"
+        ;;
+    window-warps)  # issue 4, session 46: the window's keys spread over the last split's warps (the CUDA attention's
+        # exact-recent GPU tests, paged ones and PagedDecoder's among them), then b1 / 32768 fp8 against fp8-recent (~8 min)
+        step 200 window-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/templates/test_decode_attention_mma_exact.py tests/templates/test_decode_attention_exact_folded.py \
+            tests/llama/test_llama_paged_fp8_recent.py
+        step 360 decode python bench/decode.py --cases 1:32768:32832 --modes coopt-fp8,coopt-fp8-recent \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_recent_b1.json" --build-dir /tmp/coopt-recent-b1
+        reports reports_recent_b1 coopt-recent-b1
+        ;;
+    fp8-recent-b32-profile)  # issue 4, session 46: fp8-recent-b32, then both fp8 builds' replayed steps profiled kernel
+        # by kernel (each kernel's time and the gap before it: where the 38 µs to the 1.10x target are; ~8.5 min)
+        step 480 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8,coopt-fp8-recent \
+            --prefill 0 --agreement-steps 8 --keep-weights --out "$OUT/decode_fp8_recent_b32.json" --build-dir /tmp/coopt-recent
+        reports reports_recent coopt-recent
+        for build in b32-pos2048-fp8 b32-pos2048-fp8-recent; do
+            step 45 "profile_$build" python bench/profile_step.py "/tmp/coopt-recent/$build" --batch 32 --launches --out "$OUT/profile_$build.json"
+        done
         ;;
     attention-b32-stream)  # issue 4, session 42: is b32 / 2048 fp8's attention (35.9 µs a layer in the build, 32.0 of
         # bytes; bf16's 0.8 over) short of bytes in flight? Its 256 blocks of 4 warps hold one 4 KiB chunk each in

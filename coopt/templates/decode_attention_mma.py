@@ -58,13 +58,16 @@ K's 256-byte rows and the bf16 score dots, V's 128-byte rows and the fp16 PV dot
 e4m3 (the rows of the two caches copied by separate loops where their sizes differ).
 
 fp8-kv-cache's exact-recent (session 44): each sequence's newest N <= 16 keys are read unrounded,
-not from the cache. The key loop stops at length - N; one warp of the last split (the one after
-its last chunk's warp: the fewest chunks) copies the rings' slots and the own row (k_exact /
-v_exact, or with the write folded in, the row it computes before rounding) into shared memory
-with its first ring copies, and after its loop weighs them as one more online-softmax step
-(scores from q's dot operands in fp32, V over V's scale into the accumulator), then stores the
-step's rows into the rings. b32 / 2048 on the H100: 50.4 µs a layer against 49.0 without the
-window (bench/RESULTS.md session 44).
+not from the cache. The key loop stops at length - N; the window's keys are spread over the last
+split's warps, key d (d = 0 the own row) to warp (chunks + d) % WARPS, so the own row goes to the
+warp after its last chunk's (the fewest chunks). Each such warp copies its keys' rows (ring slots;
+the own row from k_exact / v_exact, or with the write folded in, the row it computes before
+rounding) into shared memory with its first ring copies, and after its loop weighs them as one
+more online-softmax step (scores from q's dot operands in fp32, V over V's scale into the
+accumulator); after the block's barrier the own row's warp stores the step's rows into the rings.
+Session 44 had one warp weigh the whole window (b32 / 2048 on the H100: 50.4 µs a layer against
+49.0 without the window; b1 / 32768: 29.5 against 27.6, session 45): a serial tail of that warp
+the block waited for.
 
 Numerics against the Triton template: a query rotated here is rounded to bf16 (as the unfused
 rope stores it) before the shift; the folded write rounds rope(k_new) to bf16, subtracts a
