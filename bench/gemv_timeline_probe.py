@@ -1,0 +1,202 @@
+"""Where an M = 32 GEMV's fixed cost goes: each program's start, loop end and end, stamped with
+the GPU's global timer, over a CUDA graph of consecutive launches (issue 4's b32 / 2048 fp8 row).
+
+Sessions 39-46 measured every b32 GEMM kind (the template, TMA loads, cuBLAS, a persistent chain,
+a dataflow merge) 4-7 µs over its bytes, and session 46's profile of the replayed step found no
+gap between kernels to take (bench/NOTES-decode.md). This probe looks inside the launches: the
+template's GEMV (matmul_epilogue, the points the b32 build selects, plain epilogues) is rendered,
+then patched so that every program stores %globaltimer after the PDL wait (start), after its K
+loop (loop end: the stamp takes a value of the accumulator, so it cannot move above the loop) and
+after its last store (end), with the SM it ran on. From LAUNCHES launches in a row (each on its own
+copy of the weight, past the L2), replayed in one graph:
+
+    ramp      the spread of the programs' starts (the block scheduler filling the SMs)
+    loop      each program's start to loop end: the stream (min / median / max)
+    tail      the latest loop end less the median one (programs that stream longer)
+    epilogue  the latest end less the latest loop end (split-K meeting, epilogue, stores)
+    gap       a launch's first start less the previous launch's last end
+
+    python bench/gemv_timeline_probe.py                    # the b32 layer's four GEMVs
+    python bench/gemv_timeline_probe.py --shapes o --json timeline.json
+
+The stamped kernels' graph time is printed beside the plain ones' (the stamps' own cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+# the b32 / 2048 fp8 build's selected points (session 46, bench/RESULTS.md), plain epilogues:
+# name -> (N, K, params)
+_POINT = {"BLOCK_M": 32, "EPILOGUE_SUBTILE": 1, "GEMV": True, "GROUP_M": 1, "PERSISTENT": False, "STREAM_K": 0,
+          "SWAP_AB": True, "USE_TMA": False, "num_warps": 4}
+SHAPES = {
+    "qkv": (6144, 4096, {**_POINT, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "num_stages": 5}),
+    "o": (4096, 4096, {**_POINT, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_stages": 4}),
+    "gate_up": (28672, 4096, {**_POINT, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "num_stages": 3}),
+    "down": (4096, 14336, {**_POINT, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3}),
+}
+FIELDS = 4  # start, loop end, end (ns, global timer), SM
+
+STAMP_HELPER = '''
+
+@triton.jit
+def _stamp(stamps_ptr, pid, field: tl.constexpr, after):
+    """Program pid's global timer (ns) into stamps[pid, field]; `after` is a value the stamp waits
+    for (an operand of the asm: the timer is read once it exists). Field 0 also stores the SM."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(stamps_ptr + pid * 4 + field, t)
+    if field == 0:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [after], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(stamps_ptr + pid * 4 + 3, sm.to(tl.int64))
+
+
+@triton.jit
+def _gemv_kernel('''
+
+
+def instrument(source: str) -> str:
+    """The rendered GEMV module with the stamps: a stamps_ptr argument (the module's global
+    _STAMPS, int64 [programs, 4], passed at each launch), `_stamp` after the PDL wait, after the
+    K loop and at the kernel's end."""
+    def once(text, old, new):
+        assert text.count(old) == 1, f"the template changed: {old!r} found {text.count(old)} times"
+        return text.replace(old, new)
+
+    source = once(source, "\n\n@triton.jit\ndef _gemv_kernel(", STAMP_HELPER)
+    source = once(source, "    a_ptr, b_ptr, out0_ptr, partial_ptr, arrivals_ptr,\n",
+                  "    a_ptr, b_ptr, out0_ptr, partial_ptr, arrivals_ptr, stamps_ptr,\n")
+    source = once(source, "        tl.extra.cuda.gdc_wait()\n\n",
+                  "        tl.extra.cuda.gdc_wait()\n    _stamp(stamps_ptr, pid, 0, pid)\n\n")
+    source = once(source, "    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]",
+                  "    _stamp(stamps_ptr, pid, 1, tl.sum(tl.sum(acc, axis=1), axis=0).to(tl.int32, bitcast=True))\n"
+                  "    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]")
+    kernel_end = source.index("\n\n\n", source.index("def _gemv_kernel("))
+    source = (source[:kernel_end] + "\n    tl.debug_barrier()  # every thread's stores issued\n"
+              "    _stamp(stamps_ptr, pid, 2, pid)" + source[kernel_end:])
+    source = once(source, "            a2, b, out0, partial, arrivals,\n", "            a2, b, out0, partial, arrivals, _STAMPS,\n")
+    return source + "\n\n_STAMPS = None  # set before each launch: int64 [programs, 4]\n"
+
+
+def programs(n: int, params: dict, m: int = 32) -> int:
+    return -(-m // params["BLOCK_M"]) * -(-n // params["BLOCK_N"]) * params["SPLIT_K"]
+
+
+def summarize(stamps: list[list[list[int]]], weight_bytes: int, bandwidth: float) -> dict:
+    """stamps[launch][program] = [start, loop end, end, sm] (ns) -> µs per launch and the gaps."""
+    launches = []
+    for i, rows in enumerate(stamps):
+        starts, loops, ends = ([r[f] for r in rows] for f in range(3))
+        first, last = min(starts), max(ends)
+        streams = sorted(b - a for a, b in zip(starts, loops))
+        per_sm = {}
+        for r in rows:
+            per_sm[r[3]] = per_sm.get(r[3], 0) + 1
+        launch = {
+            "span_us": (last - first) / 1e3,
+            "bytes_us": weight_bytes / bandwidth * 1e6,
+            "ramp_us": (max(starts) - first) / 1e3,
+            "loop_min_us": streams[0] / 1e3, "loop_median_us": statistics.median(streams) / 1e3,
+            "loop_max_us": streams[-1] / 1e3,
+            "tail_us": (max(loops) - statistics.median(loops)) / 1e3,
+            "epilogue_us": (last - max(loops)) / 1e3,
+            "sms": len(per_sm), "most_programs_an_sm": max(per_sm.values()),
+        }
+        if i:
+            launch["gap_us"] = (first - max(r[2] for r in stamps[i - 1])) / 1e3
+        launches.append(launch)
+    return {"launches": launches}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down")
+    parser.add_argument("--launches", type=int, default=6, help="launches in a row in the graph")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+    from gemm import announce_gpu, graph_ms, reference_bandwidth
+
+    from coopt.ir.region import RegionSummary, TensorSpec
+    from coopt.runtime.kernel_loader import load_module_from_file
+    from coopt.targets import H200
+    from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
+
+    if not announce_gpu("bench/gemv_timeline_probe.py"):
+        return 1
+    bandwidth = reference_bandwidth()
+    family, work, results = MatmulEpilogueFamily(), Path("/tmp/gemv-timeline"), {}
+    work.mkdir(exist_ok=True)
+    for name in args.shapes.split(","):
+        n, k, params = SHAPES[name]
+        region = RegionSummary(name, "matmul_epilogue",
+                               inputs=(TensorSpec((32, k), "bfloat16"), TensorSpec((n, k), "bfloat16")),
+                               outputs=(TensorSpec((32, n), "bfloat16"),),
+                               attrs={"b_layout": "nk", "has_bias": False, "epilogue": [], "outputs": ["acc"]})
+        problem = family.check(region, params, H200)
+        assert problem is None, problem
+        plain_path, stamped_path = work / f"{name}_plain.py", work / f"{name}_stamped.py"
+        plain_path.write_text(family.render(region, params))
+        stamped_path.write_text(instrument(family.render(region, params)))
+        plain, stamped = load_module_from_file(plain_path), load_module_from_file(stamped_path)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(32, k, generator=gen, device="cuda").to(torch.bfloat16)
+        weights = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) / k ** 0.5
+                   for _ in range(args.launches)]
+        count = programs(n, params)
+        buffers = [torch.zeros(count, FIELDS, dtype=torch.int64, device="cuda") for _ in weights]
+
+        want = x.float() @ weights[0].float().T
+        stamped._STAMPS = buffers[0]
+        err = (stamped.run(x, weights[0])[0].float() - want).abs().max().item()
+        assert err < 5e-2, f"{name}: the stamped kernel is off by {err}"
+
+        def sequence(module, stamp=False):
+            for w, buf in zip(weights, buffers):
+                if stamp:
+                    module._STAMPS = buf
+                module.run(x, w)
+
+        plain_ms = graph_ms(lambda: sequence(plain), [[]]) / args.launches
+        stamped._STAMPS = buffers[0]
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            sequence(stamped, stamp=True)  # compiled and warm before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            sequence(stamped, stamp=True)
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        stamps = [b.tolist() for b in buffers]
+        summary = summarize(stamps, n * k * 2, bandwidth)
+        summary.update(shape=f"32x{n}x{k}", params=params, programs=count, plain_graph_us=plain_ms * 1e3,
+                       stamped_graph_us=graph_ms(lambda: sequence(stamped, stamp=True), [[]]) / args.launches * 1e3,
+                       max_abs_err=err)
+        results[name] = summary
+        print(f"\n{name} 32x{n}x{k}: {count} programs; a launch in a graph of {args.launches}: plain "
+              f"{summary['plain_graph_us']:.2f} µs, stamped {summary['stamped_graph_us']:.2f} µs; its bytes "
+              f"{summary['launches'][0]['bytes_us']:.2f} µs at {bandwidth / 1e12:.2f} TB/s", flush=True)
+        print("  launch  span   ramp  loop min/median/max     tail  epilogue  gap    SMs (most programs an SM)")
+        for i, launch in enumerate(summary["launches"]):
+            print(f"  {i:5d} {launch['span_us']:6.2f} {launch['ramp_us']:6.2f} {launch['loop_min_us']:6.2f} / "
+                  f"{launch['loop_median_us']:6.2f} / {launch['loop_max_us']:6.2f} {launch['tail_us']:6.2f} "
+                  f"{launch['epilogue_us']:8.2f} {launch.get('gap_us', float('nan')):6.2f}  {launch['sms']} "
+                  f"({launch['most_programs_an_sm']})", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

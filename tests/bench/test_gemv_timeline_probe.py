@@ -1,0 +1,54 @@
+"""bench/gemv_timeline_probe.py on the CPU: the patch puts its three stamps where it says on every
+point it times (and fails loudly when the template moves), and the summary's phases come out of
+known stamps."""
+
+from __future__ import annotations
+
+import pytest
+
+import gemv_timeline_probe as probe
+from coopt.ir.region import RegionSummary, TensorSpec
+from coopt.targets import H200
+from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
+
+
+def rendered(name: str) -> str:
+    n, k, params = probe.SHAPES[name]
+    region = RegionSummary(name, "matmul_epilogue", inputs=(TensorSpec((32, k), "bfloat16"), TensorSpec((n, k), "bfloat16")),
+                           outputs=(TensorSpec((32, n), "bfloat16"),),
+                           attrs={"b_layout": "nk", "has_bias": False, "epilogue": [], "outputs": ["acc"]})
+    family = MatmulEpilogueFamily()
+    assert family.check(region, params, H200) is None
+    return family.render(region, params)
+
+
+@pytest.mark.parametrize("name", sorted(probe.SHAPES))
+def test_the_stamps_go_after_the_wait_the_loop_and_the_last_store(name):
+    source = probe.instrument(rendered(name))
+    kernel = source[source.index("def _gemv_kernel("):source.index("\n\n\n", source.index("def _gemv_kernel("))]
+    lines = kernel.splitlines()
+    at = [i for i, line in enumerate(lines) if "_stamp(stamps_ptr, pid," in line]
+    assert [lines[i].split("pid, ")[1][0] for i in at] == ["0", "1", "2"]
+    wait = next(i for i, line in enumerate(lines) if "gdc_wait()" in line)
+    loop = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for k in tl.range("))
+    assert wait < at[0] < loop < at[1] and at[2] == len(lines) - 1
+    assert lines[at[2]].startswith("    _stamp") and "tl.debug_barrier()" in lines[at[2] - 1]
+    assert "arrivals, _STAMPS," in source  # the launch passes the stamps
+
+
+def test_a_moved_template_is_refused_not_half_patched():
+    with pytest.raises(AssertionError, match="the template changed"):
+        probe.instrument(rendered("o").replace("acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]", "acc = acc.T"))
+
+
+def test_the_phases_come_from_the_stamps():
+    # two launches of three programs: [start, loop end, end, sm] in ns
+    first = [[1000, 5000, 6000, 0], [1500, 6000, 6500, 1], [1200, 9000, 9400, 0]]
+    second = [[10000, 14000, 15000, 2], [10100, 14200, 15200, 3], [10300, 14100, 15100, 4]]
+    summary = probe.summarize([first, second], weight_bytes=4_200_000, bandwidth=4.2e12)
+    a, b = summary["launches"]
+    assert a["span_us"] == pytest.approx(8.4) and a["ramp_us"] == pytest.approx(0.5)
+    assert (a["loop_min_us"], a["loop_median_us"], a["loop_max_us"]) == pytest.approx((4.0, 4.5, 7.8))
+    assert a["tail_us"] == pytest.approx(3.0) and a["epilogue_us"] == pytest.approx(0.4)
+    assert (a["sms"], a["most_programs_an_sm"]) == (2, 2) and a["bytes_us"] == pytest.approx(1.0)
+    assert "gap_us" not in a and b["gap_us"] == pytest.approx(0.6)
