@@ -19,6 +19,9 @@ copy of the weight, past the L2), replayed in one graph:
     python bench/gemv_timeline_probe.py                    # the b32 layer's four GEMVs
     python bench/gemv_timeline_probe.py --shapes o --json timeline.json
 
+Each shape runs twice stamped: as above, and with `first_slab` (one extra load of the first
+weight slab before the loop, stamped when it lands: the first byte's latency under the launch).
+
 The stamped kernels' graph time is printed beside the plain ones' (the stamps' own cost).
 """
 
@@ -44,7 +47,7 @@ SHAPES = {
     "gate_up": (28672, 4096, {**_POINT, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "num_stages": 3}),
     "down": (4096, 14336, {**_POINT, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3}),
 }
-FIELDS = 4  # start, loop end, end (ns, global timer), SM
+FIELDS = 5  # start, loop end, end (ns, global timer), SM, first slab landed (ns; --first-slab only, else 0)
 
 STAMP_HELPER = '''
 
@@ -53,20 +56,22 @@ def _stamp(stamps_ptr, pid, field: tl.constexpr, after):
     """Program pid's global timer (ns) into stamps[pid, field]; `after` is a value the stamp waits
     for (an operand of the asm: the timer is read once it exists). Field 0 also stores the SM."""
     t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64, is_pure=False, pack=1)
-    tl.store(stamps_ptr + pid * 4 + field, t)
+    tl.store(stamps_ptr + pid * 5 + field, t)
     if field == 0:
         sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [after], dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(stamps_ptr + pid * 4 + 3, sm.to(tl.int64))
+        tl.store(stamps_ptr + pid * 5 + 3, sm.to(tl.int64))
 
 
 @triton.jit
 def _gemv_kernel('''
 
 
-def instrument(source: str) -> str:
+def instrument(source: str, first_slab: bool = False) -> str:
     """The rendered GEMV module with the stamps: a stamps_ptr argument (the module's global
-    _STAMPS, int64 [programs, 4], passed at each launch), `_stamp` after the PDL wait, after the
-    K loop and at the kernel's end."""
+    _STAMPS, int64 [programs, FIELDS], passed at each launch), `_stamp` after the PDL wait, after
+    the K loop and at the kernel's end. `first_slab`: also one load of the program's first weight
+    slab before its loop, stamped when it lands (the first byte's latency; the load is an extra
+    round trip before the loop's own, so that variant's other times are not the kernel's)."""
     def once(text, old, new):
         assert text.count(old) == 1, f"the template changed: {old!r} found {text.count(old)} times"
         return text.replace(old, new)
@@ -79,11 +84,16 @@ def instrument(source: str) -> str:
     source = once(source, "    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]",
                   "    _stamp(stamps_ptr, pid, 1, tl.sum(tl.sum(acc, axis=1), axis=0).to(tl.int32, bitcast=True))\n"
                   "    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]")
+    if first_slab:
+        source = once(source, "    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)\n",
+                      "    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)\n"
+                      "    _stamp(stamps_ptr, pid, 4, tl.sum(tl.sum(tl.load(b_ptrs).to(tl.float32), axis=1), axis=0)"
+                      ".to(tl.int32, bitcast=True))\n")
     kernel_end = source.index("\n\n\n", source.index("def _gemv_kernel("))
     source = (source[:kernel_end] + "\n    tl.debug_barrier()  # every thread's stores issued\n"
               "    _stamp(stamps_ptr, pid, 2, pid)" + source[kernel_end:])
     source = once(source, "            a2, b, out0, partial, arrivals,\n", "            a2, b, out0, partial, arrivals, _STAMPS,\n")
-    return source + "\n\n_STAMPS = None  # set before each launch: int64 [programs, 4]\n"
+    return source + "\n\n_STAMPS = None  # set before each launch: int64 [programs, FIELDS]\n"
 
 
 def programs(n: int, params: dict, m: int = 32) -> int:
@@ -91,7 +101,9 @@ def programs(n: int, params: dict, m: int = 32) -> int:
 
 
 def summarize(stamps: list[list[list[int]]], weight_bytes: int, bandwidth: float) -> dict:
-    """stamps[launch][program] = [start, loop end, end, sm] (ns) -> µs per launch and the gaps."""
+    """stamps[launch][program] = [start, loop end, end, sm, first slab or 0] (ns) -> µs per launch
+    and the gaps; "first_slab_*_us" (median, max of the programs' first slab less their start) where
+    the stamps have them."""
     launches = []
     for i, rows in enumerate(stamps):
         starts, loops, ends = ([r[f] for r in rows] for f in range(3))
@@ -110,6 +122,9 @@ def summarize(stamps: list[list[list[int]]], weight_bytes: int, bandwidth: float
             "epilogue_us": (last - max(loops)) / 1e3,
             "sms": len(per_sm), "most_programs_an_sm": max(per_sm.values()),
         }
+        if all(len(r) > 4 and r[4] for r in rows):
+            waits = sorted(r[4] - r[0] for r in rows)
+            launch["first_slab_median_us"], launch["first_slab_max_us"] = statistics.median(waits) / 1e3, waits[-1] / 1e3
         if i:
             launch["gap_us"] = (first - max(r[2] for r in stamps[i - 1])) / 1e3
         launches.append(launch)
@@ -144,10 +159,9 @@ def main() -> int:
                                attrs={"b_layout": "nk", "has_bias": False, "epilogue": [], "outputs": ["acc"]})
         problem = family.check(region, params, H200)
         assert problem is None, problem
-        plain_path, stamped_path = work / f"{name}_plain.py", work / f"{name}_stamped.py"
+        plain_path = work / f"{name}_plain.py"
         plain_path.write_text(family.render(region, params))
-        stamped_path.write_text(instrument(family.render(region, params)))
-        plain, stamped = load_module_from_file(plain_path), load_module_from_file(stamped_path)
+        plain = load_module_from_file(plain_path)
         gen = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(32, k, generator=gen, device="cuda").to(torch.bfloat16)
         weights = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) / k ** 0.5
@@ -155,44 +169,47 @@ def main() -> int:
         count = programs(n, params)
         buffers = [torch.zeros(count, FIELDS, dtype=torch.int64, device="cuda") for _ in weights]
 
-        want = x.float() @ weights[0].float().T
-        stamped._STAMPS = buffers[0]
-        err = (stamped.run(x, weights[0])[0].float() - want).abs().max().item()
-        assert err < 5e-2, f"{name}: the stamped kernel is off by {err}"
-
         def sequence(module, stamp=False):
             for w, buf in zip(weights, buffers):
                 if stamp:
                     module._STAMPS = buf
                 module.run(x, w)
 
-        plain_ms = graph_ms(lambda: sequence(plain), [[]]) / args.launches
-        stamped._STAMPS = buffers[0]
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            sequence(stamped, stamp=True)  # compiled and warm before the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            sequence(stamped, stamp=True)
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        stamps = [b.tolist() for b in buffers]
-        summary = summarize(stamps, n * k * 2, bandwidth)
-        summary.update(shape=f"32x{n}x{k}", params=params, programs=count, plain_graph_us=plain_ms * 1e3,
-                       stamped_graph_us=graph_ms(lambda: sequence(stamped, stamp=True), [[]]) / args.launches * 1e3,
-                       max_abs_err=err)
-        results[name] = summary
-        print(f"\n{name} 32x{n}x{k}: {count} programs; a launch in a graph of {args.launches}: plain "
-              f"{summary['plain_graph_us']:.2f} µs, stamped {summary['stamped_graph_us']:.2f} µs; its bytes "
-              f"{summary['launches'][0]['bytes_us']:.2f} µs at {bandwidth / 1e12:.2f} TB/s", flush=True)
-        print("  launch  span   ramp  loop min/median/max     tail  epilogue  gap    SMs (most programs an SM)")
-        for i, launch in enumerate(summary["launches"]):
-            print(f"  {i:5d} {launch['span_us']:6.2f} {launch['ramp_us']:6.2f} {launch['loop_min_us']:6.2f} / "
-                  f"{launch['loop_median_us']:6.2f} / {launch['loop_max_us']:6.2f} {launch['tail_us']:6.2f} "
-                  f"{launch['epilogue_us']:8.2f} {launch.get('gap_us', float('nan')):6.2f}  {launch['sms']} "
-                  f"({launch['most_programs_an_sm']})", flush=True)
+        plain_us = graph_ms(lambda: sequence(plain), [[]]) / args.launches * 1e3
+        results[name] = {"shape": f"32x{n}x{k}", "params": params, "programs": count, "plain_graph_us": plain_us}
+        print(f"\n{name} 32x{n}x{k}: {count} programs; a plain launch in a graph of {args.launches} {plain_us:.2f} µs; "
+              f"its bytes {n * k * 2 / bandwidth * 1e6:.2f} µs at {bandwidth / 1e12:.2f} TB/s", flush=True)
+        for variant, first_slab in (("stamped", False), ("first-slab", True)):
+            path = work / f"{name}_{variant}.py"
+            path.write_text(instrument(family.render(region, params), first_slab=first_slab))
+            stamped = load_module_from_file(path)
+            stamped._STAMPS = buffers[0]
+            err = (stamped.run(x, weights[0])[0].float() - x.float() @ weights[0].float().T).abs().max().item()
+            assert err < 5e-2, f"{name} {variant}: the stamped kernel is off by {err}"
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                sequence(stamped, stamp=True)  # compiled and warm before the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                sequence(stamped, stamp=True)
+            for _ in range(20):
+                graph.replay()
+            torch.cuda.synchronize()
+            summary = summarize([b.tolist() for b in buffers], n * k * 2, bandwidth)
+            summary.update(graph_us=graph_ms(lambda: sequence(stamped, stamp=True), [[]]) / args.launches * 1e3,
+                           max_abs_err=err)
+            results[name][variant] = summary
+            print(f"  {variant}: {summary['graph_us']:.2f} µs a launch in the graph", flush=True)
+            print("  launch  span   ramp  loop min/median/max     tail  epilogue  gap    SMs (most programs an SM)"
+                  + ("  first slab median/max" if first_slab else ""))
+            for i, launch in enumerate(summary["launches"]):
+                print(f"  {i:5d} {launch['span_us']:6.2f} {launch['ramp_us']:6.2f} {launch['loop_min_us']:6.2f} / "
+                      f"{launch['loop_median_us']:6.2f} / {launch['loop_max_us']:6.2f} {launch['tail_us']:6.2f} "
+                      f"{launch['epilogue_us']:8.2f} {launch.get('gap_us', float('nan')):6.2f}  {launch['sms']} "
+                      f"({launch['most_programs_an_sm']})"
+                      + (f"  {launch['first_slab_median_us']:6.2f} / {launch['first_slab_max_us']:6.2f}"
+                         if first_slab else ""), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -36,15 +36,26 @@ def test_the_stamps_go_after_the_wait_the_loop_and_the_last_store(name):
     assert "arrivals, _STAMPS," in source  # the launch passes the stamps
 
 
+@pytest.mark.parametrize("name", sorted(probe.SHAPES))
+def test_the_first_slab_stamp_waits_for_a_load_of_the_first_slab_before_the_loop(name):
+    source = probe.instrument(rendered(name), first_slab=True)
+    lines = source[source.index("def _gemv_kernel("):].splitlines()
+    first = next(i for i, line in enumerate(lines) if "_stamp(stamps_ptr, pid, 4," in line)
+    loop = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for k in tl.range("))
+    assert first < loop and "tl.load(b_ptrs)" in lines[first]
+    assert "pid, 4," not in probe.instrument(rendered(name))
+
+
 def test_a_moved_template_is_refused_not_half_patched():
     with pytest.raises(AssertionError, match="the template changed"):
         probe.instrument(rendered("o").replace("acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]", "acc = acc.T"))
 
 
 def test_the_phases_come_from_the_stamps():
-    # two launches of three programs: [start, loop end, end, sm] in ns
-    first = [[1000, 5000, 6000, 0], [1500, 6000, 6500, 1], [1200, 9000, 9400, 0]]
-    second = [[10000, 14000, 15000, 2], [10100, 14200, 15200, 3], [10300, 14100, 15100, 4]]
+    # two launches of three programs: [start, loop end, end, sm, first slab] in ns (the second
+    # launch's first slabs stamped)
+    first = [[1000, 5000, 6000, 0, 0], [1500, 6000, 6500, 1, 0], [1200, 9000, 9400, 0, 0]]
+    second = [[10000, 14000, 15000, 2, 11000], [10100, 14200, 15200, 3, 11300], [10300, 14100, 15100, 4, 12300]]
     summary = probe.summarize([first, second], weight_bytes=4_200_000, bandwidth=4.2e12)
     a, b = summary["launches"]
     assert a["span_us"] == pytest.approx(8.4) and a["ramp_us"] == pytest.approx(0.5)
@@ -52,3 +63,5 @@ def test_the_phases_come_from_the_stamps():
     assert a["tail_us"] == pytest.approx(3.0) and a["epilogue_us"] == pytest.approx(0.4)
     assert (a["sms"], a["most_programs_an_sm"]) == (2, 2) and a["bytes_us"] == pytest.approx(1.0)
     assert "gap_us" not in a and b["gap_us"] == pytest.approx(0.6)
+    assert "first_slab_median_us" not in a
+    assert (b["first_slab_median_us"], b["first_slab_max_us"]) == pytest.approx((1.2, 2.0))
