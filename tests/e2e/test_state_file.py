@@ -3,6 +3,7 @@ build's KV caches) are stored as shape and dtype, made again with torch.zeros at
 
 import json
 
+import pytest
 import torch
 
 from coopt.emit.state_file import ZEROS_FILE, save_state, stored_state
@@ -69,6 +70,13 @@ def test_a_build_stores_its_empty_caches_as_zeros_json_and_loads_them_as_zeros(t
     assert built.state_tensor("k_cache").shape == (1, 2, 16, 8) and not built.state_tensor("k_cache").any()
     for pos in range(4):  # the loaded zeros are the cache the steps write and read
         torch.testing.assert_close(built(*step(pos)), eager(*step(pos)))
+    # a build without its weights (bench/decode.py removes them unless --keep-weights): one line
+    from coopt.errors import InputFileError
+
+    (tmp_path / "out" / "weights.pt").unlink()
+    with pytest.raises(InputFileError, match="has no weights.pt") as info:
+        coopt.load(tmp_path / "out", device="cpu")
+    assert info.value.exit_code == 9
 
 
 def test_weights_that_do_not_fit_are_refused_before_writing(tmp_path, monkeypatch):
