@@ -4,11 +4,11 @@ the GPU's global timer, over a CUDA graph of consecutive launches (issue 4's b32
 Sessions 39-46 measured every b32 GEMM kind (the template, TMA loads, cuBLAS, a persistent chain,
 a dataflow merge) 4-7 µs over its bytes, and session 46's profile of the replayed step found no
 gap between kernels to take (bench/NOTES-decode.md). This probe looks inside the launches: the
-template's GEMV (matmul_epilogue, the points the b32 build selects, plain epilogues) is rendered,
-then patched so that every program stores %globaltimer after the PDL wait (start), after its K
+template's GEMV (matmul_epilogue, the points the b32 build selects, in the build's fused forms or
+plain) is rendered, then patched so that every program stores %globaltimer after the PDL wait (start), after its K
 loop (loop end: the stamp takes a value of the accumulator, so it cannot move above the loop) and
 after its last store (end), with the SM it ran on. From LAUNCHES launches in a row (each on its own
-copy of the weight, past the L2), replayed in one graph:
+copy of the weight; 6 x 34-235 MB, past the L2), replayed in one graph:
 
     ramp      the spread of the programs' starts (the block scheduler filling the SMs)
     loop      each program's start to loop end: the stream (min / median / max)
@@ -16,8 +16,8 @@ copy of the weight, past the L2), replayed in one graph:
     epilogue  the latest end less the latest loop end (split-K meeting, epilogue, stores)
     gap       a launch's first start less the previous launch's last end
 
-    python bench/gemv_timeline_probe.py                    # the b32 layer's four GEMVs
-    python bench/gemv_timeline_probe.py --shapes o --json timeline.json
+    python bench/gemv_timeline_probe.py                    # the b32 layer's four GEMV regions as built
+    python bench/gemv_timeline_probe.py --shapes o,o+ --json timeline.json   # plain and as built
 
 Each shape runs twice stamped: as above, and with `first_slab` (one extra load of the first
 weight slab before the loop, stamped when it lands: the first byte's latency under the launch).
@@ -37,16 +37,73 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-# the b32 / 2048 fp8 build's selected points (session 46, bench/RESULTS.md), plain epilogues:
-# name -> (N, K, params)
+# the b32 / 2048 fp8 build's selected points (session 46, bench/RESULTS.md) for its four GEMV
+# regions: name -> (region, params). "+" forms are the build's (the norm from the producer's
+# statistics before q|k|v and gate|up, SwiGLU after gate|up, the residual add and the next norm's
+# statistics after o and down); the others plain (y = x W^T), the same points.
 _POINT = {"BLOCK_M": 32, "EPILOGUE_SUBTILE": 1, "GEMV": True, "GROUP_M": 1, "PERSISTENT": False, "STREAM_K": 0,
           "SWAP_AB": True, "USE_TMA": False, "num_warps": 4}
-SHAPES = {
-    "qkv": (6144, 4096, {**_POINT, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "num_stages": 5}),
-    "o": (4096, 4096, {**_POINT, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_stages": 4}),
-    "gate_up": (28672, 4096, {**_POINT, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "num_stages": 3}),
-    "down": (4096, 14336, {**_POINT, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3}),
+POINTS = {
+    "qkv": {**_POINT, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "num_stages": 5},
+    "o": {**_POINT, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_stages": 4},
+    "gate_up": {**_POINT, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "num_stages": 3},
+    "down": {**_POINT, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3},
 }
+ROWS, CHUNK = 32, 64  # the batch; the statistics' chunk of columns (fuse-norm-statistics)
+
+
+def _spec(shape, dtype="bfloat16"):
+    from coopt.ir.region import TensorSpec
+
+    return TensorSpec(tuple(shape), dtype)
+
+
+def plain_region(name: str, n: int, k: int):
+    from coopt.ir.region import RegionSummary
+
+    return RegionSummary(name, "matmul_epilogue", inputs=(_spec((ROWS, k)), _spec((n, k))), outputs=(_spec((ROWS, n)),),
+                         attrs={"b_layout": "nk", "has_bias": False, "epilogue": [], "outputs": ["acc"]})
+
+
+def statistics_region(name: str, n: int, k: int, glu: bool = False):
+    """The norm from the producer's chunk sums of squares [K / CHUNK, M] (fp32), as q|k|v and
+    gate|up run in a b32 build; with `glu` the weight holds [gate; up] and SwiGLU combines them."""
+    from coopt.ir.region import RegionSummary
+
+    attrs = {"b_layout": "nk", "has_bias": False, "epilogue": [], "outputs": ["acc"],
+             "prologue": {"eps": 1e-5, "kind": "rms_norm_stats", "squares_input": 2}}
+    if glu:
+        attrs.update(glu=True, epilogue=[["t0", "silu", ["acc"]], ["t1", "mul", ["t0", "acc_hi"]]], outputs=["t1"])
+    return RegionSummary(name, "matmul_epilogue", outputs=(_spec((ROWS, 1, n)),), attrs=attrs,
+                         inputs=(_spec((ROWS, 1, k)), _spec((2 * n if glu else n, k)), _spec((k // CHUNK, ROWS), "float32")))
+
+
+def residual_region(name: str, n: int, k: int):
+    """h = residual + x W^T, with h * g and the chunk sums of h^2 for the next norm, as o and down
+    run in a b32 build."""
+    from coopt.ir.region import RegionSummary
+
+    return RegionSummary(name, "matmul_epilogue",
+                         inputs=(_spec((ROWS, 1, k)), _spec((n, k)), _spec((ROWS, 1, n)), _spec((n,))),
+                         outputs=(_spec((ROWS, 1, n)), _spec((ROWS, 1, n)), _spec((n // CHUNK, ROWS), "float32")),
+                         attrs={"b_layout": "nk", "has_bias": False, "epilogue": [["t0", "add", ["in0", "acc"]]],
+                                "outputs": ["t0"], "row_squares": {"chunk": CHUNK, "output": 0, "weight_input": 3}})
+
+
+def shapes() -> dict:
+    """name -> (region, params)."""
+    return {
+        "qkv": (plain_region("qkv", 6144, 4096), POINTS["qkv"]),
+        "o": (plain_region("o", 4096, 4096), POINTS["o"]),
+        "gate_up": (plain_region("gate_up", 28672, 4096), POINTS["gate_up"]),
+        "down": (plain_region("down", 4096, 14336), POINTS["down"]),
+        "qkv+": (statistics_region("qkv+", 6144, 4096), POINTS["qkv"]),
+        "o+": (residual_region("o+", 4096, 4096), POINTS["o"]),
+        "gate_up+": (statistics_region("gate_up+", 14336, 4096, glu=True), POINTS["gate_up"]),
+        "down+": (residual_region("down+", 4096, 14336), POINTS["down"]),
+    }
+
+
 FIELDS = 5  # start, loop end, end (ns, global timer), SM, first slab landed (ns; --first-slab only, else 0)
 
 STAMP_HELPER = '''
@@ -77,8 +134,7 @@ def instrument(source: str, first_slab: bool = False) -> str:
         return text.replace(old, new)
 
     source = once(source, "\n\n@triton.jit\ndef _gemv_kernel(", STAMP_HELPER)
-    source = once(source, "    a_ptr, b_ptr, out0_ptr, partial_ptr, arrivals_ptr,\n",
-                  "    a_ptr, b_ptr, out0_ptr, partial_ptr, arrivals_ptr, stamps_ptr,\n")
+    source = once(source, " partial_ptr, arrivals_ptr,\n", " partial_ptr, arrivals_ptr, stamps_ptr,\n")
     source = once(source, "        tl.extra.cuda.gdc_wait()\n\n",
                   "        tl.extra.cuda.gdc_wait()\n    _stamp(stamps_ptr, pid, 0, pid)\n\n")
     source = once(source, "    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]",
@@ -92,12 +148,13 @@ def instrument(source: str, first_slab: bool = False) -> str:
     kernel_end = source.index("\n\n\n", source.index("def _gemv_kernel("))
     source = (source[:kernel_end] + "\n    tl.debug_barrier()  # every thread's stores issued\n"
               "    _stamp(stamps_ptr, pid, 2, pid)" + source[kernel_end:])
-    source = once(source, "            a2, b, out0, partial, arrivals,\n", "            a2, b, out0, partial, arrivals, _STAMPS,\n")
+    source = once(source, " partial, arrivals,\n", " partial, arrivals, _STAMPS,\n")
     return source + "\n\n_STAMPS = None  # set before each launch: int64 [programs, FIELDS]\n"
 
 
-def programs(n: int, params: dict, m: int = 32) -> int:
-    return -(-m // params["BLOCK_M"]) * -(-n // params["BLOCK_N"]) * params["SPLIT_K"]
+def programs(region, params: dict) -> int:
+    n = region.outputs[0].shape[-1]
+    return -(-ROWS // params["BLOCK_M"]) * -(-n // params["BLOCK_N"]) * params["SPLIT_K"]
 
 
 def summarize(stamps: list[list[list[int]]], weight_bytes: int, bandwidth: float) -> dict:
@@ -131,9 +188,30 @@ def summarize(stamps: list[list[list[int]]], weight_bytes: int, bandwidth: float
     return {"launches": launches}
 
 
+def example_inputs(region, launches: int, seed: int = 0):
+    """The region's inputs on the GPU (activations and vectors ~N(0, 1), chunk sums of squares the
+    size of CHUNK such values) and `launches` copies of its weight (input 1, scaled by 1/sqrt(K))."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    inputs = []
+    for i, spec in enumerate(region.inputs):
+        dtype = getattr(torch, spec.dtype)
+        if dtype == torch.float32:  # chunk sums of squares
+            inputs.append(torch.full(spec.shape, float(CHUNK), device="cuda"))
+        else:
+            inputs.append(torch.randn(spec.shape, generator=gen, device="cuda").to(dtype))
+    k = region.inputs[1].shape[1]
+    weights = [torch.randn(region.inputs[1].shape, generator=gen, device="cuda").to(torch.bfloat16) / k ** 0.5
+               for _ in range(launches)]
+    return inputs, weights
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="qkv,o,gate_up,down")
+    parser.add_argument("--shapes", default="qkv+,o+,gate_up+,down+",
+                        help="of " + ", ".join(("qkv", "o", "gate_up", "down", "qkv+", "o+", "gate_up+", "down+"))
+                        + ": the build's forms (+), or plain")
     parser.add_argument("--launches", type=int, default=6, help="launches in a row in the graph")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -141,7 +219,6 @@ def main() -> int:
     import torch
     from gemm import announce_gpu, graph_ms, reference_bandwidth
 
-    from coopt.ir.region import RegionSummary, TensorSpec
     from coopt.runtime.kernel_loader import load_module_from_file
     from coopt.targets import H200
     from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
@@ -151,41 +228,40 @@ def main() -> int:
     bandwidth = reference_bandwidth()
     family, work, results = MatmulEpilogueFamily(), Path("/tmp/gemv-timeline"), {}
     work.mkdir(exist_ok=True)
+    every = shapes()
     for name in args.shapes.split(","):
-        n, k, params = SHAPES[name]
-        region = RegionSummary(name, "matmul_epilogue",
-                               inputs=(TensorSpec((32, k), "bfloat16"), TensorSpec((n, k), "bfloat16")),
-                               outputs=(TensorSpec((32, n), "bfloat16"),),
-                               attrs={"b_layout": "nk", "has_bias": False, "epilogue": [], "outputs": ["acc"]})
+        region, params = every[name]
         problem = family.check(region, params, H200)
         assert problem is None, problem
         plain_path = work / f"{name}_plain.py"
         plain_path.write_text(family.render(region, params))
         plain = load_module_from_file(plain_path)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(32, k, generator=gen, device="cuda").to(torch.bfloat16)
-        weights = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) / k ** 0.5
-                   for _ in range(args.launches)]
-        count = programs(n, params)
+        inputs, weights = example_inputs(region, args.launches)
+        count = programs(region, params)
         buffers = [torch.zeros(count, FIELDS, dtype=torch.int64, device="cuda") for _ in weights]
 
         def sequence(module, stamp=False):
             for w, buf in zip(weights, buffers):
                 if stamp:
                     module._STAMPS = buf
-                module.run(x, w)
+                module.run(inputs[0], w, *inputs[2:])
 
+        weight = region.inputs[1]
+        weight_bytes = weight.shape[0] * weight.shape[1] * 2
+        shape = f"{ROWS}x{weight.shape[0]}x{weight.shape[1]}"
+        want = plain.run(inputs[0], weights[0], *inputs[2:])
         plain_us = graph_ms(lambda: sequence(plain), [[]]) / args.launches * 1e3
-        results[name] = {"shape": f"32x{n}x{k}", "params": params, "programs": count, "plain_graph_us": plain_us}
-        print(f"\n{name} 32x{n}x{k}: {count} programs; a plain launch in a graph of {args.launches} {plain_us:.2f} µs; "
-              f"its bytes {n * k * 2 / bandwidth * 1e6:.2f} µs at {bandwidth / 1e12:.2f} TB/s", flush=True)
+        results[name] = {"shape": shape, "params": params, "programs": count, "plain_graph_us": plain_us}
+        print(f"\n{name} {shape}: {count} programs; a plain launch in a graph of {args.launches} {plain_us:.2f} µs; "
+              f"its weight {weight_bytes / bandwidth * 1e6:.2f} µs at {bandwidth / 1e12:.2f} TB/s", flush=True)
         for variant, first_slab in (("stamped", False), ("first-slab", True)):
             path = work / f"{name}_{variant}.py"
             path.write_text(instrument(family.render(region, params), first_slab=first_slab))
             stamped = load_module_from_file(path)
             stamped._STAMPS = buffers[0]
-            err = (stamped.run(x, weights[0])[0].float() - x.float() @ weights[0].float().T).abs().max().item()
-            assert err < 5e-2, f"{name} {variant}: the stamped kernel is off by {err}"
+            got = stamped.run(inputs[0], weights[0], *inputs[2:])
+            # the stamps only add stores of their own: every output as the plain kernel's, bit for bit
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), f"{name} {variant}: outputs differ from the plain kernel's"
             stream = torch.cuda.Stream()
             with torch.cuda.stream(stream):
                 sequence(stamped, stamp=True)  # compiled and warm before the capture
@@ -196,9 +272,8 @@ def main() -> int:
             for _ in range(20):
                 graph.replay()
             torch.cuda.synchronize()
-            summary = summarize([b.tolist() for b in buffers], n * k * 2, bandwidth)
-            summary.update(graph_us=graph_ms(lambda: sequence(stamped, stamp=True), [[]]) / args.launches * 1e3,
-                           max_abs_err=err)
+            summary = summarize([b.tolist() for b in buffers], weight_bytes, bandwidth)
+            summary["graph_us"] = graph_ms(lambda: sequence(stamped, stamp=True), [[]]) / args.launches * 1e3
             results[name][variant] = summary
             print(f"  {variant}: {summary['graph_us']:.2f} µs a launch in the graph", flush=True)
             print("  launch  span   ramp  loop min/median/max     tail  epilogue  gap    SMs (most programs an SM)"

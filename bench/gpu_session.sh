@@ -60,8 +60,7 @@
 #   bash bench/gpu_session.sh fp8-recent-b32  # b32 / 2048: reduce-overhead, coopt-fp8, coopt-fp8-recent (~6 min)
 #   bash bench/gpu_session.sh fp8-recent-mma  # the CUDA attention's exact-recent GPU tests, then fp8-recent-b32 (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-fold  # exact-recent's folded write's GPU tests, then fp8-recent-b32 (~9.5 min)
-#   bash bench/gpu_session.sh next-47  # gemv-timeline, then fp8-recent-b32 (~8.5 min; the next session's first call)
-#   bash bench/gpu_session.sh gemv-timeline  # the b32 GEMVs' programs stamped: ramp, loop, tail, epilogue, gaps (~2 min)
+#   bash bench/gpu_session.sh gemv-timeline  # the b32 GEMVs' programs stamped: ramp, loop, tail, epilogue, gaps (~4 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-b1  # b1 / 32768: reduce-overhead, coopt-fp8, coopt-fp8-recent (~7 min)
@@ -446,16 +445,9 @@ case "${1:-}" in
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_recent_b32.json" --build-dir /tmp/coopt-recent
         reports reports_recent coopt-recent
         ;;
-    next-47)  # issue 4, the first call of the next device session (~8.5 min): gemv-timeline, then fp8-recent-b32
-        # (on an H200: the status table's fp8-recent row after the fold and the window spread)
-        step 240 gemv-timeline python bench/gemv_timeline_probe.py --json "$OUT/gemv_timeline.json"
-        step 330 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8,coopt-fp8-recent \
-            --prefill 0 --agreement-steps 4 --out "$OUT/decode_fp8_recent_b32.json" --build-dir /tmp/coopt-recent
-        reports reports_recent coopt-recent
-        ;;
-    gemv-timeline)  # issue 4, session 46: inside the b32 GEMVs' launches: each program's start, loop end and end
-        # (%globaltimer stamps in the template's kernels, six launches in a graph; ~2 min)
-        step 240 gemv-timeline python bench/gemv_timeline_probe.py --json "$OUT/gemv_timeline.json"
+    gemv-timeline)  # issue 4, session 46: inside the b32 GEMVs' launches (the build's four regions): each program's
+        # start, loop end and end, and its first slab's arrival (%globaltimer stamps, six launches in a graph; ~4 min)
+        step 420 gemv-timeline python bench/gemv_timeline_probe.py --json "$OUT/gemv_timeline.json"
         ;;
     profile-fp8-b32)  # issue 4, session 46: the b32 / 2048 --kv-cache fp8 build's replayed step, kernel by kernel
         # (each launch's time and the gap before it; ~4 min)

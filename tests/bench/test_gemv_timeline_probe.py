@@ -7,22 +7,18 @@ from __future__ import annotations
 import pytest
 
 import gemv_timeline_probe as probe
-from coopt.ir.region import RegionSummary, TensorSpec
 from coopt.targets import H200
 from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
 
 
 def rendered(name: str) -> str:
-    n, k, params = probe.SHAPES[name]
-    region = RegionSummary(name, "matmul_epilogue", inputs=(TensorSpec((32, k), "bfloat16"), TensorSpec((n, k), "bfloat16")),
-                           outputs=(TensorSpec((32, n), "bfloat16"),),
-                           attrs={"b_layout": "nk", "has_bias": False, "epilogue": [], "outputs": ["acc"]})
+    region, params = probe.shapes()[name]
     family = MatmulEpilogueFamily()
     assert family.check(region, params, H200) is None
     return family.render(region, params)
 
 
-@pytest.mark.parametrize("name", sorted(probe.SHAPES))
+@pytest.mark.parametrize("name", sorted(probe.shapes()))
 def test_the_stamps_go_after_the_wait_the_loop_and_the_last_store(name):
     source = probe.instrument(rendered(name))
     kernel = source[source.index("def _gemv_kernel("):source.index("\n\n\n", source.index("def _gemv_kernel("))]
@@ -33,10 +29,10 @@ def test_the_stamps_go_after_the_wait_the_loop_and_the_last_store(name):
     loop = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for k in tl.range("))
     assert wait < at[0] < loop < at[1] and at[2] == len(lines) - 1
     assert lines[at[2]].startswith("    _stamp") and "tl.debug_barrier()" in lines[at[2] - 1]
-    assert "arrivals, _STAMPS," in source  # the launch passes the stamps
+    assert " partial, arrivals, _STAMPS,\n" in source  # the launch passes the stamps
 
 
-@pytest.mark.parametrize("name", sorted(probe.SHAPES))
+@pytest.mark.parametrize("name", sorted(probe.shapes()))
 def test_the_first_slab_stamp_waits_for_a_load_of_the_first_slab_before_the_loop(name):
     source = probe.instrument(rendered(name), first_slab=True)
     lines = source[source.index("def _gemv_kernel("):].splitlines()
@@ -44,6 +40,20 @@ def test_the_first_slab_stamp_waits_for_a_load_of_the_first_slab_before_the_loop
     loop = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for k in tl.range("))
     assert first < loop and "tl.load(b_ptrs)" in lines[first]
     assert "pid, 4," not in probe.instrument(rendered(name))
+
+
+def test_the_build_forms_are_the_builds_regions():
+    """The "+" forms carry what a b32 build's GEMV regions carry (their launch arguments differ
+    from the plain ones'), at the same points and weights."""
+    every = probe.shapes()
+    for name in ("qkv", "o", "gate_up", "down"):
+        plain, fused = every[name][0], every[name + "+"][0]
+        assert every[name][1] == every[name + "+"][1]
+        assert plain.inputs[1] == fused.inputs[1] or fused.attrs.get("glu")
+    assert every["qkv+"][0].attrs["prologue"]["kind"] == "rms_norm_stats" and every["gate_up+"][0].attrs["glu"]
+    assert every["o+"][0].attrs["row_squares"]["chunk"] == probe.CHUNK == 64
+    assert every["gate_up+"][0].inputs[1].shape == every["gate_up"][0].inputs[1].shape  # [gate; up]: the same bytes
+    assert probe.programs(*every["gate_up+"]) == probe.programs(*every["gate_up"]) // 2 == 112
 
 
 def test_a_moved_template_is_refused_not_half_patched():
