@@ -22,7 +22,9 @@ copy of the weight; 6 x 34-235 MB, past the L2), replayed in one graph:
 Each shape runs twice stamped: as above, and with `first_slab` (one extra load of the first
 weight slab before the loop, stamped when it lands: the first byte's latency under the launch).
 
-The stamped kernels' graph time is printed beside the plain ones' (the stamps' own cost).
+The stamped kernels' graph time is printed beside the plain ones' (the stamps' own cost). The
+o+ and down+ forms are also timed with their epilogue's residual and g loaded before the K loop
+(`early_epilogue_loads`), against the kernel as rendered, alternately in the same process.
 """
 
 from __future__ import annotations
@@ -78,14 +80,14 @@ def statistics_region(name: str, n: int, k: int, glu: bool = False):
                          inputs=(_spec((ROWS, 1, k)), _spec((2 * n if glu else n, k)), _spec((k // CHUNK, ROWS), "float32")))
 
 
-def residual_region(name: str, n: int, k: int):
+def residual_region(name: str, n: int, k: int, rows: int = ROWS):
     """h = residual + x W^T, with h * g and the chunk sums of h^2 for the next norm, as o and down
     run in a b32 build."""
     from coopt.ir.region import RegionSummary
 
     return RegionSummary(name, "matmul_epilogue",
-                         inputs=(_spec((ROWS, 1, k)), _spec((n, k)), _spec((ROWS, 1, n)), _spec((n,))),
-                         outputs=(_spec((ROWS, 1, n)), _spec((ROWS, 1, n)), _spec((n // CHUNK, ROWS), "float32")),
+                         inputs=(_spec((rows, 1, k)), _spec((n, k)), _spec((rows, 1, n)), _spec((n,))),
+                         outputs=(_spec((rows, 1, n)), _spec((rows, 1, n)), _spec((n // CHUNK, rows), "float32")),
                          attrs={"b_layout": "nk", "has_bias": False, "epilogue": [["t0", "add", ["in0", "acc"]]],
                                 "outputs": ["t0"], "row_squares": {"chunk": CHUNK, "output": 0, "weight_input": 3}})
 
@@ -150,6 +152,35 @@ def instrument(source: str, first_slab: bool = False) -> str:
               "    _stamp(stamps_ptr, pid, 2, pid)" + source[kernel_end:])
     source = once(source, " partial, arrivals,\n", " partial, arrivals, _STAMPS,\n")
     return source + "\n\n_STAMPS = None  # set before each launch: int64 [programs, FIELDS]\n"
+
+
+EARLY_LOADS = """    # (probe: the epilogue's residual and norm weight loaded here, before the K loop)
+    early_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    in0_early = tl.load(in0_ptr + offs_m.to(tl.int64)[:, None] * stride_in0_m + offs_n[None, :] * stride_in0_n,
+                        mask=early_mask, other=0.0)
+    rs_g_early = tl.load(rs_g_ptr + offs_n, mask=offs_n < N, other=0.0)
+
+"""
+
+
+def early_epilogue_loads(source: str) -> str:
+    """The o / down forms (residual in0 and the next norm's g in the epilogue) with those two loads
+    issued right after the PDL wait and carried in registers through the K loop, so that the
+    round trip after the split meeting is the partials' alone: the lead NOTES-decode.md names
+    if the epilogue is long. Outputs unchanged (the same values, loaded earlier)."""
+    def once(text, old, new):
+        assert text.count(old) == 1, f"the template changed: {old!r} found {text.count(old)} times"
+        return text.replace(old, new)
+
+    source = once(source, "def _epilogue(acc, ", "def _epilogue(in0_early, rs_g_early, acc, ")
+    source = once(source, "    in0 = tl.load(in0_ptr + rows[:, None] * stride_in0_m + offs_n[None, :] * stride_in0_n, "
+                          "mask=mask, other=0.0).to(tl.float32)\n", "    in0 = in0_early.to(tl.float32)\n")
+    source = once(source, "    rs_g = tl.load(rs_g_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)\n",
+                  "    rs_g = rs_g_early.to(tl.float32)\n")
+    source = once(source, "        tl.extra.cuda.gdc_wait()\n\n", "        tl.extra.cuda.gdc_wait()\n" + EARLY_LOADS)
+    assert source.count("        _epilogue(total, ") + source.count("    _epilogue(acc, ") >= 1
+    return source.replace("_epilogue(total, ", "_epilogue(in0_early, rs_g_early, total, ").replace(
+        "    _epilogue(acc, ", "    _epilogue(in0_early, rs_g_early, acc, ")
 
 
 def programs(region, params: dict) -> int:
@@ -254,6 +285,17 @@ def main() -> int:
         results[name] = {"shape": shape, "params": params, "programs": count, "plain_graph_us": plain_us}
         print(f"\n{name} {shape}: {count} programs; a plain launch in a graph of {args.launches} {plain_us:.2f} µs; "
               f"its weight {weight_bytes / bandwidth * 1e6:.2f} µs at {bandwidth / 1e12:.2f} TB/s", flush=True)
+        if "rs_g_ptr" in plain_path.read_text() and "in0_ptr" in plain_path.read_text():
+            early_path = work / f"{name}_early.py"
+            early_path.write_text(early_epilogue_loads(family.render(region, params)))
+            early = load_module_from_file(early_path)
+            got = early.run(inputs[0], weights[0], *inputs[2:])
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), f"{name} early: outputs differ from the plain kernel's"
+            # the two forms alternately, twice each: the difference is within one call's drift
+            timed = [graph_ms(lambda m=m: sequence(m), [[]]) / args.launches * 1e3 for m in (early, plain, early, plain)]
+            results[name]["early_loads_graph_us"], results[name]["plain_again_graph_us"] = min(timed[0::2]), min(timed[1::2])
+            print(f"  the residual and g loaded before the K loop: {min(timed[0::2]):.2f} µs against "
+                  f"{min(timed[1::2]):.2f} µs as rendered (best of two each, alternated)", flush=True)
         for variant, first_slab in (("stamped", False), ("first-slab", True)):
             path = work / f"{name}_{variant}.py"
             path.write_text(instrument(family.render(region, params), first_slab=first_slab))

@@ -56,6 +56,47 @@ def test_the_build_forms_are_the_builds_regions():
     assert probe.programs(*every["gate_up+"]) == probe.programs(*every["gate_up"]) // 2 == 112
 
 
+@pytest.mark.parametrize("name", ["o+", "down+"])
+def test_the_early_form_loads_the_residual_and_g_before_the_loop_and_nowhere_else(name):
+    source = probe.early_epilogue_loads(rendered(name))
+    kernel = source[source.index("def _gemv_kernel("):]
+    lines = kernel.splitlines()
+    loads = [i for i, line in enumerate(lines) if "in0_early = tl.load(" in line or "rs_g_early = tl.load(" in line]
+    loop = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for k in tl.range("))
+    wait = next(i for i, line in enumerate(lines) if "gdc_wait()" in line)
+    assert len(loads) == 2 and wait < min(loads) and max(loads) < loop
+    epilogue = source[source.index("def _epilogue("):source.index("def _gemv_kernel(")]
+    assert "tl.load(in0_ptr" not in epilogue and "tl.load(rs_g_ptr" not in epilogue
+    assert "in0 = in0_early.to(tl.float32)" in epilogue and "rs_g = rs_g_early.to(tl.float32)" in epilogue
+    assert kernel.count("_epilogue(in0_early, rs_g_early, ") == kernel.count("_epilogue(") >= 1
+
+
+def test_the_early_form_computes_what_the_rendered_kernel_computes(monkeypatch, tmp_path):
+    """In Triton's interpreter, at a small o+ form (the same template, K split in two): the early
+    loads change when the residual and g are read, not the outputs."""
+    import torch
+
+    from coopt.runtime.kernel_loader import load_module_from_file
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _, params = probe.shapes()["o+"]
+    small = probe.residual_region("o+", 128, 512, rows=4)
+    point = {**params, "BLOCK_M": 16}
+    family = MatmulEpilogueFamily()
+    assert family.check(small, point, H200) is None, family.check(small, point, H200)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(t.shape, generator=gen).to(getattr(torch, t.dtype)) for t in small.inputs]
+    outputs = []
+    for name, source in (("plain", family.render(small, point)), ("early", probe.early_epilogue_loads(family.render(small, point)))):
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        outputs.append(load_module_from_file(path).run(*inputs))
+    for got, want in zip(*outputs):
+        assert torch.equal(got, want)
+    h = inputs[2].float() + (inputs[0].float() @ inputs[1].float().T)
+    torch.testing.assert_close(outputs[0][0].float(), h, atol=0.05, rtol=0.02)  # and it is the GEMV, residual added
+
+
 def test_a_moved_template_is_refused_not_half_patched():
     with pytest.raises(AssertionError, match="the template changed"):
         probe.instrument(rendered("o").replace("acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]", "acc = acc.T"))
