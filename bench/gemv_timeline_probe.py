@@ -19,8 +19,10 @@ copy of the weight; 6 x 34-235 MB, past the L2), replayed in one graph:
     python bench/gemv_timeline_probe.py                    # the b32 layer's four GEMV regions as built
     python bench/gemv_timeline_probe.py --shapes o,o+ --json timeline.json   # plain and as built
 
-Each shape runs twice stamped: as above, and with `first_slab` (one extra load of the first
-weight slab before the loop, stamped when it lands: the first byte's latency under the launch).
+Each shape runs three times stamped: as above, the same launched with PDL (as the b32 build
+launches its GEMVs: a launch starts while the one before drains, its start stamped after the
+wait), and with `first_slab` (one extra load of the first weight slab before the loop, stamped
+when it lands: the first byte's latency under the launch).
 
 The stamped kernels' graph time is printed beside the plain ones' (the stamps' own cost). The
 o+ and down+ forms are also timed with their epilogue's residual and g loaded before the K loop
@@ -241,8 +243,7 @@ def example_inputs(region, launches: int, seed: int = 0):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qkv+,o+,gate_up+,down+",
-                        help="of " + ", ".join(("qkv", "o", "gate_up", "down", "qkv+", "o+", "gate_up+", "down+"))
-                        + ": the build's forms (+), or plain")
+                        help="of qkv, o, gate_up, down, qkv+, o+, gate_up+, down+: the build's forms (+), or plain")
     parser.add_argument("--launches", type=int, default=6, help="launches in a row in the graph")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -271,7 +272,7 @@ def main() -> int:
         count = programs(region, params)
         buffers = [torch.zeros(count, FIELDS, dtype=torch.int64, device="cuda") for _ in weights]
 
-        def sequence(module, stamp=False):
+        def sequence(module, stamp=False, inputs=inputs, weights=weights, buffers=buffers):
             for w, buf in zip(weights, buffers):
                 if stamp:
                     module._STAMPS = buf
@@ -281,7 +282,7 @@ def main() -> int:
         weight_bytes = weight.shape[0] * weight.shape[1] * 2
         shape = f"{ROWS}x{weight.shape[0]}x{weight.shape[1]}"
         want = plain.run(inputs[0], weights[0], *inputs[2:])
-        plain_us = graph_ms(lambda: sequence(plain), [[]]) / args.launches * 1e3
+        plain_us = graph_ms(lambda m=plain: sequence(m), [[]]) / args.launches * 1e3
         results[name] = {"shape": shape, "params": params, "programs": count, "plain_graph_us": plain_us}
         print(f"\n{name} {shape}: {count} programs; a plain launch in a graph of {args.launches} {plain_us:.2f} µs; "
               f"its weight {weight_bytes / bandwidth * 1e6:.2f} µs at {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -296,10 +297,14 @@ def main() -> int:
             results[name]["early_loads_graph_us"], results[name]["plain_again_graph_us"] = min(timed[0::2]), min(timed[1::2])
             print(f"  the residual and g loaded before the K loop: {min(timed[0::2]):.2f} µs against "
                   f"{min(timed[1::2]):.2f} µs as rendered (best of two each, alternated)", flush=True)
-        for variant, first_slab in (("stamped", False), ("first-slab", True)):
-            path = work / f"{name}_{variant}.py"
+        for variant, first_slab, pdl in (("stamped", False, False), ("stamped, PDL", False, True),
+                                         ("first-slab", True, False)):
+            path = work / f"{name}_{variant.replace(', ', '_')}.py"
             path.write_text(instrument(family.render(region, params), first_slab=first_slab))
             stamped = load_module_from_file(path)
+            # PDL as the b32 build launches its GEMVs: each launch may start while the one before
+            # drains, its start stamp after the wait (gaps then go negative); off: launched as usual
+            stamped.use_pdl(pdl)
             stamped._STAMPS = buffers[0]
             got = stamped.run(inputs[0], weights[0], *inputs[2:])
             # the stamps only add stores of their own: every output as the plain kernel's, bit for bit
@@ -315,7 +320,7 @@ def main() -> int:
                 graph.replay()
             torch.cuda.synchronize()
             summary = summarize([b.tolist() for b in buffers], weight_bytes, bandwidth)
-            summary["graph_us"] = graph_ms(lambda: sequence(stamped, stamp=True), [[]]) / args.launches * 1e3
+            summary["graph_us"] = graph_ms(lambda m=stamped: sequence(m, stamp=True), [[]]) / args.launches * 1e3
             results[name][variant] = summary
             print(f"  {variant}: {summary['graph_us']:.2f} µs a launch in the graph", flush=True)
             print("  launch  span   ramp  loop min/median/max     tail  epilogue  gap    SMs (most programs an SM)"

@@ -4,9 +4,9 @@ known stamps."""
 
 from __future__ import annotations
 
+import gemv_timeline_probe as probe
 import pytest
 
-import gemv_timeline_probe as probe
 from coopt.targets import H200
 from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
 
