@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_session.sh"
 def missing_steps(script: str) -> tuple[set[str], set[str]]:
     """(steps the header's `gpu_session.sh NAME` lines offer, those of them the script's step
     dispatch has no case label for: `name)` or `a|b)` at four spaces)."""
-    labels = re.findall(r"^    ([a-z0-9][a-z0-9|-]*)\)", script, re.M)
+    labels = re.findall(r"^    ([a-z0-9][a-z0-9|-]*)\)", script, re.MULTILINE)
     steps = {name for label in labels for name in label.split("|")}
     header = [line for line in script.splitlines() if line.startswith("#")]
     offered = {name for line in header
