@@ -110,17 +110,24 @@ def shapes() -> dict:
 
 FIELDS = 5  # start, loop end, end (ns, global timer), SM, first slab landed (ns; --first-slab only, else 0)
 
-STAMP_HELPER = '''
+def _replace_once(text: str, old: str, new: str) -> str:
+    """text with its one `old` replaced: a template that no longer has it exactly once is refused,
+    not half patched."""
+    assert text.count(old) == 1, f"the template changed: {old!r} found {text.count(old)} times"
+    return text.replace(old, new)
+
+
+STAMP_HELPER = f'''
 
 @triton.jit
 def _stamp(stamps_ptr, pid, field: tl.constexpr, after):
     """Program pid's global timer (ns) into stamps[pid, field]; `after` is a value the stamp waits
     for (an operand of the asm: the timer is read once it exists). Field 0 also stores the SM."""
     t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64, is_pure=False, pack=1)
-    tl.store(stamps_ptr + pid * 5 + field, t)
+    tl.store(stamps_ptr + pid * {FIELDS} + field, t)
     if field == 0:
         sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [after], dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(stamps_ptr + pid * 5 + 3, sm.to(tl.int64))
+        tl.store(stamps_ptr + pid * {FIELDS} + 3, sm.to(tl.int64))
 
 
 @triton.jit
@@ -133,26 +140,22 @@ def instrument(source: str, first_slab: bool = False) -> str:
     the K loop and at the kernel's end. `first_slab`: also one load of the program's first weight
     slab before its loop, stamped when it lands (the first byte's latency; the load is an extra
     round trip before the loop's own, so that variant's other times are not the kernel's)."""
-    def once(text, old, new):
-        assert text.count(old) == 1, f"the template changed: {old!r} found {text.count(old)} times"
-        return text.replace(old, new)
-
-    source = once(source, "\n\n@triton.jit\ndef _gemv_kernel(", STAMP_HELPER)
-    source = once(source, " partial_ptr, arrivals_ptr,\n", " partial_ptr, arrivals_ptr, stamps_ptr,\n")
-    source = once(source, "        tl.extra.cuda.gdc_wait()\n\n",
+    source = _replace_once(source, "\n\n@triton.jit\ndef _gemv_kernel(", STAMP_HELPER)
+    source = _replace_once(source, " partial_ptr, arrivals_ptr,\n", " partial_ptr, arrivals_ptr, stamps_ptr,\n")
+    source = _replace_once(source, "        tl.extra.cuda.gdc_wait()\n\n",
                   "        tl.extra.cuda.gdc_wait()\n    _stamp(stamps_ptr, pid, 0, pid)\n\n")
-    source = once(source, "    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]",
+    source = _replace_once(source, "    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]",
                   "    _stamp(stamps_ptr, pid, 1, tl.sum(tl.sum(acc, axis=1), axis=0).to(tl.int32, bitcast=True))\n"
                   "    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]")
     if first_slab:
-        source = once(source, "    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)\n",
+        source = _replace_once(source, "    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)\n",
                       "    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)\n"
                       "    _stamp(stamps_ptr, pid, 4, tl.sum(tl.sum(tl.load(b_ptrs).to(tl.float32), axis=1), axis=0)"
                       ".to(tl.int32, bitcast=True))\n")
     kernel_end = source.index("\n\n\n", source.index("def _gemv_kernel("))
     source = (source[:kernel_end] + "\n    tl.debug_barrier()  # every thread's stores issued\n"
               "    _stamp(stamps_ptr, pid, 2, pid)" + source[kernel_end:])
-    source = once(source, " partial, arrivals,\n", " partial, arrivals, _STAMPS,\n")
+    source = _replace_once(source, " partial, arrivals,\n", " partial, arrivals, _STAMPS,\n")
     return source + "\n\n_STAMPS = None  # set before each launch: int64 [programs, FIELDS]\n"
 
 
@@ -170,16 +173,12 @@ def early_epilogue_loads(source: str) -> str:
     issued right after the PDL wait and carried in registers through the K loop, so that the
     round trip after the split meeting is the partials' alone: the lead NOTES-decode.md names
     if the epilogue is long. Outputs unchanged (the same values, loaded earlier)."""
-    def once(text, old, new):
-        assert text.count(old) == 1, f"the template changed: {old!r} found {text.count(old)} times"
-        return text.replace(old, new)
-
-    source = once(source, "def _epilogue(acc, ", "def _epilogue(in0_early, rs_g_early, acc, ")
-    source = once(source, "    in0 = tl.load(in0_ptr + rows[:, None] * stride_in0_m + offs_n[None, :] * stride_in0_n, "
+    source = _replace_once(source, "def _epilogue(acc, ", "def _epilogue(in0_early, rs_g_early, acc, ")
+    source = _replace_once(source, "    in0 = tl.load(in0_ptr + rows[:, None] * stride_in0_m + offs_n[None, :] * stride_in0_n, "
                           "mask=mask, other=0.0).to(tl.float32)\n", "    in0 = in0_early.to(tl.float32)\n")
-    source = once(source, "    rs_g = tl.load(rs_g_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)\n",
+    source = _replace_once(source, "    rs_g = tl.load(rs_g_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)\n",
                   "    rs_g = rs_g_early.to(tl.float32)\n")
-    source = once(source, "        tl.extra.cuda.gdc_wait()\n\n", "        tl.extra.cuda.gdc_wait()\n" + EARLY_LOADS)
+    source = _replace_once(source, "        tl.extra.cuda.gdc_wait()\n\n", "        tl.extra.cuda.gdc_wait()\n" + EARLY_LOADS)
     assert source.count("        _epilogue(total, ") + source.count("    _epilogue(acc, ") >= 1
     return source.replace("_epilogue(total, ", "_epilogue(in0_early, rs_g_early, total, ").replace(
         "    _epilogue(acc, ", "    _epilogue(in0_early, rs_g_early, acc, ")
@@ -266,7 +265,8 @@ def main() -> int:
         problem = family.check(region, params, H200)
         assert problem is None, problem
         plain_path = work / f"{name}_plain.py"
-        plain_path.write_text(family.render(region, params))
+        plain_source = family.render(region, params)
+        plain_path.write_text(plain_source)
         plain = load_module_from_file(plain_path)
         inputs, weights = example_inputs(region, args.launches)
         count = programs(region, params)
@@ -286,7 +286,7 @@ def main() -> int:
         results[name] = {"shape": shape, "params": params, "programs": count, "plain_graph_us": plain_us}
         print(f"\n{name} {shape}: {count} programs; a plain launch in a graph of {args.launches} {plain_us:.2f} µs; "
               f"its weight {weight_bytes / bandwidth * 1e6:.2f} µs at {bandwidth / 1e12:.2f} TB/s", flush=True)
-        if "rs_g_ptr" in plain_path.read_text() and "in0_ptr" in plain_path.read_text():
+        if "rs_g_ptr" in plain_source and "in0_ptr" in plain_source:
             early_path = work / f"{name}_early.py"
             early_path.write_text(early_epilogue_loads(family.render(region, params)))
             early = load_module_from_file(early_path)

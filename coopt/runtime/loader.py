@@ -19,12 +19,11 @@ def load(out_dir, device=None):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out_dir = Path(out_dir)
     program = out_dir / "program.py"
-    if not program.is_file() or not (out_dir / "weights.pt").is_file():
-        from coopt.errors import InputFileError
+    from coopt.errors import InputFileError
 
-        if not program.is_file():
-            raise InputFileError(f"'{out_dir}' is not a coopt build directory (no program.py)")
-        # a build copied without its weights, or kept by bench/decode.py without --keep-weights
+    if not program.is_file():
+        raise InputFileError(f"'{out_dir}' is not a coopt build directory (no program.py)")
+    if not (out_dir / "weights.pt").is_file():  # copied without it, or kept by bench/decode.py without --keep-weights
         raise InputFileError(f"'{out_dir}' has no weights.pt: the build's weights were removed or not copied")
     module = load_module_from_file(program, name=None)
     return module.load(out_dir, device=device)
