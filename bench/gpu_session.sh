@@ -61,6 +61,7 @@
 #   bash bench/gpu_session.sh fp8-recent-mma  # the CUDA attention's exact-recent GPU tests, then fp8-recent-b32 (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-fold  # exact-recent's folded write's GPU tests, then fp8-recent-b32 (~9.5 min)
 #   bash bench/gpu_session.sh gemv-timeline  # the b32 GEMVs' programs stamped: ramp, loop, tail, epilogue, gaps (~4 min)
+#   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~4 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-b1  # b1 / 32768: reduce-overhead, coopt-fp8, coopt-fp8-recent (~7 min)
@@ -448,6 +449,12 @@ case "${1:-}" in
     gemv-timeline)  # issue 4, session 46: inside the b32 GEMVs' launches (the build's four regions): each program's
         # start, loop end and end, and its first slab's arrival (%globaltimer stamps, six launches in a graph; ~4 min)
         step 420 gemv-timeline python bench/gemv_timeline_probe.py --json "$OUT/gemv_timeline.json"
+        ;;
+    lengths-fold)  # issue 4, session 47: the decode attentions add the lengths' + 1 (fuse-attention's lengths_add):
+        # the CUDA and Triton kernels' GPU tests, the builds reading positions (plain, fp8, fp8-recent, paged; ~4 min)
+        step 330 lengths-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/passes/test_decode_attention_raise.py tests/verify/test_verify_lengths.py tests/templates/test_decode_attention_mma.py \
+            tests/llama/test_llama_build.py tests/llama/test_llama_fp8.py tests/llama/test_llama_fp8_recent.py tests/llama/test_llama_paged_fp8_recent.py
         ;;
     profile-fp8-b32)  # issue 4, session 46: the b32 / 2048 --kv-cache fp8 build's replayed step, kernel by kernel
         # (each launch's time and the gap before it; ~4 min)

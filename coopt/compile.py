@@ -472,6 +472,7 @@ def _with_example_length(summary, kernel, example_inputs):
     example = example_inputs[argument.index] if argument.index < len(example_inputs) else None
     if not isinstance(example, torch.Tensor) or example.dtype.is_floating_point or example.numel() == 0:
         return summary
+    offset += summary.attrs.get("lengths_offset", 0)  # the input holds lengths - lengths_offset
     return dataclasses.replace(summary, attrs={**summary.attrs, "example_length": int(example.max()) + offset})
 
 

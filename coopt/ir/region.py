@@ -50,13 +50,17 @@ attention (softmax(q k^T * scale [+ causal mask]) v)
 
 decode_attention (one new token per sequence over a static KV cache, valid prefix only)
     attrs = {"scale": float, "num_heads": H, "num_kv_heads": Hkv,
-             "lengths_input": 3, "lengths_bound": [1, 2], ["example_length": int]}
+             "lengths_input": 3, "lengths_bound": [1, 2], ["example_length": int],
+             ["lengths_offset": int]}
     inputs: q [B, H, 1, D], k_cache [B, Hkv, S_max, D], v_cache [B, Hkv, S_max, D],
     lengths [B] int32 or int64 with 1 <= lengths[b] <= S_max; output [B, H, 1, D] in q's dtype.
     Sequence b attends to cache positions 0 .. lengths[b] - 1 (causal for a decode step at
     position lengths[b] - 1); GQA as in attention. "lengths_input" / "lengths_bound" name the
     lengths input and the dim bounding it (input 1, dim 2: S_max), so that verification draws
     valid lengths; "example_length" is the length the advisor plans for (default S_max).
+    With "lengths_offset": c (fuse-attention's `lengths_add`: a decode step's positions) input 3
+    holds lengths - c and the kernel adds c; the bounds above and example_length are the
+    lengths'. That saves the step the ATen launch of `positions + 1`.
 
     fp8 cache (fp8-kv-cache pass, docs/kv-cache.md): k_cache / v_cache float8_e4m3fn and two
     more inputs k_scale, v_scale (fp32: [1] per-tensor, [Hkv] per-head, [B, Hkv, S_max]

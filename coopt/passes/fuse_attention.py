@@ -1,18 +1,21 @@
 """fuse-attention: each coopt.attention → an attention region (flash-attention candidates); each
 decode / prompt-over-cache attention → a decode_attention / attention region (with lengths), a
-decode attention taking in the rope of its query when only it reads that (knob `rope`); either
-reads a paged cache (paged-kv) through its page table, gathering nothing."""
+decode attention taking in the rope of its query when only it reads that (knob `rope`) and the
+`+ 1` that makes its lengths from the step's positions (knob `lengths_add`); either reads a paged
+cache (paged-kv) through its page table, gathering nothing."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from xdsl.context import Context
-from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.builtin import ModuleOp, TensorType
+from xdsl.ir import Operation, SSAValue
+from xdsl.rewriter import InsertPoint, Rewriter
 
-from coopt.ir.dialect import AttentionOp, CacheAttentionOp, DecodeAttentionOp, KernelOp, RopeOp, StateUpdateOp
+from coopt.ir.dialect import AtenOp, AttentionOp, CacheAttentionOp, DecodeAttentionOp, KernelOp, RopeOp, StateUpdateOp
 from coopt.ir.outline import outline
-from coopt.passes.base import CooptPass, static_shape
+from coopt.passes.base import CooptPass, aten_target, literal_arg, static_shape, tensor_arg
 from coopt.passes.fp8_kv_cache import RING_WRITE
 from coopt.passes.fusion_common import only_user
 from coopt.passes.paged_kv import read_paged_attention, read_ring_view
@@ -26,8 +29,14 @@ class FuseAttention(CooptPass):
 
     # absorb the rope producing a decode attention's q (when only the attention reads it)
     rope: bool = True
+    # read a decode attention's lengths as positions + offset inside the kernel (attrs
+    # lengths_offset) where raise-patterns built them as `positions + 1`: the add is one ATen
+    # launch a step, ~1.5 µs and the gap around it in a b32 step (session 46's profile)
+    lengths_add: bool = True
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        position_views: dict[tuple, SSAValue] = {}  # the positions' one view a shape, shared by every layer
+        replaced = []  # the shared `+ 1` chains, erased once no attention reads them
         for attn in [o for o in op.walk() if isinstance(o, AttentionOp)]:
             if isinstance(attn.parent_op(), KernelOp):
                 continue
@@ -64,6 +73,15 @@ class FuseAttention(CooptPass):
                 ops = [*paged.ops, attn]
                 attrs.update({"page_size": paged.page_size, "page_table_input": 4, "pool_input": 1})
                 count("fuse.decode_attention.paged" if decode else "fuse.attention.paged")
+            plus = _lengths_plus(attn) if decode and self.lengths_add else None
+            if plus is not None:  # the region's input 3 holds positions; its body adds the offset
+                chain, positions, offset = plus
+                add = _absorb_lengths_add(attn, positions, offset, position_views)
+                inputs[3] = add.inputs[0]
+                ops = [add, *ops]
+                attrs["lengths_offset"] = offset
+                replaced += [o for o in chain if o not in replaced]
+                count("fuse.decode_attention.lengths_add")
             rope = _query_rope(attn) if decode and self.rope else None
             if rope is not None:  # q's rotary embedding in the kernel's q load: one launch less a layer
                 inputs = [rope.x, *inputs[1:], rope.cos, rope.sin]
@@ -99,6 +117,46 @@ class FuseAttention(CooptPass):
             family = "decode_attention" if decode else "attention"
             outline(ops, family, attrs, inputs=inputs, outputs=outputs)
             count("fuse.decode_attention" if decode else "fuse.attention.prompt_over_cache")
+        for chain_op in replaced:  # consumers first: the expand, then the add
+            if not any(r.uses for r in chain_op.results):
+                Rewriter.erase_op(chain_op)
+
+
+def _lengths_plus(attn: DecodeAttentionOp) -> tuple[list[AtenOp], SSAValue, int] | None:
+    """(the chain, positions, offset) when a decode attention's lengths are raise-patterns'
+    `positions + offset` ([B] int, or one position expanded over the batch), else None."""
+    chain, value = [], attn.lengths
+    if aten_target(value.owner) == "aten.expand.default":
+        chain.append(value.owner)
+        value = tensor_arg(value.owner, 0)
+    add = value.owner if value is not None else None
+    offset = literal_arg(add, 1) if aten_target(add) == "aten.add.Tensor" else None
+    positions = tensor_arg(add, 0) if offset is not None else None
+    if not isinstance(offset, int) or isinstance(offset, bool) or positions is None or len(add.call["args"]) != 2 \
+            or add.call["kwargs"] or len(static_shape(positions)) != 1:
+        return None
+    return [*chain, add], positions, offset
+
+
+def _absorb_lengths_add(attn: DecodeAttentionOp, positions: SSAValue, offset: int, views: dict) -> AtenOp:
+    """A fresh `view + offset` giving `attn` its lengths, where view is positions expanded to the
+    lengths' shape: one view a shape, shared by every attention. Always a view, even of the same
+    shape, so that the region's lengths input is never the value fuse-kv-write-attention adds as
+    the write's positions: one value as two inputs would be drawn as one by neither verification
+    nor outline."""
+    lengths_type = attn.lengths.type
+    shape = static_shape(attn.lengths)
+    key = (positions, tuple(shape))
+    if key not in views:
+        expand = AtenOp("aten.expand.default", {"args": [{"$t": 0}, shape], "kwargs": {}},
+                        [positions], [TensorType(positions.type.element_type, shape)])
+        owner = positions.owner  # an op, or (a user input) the block whose argument it is
+        Rewriter.insert_op(expand, InsertPoint.after(owner) if isinstance(owner, Operation) else InsertPoint.at_start(owner))
+        views[key] = expand.results[0]
+    add = AtenOp("aten.add.Tensor", {"args": [{"$t": 0}, offset], "kwargs": {}}, [views[key]], [lengths_type])
+    Rewriter.insert_op(add, InsertPoint.before(attn))
+    attn.operands[3] = add.results[0]
+    return add
 
 
 def _ring_writes(attn: DecodeAttentionOp, rings: list) -> list[StateUpdateOp] | None:

@@ -460,6 +460,7 @@ class DecodeAttentionFamily(TemplateFamily):
             if params["USE_DOT"] else "tl.float32",
             out_tl_dtype=_TL_DTYPE[region.outputs[-1].dtype],
             out_torch_dtype=_TORCH_DTYPE[region.outputs[-1].dtype],
+            lengths_offset=region.attrs.get("lengths_offset", 0),  # lengths = input 3 + this
             kv_write=written is not None,
             # the folded write quantizes what it stores in an fp8 cache, less a calibrated offset where given
             k_quant=written is not None and region.inputs[1].dtype == FP8_CACHE_DTYPE,

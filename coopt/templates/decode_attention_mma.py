@@ -256,6 +256,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             v16=v_bytes == 2,
             kv_scale=kv_scale(region),
             lengths_t="int" if region.inputs[3].dtype == "int32" else "long long",
+            lengths_offset=region.attrs.get("lengths_offset", 0),  # lengths = input 3 + this
             positions_t="int" if written is not None and region.inputs[written].dtype == "int32" else "long long",
             rope=bool(region.attrs.get("rope")),
             kv_write=written is not None,

@@ -84,7 +84,7 @@ def make_inputs(region: RegionSummary, dims: dict[str, int], *, device: str = "c
                 tensor = torch.arange(1, shape[0] + 1, device=device).clamp(max=bound).to(dtype)
             else:
                 length = region.attrs.get("example_length", bound)
-                tensor = torch.full(shape, length, dtype=dtype, device=device)
+                tensor = torch.full(shape, length - region.attrs.get("lengths_offset", 0), dtype=dtype, device=device)
         elif index == kv_write_inputs(region):
             # the write folded into a decode attention: the step's position, the last key it attends
             source, dim = region.attrs["lengths_bound"]

@@ -16,7 +16,8 @@ example for all inputs; shrinking moves toward 1. An integer input that the regi
 valid lengths (attrs {"lengths_input": i, "lengths_bound": [j, d]}: every value of input i lies
 in [1, inputs[j].shape[d]], as decode_attention's lengths [B] against S_max) gets such lengths,
 chosen per element from the example's seed (see `valid_lengths`); examples of even seed (the anchors of a build's default seed 0 among them) pass a
-single length expanded over the batch, the stride-0 view a decode step really passes. An
+single length expanded over the batch, the stride-0 view a decode step really passes (with
+attrs "lengths_offset": c the input holds lengths - c, so those lengths less c). An
 integer input named as an index (attrs {"index_input": i, "index_bound": [j, d]}: every value in
 [0, inputs[j].shape[d]), as a ragged kv_write's per-row positions [B] into the cache's S_max)
 gets such lengths minus one: every row its own position, the first and last among them.
@@ -273,7 +274,9 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
             rings = region.inputs[region.attrs["exact_rows_input"] + 2].concrete(dims)[0]
             tensor = valid_ring_slots(shape[0], rings, example.seed).to(dtype).to(device)
         elif index == region.attrs.get("lengths_input"):
-            tensor = valid_lengths(shape, _max_length(region, dims), example.seed).to(dtype).to(device)
+            # with attrs lengths_offset the input holds lengths - offset (a step's positions)
+            offset = region.attrs.get("lengths_offset", 0)
+            tensor = (valid_lengths(shape, _max_length(region, dims), example.seed) - offset).to(dtype).to(device)
             if example.seed % 2 == 0 and tensor.dim() == 1 and tensor.numel() > 1:
                 # as a decode step passes them: one length expanded over the batch (a stride-0
                 # view; a kernel reading it as contiguous gets garbage past element 0)

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 import coopt
 from pass_helpers import kernels, run_pipeline
 
+from coopt.ir.dialect import AtenOp, KernelOp
+from coopt.passes.raise_decode_attention import lengths_source
 from coopt.passes.registry import DEFAULT_PIPELINE
 
 
@@ -134,3 +136,42 @@ def test_layers_share_one_lengths_tensor():
     attentions = [k for k in kernels(module) if k.family.data == "decode_attention"]
     assert len(attentions) == 2 and counters["raise.attention.shared_lengths"] == 1
     assert attentions[0].inputs[3] is attentions[1].inputs[3]  # one add + cast a step, not one a layer
+
+
+def test_the_lengths_add_runs_in_the_attention_kernels():
+    """fuse-attention's lengths_add: each decode region takes the step's positions (one shared
+    view, not the `+ 1`) and adds 1 in its body and kernel (attrs lengths_offset), so no ATen add
+    is left to launch each step; the knob keeps the shared add."""
+    module, counters = run_pipeline(TwoLayerDecodeStep(), inputs(5))
+    attentions = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert counters["fuse.decode_attention.lengths_add"] == 2
+    assert all(a.family_attrs["lengths_offset"] == 1 for a in attentions)
+    view = attentions[0].inputs[3]
+    assert view is attentions[1].inputs[3] and view.owner.target.data == "aten.expand.default"
+    assert view.owner.operands[0].index == 3  # input_pos itself, the user's fourth input
+    outside = [o for o in module.walk() if not isinstance(o.parent_op(), KernelOp) and isinstance(o, AtenOp)]
+    assert not [o for o in outside if o.target.data == "aten.add.Tensor"]
+    module, counters = run_pipeline(TwoLayerDecodeStep(), inputs(5),
+                                    DEFAULT_PIPELINE.replace("fuse-attention", "fuse-attention{lengths-add=false}"))
+    attentions = [k for k in kernels(module) if k.family.data == "decode_attention"]
+    assert not counters["fuse.decode_attention.lengths_add"] and "lengths_offset" not in attentions[0].family_attrs
+    assert lengths_source(attentions[0].inputs[3])[1] == 1  # the add (+ 1) outside, as raise-patterns built it
+
+
+def test_two_built_layers_with_their_lengths_in_the_kernels_match_eager(tmp_path):
+    torch.manual_seed(0)
+    eager = TwoLayerDecodeStep()
+    coopt.Pipeline(DEFAULT_PIPELINE, top_k=1).build(TwoLayerDecodeStep(), inputs(3), tmp_path / "out")
+    built = coopt.load(tmp_path / "out")
+    device = next(built.buffers()).device
+    eager = eager.to(device)
+    for name, cache in (("first_k_cache", eager.first.k_cache), ("first_v_cache", eager.first.v_cache),
+                        ("second_k_cache", eager.second.k_cache), ("second_v_cache", eager.second.v_cache)):
+        getattr(built, "w_" + name).copy_(cache)
+    for pos in (0, 3, 31):
+        step = [x.to(device) for x in inputs(pos)]
+        torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
+    selection = json.loads((tmp_path / "out" / "selection.json").read_text())
+    attentions = [r for r in selection["regions"].values() if r["family"] == "decode_attention"]
+    assert attentions and all(next(c for c in r["candidates"] if c["label"] == r["selected"])["family"] == "decode_attention"
+                              or selection["measured"] for r in attentions)

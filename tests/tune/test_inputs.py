@@ -85,3 +85,7 @@ def test_lengths_inputs_get_the_planned_length():
     assert make_inputs(region, {})[3].tolist() == [64, 64]
     planned = RegionSummary(**{**region.__dict__, "attrs": {**region.attrs, "example_length": 40}})
     assert make_inputs(planned, {})[3].tolist() == [40, 40]
+    # an input holding positions (attrs lengths_offset: fuse-attention's lengths_add) is timed at
+    # the same planned length: the kernel adds the offset back
+    positions = RegionSummary(**{**planned.__dict__, "attrs": {**planned.attrs, "lengths_offset": 1}})
+    assert make_inputs(positions, {})[3].tolist() == [39, 39]

@@ -14,6 +14,11 @@ from coopt.verify.runner import verify_candidate
 from coopt.verify.strategies import Example, make_inputs, valid_lengths
 
 
+# where the rendered Triton kernels run: the GPU when there is one (CPU tensors given to a compiled
+# kernel fail there), else the interpreter on the CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def decode_region(dtype: str = "float32") -> RegionSummary:
     """decode_attention over a cache of S positions (symbolic: the profile caps it)."""
     q = TensorSpec(("B", 4, 1, 16), dtype)
@@ -93,14 +98,14 @@ def test_fuzzer_verifies_a_decode_kernel_and_catches_a_static_cache_one(dtype, t
     source = DecodeAttentionFamily().render(region, params)
     good = tmp_path / "attn0__c0.py"
     good.write_text(source)
-    result = verify_candidate(region, reference, good, profile="ci", seed=1, device="cpu")
+    result = verify_candidate(region, reference, good, profile="ci", seed=1, device=DEVICE)
     assert result.ok, result.failure
     # a "kernel" that attends to the whole cache (the static-cache baseline) must fail
     bad = tmp_path / "attn0__c1.py"
     whole_cache = "\n    lengths = torch.full_like(lengths, k_cache.shape[2])"
     signature = "def run(q, k_cache, v_cache, lengths):"
     bad.write_text(source.replace(signature, signature + whole_cache))
-    result = verify_candidate(region, reference, bad, profile="ci", seed=1, device="cpu")
+    result = verify_candidate(region, reference, bad, profile="ci", seed=1, device=DEVICE)
     assert not result.ok
 
 
@@ -118,5 +123,31 @@ def test_fuzzer_catches_a_kernel_that_reads_expanded_lengths_as_contiguous(tmp_p
     bad = tmp_path / "attn0__c1.py"
     bad.write_text(source.replace("lengths_ptr + batch * stride_len", "lengths_ptr + batch"))
     # seed 0, a build's default: its anchor examples pass the expanded form
-    result = verify_candidate(region, reference, bad, profile="ci", seed=0, device="cpu")
+    result = verify_candidate(region, reference, bad, profile="ci", seed=0, device=DEVICE)
     assert not result.ok
+
+
+def test_an_input_holding_positions_is_drawn_one_below_the_lengths_and_read_so(tmp_path):
+    """attrs lengths_offset = 1 (fuse-attention's lengths_add): input 3 holds a step's positions
+    (lengths - 1) and the kernel adds the 1. The draws cover position 0 and S - 1; the kernel
+    rendered for the region verifies, and the same kernel rendered as if the input held lengths
+    (a template ignoring the attribute) is caught."""
+    from coopt.templates.decode_attention import DecodeAttentionFamily
+
+    region = decode_region("float32")
+    region = RegionSummary(**{**region.__dict__, "attrs": {**region.attrs, "lengths_offset": 1}})
+    drawn = set()
+    for seed in range(40):
+        drawn.update(make_inputs(region, Example((("B", 4), ("S", 33)), seed, 1.0))[3].tolist())
+    assert min(drawn) == 0 and max(drawn) == 32
+    reference = write_module(tmp_path, "attn0__reference", DECODE_REFERENCE.replace(
+        "def run(q, k_cache, v_cache, lengths):", "def run(q, k_cache, v_cache, positions):\n        lengths = positions + 1"))
+    params = {"BLOCK_N": 16, "SPLIT_KV": 2, "USE_DOT": True, "num_warps": 2, "num_stages": 2}
+    family = DecodeAttentionFamily()
+    good = tmp_path / "attn0__c0.py"
+    good.write_text(family.render(region, params))
+    assert "+ 1" in good.read_text()
+    assert verify_candidate(region, reference, good, profile="ci", seed=1, device=DEVICE).ok
+    unaware = tmp_path / "attn0__c1.py"
+    unaware.write_text(family.render(decode_region("float32"), params))
+    assert not verify_candidate(region, reference, unaware, profile="ci", seed=1, device=DEVICE).ok

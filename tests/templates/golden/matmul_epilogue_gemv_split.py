@@ -53,13 +53,13 @@ use_pdl(os.environ.get("COOPT_PDL", "0") == "1" or PDL_KIND in os.environ.get("C
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, in0_ptr, out0_ptr, stride_in0_m, stride_in0_n, stride_cm):
+def _epilogue(acc, early_bias, early_in0, offs_m, offs_n, M, N, bias_ptr, in0_ptr, out0_ptr, stride_in0_m, stride_in0_n, stride_cm):
     """Bias, epilogue program and stores of one fp32 [BLOCK_M, BLOCK_N] tile."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     rows = offs_m.to(tl.int64)  # M * N may pass 2**31
-    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    bias = early_bias.to(tl.float32)
     acc = acc + bias[None, :]
-    in0 = tl.load(in0_ptr + rows[:, None] * stride_in0_m + offs_n[None, :] * stride_in0_n, mask=mask, other=0.0).to(tl.float32)
+    in0 = early_in0.to(tl.float32)
     v_t = 0.5 * acc * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * (0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))) - 1.0))
     v_y = v_t + in0
     c_offs = rows[:, None] * stride_cm + offs_n[None, :]
@@ -105,6 +105,14 @@ def _gemv_kernel(
     if PDL:  # nothing is read or written before the previous kernel's writes are visible
         tl.extra.cuda.gdc_wait()
 
+    # The epilogue's inputs that no split computes, loaded now and kept in registers through the
+    # K loop: their round trip overlaps the weight stream instead of following the split meeting
+    # (H200, session 47, the b32 build's points: o + residual 12.22 µs against 12.36, down 32.83
+    # against 33.42).
+    early_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    early_bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+    early_in0 = tl.load(in0_ptr + offs_m.to(tl.int64)[:, None] * stride_in0_m + offs_n[None, :] * stride_in0_n,
+                            mask=early_mask, other=0.0)
     # One activation row: multiply-and-sum on CUDA cores over a [BLOCK_N, BLOCK_K] slab read in
     # the weight's own layout (for "nk" each slab row is BLOCK_K contiguous elements).
     x_ptrs = a_ptr + pid_m.to(tl.int64) * stride_am + (k_first * BLOCK_K + offs_k) * stride_ak
@@ -146,7 +154,7 @@ def _gemv_kernel(
             total += tl.load(partial_ptr + split * split_elements + tile_offs, mask=mask, other=0.0,
                              cache_modifier=".cg")
         tl.store(arrivals_ptr + tile, 0)
-        _epilogue(total, offs_m, offs_n, M, N, bias_ptr, in0_ptr, out0_ptr, stride_in0_m, stride_in0_n, stride_cm)
+        _epilogue(total, early_bias, early_in0, offs_m, offs_n, M, N, bias_ptr, in0_ptr, out0_ptr, stride_in0_m, stride_in0_n, stride_cm)
 
 
 _WORKSPACES: dict = {}
