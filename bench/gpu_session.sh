@@ -61,6 +61,8 @@
 #   bash bench/gpu_session.sh fp8-recent-mma  # the CUDA attention's exact-recent GPU tests, then fp8-recent-b32 (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-fold  # exact-recent's folded write's GPU tests, then fp8-recent-b32 (~9.5 min)
 #   bash bench/gpu_session.sh gemv-timeline  # the b32 GEMVs' programs stamped: ramp, loop, tail, epilogue, gaps (~4 min)
+#   bash bench/gpu_session.sh gemv-points  # the b32 GEMVs at other points (no split-K meeting, more programs) and the
+#                                        # early epilogue loads' GPU tests (~3 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~4 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
@@ -449,6 +451,13 @@ case "${1:-}" in
     gemv-timeline)  # issue 4, session 46: inside the b32 GEMVs' launches (the build's four regions): each program's
         # start, loop end and end, and its first slab's arrival (%globaltimer stamps, six launches in a graph; ~4 min)
         step 420 gemv-timeline python bench/gemv_timeline_probe.py --json "$OUT/gemv_timeline.json"
+        ;;
+    gemv-points)  # issue 4, session 47: the b32 GEMV regions at other points against the build's (o and down
+        # without a split-K meeting, q|k|v on more SMs), then the GEMV forms' GPU tests with the early epilogue loads (~3 min)
+        step 200 gemv-points python bench/gemv_timeline_probe.py --alternatives --shapes qkv+,o+,down+,gate_up+ \
+            --json "$OUT/gemv_points.json"
+        step 150 gemv-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/bench/test_gemv_timeline_probe.py tests/templates/test_matmul_gemv_fusions.py tests/verify/test_verify_lengths.py
         ;;
     lengths-fold)  # issue 4, session 47: the decode attentions add the lengths' + 1 (fuse-attention's lengths_add):
         # the CUDA and Triton kernels' GPU tests, the builds reading positions (plain, fp8, fp8-recent, paged; ~4 min)
