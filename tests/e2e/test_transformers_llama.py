@@ -98,9 +98,11 @@ def test_a_transformers_decode_step_builds_as_the_projects_own_llama(tmp_path, f
     assert counters.get("simplify.type_as", 0) == gemma * (2 * LAYERS + 1)
     assert counters.get("fuse.decode_gemv.glu.gelu_tanh", 0) == gemma * LAYERS
     assert families.count("elementwise") == 1 + gemma
-    # between the kernels, a step: the embedding, the position arithmetic once for all layers,
-    # and each layer's cumulative_length write (one torch._foreach_copy_ in program.py)
-    assert result.unfused_ops == {"aten.embedding.default": 1, "aten.arange.default": 1, "aten.add.Tensor": 3,
+    # between the kernels, a step: the embedding, the position arithmetic once for all layers
+    # (the lengths' + 1 is the attention kernels' own: fuse-attention's lengths_add), and each
+    # layer's cumulative_length write (one torch._foreach_copy_ in program.py)
+    assert counters["fuse.decode_attention.lengths_add"] == LAYERS
+    assert result.unfused_ops == {"aten.embedding.default": 1, "aten.arange.default": 1, "aten.add.Tensor": 2,
                                   "coopt.state_write": LAYERS}
     assert not result.fallback_ops
     # the runtime's generate() drives it as a decoder (greedy): transformers' tokens, one call a token
