@@ -142,8 +142,8 @@ def _absorb_lengths_add(attn: DecodeAttentionOp, positions: SSAValue, offset: in
     """A fresh `view + offset` giving `attn` its lengths, where view is positions expanded to the
     lengths' shape: one view a shape, shared by every attention. Always a view, even of the same
     shape, so that the region's lengths input is never the value fuse-kv-write-attention adds as
-    the write's positions: one value as two inputs would be drawn as one by neither verification
-    nor outline."""
+    the write's positions: outline maps one value to one block argument, so the body would read
+    one of two inputs that verification draws apart."""
     lengths_type = attn.lengths.type
     shape = static_shape(attn.lengths)
     key = (positions, tuple(shape))
