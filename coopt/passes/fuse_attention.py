@@ -13,9 +13,23 @@ from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import Operation, SSAValue
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from coopt.ir.dialect import AtenOp, AttentionOp, CacheAttentionOp, DecodeAttentionOp, KernelOp, RopeOp, StateUpdateOp
+from coopt.ir.dialect import (
+    AtenOp,
+    AttentionOp,
+    CacheAttentionOp,
+    DecodeAttentionOp,
+    KernelOp,
+    RopeOp,
+    StateUpdateOp,
+)
 from coopt.ir.outline import outline
-from coopt.passes.base import CooptPass, aten_target, literal_arg, static_shape, tensor_arg
+from coopt.passes.base import (
+    CooptPass,
+    aten_target,
+    literal_arg,
+    static_shape,
+    tensor_arg,
+)
 from coopt.passes.fp8_kv_cache import RING_WRITE
 from coopt.passes.fusion_common import only_user
 from coopt.passes.paged_kv import read_paged_attention, read_ring_view

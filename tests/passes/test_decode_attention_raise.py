@@ -5,10 +5,9 @@ import json
 
 import torch
 import torch.nn.functional as F
-
-import coopt
 from pass_helpers import kernels, run_pipeline
 
+import coopt
 from coopt.ir.dialect import AtenOp, KernelOp
 from coopt.passes.raise_decode_attention import lengths_source
 from coopt.passes.registry import DEFAULT_PIPELINE
