@@ -461,6 +461,7 @@ def _with_example_length(summary, kernel, example_inputs):
     example value is known here."""
     import dataclasses
 
+    from coopt.ir.region import lengths_offset
     from coopt.passes.raise_decode_attention import lengths_source
 
     if summary.family != "decode_attention" or "example_length" in summary.attrs:
@@ -472,7 +473,7 @@ def _with_example_length(summary, kernel, example_inputs):
     example = example_inputs[argument.index] if argument.index < len(example_inputs) else None
     if not isinstance(example, torch.Tensor) or example.dtype.is_floating_point or example.numel() == 0:
         return summary
-    offset += summary.attrs.get("lengths_offset", 0)  # the input holds lengths - lengths_offset
+    offset += lengths_offset(summary)  # the input holds lengths - lengths_offset
     return dataclasses.replace(summary, attrs={**summary.attrs, "example_length": int(example.max()) + offset})
 
 

@@ -253,6 +253,12 @@ def squares_input(region: RegionSummary) -> int | None:
     return (gemv_prologue(region, "rms_norm_stats") or {}).get("squares_input")
 
 
+def lengths_offset(region: RegionSummary) -> int:
+    """What the kernel adds to the lengths input (attrs "lengths_offset", fuse-attention's
+    lengths_add: the input then holds a step's positions); 0 when it holds the lengths."""
+    return region.attrs.get("lengths_offset", 0)
+
+
 def rope_at(region: RegionSummary) -> int | None:
     """Index of the query's cos (sin follows) in a decode_attention region that rotates its
     query (attrs "rope"): after the lengths and, paged, the page table; else None."""

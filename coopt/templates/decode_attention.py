@@ -139,7 +139,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope, rope_at
+from coopt.ir.region import (
+    DTYPE_BYTES,
+    RegionSummary,
+    kv_write_inputs,
+    kv_write_offsets,
+    kv_write_rope,
+    lengths_offset,
+    rope_at,
+)
 from coopt.targets import Target
 from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem,
                                        folded_exact, kv_cache_problem, kv_element_bytes, kv_scale, page_size,
@@ -460,7 +468,7 @@ class DecodeAttentionFamily(TemplateFamily):
             if params["USE_DOT"] else "tl.float32",
             out_tl_dtype=_TL_DTYPE[region.outputs[-1].dtype],
             out_torch_dtype=_TORCH_DTYPE[region.outputs[-1].dtype],
-            lengths_offset=region.attrs.get("lengths_offset", 0),  # lengths = input 3 + this
+            lengths_offset=lengths_offset(region),  # lengths = input 3 + this
             kv_write=written is not None,
             # the folded write quantizes what it stores in an fp8 cache, less a calibrated offset where given
             k_quant=written is not None and region.inputs[1].dtype == FP8_CACHE_DTYPE,

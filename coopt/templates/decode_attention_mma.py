@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import math
 
-from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope
+from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope, lengths_offset
 from coopt.targets import Target
 from coopt.templates.attention import (FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem, folded_exact,
                                        folded_exact_dtypes, kv_scale, page_size, ring_slots_at, without_exact_rows)
@@ -256,7 +256,7 @@ class DecodeAttentionMmaFamily(TemplateFamily):
             v16=v_bytes == 2,
             kv_scale=kv_scale(region),
             lengths_t="int" if region.inputs[3].dtype == "int32" else "long long",
-            lengths_offset=region.attrs.get("lengths_offset", 0),  # lengths = input 3 + this
+            lengths_offset=lengths_offset(region),  # lengths = input 3 + this
             positions_t="int" if written is not None and region.inputs[written].dtype == "int32" else "long long",
             rope=bool(region.attrs.get("rope")),
             kv_write=written is not None,

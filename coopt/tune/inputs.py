@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs
+from coopt.ir.region import DTYPE_BYTES, RegionSummary, kv_write_inputs, lengths_offset
 
 # Rotation: at most this many input sets, and together at most this many bytes. do_bench already
 # flushes L2 between runs on a GPU, so rotation is a second line of defence, not worth GBs.
@@ -84,7 +84,7 @@ def make_inputs(region: RegionSummary, dims: dict[str, int], *, device: str = "c
                 tensor = torch.arange(1, shape[0] + 1, device=device).clamp(max=bound).to(dtype)
             else:
                 length = region.attrs.get("example_length", bound)
-                tensor = torch.full(shape, length - region.attrs.get("lengths_offset", 0), dtype=dtype, device=device)
+                tensor = torch.full(shape, length - lengths_offset(region), dtype=dtype, device=device)
         elif index == kv_write_inputs(region):
             # the write folded into a decode attention: the step's position, the last key it attends
             source, dim = region.attrs["lengths_bound"]

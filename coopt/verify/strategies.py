@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from coopt.ir.region import RegionSummary, kv_write_rope, rope_at, squares_input
+from coopt.ir.region import RegionSummary, kv_write_rope, lengths_offset, rope_at, squares_input
 from coopt.verify.profiles import Profile, resolve_profile  # noqa: F401  (doctest)
 from coopt.verify.tolerances import torch_dtype
 
@@ -275,8 +275,8 @@ def make_inputs(region: RegionSummary, example: Example, device: str | torch.dev
             tensor = valid_ring_slots(shape[0], rings, example.seed).to(dtype).to(device)
         elif index == region.attrs.get("lengths_input"):
             # with attrs lengths_offset the input holds lengths - offset (a step's positions)
-            offset = region.attrs.get("lengths_offset", 0)
-            tensor = (valid_lengths(shape, _max_length(region, dims), example.seed) - offset).to(dtype).to(device)
+            lengths = valid_lengths(shape, _max_length(region, dims), example.seed)
+            tensor = (lengths - lengths_offset(region)).to(dtype).to(device)
             if example.seed % 2 == 0 and tensor.dim() == 1 and tensor.numel() > 1:
                 # as a decode step passes them: one length expanded over the batch (a stride-0
                 # view; a kernel reading it as contiguous gets garbage past element 0)

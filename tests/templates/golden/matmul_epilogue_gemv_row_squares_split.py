@@ -119,9 +119,9 @@ def _gemv_kernel(
     # K loop: their round trip overlaps the weight stream instead of following the split meeting
     # (H200, session 47, the b32 build's points: o + residual 12.22 µs against 12.36, down 32.83
     # against 33.42).
+    early_rows = offs_m.to(tl.int64)
     early_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    early_in0 = tl.load(in0_ptr + offs_m.to(tl.int64)[:, None] * stride_in0_m + offs_n[None, :] * stride_in0_n,
-                            mask=early_mask, other=0.0)
+    early_in0 = tl.load(in0_ptr + early_rows[:, None] * stride_in0_m + offs_n[None, :] * stride_in0_n, mask=early_mask, other=0.0)
     early_rs_g = tl.load(rs_g_ptr + offs_n, mask=offs_n < N, other=0.0)
     # Activation rows past M are masked, not wrapped: padding M up to the tl.dot minimum of 16
     # rows then costs no memory traffic.
