@@ -149,9 +149,22 @@ from coopt.ir.region import (
     rope_at,
 )
 from coopt.targets import Target
-from coopt.templates.attention import (_TL_DTYPE, _TORCH_DTYPE, FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem,
-                                       folded_exact, kv_cache_problem, kv_element_bytes, kv_scale, page_size,
-                                       paged_problem, paged_schema_ok, ring_slots_at, without_exact_rows)
+from coopt.templates.attention import (
+    _TL_DTYPE,
+    _TORCH_DTYPE,
+    FP8_CACHE_DTYPE,
+    exact_rows_at,
+    exact_rows_problem,
+    folded_exact,
+    kv_cache_problem,
+    kv_element_bytes,
+    kv_scale,
+    page_size,
+    paged_problem,
+    paged_schema_ok,
+    ring_slots_at,
+    without_exact_rows,
+)
 from coopt.templates.base import TemplateFamily, dim_range, next_pow2, render_template
 
 # knobs some regions' spaces add, and their value where a point leaves them out

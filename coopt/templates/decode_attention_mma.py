@@ -90,10 +90,25 @@ from __future__ import annotations
 
 import math
 
-from coopt.ir.region import RegionSummary, kv_write_inputs, kv_write_offsets, kv_write_rope, lengths_offset
+from coopt.ir.region import (
+    RegionSummary,
+    kv_write_inputs,
+    kv_write_offsets,
+    kv_write_rope,
+    lengths_offset,
+)
 from coopt.targets import Target
-from coopt.templates.attention import (FP8_CACHE_DTYPE, exact_rows_at, exact_rows_problem, folded_exact,
-                                       folded_exact_dtypes, kv_scale, page_size, ring_slots_at, without_exact_rows)
+from coopt.templates.attention import (
+    FP8_CACHE_DTYPE,
+    exact_rows_at,
+    exact_rows_problem,
+    folded_exact,
+    folded_exact_dtypes,
+    kv_scale,
+    page_size,
+    ring_slots_at,
+    without_exact_rows,
+)
 from coopt.templates.base import TemplateFamily, cuda_point_problem, render_template
 from coopt.templates.decode_attention import DecodeAttentionFamily, gathered_tables
 

@@ -68,7 +68,13 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from coopt.ir.region import RegionSummary, kv_write_rope, lengths_offset, rope_at, squares_input
+from coopt.ir.region import (
+    RegionSummary,
+    kv_write_rope,
+    lengths_offset,
+    rope_at,
+    squares_input,
+)
 from coopt.verify.profiles import Profile, resolve_profile  # noqa: F401  (doctest)
 from coopt.verify.tolerances import torch_dtype
 
