@@ -61,7 +61,7 @@ ROWS, CHUNK = 32, 64  # the batch; the statistics' chunk of columns (fuse-norm-s
 # costs 2.1-2.3 µs after their loops). More programs for q|k|v; o and down without a meeting
 # (32-column tiles, activation rows on the tensor cores' 64-row side: SWAP_AB needs 64 columns;
 # their statistics in 32-column chunks), or with more splits. Values override the build's point.
-_UNSWAPPED_32 = {"BLOCK_N": 32, "SWAP_AB": False, "SPLIT_K": 1, "CHUNK": 32}
+_UNSWAPPED_32 = {"BLOCK_N": 32, "SWAP_AB": False, "SPLIT_K": 1, "CHUNK": 32}  # (CHUNK: producers' only)
 ALTERNATIVES = {
     "qkv+": [{**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 5}, {"BLOCK_K": 256, "num_stages": 3},
              {"SPLIT_K": 2, "num_stages": 4}, {"num_stages": 7}],
@@ -76,13 +76,14 @@ ALTERNATIVES = {
 def alternatives(name: str) -> list[tuple]:
     """(region, point) pairs `--alternatives` times for `name`: the build's point with each
     override ("CHUNK": the region's statistics in chunks of that many columns)."""
-    region, build = shapes()[name]
+    build_region, build = shapes()[name]
     pairs = []
     for override in ALTERNATIVES.get(name, []):
         params = {**build, **override}
         chunk = params.pop("CHUNK", CHUNK)
-        if chunk != CHUNK:
-            n, k = region.inputs[1].shape
+        region = build_region
+        if chunk != CHUNK and "row_squares" in build_region.attrs:  # a producer of statistics: its chunk changes
+            n, k = build_region.inputs[1].shape
             region = residual_region(name, n, k, chunk=chunk)
         pairs.append((region, params))
     return pairs

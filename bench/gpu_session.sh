@@ -63,7 +63,9 @@
 #   bash bench/gpu_session.sh gemv-timeline  # the b32 GEMVs' programs stamped: ramp, loop, tail, epilogue, gaps (~4 min)
 #   bash bench/gpu_session.sh gemv-points  # the b32 GEMVs at other points (no split-K meeting, more programs) and the
 #                                        # early epilogue loads' GPU tests (~3 min)
-#   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~4 min)
+#   bash bench/gpu_session.sh points-fp8-b32  # gemv-points' probe, embedding_rows' GPU tests, b32 / 2048
+#                                        # reduce-overhead and coopt-fp8 (~8 min)
+#   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
 #   bash bench/gpu_session.sh fp8-recent-b1  # b1 / 32768: reduce-overhead, coopt-fp8, coopt-fp8-recent (~7 min)
@@ -459,10 +461,22 @@ case "${1:-}" in
         step 150 gemv-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
             tests/bench/test_gemv_timeline_probe.py tests/templates/test_matmul_gemv_fusions.py tests/verify/test_verify_lengths.py
         ;;
+    points-fp8-b32)  # issue 4, session 48: the b32 GEMV regions at other points (gemv-points' probe), the
+        # embedding_rows kernel's GPU tests, then b32 / 2048 reduce-overhead and coopt-fp8 (early epilogue
+        # loads, the lengths' + 1 and the embedding gather in regions; ~8 min)
+        step 150 gemv-points python bench/gemv_timeline_probe.py --alternatives --shapes qkv+,o+,down+,gate_up+ \
+            --json "$OUT/gemv_points.json"
+        step 60 embedding-rows-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging tests/templates/test_embedding_rows.py
+        step 400 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
+        reports reports_fp8_b32 coopt-fp8
+        ;;
     lengths-fold)  # issue 4, session 47: the decode attentions add the lengths' + 1 (fuse-attention's lengths_add):
         # the CUDA and Triton kernels' GPU tests, the builds reading positions (plain, fp8, fp8-recent, paged; ~4 min)
-        step 330 lengths-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
-            tests/passes/test_decode_attention_raise.py tests/verify/test_verify_lengths.py tests/templates/test_decode_attention_mma.py \
+        # (two steps: in session 47 one step of all of them ran past 330 s in the Llama builds)
+        step 200 lengths-kernels python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/passes/test_decode_attention_raise.py tests/verify/test_verify_lengths.py tests/templates/test_decode_attention_mma.py
+        step 380 lengths-builds python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
             tests/llama/test_llama_build.py tests/llama/test_llama_fp8.py tests/llama/test_llama_fp8_recent.py tests/llama/test_llama_paged_fp8_recent.py
         ;;
     profile-fp8-b32)  # issue 4, session 46: the b32 / 2048 --kv-cache fp8 build's replayed step, kernel by kernel

@@ -113,6 +113,13 @@ rope (rotary embedding, rotate-half form)
     attrs = {}
     inputs: x [..., D] (D even, rank <= 4), cos and sin broadcastable to x; output in x's dtype:
     x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin.
+
+embedding_rows (the embedding before the first norm GEMV, fuse-norm-statistics)
+    attrs = {"row_squares": {"chunk": C, "weight_input": 2, "output": 0}, "index_input": 1,
+             "index_bound": [0, 0]}
+    inputs: table [V, K], ids [...] int64 in [0, V), g [K]; outputs h = table[ids] [..., K],
+    hg = h * g in h's dtype, sq [K / C, M] fp32 (sums of h^2 over C-column chunks of each row),
+    the outputs a GEMV producer of statistics adds (matmul_epilogue "row_squares").
 """
 
 from __future__ import annotations
@@ -133,7 +140,8 @@ ELEMENTWISE_FNS = {
     "to_f32": 1, "to_bf16": 1, "to_f16": 1, "bf16_to_f32": 1, "f16_to_f32": 1,
 }
 
-FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention", "decode_attention", "rope", "kv_write")
+FAMILIES = ("elementwise", "row_reduction", "matmul_epilogue", "attention", "decode_attention", "rope", "kv_write",
+            "embedding_rows")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int64": 8, "int32": 4, "bool": 1}
 

@@ -23,9 +23,14 @@ inlined and outlined again, coopt/ir/outline.py):
 - C: prologue {"kind": "rms_norm_stats", "eps", "squares_input": j}; inputs hg, b, [bias], sq (at
   j, where g was), extras; its body is linear(hg) * rsqrt(sum(sq, 0) / K + eps) per row (in fp32,
   back to the linear's dtype), then the ops after the linear as before.
+With `embedding` (default on), P may also be the embedding gather before the first layer,
+aten.embedding(table, ids) of a weight table: it and the statistics' ops become one region of
+family "embedding_rows" (inputs table, ids, g; outputs h, hg, sq; coopt/templates/embedding_rows.py),
+so that the first layer's norm reads statistics as every later one does, one launch instead of
+ATen's gather and a norm row kernel (NORM_FIRST).
 Counted `fuse.norm_statistics`; left alone, `fuse.norm_statistics.skipped.<why>`: too few rows
-(`rows`), a's producer not a matmul_epilogue region (`producer`, e.g. the embedding before the
-first layer), a width that is no multiple of the chunk or leading dims whose row count is not a
+(`rows`), a's producer neither a matmul_epilogue region nor (with `embedding`) such an embedding
+(`producer`), a width that is no multiple of the chunk or leading dims whose row count is not a
 single symbol (`shape`), a norm without weight (`no_weight`), a g of another dtype than h
 (`dtype`), a g that is already an input of P or not defined before it (`order`).
 Templates: coopt/templates/matmul_epilogue.py (GEMV points only).
@@ -40,10 +45,10 @@ from xdsl.dialects.builtin import Float32Type, ModuleOp
 from xdsl.ir import Operation, SSAValue
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from coopt.ir.dialect import ElementwiseOp, KernelOp, LinearOp, RMSNormOp, WeightOp
+from coopt.ir.dialect import AtenOp, ElementwiseOp, KernelOp, LinearOp, RMSNormOp, WeightOp
 from coopt.ir.outline import inline, outline
 from coopt.ir.summary import dtype_name, symbol_table
-from coopt.passes.base import CooptPass, aten_op
+from coopt.passes.base import CooptPass, aten_op, aten_target, tensor_arg
 from coopt.passes.fuse_decode_gemv import row_bound
 from coopt.passes.shapes import dims, typed
 from coopt.passes.stats import count
@@ -56,6 +61,7 @@ class FuseNormStatistics(CooptPass):
 
     min_rows: int = 2  # fewer rows (batch 1): the in-loop norm of the multiply-and-sum GEMV stays
     chunk: int = 64  # columns per partial sum of squares: a producer's BLOCK_N must be a multiple
+    embedding: bool = True  # the first norm's input gathered by an embedding: gather and statistics in one region
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         highs = {name: bounds[1] for name, bounds in symbol_table(op).items()}
@@ -75,8 +81,9 @@ class FuseNormStatistics(CooptPass):
         if rows is None or rows < self.min_rows:
             return "rows"
         producer = h.owner
-        if not (isinstance(producer, KernelOp) and producer.family.data == "matmul_epilogue"
-                and "row_squares" not in producer.family_attrs):
+        gather = self.embedding and _embedding_of_a_weight(producer)
+        if not gather and not (isinstance(producer, KernelOp) and producer.family.data == "matmul_epilogue"
+                               and "row_squares" not in producer.family_attrs):
             return "producer"
         width, row_dim = dims(h)[-1], _row_dim(dims(h)[:-1])
         if not isinstance(width, int) or width % self.chunk or row_dim is None:
@@ -88,9 +95,26 @@ class FuseNormStatistics(CooptPass):
             return "dtype"  # hg = h * g is kept in h's dtype, as the norm's output was in g's
         if g in producer.inputs or not _make_available(g, producer):
             return "order"
-        hg, sq = self._add_row_squares(producer, h, g, row_dim)
+        if gather:
+            hg, sq = self._gather_rows(producer, g, row_dim)
+        else:
+            hg, sq = self._add_row_squares(producer, h, g, row_dim)
         _scale_by_statistics(consumer, hg, sq)
         return None
+
+    def _gather_rows(self, embedding: AtenOp, g: SSAValue, row_dim) -> tuple[SSAValue, SSAValue]:
+        """The embedding and the statistics of its rows as one embedding_rows region; its (hg, sq)."""
+        table, ids, h = tensor_arg(embedding, 0), tensor_arg(embedding, 1), embedding.results[0]
+        stats = _row_squares_ops(h, g, self.chunk, row_dim)
+        at = embedding
+        for new in stats:
+            Rewriter.insert_op(new, InsertPoint.after(at))
+            at = new
+        attrs = {"row_squares": {"chunk": self.chunk, "weight_input": 2, "output": 0},
+                 "index_input": 1, "index_bound": [0, 0]}
+        kernel = outline([embedding, *stats], "embedding_rows", attrs, inputs=[table, ids, g],
+                         outputs=[h, stats[0].results[0], stats[-1].results[0]])
+        return kernel.results[1], kernel.results[2]
 
     def _add_row_squares(self, producer: KernelOp, h: SSAValue, g: SSAValue, row_dim) -> tuple[SSAValue, SSAValue]:
         """P with g as its last input and (hg, sq) as its last outputs; returns them."""
@@ -105,6 +129,15 @@ class FuseNormStatistics(CooptPass):
         kernel = outline(ops, "matmul_epilogue", {**attrs, "row_squares": row_squares},
                          inputs=[*inputs, g], outputs=[*yielded, stats[0].results[0], stats[-1].results[0]])
         return kernel.results[-2], kernel.results[-1]
+
+
+def _embedding_of_a_weight(op) -> bool:
+    """aten.embedding(table, ids) of a model weight's 2-D table (the gather before the first layer)."""
+    if aten_target(op) != "aten.embedding.default":
+        return False
+    table, ids = tensor_arg(op, 0), tensor_arg(op, 1)
+    return (table is not None and ids is not None and isinstance(table.owner, WeightOp)
+            and len(dims(table)) == 2 and dims(ids) == dims(op.results[0])[:-1])
 
 
 def _norm_consumer(op: Operation) -> bool:

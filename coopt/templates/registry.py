@@ -16,6 +16,7 @@ _BUILTIN = {
     "decode_attention_mma": "coopt.templates.decode_attention_mma:DecodeAttentionMmaFamily",
     "rope": "coopt.templates.rope:RopeFamily",
     "kv_write": "coopt.templates.kv_write:KvWriteFamily",
+    "embedding_rows": "coopt.templates.embedding_rows:EmbeddingRowsFamily",
 }
 
 

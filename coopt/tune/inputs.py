@@ -93,6 +93,11 @@ def make_inputs(region: RegionSummary, dims: dict[str, int], *, device: str = "c
         elif region.family == "kv_write" and index == 2:
             # a step's cache positions: distinct and inside the cache (a prompt written from 0)
             tensor = (torch.arange(shape[0], device=device) % region.inputs[0].concrete(dims)[2]).to(dtype)
+        elif index == region.attrs.get("index_input"):
+            # rows of a table (embedding_rows' token ids): any row of it, as a step's tokens are
+            source, dim = region.attrs["index_bound"]
+            bound = region.inputs[source].concrete(dims)[dim]
+            tensor = torch.randint(0, bound, shape, generator=generator, device=device, dtype=dtype)
         elif dtype == torch.bool:
             tensor = torch.randint(0, 2, shape, generator=generator, device=device).to(torch.bool)
         elif not dtype.is_floating_point:

@@ -11,6 +11,10 @@ from coopt.targets import H200
 from coopt.templates.matmul_epilogue import MatmulEpilogueFamily
 
 
+def run_signature(source: str) -> str:
+    return next(line for line in source.splitlines() if line.startswith("def run("))
+
+
 def rendered(name: str) -> str:
     region, params = probe.shapes()[name]
     family = MatmulEpilogueFamily()
@@ -109,7 +113,9 @@ def test_every_alternative_is_a_legal_point_and_o_and_down_get_some_without_a_me
     for name in probe.ALTERNATIVES:
         pairs = probe.alternatives(name)
         assert pairs and all(family.check(region, params, H200) is None for region, params in pairs), name
-        assert all(family.render(region, params) for region, params in pairs)
+        # the probe calls each alternative with the build's inputs: the same launch arguments
+        build_run = run_signature(family.render(*probe.shapes()[name]))
+        assert all(run_signature(family.render(region, params)) == build_run for region, params in pairs), name
     for name in ("o+", "down+"):
         unsplit = [(r, p) for r, p in probe.alternatives(name) if p["SPLIT_K"] == 1]
         assert any(probe.programs(r, p) == 128 for r, p in unsplit)  # 32-column tiles: every SM busy, no meeting

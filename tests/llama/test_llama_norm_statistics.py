@@ -32,17 +32,22 @@ def test_norms_after_a_gemv_take_its_statistics(stats_build):
     result, _, eager = stats_build
     layers = eager.model.args.n_layers
     counters = result.counters
-    # every norm but layer 0's attention norm (its input is the embedding): the MLP norms, the
-    # later attention norms and the final norm before lm_head
-    assert counters["fuse.norm_statistics"] == 2 * layers
-    assert counters["fuse.norm_statistics.skipped.producer"] == 1
+    # every norm: the MLP norms, the attention norms (layer 0's from the embedding's rows) and
+    # the final norm before lm_head
+    assert counters["fuse.norm_statistics"] == 2 * layers + 1
+    assert "fuse.norm_statistics.skipped.producer" not in counters
     summaries = [r.summary for r in result.regions]
     kinds = [(s.attrs.get("prologue") or {}).get("kind") for s in summaries]
-    assert kinds.count("rms_norm_stats") == 2 * layers and kinds.count("rms_norm") == 1
-    assert sum(1 for s in summaries if s.attrs.get("row_squares")) == 2 * layers
+    assert kinds.count("rms_norm_stats") == 2 * layers + 1 and kinds.count("rms_norm") == 0
+    assert sum(1 for s in summaries if s.attrs.get("row_squares")) == 2 * layers + 1
+    gathers = [r for r in result.regions if r.summary.family == "embedding_rows"]
+    assert len(gathers) == 1
+    chosen = next(c for c in gathers[0].candidates if c.label == gathers[0].selected)
+    assert chosen.verified and chosen.family == "embedding_rows", gathers[0].reason
+    assert result.unfused_ops == {}  # the gather is a region's now
     for region in result.regions:
         attrs = region.summary.attrs
-        if attrs.get("row_squares") or attrs.get("prologue") or attrs.get("glu"):
+        if region.summary.family == "matmul_epilogue" and (attrs.get("row_squares") or attrs.get("prologue") or attrs.get("glu")):
             chosen = next(c for c in region.candidates if c.label == region.selected)
             assert chosen.verified and chosen.params["GEMV"] and not chosen.params.get("NORM_FIRST"), region.summary.name
     assert result.e2e["ok"]

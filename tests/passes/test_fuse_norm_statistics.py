@@ -92,3 +92,56 @@ def test_the_default_runs_it_after_every_gemv_region_exists():
     assert order.index("fuse-decode-gemv") < order.index("fuse-linear-epilogue") < order.index("fuse-norm-statistics")
     _, counters = run_pipeline(TwoLayerDecoder(), [step(3)], ROW_NORMS_PIPELINE)
     assert "fuse.norm_statistics" not in counters  # the pipeline it is measured against leaves the norms alone
+
+
+class EmbeddedDecoder(torch.nn.Module):
+    """The two-block decoder behind a token embedding, as a Llama step starts: layer 0's norm
+    reads the embedding's rows."""
+
+    def __init__(self, vocab: int = 50):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, WIDTH)
+        self.decoder = TwoLayerDecoder()
+
+    def forward(self, ids):
+        return self.decoder(self.embed(ids))
+
+
+def tokens(batch, seed=0, vocab=50):
+    return torch.randint(0, vocab, (batch, 1), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_first_norm_reads_statistics_of_the_embedding_rows():
+    module, counters = run_pipeline(EmbeddedDecoder(), [tokens(3)], WITH_STATS)
+    assert counters["fuse.norm_statistics"] == 5 and "fuse.norm_statistics.skipped.producer" not in counters
+    regions = kernels(module)
+    gathers = [k for k in regions if k.family.data == "embedding_rows"]
+    assert len(gathers) == 1
+    gather = gathers[0]
+    assert gather.family_attrs == {"row_squares": {"chunk": 64, "weight_input": 2, "output": 0},
+                                   "index_input": 1, "index_bound": [0, 0]}
+    table, ids, g = gather.inputs
+    assert table.type.get_shape() == (50, WIDTH) and str(ids.type.element_type) == "i64" and g.type.get_shape() == (WIDTH,)
+    h, hg, sq = gather.results
+    consumer = next(iter(hg.uses)).operation  # layer 0's q|k|v reads hg and sq
+    assert consumer.family_attrs["prologue"]["kind"] == "rms_norm_stats" and consumer.inputs[2] is sq
+    # the residual stream: h goes on to layer 0's o + residual
+    assert any(u.operation.family_attrs.get("epilogue") for u in h.uses)
+    assert not any(k.family_attrs.get("prologue", {}).get("kind") == "rms_norm" for k in regions)
+    _, counters = run_pipeline(EmbeddedDecoder(), [tokens(3)],
+                               WITH_STATS.replace("fuse-norm-statistics", "fuse-norm-statistics{embedding=false}"))
+    assert counters["fuse.norm_statistics"] == 4 and counters["fuse.norm_statistics.skipped.producer"] == 1
+
+
+def test_built_decoder_with_embedding_rows_matches_eager(tmp_path):
+    """The embedding_rows template (the interpreter without a GPU) verified and selected; the
+    build matches eager on other tokens, with no ATen op left outside a region but views."""
+    model = EmbeddedDecoder().eval()
+    result = coopt.Pipeline(WITH_STATS, top_k=1).build(model, (tokens(3),), tmp_path / "out")
+    gather = next(r for r in result.regions if r.summary.family == "embedding_rows")
+    chosen = next(c for c in gather.candidates if c.label == gather.selected)
+    assert chosen.family == "embedding_rows" and chosen.verified, gather.reason
+    assert result.e2e["ok"]
+    fresh = tokens(3, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(coopt.load(tmp_path / "out", device="cpu")(fresh), model(fresh), rtol=1e-4, atol=1e-4)

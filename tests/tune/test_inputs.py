@@ -89,3 +89,15 @@ def test_lengths_inputs_get_the_planned_length():
     # the same planned length: the kernel adds the offset back
     positions = RegionSummary(**{**planned.__dict__, "attrs": {**planned.attrs, "lengths_offset": 1}})
     assert make_inputs(positions, {})[3].tolist() == [39, 39]
+
+
+def test_index_inputs_are_rows_of_their_table():
+    """embedding_rows' token ids: spread over the whole table (not the 8 rows random small
+    integers would read, all of them L2-resident), and every one a row of it."""
+    region = RegionSummary("r", "embedding_rows",
+                           inputs=(TensorSpec((1000, 64), "bfloat16"), TensorSpec(("s0", 1), "int64"), TensorSpec((64,), "bfloat16")),
+                           outputs=(TensorSpec(("s0", 1, 64), "bfloat16"),),
+                           attrs={"index_input": 1, "index_bound": [0, 0]})
+    ids = make_inputs(region, {"s0": 256})[1]
+    assert ids.shape == (256, 1) and ids.dtype == torch.int64
+    assert 0 <= int(ids.min()) and int(ids.max()) < 1000 and int(ids.max()) >= 8

@@ -1,0 +1,56 @@
+"""Template family "embedding_rows": a decode step's embedding gather with the first norm's row statistics.
+
+Region (fuse-norm-statistics, where the first layer's norm GEMV reads the embedding): inputs
+table [V, K], ids [...] int64 (attrs "index_input" 1, "index_bound" [0, 0]: every id in [0, V)),
+g [K]; outputs h = table[ids] [..., K], hg = h * g in h's dtype, sq [K / C, M] fp32 (the sums of
+h^2 over C-column chunks of each of the M rows), attrs "row_squares" {"chunk": C, "weight_input":
+2, "output": 0} as a GEMV producer of statistics carries them.
+
+Why: at 32 rows the first layer's norm otherwise runs after ATen's embedding kernel in a row
+kernel of its own (the GEMV's NORM_FIRST): two launches and their gaps (~3.5 µs of a b32 / 2048
+step, bench/NOTES-decode.md). One kernel gathers the rows and writes what the norm GEMV of every
+later layer reads from its producer.
+
+Example:
+    >>> family = EmbeddingRowsFamily()
+    >>> family.param_space(region, H200)   # K = 4096
+    {'num_warps': [1, 2, 4, 8]}
+    >>> family.check(region, {"num_warps": 1}, H200)
+    'one row of 4096 is over 64 elements per thread with num_warps=1'
+"""
+
+from __future__ import annotations
+
+from coopt.ir.region import RegionSummary
+from coopt.targets import Target
+from coopt.templates.base import TemplateFamily, lane_fill_problem, next_pow2, render_template
+
+NUM_WARPS = (1, 2, 4, 8)
+MAX_ELEMENTS_PER_THREAD = 64  # h in fp32 and its square per element
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class EmbeddingRowsFamily(TemplateFamily):
+    name = "embedding_rows"
+
+    def matches(self, region: RegionSummary) -> bool:
+        if region.family != self.name or len(region.inputs) != 3 or len(region.outputs) != 3:
+            return False
+        table, ids, g = region.inputs
+        chunk = (region.attrs.get("row_squares") or {}).get("chunk")
+        width = table.shape[1] if len(table.shape) == 2 else None
+        return (isinstance(width, int) and isinstance(chunk, int) and chunk > 0
+                and chunk == next_pow2(chunk) and width % chunk == 0
+                and ids.dtype == "int64" and table.dtype in FLOAT_DTYPES and g.dtype == table.dtype
+                and g.shape == (width,))
+
+    def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:
+        return {"num_warps": list(NUM_WARPS)}
+
+    def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
+        width = region.inputs[0].shape[1]
+        return lane_fill_problem(f"one row of {width}", next_pow2(width), params["num_warps"], MAX_ELEMENTS_PER_THREAD)
+
+    def render(self, region: RegionSummary, params: dict) -> str:
+        return render_template("triton/embedding_rows.py.j2", region_name=region.name,
+                               chunk=region.attrs["row_squares"]["chunk"], num_warps=params["num_warps"])
