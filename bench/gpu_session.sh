@@ -64,7 +64,7 @@
 #   bash bench/gpu_session.sh gemv-points  # the b32 GEMVs at other points (no split-K meeting, more programs) and the
 #                                        # early epilogue loads' GPU tests (~3 min)
 #   bash bench/gpu_session.sh points-fp8-b32  # gemv-points' probe, embedding_rows' GPU tests, b32 / 2048
-#                                        # reduce-overhead and coopt-fp8 (~8 min)
+#                                        # reduce-overhead and coopt-fp8 (~7 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
@@ -464,10 +464,10 @@ case "${1:-}" in
     points-fp8-b32)  # issue 4, session 48: the b32 GEMV regions at other points (gemv-points' probe), the
         # embedding_rows kernel's GPU tests, then b32 / 2048 reduce-overhead and coopt-fp8 (early epilogue
         # loads, the lengths' + 1 and the embedding gather in regions; ~8 min)
-        step 150 gemv-points python bench/gemv_timeline_probe.py --alternatives --shapes qkv+,o+,down+,gate_up+ \
+        step 100 gemv-points python bench/gemv_timeline_probe.py --alternatives --shapes qkv+,o+,down+,gate_up+ \
             --json "$OUT/gemv_points.json"
-        step 60 embedding-rows-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging tests/templates/test_embedding_rows.py
-        step 400 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
+        step 40 embedding-rows-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging tests/templates/test_embedding_rows.py
+        step 330 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
         ;;
