@@ -467,7 +467,8 @@ case "${1:-}" in
         step 100 gemv-points python bench/gemv_timeline_probe.py --alternatives --shapes qkv+,o+,down+,gate_up+ \
             --json "$OUT/gemv_points.json"
         step 40 embedding-rows-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging tests/templates/test_embedding_rows.py
-        step 330 decode python bench/decode.py --cases 32:2048:4096 --modes reduce-overhead,coopt-fp8 \
+        # (MODES=coopt-fp8 when device time is short: the build alone, against its floor)
+        step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
         ;;
