@@ -117,7 +117,7 @@ rope (rotary embedding, rotate-half form)
 embedding_rows (the embedding before the first norm GEMV, fuse-norm-statistics)
     attrs = {"row_squares": {"chunk": C, "weight_input": 2, "output": 0}, "index_input": 1,
              "index_bound": [0, 0]}
-    inputs: table [V, K], ids [...] int64 in [0, V), g [K]; outputs h = table[ids] [..., K],
+    inputs: table [V, K], ids [...] int64 or int32 in [0, V), g [K]; outputs h = table[ids] [..., K],
     hg = h * g in h's dtype, sq [K / C, M] fp32 (sums of h^2 over C-column chunks of each row),
     the outputs a GEMV producer of statistics adds (matmul_epilogue "row_squares").
 """

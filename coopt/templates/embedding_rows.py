@@ -1,7 +1,7 @@
 """Template family "embedding_rows": a decode step's embedding gather with the first norm's row statistics.
 
 Region (fuse-norm-statistics, where the first layer's norm GEMV reads the embedding): inputs
-table [V, K], ids [...] int64 (attrs "index_input" 1, "index_bound" [0, 0]: every id in [0, V)),
+table [V, K], ids [...] int64 or int32 (attrs "index_input" 1, "index_bound" [0, 0]: every id in [0, V)),
 g [K]; outputs h = table[ids] [..., K], hg = h * g in h's dtype, sq [K / C, M] fp32 (the sums of
 h^2 over C-column chunks of each of the M rows), attrs "row_squares" {"chunk": C, "weight_input":
 2, "output": 0} as a GEMV producer of statistics carries them.
@@ -41,7 +41,7 @@ class EmbeddingRowsFamily(TemplateFamily):
         width = table.shape[1] if len(table.shape) == 2 else None
         return (isinstance(width, int) and isinstance(chunk, int) and chunk > 0
                 and chunk == next_pow2(chunk) and width % chunk == 0
-                and ids.dtype == "int64" and table.dtype in FLOAT_DTYPES and g.dtype == table.dtype
+                and ids.dtype in ("int64", "int32") and table.dtype in FLOAT_DTYPES and g.dtype == table.dtype
                 and g.shape == (width,))
 
     def param_space(self, region: RegionSummary, target: Target) -> dict[str, list]:

@@ -15,23 +15,24 @@ from coopt.templates.embedding_rows import EmbeddingRowsFamily
 FAMILY = EmbeddingRowsFamily()
 
 
-def region(vocab, width, ids_shape, chunk, dtype="bfloat16"):
+def region(vocab, width, ids_shape, chunk, dtype="bfloat16", ids_dtype="int64"):
     outputs = (TensorSpec((*ids_shape, width), dtype), TensorSpec((*ids_shape, width), dtype),
                TensorSpec((width // chunk, int(torch.Size(ids_shape).numel())), "float32"))
     return RegionSummary("emb", "embedding_rows",
-                         inputs=(TensorSpec((vocab, width), dtype), TensorSpec(tuple(ids_shape), "int64"), TensorSpec((width,), dtype)),
+                         inputs=(TensorSpec((vocab, width), dtype), TensorSpec(tuple(ids_shape), ids_dtype), TensorSpec((width,), dtype)),
                          outputs=outputs,
                          attrs={"row_squares": {"chunk": chunk, "weight_input": 2, "output": 0},
                                 "index_input": 1, "index_bound": [0, 0]})
 
 
-@pytest.mark.parametrize(("width", "chunk", "ids_shape"), [(96, 32, (5, 1)), (256, 64, (3,)), (4096, 64, (2, 1))])
-def test_every_point_matches_torch(load_candidate, width, chunk, ids_shape):
-    summary = region(40, width, ids_shape, chunk)
+@pytest.mark.parametrize(("width", "chunk", "ids_shape", "ids_dtype"),
+                         [(96, 32, (5, 1), "int64"), (256, 64, (3,), "int32"), (4096, 64, (2, 1), "int64")])
+def test_every_point_matches_torch(load_candidate, width, chunk, ids_shape, ids_dtype):
+    summary = region(40, width, ids_shape, chunk, ids_dtype=ids_dtype)
     gen = torch.Generator().manual_seed(width)
     table = torch.randn(40, width, generator=gen).to(torch.bfloat16)
     g = (1 + 0.1 * torch.randn(width, generator=gen)).to(torch.bfloat16)
-    ids = torch.randint(0, 40, ids_shape, generator=gen)
+    ids = torch.randint(0, 40, ids_shape, generator=gen).to(getattr(torch, ids_dtype))
     ids.view(-1)[0], ids.view(-1)[-1] = 39, 0  # the table's last row and its first
     want = table[ids]
     rows = want.float().reshape(-1, width // chunk, chunk)
