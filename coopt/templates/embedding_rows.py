@@ -9,7 +9,8 @@ h^2 over C-column chunks of each of the M rows), attrs "row_squares" {"chunk": C
 Why: at 32 rows the first layer's norm otherwise runs after ATen's embedding kernel in a row
 kernel of its own (the GEMV's NORM_FIRST): two launches and their gaps (~3.5 µs of a b32 / 2048
 step, bench/NOTES-decode.md). One kernel gathers the rows and writes what the norm GEMV of every
-later layer reads from its producer.
+later layer reads from its producer. A program holds its whole row in registers: rows over
+16384 columns (64 elements a thread at 8 warps) have no legal point and run the reference.
 
 Example:
     >>> family = EmbeddingRowsFamily()
