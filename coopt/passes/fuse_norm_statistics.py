@@ -157,9 +157,9 @@ def _row_dim(lead: list):
     return symbols[0] if len(symbols) == 1 and all(d == 1 for d in lead if isinstance(d, int)) else None
 
 
-def _make_available(value: SSAValue, kernel: KernelOp) -> bool:
-    """Whether `value` is available where `kernel` is, once a model weight defined later (a
-    WeightOp reads nothing) has been moved up before it."""
+def _make_available(value: SSAValue, kernel: Operation) -> bool:
+    """Whether `value` is available where `kernel` (a producer: a region or the embedding) is,
+    once a model weight defined later (a WeightOp reads nothing) has been moved up before it."""
     owner = value.owner
     if not isinstance(owner, Operation):
         return True  # a block argument (a model input)

@@ -1,10 +1,8 @@
 """Template family "embedding_rows": a decode step's embedding gather with the first norm's row statistics.
 
-Region (fuse-norm-statistics, where the first layer's norm GEMV reads the embedding): inputs
-table [V, K], ids [...] int64 or int32 (attrs "index_input" 1, "index_bound" [0, 0]: every id in [0, V)),
-g [K]; outputs h = table[ids] [..., K], hg = h * g in h's dtype, sq [K / C, M] fp32 (the sums of
-h^2 over C-column chunks of each of the M rows), attrs "row_squares" {"chunk": C, "weight_input":
-2, "output": 0} as a GEMV producer of statistics carries them.
+Region: fuse-norm-statistics makes it where the first layer's norm GEMV reads the embedding;
+inputs table, ids, g, outputs h = table[ids], hg = h * g, sq (the chunk sums of h^2) as
+coopt/ir/region.py's contract for embedding_rows says.
 
 Why: at 32 rows the first layer's norm otherwise runs after ATen's embedding kernel in a row
 kernel of its own (the GEMV's NORM_FIRST): two launches and their gaps (~3.5 µs of a b32 / 2048
@@ -25,10 +23,10 @@ from __future__ import annotations
 from coopt.ir.region import RegionSummary
 from coopt.targets import Target
 from coopt.templates.base import TemplateFamily, lane_fill_problem, next_pow2, render_template
+from coopt.templates.elementwise import FLOAT_DTYPES
 
 NUM_WARPS = (1, 2, 4, 8)
 MAX_ELEMENTS_PER_THREAD = 64  # h in fp32 and its square per element
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class EmbeddingRowsFamily(TemplateFamily):

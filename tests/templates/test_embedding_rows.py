@@ -49,6 +49,18 @@ def test_every_point_matches_torch(load_candidate, width, chunk, ids_shape, ids_
         torch.testing.assert_close(sq, (rows * rows).sum(-1).T, rtol=1e-5, atol=1e-5)
 
 
+def test_strided_ids_are_read_through_their_stride(load_candidate):
+    """[B, 1] ids sliced out of a wider tensor: reshape(-1) is then a view of stride 2."""
+    summary = region(40, 64, (5, 1), 32)
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    g = torch.ones(64, dtype=torch.bfloat16)
+    ids = torch.randint(0, 40, (5, 2), generator=gen)[:, :1]
+    assert ids.reshape(-1).stride(0) == 2
+    h, _, _ = run_candidate(FAMILY, H200, load_candidate, summary, {"num_warps": 1}, [table, ids, g])
+    assert torch.equal(h.cpu(), table[ids])
+
+
 def test_refused_regions_and_points():
     assert FAMILY.matches(region(40, 96, (5, 1), 32))
     assert not FAMILY.matches(region(40, 96, (5, 1), 64))  # 96 columns are no whole number of 64-column chunks
