@@ -65,6 +65,8 @@
 #                                        # early epilogue loads' GPU tests (~3 min)
 #   bash bench/gpu_session.sh points-fp8-b32  # gemv-points' probe, embedding_rows' GPU tests, b32 / 2048
 #                                        # reduce-overhead and coopt-fp8 (~7 min)
+#   bash bench/gpu_session.sh tail-prefetch  # each b32 GEMV pulls the next one's weight into L2 after its K loop:
+#                                        # 8 layers of the four GEMVs, prefetch budgets 0-32 MB (~3 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
@@ -471,6 +473,10 @@ case "${1:-}" in
         step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
+        ;;
+    tail-prefetch)  # issue 4, session 49: the next GEMV's weight prefetched into L2 by each b32 GEMV after
+        # its K loop (bench/tail_prefetch_probe.py), budgets 0-32 MB a launch, with and without evict_last
+        step 240 tail-prefetch python bench/tail_prefetch_probe.py --evict-last --json "$OUT/tail_prefetch.json"
         ;;
     lengths-fold)  # issue 4, session 47: the decode attentions add the lengths' + 1 (fuse-attention's lengths_add):
         # the CUDA and Triton kernels' GPU tests, the builds reading positions (plain, fp8, fp8-recent, paged; ~4 min)
