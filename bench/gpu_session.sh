@@ -476,7 +476,7 @@ case "${1:-}" in
         ;;
     tail-prefetch)  # issue 4, session 49: the next GEMV's weight prefetched into L2 by each b32 GEMV after
         # its K loop (bench/tail_prefetch_probe.py), budgets 0-32 MB a launch, with and without evict_last
-        step 240 tail-prefetch python bench/tail_prefetch_probe.py --evict-last --json "$OUT/tail_prefetch.json"
+        step 240 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,4,8,16,32 --evict-last --evict-first --json "$OUT/tail_prefetch.json"
         ;;
     lengths-fold)  # issue 4, session 47: the decode attentions add the lengths' + 1 (fuse-attention's lengths_add):
         # the CUDA and Triton kernels' GPU tests, the builds reading positions (plain, fp8, fp8-recent, paged; ~4 min)

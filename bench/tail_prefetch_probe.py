@@ -19,6 +19,7 @@ prefetched bytes a launch, alternated over rounds. The outputs must be the same 
 whatever the budget (a prefetch moves no data the kernels see).
 
     python bench/tail_prefetch_probe.py                       # budgets 0, 4, 8, 16, 32 MB
+    python bench/tail_prefetch_probe.py --evict-last --evict-first   # and the two L2 policies
     python bench/tail_prefetch_probe.py --budgets 0,8 --layers 4 --json probe.json
 """
 
@@ -95,6 +96,16 @@ def patch(source: str) -> str:
     return _replace_once(source, "PDL=PDL, **PDL_LAUNCH,", "PDL=PDL, EVICT_LAST=evict_last, **PDL_LAUNCH,")
 
 
+def evict_first(source: str) -> str:
+    """The patched module with the K loop's weight loads marked evict_first: the streamed slabs,
+    read once, go first when the L2 needs room, before the next weight's prefetched lines."""
+    for slab in ("b_ptrs", "b_hi_ptrs"):
+        source = source.replace(f"tl.load({slab})", f'tl.load({slab}, eviction_policy="evict_first")')
+        source = source.replace(f"tl.load({slab}, mask", f'tl.load({slab}, eviction_policy="evict_first", mask')
+    assert source.count('eviction_policy="evict_first"') >= 2, "the template's weight loads changed"
+    return source
+
+
 def plan(weight, split_k: int, block_k: int, budget: int) -> tuple:
     """The prefetch of `budget` bytes of an "nk" weight [R, K] read by SPLIT_K splits of BLOCK_K
     steps: (weight, rows, row stride, runs, run stride, bytes a run), each row's run at every
@@ -114,6 +125,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--evict-last", action="store_true", help="also each budget with an evict_last L2 policy")
+    parser.add_argument("--evict-first", action="store_true",
+                        help="also each budget with the weight loads marked evict_first")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -129,14 +142,16 @@ def main() -> int:
     bandwidth = reference_bandwidth()
     family, work = MatmulEpilogueFamily(), Path("/tmp/tail-prefetch")
     work.mkdir(exist_ok=True)
-    every, modules = shapes(), {}
+    every, modules = shapes(), {False: {}, True: {}}  # evict_first -> name -> module
     for name in ORDER:
         region, params = every[name]
         assert family.check(region, params, H200) is None
-        path = work / f"{name.rstrip('+')}.py"
-        path.write_text(patch(family.render(region, params)))
-        modules[name] = load_module_from_file(path)
-        modules[name].use_pdl(True)  # as the b32 build launches its GEMVs
+        for first in (False, True) if args.evict_first else (False,):
+            path = work / f"{name.rstrip('+')}{'_evict_first' if first else ''}.py"
+            source = patch(family.render(region, params))
+            path.write_text(evict_first(source) if first else source)
+            modules[first][name] = load_module_from_file(path)
+            modules[first][name].use_pdl(True)  # as the b32 build launches its GEMVs
 
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -152,7 +167,7 @@ def main() -> int:
     x0, sq0 = randn(ROWS, 1, 4096), torch.full((64, ROWS), 64.0, device="cuda")
     weight_bytes = sum(w.numel() * 2 for layer in layers for w in layer.values())
 
-    def step(budget: int, evict_last: bool = False):
+    def step(budget: int, evict_last: bool = False, first: bool = False):
         """LAYERS layers; each GEMV prefetches `budget` bytes of the next one's weight."""
         h, hg, sq = x0, x0, sq0
         chain = [(i, name) for i in range(args.layers) for name in ORDER]
@@ -160,7 +175,7 @@ def main() -> int:
             nxt = chain[(position + 1) % len(chain)]
             following = POINTS[nxt[1].rstrip("+")]
             pf = plan(layers[nxt[0]][nxt[1]], following["SPLIT_K"], following["BLOCK_K"], budget)
-            w, module = layers[i][name], modules[name]
+            w, module = layers[i][name], modules[first][name]
             if name == "qkv+":
                 module.run(hg, w, sq, pf=pf, evict_last=evict_last)
             elif name == "o+":
@@ -171,13 +186,16 @@ def main() -> int:
                 h, hg, sq = module.run(act, w, h, norm_g, pf=pf, evict_last=evict_last)
         return h, hg, sq
 
-    variants = [(int(float(mb) * 2**20), False) for mb in args.budgets.split(",")]
+    budgets = [int(float(mb) * 2**20) for mb in args.budgets.split(",")]
+    variants = [(b, False, False) for b in budgets]
     if args.evict_last:
-        variants += [(b, True) for b, _ in variants if b > 0]
+        variants += [(b, True, False) for b in budgets if b > 0]
+    if args.evict_first:
+        variants += [(b, False, True) for b in budgets]
     want = step(0)
-    for budget, evict_last in variants:  # compiled, and the same outputs bit for bit
-        got = step(budget, evict_last)
-        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"budget {budget}: outputs differ"
+    for variant in variants:  # compiled, and the same outputs bit for bit
+        got = step(*variant)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"{variant}: outputs differ"
     times = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v in variants:
@@ -187,12 +205,12 @@ def main() -> int:
           f"{weight_bytes / 1e9:.2f} GB = {floor:.1f} µs at {bandwidth / 1e12:.2f} TB/s")
     print(f"{'prefetch a launch':>20s} {'µs (best)':>10s} {'median':>8s} {'µs a layer over bytes':>22s} {'TB/s':>6s}")
     rows = []
-    for (budget, evict_last), ts in times.items():
+    for (budget, evict_last, first), ts in times.items():
         best = min(ts)
-        row = {"budget_mb": budget / 2**20, "evict_last": evict_last, "us": ts, "best_us": best,
+        row = {"budget_mb": budget / 2**20, "evict_last": evict_last, "evict_first": first, "us": ts, "best_us": best,
                "over_floor_us_a_layer": (best - floor) / args.layers, "tb_s": weight_bytes / best / 1e6}
         rows.append(row)
-        label = f"{budget / 2**20:g} MB" + (" evict_last" if evict_last else "")
+        label = f"{budget / 2**20:g} MB" + (" evict_last" if evict_last else "") + (" evict_first" if first else "")
         print(f"{label:>20s} {best:10.1f} {statistics.median(ts):8.1f} {row['over_floor_us_a_layer']:22.2f} "
               f"{row['tb_s']:6.2f}")
     if args.json:

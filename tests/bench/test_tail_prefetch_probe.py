@@ -33,6 +33,13 @@ def test_the_prefetch_follows_the_k_loop_and_comes_before_the_meeting_and_the_ep
     assert "a2, b, *pf, " in source and "EVICT_LAST=evict_last" in source
 
 
+@pytest.mark.parametrize("name", probe.ORDER)
+def test_evict_first_marks_every_weight_load_of_the_k_loop(name):
+    source = probe.evict_first(patched(name))
+    loads = [line for line in source.splitlines() if "tl.load(b_ptrs" in line or "tl.load(b_hi_ptrs" in line]
+    assert loads and all('eviction_policy="evict_first"' in line for line in loads)
+
+
 def test_the_plan_takes_each_rows_first_bytes_at_every_split():
     weight = torch.zeros(4096, 14336, dtype=torch.bfloat16)
     pf = probe.plan(weight, split_k=2, block_k=256, budget=8 << 20)
@@ -59,6 +66,7 @@ def test_every_patched_form_compiles_for_sm90(tmp_path):
         inputs = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in region.inputs]
         nxt = torch.zeros(4096, 4096, dtype=torch.bfloat16)
         jobs.append((name.rstrip("+"), patched(name), [*inputs, probe.plan(nxt, 2, 128, 8 << 20), True]))
+    jobs.append(("o_evict_first", probe.evict_first(patched("o+")), jobs[0][2]))
     compiled = compile_for_hopper(jobs, tmp_path)
-    assert set(compiled) == {"o", "gate_up"}
+    assert set(compiled) == {"o", "gate_up", "o_evict_first"}
     assert all(facts["_gemv_kernel"]["launches"] == 1 for facts in compiled.values())
