@@ -67,6 +67,8 @@
 #                                        # reduce-overhead and coopt-fp8 (~7 min)
 #   bash bench/gpu_session.sh tail-prefetch  # each b32 GEMV pulls the next one's weight into L2 after its K loop:
 #                                        # 8 layers of the four GEMVs, prefetch budgets 0-32 MB (~3 min)
+#   bash bench/gpu_session.sh prefetch-and-b32  # tail-prefetch's probe (shorter), embedding_rows' GPU tests, then
+#                                        # b32 / 2048 reduce-overhead and coopt-fp8 (~9.5 min: one call when devices are scarce)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
@@ -477,6 +479,14 @@ case "${1:-}" in
     tail-prefetch)  # issue 4, session 49: the next GEMV's weight prefetched into L2 by each b32 GEMV after
         # its K loop (bench/tail_prefetch_probe.py), budgets 0-32 MB a launch, with and without evict_last
         step 240 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,4,8,16,32 --evict-last --evict-first --json "$OUT/tail_prefetch.json"
+        ;;
+    prefetch-and-b32)  # issue 4, session 49: tail-prefetch and points-fp8-b32's status-row steps in one call
+        step 180 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --evict-last --evict-first \
+            --rounds 2 --json "$OUT/tail_prefetch.json"
+        step 40 embedding-rows-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging tests/templates/test_embedding_rows.py
+        step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
+        reports reports_fp8_b32 coopt-fp8
         ;;
     lengths-fold)  # issue 4, session 47: the decode attentions add the lengths' + 1 (fuse-attention's lengths_add):
         # the CUDA and Triton kernels' GPU tests, the builds reading positions (plain, fp8, fp8-recent, paged; ~4 min)
