@@ -192,6 +192,12 @@ def _row_squares(region: RegionSummary) -> dict | None:
     return stats if isinstance(stats, dict) else None
 
 
+def _tail_prefetch(region: RegionSummary) -> dict | None:
+    """attrs["tail_prefetch"]: the last input is the next GEMV's weight, for its L2 prefetch."""
+    prefetch = region.attrs.get("tail_prefetch")
+    return prefetch if isinstance(prefetch, dict) else None
+
+
 def _inline_norm(region: RegionSummary, params: dict) -> dict | None:
     """The norm prologue the GEMV kernel applies itself (None with NORM_FIRST: a kernel before it does)."""
     return None if params.get("NORM_FIRST") else _norm_prologue(region)
@@ -206,8 +212,10 @@ def _first_extra(region: RegionSummary) -> int:
 
 
 def _n_extra(region: RegionSummary) -> int:
-    """How many extra epilogue inputs there are (the row statistics' norm weight comes last)."""
-    return len(region.inputs) - _first_extra(region) - int(_row_squares(region) is not None)
+    """How many extra epilogue inputs there are (after them: the row statistics' norm weight,
+    then the next weight of a tail prefetch)."""
+    return (len(region.inputs) - _first_extra(region) - int(_row_squares(region) is not None)
+            - int(_tail_prefetch(region) is not None))
 
 
 def _loaded_extras(region: RegionSummary) -> list[TensorSpec]:
@@ -223,7 +231,8 @@ def _gemv_only(region: RegionSummary) -> str | None:
     parts = [what for what, on in (("the RMSNorm prologue", _norm_prologue(region)),
                                    ("the RMSNorm statistics prologue", _stats_prologue(region)),
                                    ("the GLU epilogue", region.attrs.get("glu")),
-                                   ("the row statistics outputs", _row_squares(region))) if on]
+                                   ("the row statistics outputs", _row_squares(region)),
+                                   ("the next weight's L2 prefetch", _tail_prefetch(region))) if on]
     return " and ".join(parts) or None
 
 
@@ -260,6 +269,10 @@ class MatmulEpilogueFamily(TemplateFamily):
         row_squares = _row_squares(region)
         if row_squares is not None and not self._row_squares_fit(region, row_squares):
             return False
+        prefetch = _tail_prefetch(region)
+        if prefetch is not None and not (prefetch.get("input") == len(region.inputs) - 1
+                                         and len(region.inputs[-1].shape) == 2 and prefetch.get("layout") in ("nk", "kn")):
+            return False
         if region.attrs.get("glu"):
             # b holds both halves ([2N, K] "nk", [K, 2N] "kn"); no bias (the merged gate|up has none)
             n_b = b.shape[0] if region.attrs["b_layout"] == "nk" else b.shape[1]
@@ -272,12 +285,12 @@ class MatmulEpilogueFamily(TemplateFamily):
 
     @staticmethod
     def _row_squares_fit(region: RegionSummary, row_squares: dict) -> bool:
-        """The weight is the last input, [N]; N a static multiple of the chunk; h (the output
+        """The weight is the last input (but a tail prefetch's), [N]; N a static multiple of the chunk; h (the output
         it names) stays in its dtype; sq is fp32."""
         width = region.outputs[0].shape[-1] if region.outputs and region.outputs[0].shape else None
         chunk, which = row_squares.get("chunk"), row_squares.get("output", 0)
         return (isinstance(width, int) and isinstance(chunk, int) and chunk > 0 and width % chunk == 0
-                and row_squares.get("weight_input") == len(region.inputs) - 1
+                and row_squares.get("weight_input") == len(region.inputs) - 1 - int(_tail_prefetch(region) is not None)
                 and which < len(region.attrs.get("outputs", [])) and region.outputs[-1].dtype == "float32")
 
     @staticmethod
@@ -558,6 +571,7 @@ class MatmulEpilogueFamily(TemplateFamily):
             norm=norm and {"eps": float(norm["eps"]), "has_weight": bool(norm.get("has_weight")),
                            "stats": norm["kind"] == "rms_norm_stats", **self._stats_render(region, norm)},
             row_squares=row_squares and self._row_squares_render(row_squares, outputs),
+            tail_prefetch=_tail_prefetch(region),
             glu=glu,
             extras=extras,
             loaded_extras=[e for e in extras if e in used],
