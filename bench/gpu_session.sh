@@ -69,6 +69,8 @@
 #                                        # 8 layers of the four GEMVs, prefetch budgets 0-32 MB (~3 min)
 #   bash bench/gpu_session.sh prefetch-and-b32  # tail-prefetch's probe (shorter), embedding_rows' GPU tests, then
 #                                        # b32 / 2048 reduce-overhead and coopt-fp8 (~9.5 min: one call when devices are scarce)
+#   bash bench/gpu_session.sh prefetch-b32  # tail-prefetch's probe, then b32 / 2048 coopt-fp8-prefetch (the build
+#                                        # times its step without and with the next weights' L2 prefetch; ~8 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
@@ -485,6 +487,16 @@ case "${1:-}" in
             --rounds 2 --json "$OUT/tail_prefetch.json"
         step 40 embedding-rows-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging tests/templates/test_embedding_rows.py
         step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
+        reports reports_fp8_b32 coopt-fp8
+        ;;
+    prefetch-b32)  # issue 4, session 49: the probe, then a b32 / 2048 fp8 build with prefetch-next-weight, whose
+        # launch step times the replayed step without the prefetch and with 8 and 16 MB a launch (build.json)
+        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --evict-last --rounds 2 \
+            --json "$OUT/tail_prefetch.json"
+        step 40 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/templates/test_matmul_tail_prefetch.py tests/templates/test_embedding_rows.py
+        step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-coopt-fp8-prefetch}" \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
         ;;
