@@ -479,11 +479,11 @@ case "${1:-}" in
         reports reports_fp8_b32 coopt-fp8
         ;;
     tail-prefetch)  # issue 4, session 49: the next GEMV's weight prefetched into L2 by each b32 GEMV after
-        # its K loop (bench/tail_prefetch_probe.py), budgets 0-32 MB a launch, with and without evict_last
-        step 240 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,4,8,16,32 --evict-last --evict-first --json "$OUT/tail_prefetch.json"
+        # its K loop (bench/tail_prefetch_probe.py), budgets 0-32 MB a launch, and with the stream marked evict_first
+        step 240 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,4,8,16,32 --evict-first --json "$OUT/tail_prefetch.json"
         ;;
     prefetch-and-b32)  # issue 4, session 49: tail-prefetch and points-fp8-b32's status-row steps in one call
-        step 180 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --evict-last --evict-first \
+        step 180 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --evict-first \
             --rounds 2 --json "$OUT/tail_prefetch.json"
         step 40 embedding-rows-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging tests/templates/test_embedding_rows.py
         step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
@@ -492,7 +492,7 @@ case "${1:-}" in
         ;;
     prefetch-b32)  # issue 4, session 49: the probe, then a b32 / 2048 fp8 build with prefetch-next-weight, whose
         # launch step times the replayed step without the prefetch and with 8 and 16 MB a launch (build.json)
-        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --evict-last --rounds 2 \
+        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --rounds 2 \
             --json "$OUT/tail_prefetch.json"
         step 40 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
             tests/templates/test_matmul_tail_prefetch.py tests/templates/test_embedding_rows.py
