@@ -49,6 +49,10 @@ class RegionBuild:
         candidate files, verification and timing; its selection is copied by `follow`."""
         return RegionBuild(summary, self.candidates, same_as=self.summary.name)
 
+    def selected_entry(self) -> CandidateEntry | None:
+        """The selected candidate's entry (None where no candidate has the selected label)."""
+        return next((c for c in self.candidates if c.label == self.selected), None)
+
     def follow(self, leader: "RegionBuild") -> None:
         self.selected, self.reason, self.inductor_ms = leader.selected, leader.reason, leader.inductor_ms
 

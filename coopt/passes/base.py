@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from xdsl.dialects.builtin import DYNAMIC_INDEX, TensorType
-from xdsl.ir import SSAValue
+from xdsl.ir import Operation, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
@@ -140,3 +140,22 @@ def zero_based_arange(value: SSAValue) -> int | None:
 def aten_arange(value: SSAValue) -> AtenOp | None:
     """The ATen arange op when `value` is one of 0, 1, ..., n - 1 (a batch's row index), else None."""
     return value.owner if aten_target(value.owner) in ARANGES and zero_based_arange(value) is not None else None
+
+
+def make_available(value: SSAValue, kernel: Operation) -> bool:
+    """Whether `value` is available where `kernel` (a region, or an op about to become one) is,
+    once a model weight defined later (a WeightOp reads nothing) has been moved up before it."""
+    owner = value.owner
+    if not isinstance(owner, Operation):
+        return True  # a block argument (a model input)
+    block = kernel.parent_block()
+    if owner.parent_block() is not block:
+        return False
+    order = {o: i for i, o in enumerate(block.ops)}
+    if order[owner] < order[kernel]:
+        return True
+    if isinstance(owner, WeightOp):  # no operands: it may be defined anywhere before its readers
+        owner.detach()
+        Rewriter.insert_op(owner, InsertPoint.before(kernel))
+        return True
+    return False

@@ -48,7 +48,7 @@ from xdsl.rewriter import InsertPoint, Rewriter
 from coopt.ir.dialect import AtenOp, ElementwiseOp, KernelOp, LinearOp, RMSNormOp, WeightOp
 from coopt.ir.outline import inline, outline
 from coopt.ir.summary import dtype_name, symbol_table
-from coopt.passes.base import CooptPass, aten_op, aten_target, tensor_arg
+from coopt.passes.base import CooptPass, aten_op, aten_target, make_available, tensor_arg
 from coopt.passes.fuse_decode_gemv import row_bound
 from coopt.passes.shapes import dims, typed
 from coopt.passes.stats import count
@@ -93,7 +93,7 @@ class FuseNormStatistics(CooptPass):
         g = consumer.inputs[2 + int(bool(attrs.get("has_bias")))]
         if g.type.element_type != h.type.element_type:
             return "dtype"  # hg = h * g is kept in h's dtype, as the norm's output was in g's
-        if g in producer.inputs or not _make_available(g, producer):
+        if g in producer.inputs or not make_available(g, producer):
             return "order"
         if gather:
             hg, sq = self._gather_rows(producer, g, row_dim)
@@ -155,25 +155,6 @@ def _row_dim(lead: list):
             rows *= d
         return rows
     return symbols[0] if len(symbols) == 1 and all(d == 1 for d in lead if isinstance(d, int)) else None
-
-
-def _make_available(value: SSAValue, kernel: Operation) -> bool:
-    """Whether `value` is available where `kernel` (a producer: a region or the embedding) is,
-    once a model weight defined later (a WeightOp reads nothing) has been moved up before it."""
-    owner = value.owner
-    if not isinstance(owner, Operation):
-        return True  # a block argument (a model input)
-    block = kernel.parent_block()
-    if owner.parent_block() is not block:
-        return False
-    order = {o: i for i, o in enumerate(block.ops)}
-    if order[owner] < order[kernel]:
-        return True
-    if isinstance(owner, WeightOp):  # no operands: it may be defined anywhere before its readers
-        owner.detach()
-        Rewriter.insert_op(owner, InsertPoint.before(kernel))
-        return True
-    return False
 
 
 def _row_squares_ops(h: SSAValue, g: SSAValue, chunk: int, row_dim) -> list[Operation]:

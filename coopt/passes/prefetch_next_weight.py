@@ -32,9 +32,8 @@ from coopt.ir.dialect import FallbackOp, KernelOp, WeightOp
 from coopt.ir.outline import inline, outline
 from coopt.ir.summary import symbol_table
 from coopt.ir.unfused import pytorch_target
-from coopt.passes.base import CooptPass
+from coopt.passes.base import CooptPass, make_available
 from coopt.passes.fuse_decode_gemv import row_bound
-from coopt.passes.fuse_norm_statistics import _make_available
 from coopt.passes.stats import count
 
 
@@ -61,7 +60,7 @@ class PrefetchNextWeight(CooptPass):
         if not (_matmul_region(consumer) and isinstance(consumer.inputs[1].owner, WeightOp)):
             return "next"
         weight = consumer.inputs[1]
-        if weight in producer.inputs or not _make_available(weight, producer):
+        if weight in producer.inputs or not make_available(weight, producer):
             return "next"
         attrs, inputs = producer.family_attrs, list(producer.inputs)
         ops, yielded = inline(producer)

@@ -35,7 +35,7 @@ def ready_swaps(regions: list[RegionBuild], budget_ms: float | None = SWAP_BUDGE
     families = template_families() if families is None else families
     swaps = {}
     for region in regions:
-        selected = next(c for c in region.candidates if c.label == region.selected)
+        selected = region.selected_entry()
         ready = [c for c in region.candidates
                  if c.family != REFERENCE and c.verified and c.latency_ms is not None and c.family in families
                  and families[c.family].pdl_ready(region.summary, c.params)]
@@ -72,7 +72,7 @@ def apply_reselection(regions: list[RegionBuild], swaps: dict[str, CandidateEntr
         entry = swaps.get(region.summary.name)
         if entry is None:
             continue
-        before = next(c for c in region.candidates if c.label == region.selected)
+        before = region.selected_entry()
         region.reason = (f"re-selected for PDL: {entry.label} ({entry.latency_ms:.4g} ms alone, against "
                          f"{before.label}'s {before.latency_ms:.4g}); the step launched so measured "
                          f"{step_ms[label]:.4f} ms, the fastest option (was: {region.reason})")

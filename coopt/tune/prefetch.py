@@ -30,12 +30,6 @@ BUDGETS = (8 << 20, 16 << 20)
 DEFAULT_PLAN = {"split_k": 1, "block_k": 128}
 
 
-def _selected(region: RegionBuild | None):
-    if region is None:
-        return None
-    return next((c for c in region.candidates if c.label == region.selected), None)
-
-
 def prefetch_plans(regions: list[RegionBuild]) -> dict[str, dict]:
     """{region: {"split_k", "block_k"}} for each region whose selected kernel can prefetch (a
     template GEMV of a region with a tail prefetch): the selected point of the region whose weight
@@ -44,11 +38,12 @@ def prefetch_plans(regions: list[RegionBuild]) -> dict[str, dict]:
                  if r.summary.family == "matmul_epilogue" and len(r.summary.input_names) > 1 and r.summary.input_names[1]}
     plans = {}
     for region in regions:
-        prefetch, chosen = region.summary.attrs.get("tail_prefetch"), _selected(region)
+        prefetch, chosen = region.summary.attrs.get("tail_prefetch"), region.selected_entry()
         if not prefetch or chosen is None or chosen.family != "matmul_epilogue" or not chosen.params.get("GEMV"):
             continue
         names = region.summary.input_names
-        following = _selected(by_weight.get(names[prefetch["input"]] if prefetch["input"] < len(names) else ""))
+        consumer = by_weight.get(names[prefetch["input"]] if prefetch["input"] < len(names) else "")
+        following = consumer.selected_entry() if consumer is not None else None
         if following is not None and following.family == "matmul_epilogue" and following.params.get("GEMV"):
             plans[region.summary.name] = {"split_k": int(following.params.get("SPLIT_K", 1)),
                                           "block_k": int(following.params["BLOCK_K"])}

@@ -101,7 +101,7 @@ def built_dir(tmp_path_factory):
     return out
 
 
-def test_the_program_applies_selection_prefetch(built_dir, monkeypatch):
+def test_the_program_applies_selection_prefetch(built_dir):
     from coopt.runtime.loader import load
 
     selection_path = built_dir / "selection.json"
@@ -113,15 +113,12 @@ def test_the_program_applies_selection_prefetch(built_dir, monkeypatch):
     try:
         data["prefetch"] = {"bytes": 8 << 20, "plans": {name: {"split_k": 2, "block_k": 32} for name in linked}}
         selection_path.write_text(json.dumps(data))
-        for env in (None, "0"):
-            if env is not None:
-                monkeypatch.setenv("COOPT_TAIL_PREFETCH", env)
-            built = load(built_dir)
-            for name in linked:  # each plan applied; the bytes stay 0 without a Hopper GPU
-                assert built._kernels[name].__globals__["PREFETCH"] == {"bytes": 0, "split_k": 2, "block_k": 32}
-            x = torch.randn(3, 1, 64)
-            with torch.no_grad():
-                assert built(x).shape == (3, 1, 32)
+        built = load(built_dir)
+        for name in linked:  # each plan applied; the bytes stay 0 without a Hopper GPU
+            assert built._kernels[name].__globals__["PREFETCH"] == {"bytes": 0, "split_k": 2, "block_k": 32}
+        x = torch.randn(3, 1, 64)
+        with torch.no_grad():
+            assert built(x).shape == (3, 1, 32)
     finally:
         selection_path.write_text(original)
 
