@@ -69,6 +69,7 @@
 #                                        # 8 layers of the four GEMVs, prefetch budgets 0-32 MB (~3 min)
 #   bash bench/gpu_session.sh prefetch-and-b32  # tail-prefetch's probe (shorter), embedding_rows' GPU tests, then
 #                                        # b32 / 2048 reduce-overhead and coopt-fp8 (~9.5 min: one call when devices are scarce)
+#   bash bench/gpu_session.sh prefetch-quick  # prefetch-b32 without the build: the prefetch's GPU tests and the probe (~3 min)
 #   bash bench/gpu_session.sh prefetch-b32  # tail-prefetch's probe, then b32 / 2048 coopt-fp8-prefetch (the build
 #                                        # times its step without and with the next weights' L2 prefetch; ~8 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
@@ -481,6 +482,13 @@ case "${1:-}" in
     tail-prefetch)  # issue 4, session 49: the next GEMV's weight prefetched into L2 by each b32 GEMV after
         # its K loop (bench/tail_prefetch_probe.py), budgets 0-32 MB a launch, and with the stream marked evict_first
         step 240 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,4,8,16,32 --evict-first --json "$OUT/tail_prefetch.json"
+        ;;
+    prefetch-quick)  # issue 4, session 50: prefetch-b32 without its build, for a call with little device time
+        # left: the prefetch's GPU tests, then the probe at 0, 8 and 16 MB a launch (~3 min)
+        step 40 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/templates/test_matmul_tail_prefetch.py
+        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16 --rounds 2 \
+            --json "$OUT/tail_prefetch.json"
         ;;
     prefetch-and-b32)  # issue 4, session 49: tail-prefetch and points-fp8-b32's status-row steps in one call
         step 180 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --evict-first \
