@@ -484,10 +484,10 @@ case "${1:-}" in
         step 240 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,4,8,16,32 --evict-first --json "$OUT/tail_prefetch.json"
         ;;
     prefetch-quick)  # issue 4, session 50: prefetch-b32 without its build, for a call with little device time
-        # left: the prefetch's GPU tests, then the probe at 0, 8 and 16 MB a launch (~3 min)
+        # left: the prefetch's GPU tests, then the probe at 0 and 16 MB a launch, with PDL and without (~3 min)
         step 40 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
             tests/templates/test_matmul_tail_prefetch.py
-        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16 --rounds 2 \
+        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,16 --pdl both --rounds 2 \
             --json "$OUT/tail_prefetch.json"
         ;;
     prefetch-and-b32)  # issue 4, session 49: tail-prefetch and points-fp8-b32's status-row steps in one call
@@ -500,7 +500,7 @@ case "${1:-}" in
         ;;
     prefetch-b32)  # issue 4, session 49: the probe, then a b32 / 2048 fp8 build with prefetch-next-weight, whose
         # launch step times the replayed step without the prefetch and with 8 and 16 MB a launch (build.json)
-        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --rounds 2 \
+        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16 --pdl both --rounds 2 \
             --json "$OUT/tail_prefetch.json"
         step 40 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
             tests/templates/test_matmul_tail_prefetch.py tests/templates/test_embedding_rows.py

@@ -21,6 +21,7 @@ be the same bit for bit whatever the budget (a prefetch moves no data the kernel
     python bench/tail_prefetch_probe.py                       # budgets 0, 4, 8, 16, 32 MB
     python bench/tail_prefetch_probe.py --evict-first         # and each with the stream marked evict_first
     python bench/tail_prefetch_probe.py --budgets 0,8 --layers 4 --json probe.json
+    python bench/tail_prefetch_probe.py --pdl both            # and each launched without PDL
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--evict-first", action="store_true",
                         help="also each budget with the weight loads marked evict_first")
+    parser.add_argument("--pdl", choices=("on", "off", "both"), default="on",
+                        help="launch the GEMVs with PDL (as the b32 build did on the H100), without it (as on "
+                             "the H200 in session 40, where the gaps it leaves are time the prefetch can fill), or both")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -93,7 +97,6 @@ def main() -> int:
             source = family.render(region, params)  # the template's tail prefetch, as a build renders it
             path.write_text(evict_first(source) if first else source)
             modules[first][name] = load_module_from_file(path)
-            modules[first][name].use_pdl(True)  # as the b32 build launches its GEMVs
 
     def use_budget(budget: int) -> None:
         """Each module prefetches `budget` bytes a launch, planned for the GEMV after it."""
@@ -117,10 +120,12 @@ def main() -> int:
     x0, sq0 = randn(ROWS, 1, 4096), torch.full((64, ROWS), 64.0, device="cuda")
     weight_bytes = sum(w.numel() * 2 for layer in layers for w in layer.values())
 
-    def step(budget: int, first: bool = False):
+    def step(budget: int, first: bool = False, pdl: bool = True):
         """LAYERS layers; o, gate|up and down prefetch `budget` bytes of the next GEMV's weight
-        (q|k|v, followed by the attention in a build, does not)."""
+        (q|k|v, followed by the attention in a build, does not); launched with PDL or not."""
         use_budget(budget)
+        for module in modules[first].values():
+            module.use_pdl(pdl)
         h, hg, sq = x0, x0, sq0
         for i, layer in enumerate(layers):
             following = layers[(i + 1) % len(layers)]["qkv+"]
@@ -132,7 +137,8 @@ def main() -> int:
         return h, hg, sq
 
     budgets = [int(float(mb) * 2**20) for mb in args.budgets.split(",")]
-    variants = [(b, False) for b in budgets] + ([(b, True) for b in budgets] if args.evict_first else [])
+    pdls = {"on": (True,), "off": (False,), "both": (True, False)}[args.pdl]
+    variants = [(b, first, pdl) for pdl in pdls for first in (False, True)[:1 + args.evict_first] for b in budgets]
     want = step(0)
     for variant in variants:  # compiled, and the same outputs bit for bit
         got = step(*variant)
@@ -142,16 +148,16 @@ def main() -> int:
         for v in variants:
             times[v].append(graph_ms(lambda v=v: step(*v), [[]]) * 1e3)
     floor = weight_bytes / bandwidth * 1e6
-    print(f"\n{args.layers} layers of q|k|v -> o -> gate|up -> down at {ROWS} rows, PDL; weights "
+    print(f"\n{args.layers} layers of q|k|v -> o -> gate|up -> down at {ROWS} rows; weights "
           f"{weight_bytes / 1e9:.2f} GB = {floor:.1f} µs at {bandwidth / 1e12:.2f} TB/s")
     print(f"{'prefetch a launch':>20s} {'µs (best)':>10s} {'median':>8s} {'µs a layer over bytes':>22s} {'TB/s':>6s}")
     rows = []
-    for (budget, first), ts in times.items():
+    for (budget, first, pdl), ts in times.items():
         best = min(ts)
-        row = {"budget_mb": budget / 2**20, "evict_first": first, "us": ts, "best_us": best,
+        row = {"budget_mb": budget / 2**20, "evict_first": first, "pdl": pdl, "us": ts, "best_us": best,
                "over_floor_us_a_layer": (best - floor) / args.layers, "tb_s": weight_bytes / best / 1e6}
         rows.append(row)
-        label = f"{budget / 2**20:g} MB" + (" evict_first" if first else "")
+        label = f"{budget / 2**20:g} MB" + (" evict_first" if first else "") + ("" if pdl else " no PDL")
         print(f"{label:>20s} {best:10.1f} {statistics.median(ts):8.1f} {row['over_floor_us_a_layer']:22.2f} "
               f"{row['tb_s']:6.2f}")
     if args.json:
