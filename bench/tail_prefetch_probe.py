@@ -61,6 +61,13 @@ def evict_first(source: str) -> str:
     return source
 
 
+def variants_of(budgets: list[int], evict_first: bool, pdl: str) -> list[tuple[int, bool, bool]]:
+    """(budget, evict_first, PDL) for each timed variant: every budget, plain and (asked for) with
+    the evict_first loads, launched with PDL, without it or both ("on", "off", "both")."""
+    pdls = {"on": (True,), "off": (False,), "both": (True, False)}[pdl]
+    return [(b, first, on) for on in pdls for first in (False, True)[:1 + evict_first] for b in budgets]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", default="0,4,8,16,32", help="MB prefetched a launch, comma-separated")
@@ -137,8 +144,7 @@ def main() -> int:
         return h, hg, sq
 
     budgets = [int(float(mb) * 2**20) for mb in args.budgets.split(",")]
-    pdls = {"on": (True,), "off": (False,), "both": (True, False)}[args.pdl]
-    variants = [(b, first, pdl) for pdl in pdls for first in (False, True)[:1 + args.evict_first] for b in budgets]
+    variants = variants_of(budgets, args.evict_first, args.pdl)
     want = step(0)
     for variant in variants:  # compiled, and the same outputs bit for bit
         got = step(*variant)

@@ -69,3 +69,12 @@ def test_the_evict_first_form_compiles_for_sm90(tmp_path):
     inputs = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in region.inputs]
     compiled = compile_for_hopper([("o", probe.evict_first(rendered("o+")), inputs)], tmp_path)
     assert compiled["o"]["_gemv_kernel"]["launches"] == 1
+
+
+def test_each_budget_is_timed_with_and_without_pdl_as_asked():
+    mb = 2**20
+    assert probe.variants_of([0, 16 * mb], False, "on") == [(0, False, True), (16 * mb, False, True)]
+    both = probe.variants_of([0, 16 * mb], True, "both")
+    assert len(both) == len(set(both)) == 8
+    assert {v[2] for v in both} == {True, False} and {v[1] for v in both} == {True, False}
+    assert all(not pdl for _, _, pdl in probe.variants_of([0], False, "off"))
