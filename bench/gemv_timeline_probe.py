@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -62,9 +63,12 @@ ROWS, CHUNK = 32, 64  # the batch; the statistics' chunk of columns (fuse-norm-s
 # (32-column tiles, activation rows on the tensor cores' 64-row side: SWAP_AB needs 64 columns;
 # their statistics in 32-column chunks), or with more splits. Values override the build's point.
 _UNSWAPPED_32 = {"BLOCK_N": 32, "SWAP_AB": False, "SPLIT_K": 1, "CHUNK": 32}  # (CHUNK: producers' only)
+# "TILE_N": columns a program owns when fewer than its BLOCK_N (narrow_tiles; session 50): q|k|v's
+# 6144 columns in 48-column tiles are 128 programs, one wave on 132 SMs (64-column tiles: 96 busy
+# SMs at ~38 GB/s each, session 47; 32-column: 192 programs, 1.45 waves, slower in session 48).
 ALTERNATIVES = {
-    "qkv+": [{**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 5}, {"BLOCK_K": 256, "num_stages": 3},
-             {"SPLIT_K": 2, "num_stages": 4}, {"num_stages": 7}],
+    "qkv+": [{"TILE_N": 48}, {"TILE_N": 48, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 5},
+             {"BLOCK_K": 256, "num_stages": 3}, {"SPLIT_K": 2, "num_stages": 4}, {"num_stages": 7}],
     "o+": [{**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3},
            {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 7}, {"SPLIT_K": 1, "num_stages": 5}],
     "down+": [{**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 6},
@@ -91,7 +95,36 @@ def alternatives(name: str) -> list[tuple]:
 
 def point_label(params: dict) -> str:
     return (f"BN {params['BLOCK_N']} BK {params['BLOCK_K']} split {params['SPLIT_K']} {params['num_stages']} stages"
-            + ("" if params["SWAP_AB"] else " unswapped"))
+            + ("" if params["SWAP_AB"] else " unswapped") + (f" {params['TILE_N']} columns a tile" if "TILE_N" in params else ""))
+
+
+def template_point(params: dict) -> dict:
+    """The template's knobs of an alternative (TILE_N is the probe's patch, narrow_tiles)."""
+    return {k: v for k, v in params.items() if k != "TILE_N"}
+
+
+def narrow_tiles(source: str, tile: int) -> str:
+    """A rendered GEMV module (SPLIT_K 1, not stream-K, no statistics chunks) whose programs own
+    `tile` columns each, fewer than BLOCK_N: the lanes past `tile` load no weight row (masked) and
+    store nothing (their column is N, which every store's mask drops); the grid is N / tile."""
+    edits = [
+        ("    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)\n",
+         f"    lane = tl.arange(0, BLOCK_N)\n    lane_in = lane < {tile}\n"
+         f"    offs_n = tl.where(lane_in, pid_n * {tile} + lane, N)\n"),
+        ("            b = tl.load(b_ptrs)\n", "            b = tl.load(b_ptrs, mask=lane_in[None, :], other=0.0)\n"),
+        ("            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)\n",
+         "            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & lane_in[None, :], other=0.0)\n"),
+        ("        tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)\n",
+         f"        tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, {tile})\n"),
+    ]
+    block_n = int(re.search(r"^BLOCK_N = (\d+)$", source, re.M).group(1))
+    assert tile % 16 == 0 and tile < block_n, f"a tile of 16-column multiples under BLOCK_N ({block_n})"
+    assert "SPLIT_K = 1\n" in source and "row_squares" not in source and "_stream_programs" not in source, \
+        "narrow tiles are for unsplit GEMVs without statistics chunks"
+    for old, new in edits:
+        assert source.count(old) == 1, f"the template changed: {old.strip()}"
+        source = source.replace(old, new)
+    return source
 
 
 def _spec(shape, dtype="bfloat16"):
@@ -199,7 +232,7 @@ def instrument(source: str, first_slab: bool = False) -> str:
 
 def programs(region, params: dict) -> int:
     n = region.outputs[0].shape[-1]
-    return -(-ROWS // params["BLOCK_M"]) * -(-n // params["BLOCK_N"]) * params["SPLIT_K"]
+    return -(-ROWS // params["BLOCK_M"]) * -(-n // params.get("TILE_N", params["BLOCK_N"])) * params["SPLIT_K"]
 
 
 def summarize(stamps: list[list[list[int]]], weight_bytes: int, bandwidth: float) -> dict:
@@ -265,13 +298,15 @@ def time_alternatives(name, build, sequence, inputs, weights, want, work, launch
     family, rows = MatmulEpilogueFamily(), []
     print(f"  {'point':44s} {'programs':>8s} {'µs':>7s} {'build µs':>9s}")
     for i, (region, params) in enumerate(alternatives(name)):
-        problem = family.check(region, params, H200)
+        point = template_point(params)
+        problem = family.check(region, point, H200)
         if problem is not None:
             print(f"  {point_label(params):44s} not legal: {problem}")
             rows.append({"params": params, "illegal": problem})
             continue
         path = work / f"{name}_alternative{i}.py"
-        path.write_text(family.render(region, params))
+        source = family.render(region, point)
+        path.write_text(narrow_tiles(source, params["TILE_N"]) if "TILE_N" in params else source)
         module = load_module_from_file(path)
         got = module.run(inputs[0], weights[0], *inputs[2:])
         for g, w in ((g, w) for g, w in zip(got, want) if g.shape == w.shape):  # (other chunks: other statistics)

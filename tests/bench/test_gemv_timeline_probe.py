@@ -112,12 +112,65 @@ def test_every_alternative_is_a_legal_point_and_o_and_down_get_some_without_a_me
     family = MatmulEpilogueFamily()
     for name in probe.ALTERNATIVES:
         pairs = probe.alternatives(name)
-        assert pairs and all(family.check(region, params, H200) is None for region, params in pairs), name
+        points = [(region, probe.template_point(params)) for region, params in pairs]
+        assert pairs and all(family.check(region, point, H200) is None for region, point in points), name
         # the probe calls each alternative with the build's inputs: the same launch arguments
         build_run = run_signature(family.render(*probe.shapes()[name]))
-        assert all(run_signature(family.render(region, params)) == build_run for region, params in pairs), name
+        assert all(run_signature(family.render(region, point)) == build_run for region, point in points), name
     for name in ("o+", "down+"):
         unsplit = [(r, p) for r, p in probe.alternatives(name) if p["SPLIT_K"] == 1]
         assert any(probe.programs(r, p) == 128 for r, p in unsplit)  # 32-column tiles: every SM busy, no meeting
         assert all(r.attrs["row_squares"]["chunk"] <= p["BLOCK_N"] for r, p in unsplit)
     assert max(probe.programs(*pair) for pair in probe.alternatives("qkv+")) > probe.programs(*probe.shapes()["qkv+"])
+
+
+def test_narrow_tiles_cover_every_column_once_with_the_plain_kernels_values(tmp_path):
+    """q|k|v's 48-column alternative: 96 columns in two programs of BLOCK_N 64 (the lanes past 48
+    load and store nothing), every output as the 64-column kernel's (the same K loop a column),
+    and 128 programs at q|k|v's 6144 columns."""
+    import torch
+
+    from coopt.runtime.kernel_loader import load_module_from_source
+
+    family = MatmulEpilogueFamily()
+    region = probe.statistics_region("qkv+", 96, 256)
+    point = {**probe.POINTS["qkv"], "BLOCK_K": 64, "num_stages": 2}
+    assert family.check(region, point, H200) is None
+    source = family.render(region, point)
+    narrow = probe.narrow_tiles(source, 48)
+    assert "triton.cdiv(N, 48)" in narrow and narrow.count("lane_in[None, :]") == 2
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(probe.ROWS, 1, 256, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(96, 256, generator=gen) / 16).to(torch.bfloat16)
+    squares = torch.full((256 // probe.CHUNK, probe.ROWS), float(probe.CHUNK))
+    (want,) = load_module_from_source(source, tmp_path, "plain").run(a, w, squares)
+    (got,) = load_module_from_source(narrow, tmp_path, "narrow").run(a, w, squares)
+    assert torch.equal(got, want)
+    ref = (a.float().reshape(probe.ROWS, 256) @ w.float().T).reshape(want.shape)  # rms 1: the norm scales by 1
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+    assert probe.programs(*probe.shapes()["qkv+"]) == 96
+    assert probe.programs(probe.shapes()["qkv+"][0], {**probe.POINTS["qkv"], "TILE_N": 48}) == 128
+    with pytest.raises(AssertionError, match="unsplit"):
+        probe.narrow_tiles(family.render(*probe.shapes()["o+"]), 32)
+
+
+def test_the_narrow_form_compiles_for_sm90_pipelined_on_the_tensor_cores(tmp_path):
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    pytest.importorskip("triton.backends.compiler")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the probe compiles it for real")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "templates"))
+    from template_helpers import compile_for_hopper
+
+    region, point = probe.shapes()["qkv+"]
+    inputs = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in region.inputs]
+    jobs = [(name, source, inputs) for name, source in (("plain", rendered("qkv+")),
+                                                         ("narrow", probe.narrow_tiles(rendered("qkv+"), 48)))]
+    compiled = compile_for_hopper(jobs, tmp_path)
+    plain, narrow = compiled["plain"]["_gemv_kernel"], compiled["narrow"]["_gemv_kernel"]
+    assert narrow["launches"] == 1 and narrow["wgmma"] and narrow["pipelined"]
+    assert (narrow["wgmma"], narrow["pipelined"]) == (plain["wgmma"], plain["pipelined"])
