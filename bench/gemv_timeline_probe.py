@@ -63,15 +63,20 @@ ROWS, CHUNK = 32, 64  # the batch; the statistics' chunk of columns (fuse-norm-s
 # (32-column tiles, activation rows on the tensor cores' 64-row side: SWAP_AB needs 64 columns;
 # their statistics in 32-column chunks), or with more splits. Values override the build's point.
 _UNSWAPPED_32 = {"BLOCK_N": 32, "SWAP_AB": False, "SPLIT_K": 1, "CHUNK": 32}  # (CHUNK: producers' only)
+# o and down without a meeting on 128 programs that keep SWAP_AB's 64-row side: 32 columns a
+# program in BLOCK_N 64 (narrow_tiles; session 48's unswapped 32-column tiles streamed slower)
+_NARROW_32 = {"TILE_N": 32, "SPLIT_K": 1, "CHUNK": 32}
 # "TILE_N": columns a program owns when fewer than its BLOCK_N (narrow_tiles; session 50): q|k|v's
 # 6144 columns in 48-column tiles are 128 programs, one wave on 132 SMs (64-column tiles: 96 busy
 # SMs at ~38 GB/s each, session 47; 32-column: 192 programs, 1.45 waves, slower in session 48).
 ALTERNATIVES = {
     "qkv+": [{"TILE_N": 48}, {"TILE_N": 48, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 5},
              {"BLOCK_K": 256, "num_stages": 3}, {"SPLIT_K": 2, "num_stages": 4}, {"num_stages": 7}],
-    "o+": [{**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3},
+    "o+": [{**_NARROW_32, "num_stages": 5}, {**_NARROW_32, "num_stages": 7},
+           {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3},
            {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 7}, {"SPLIT_K": 1, "num_stages": 5}],
-    "down+": [{**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 6},
+    "down+": [{**_NARROW_32, "BLOCK_K": 256, "num_stages": 3}, {**_NARROW_32, "BLOCK_K": 128, "num_stages": 6},
+              {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 6},
               {"SPLIT_K": 4}, {"SPLIT_K": 1, "num_stages": 4}],
     "gate_up+": [{"BLOCK_N": 64, "num_stages": 4}, {"BLOCK_K": 64, "num_stages": 5}],
 }
@@ -119,8 +124,10 @@ def narrow_tiles(source: str, tile: int) -> str:
     ]
     block_n = int(re.search(r"^BLOCK_N = (\d+)$", source, re.M).group(1))
     assert tile % 16 == 0 and tile < block_n, f"a tile of 16-column multiples under BLOCK_N ({block_n})"
-    assert "SPLIT_K = 1\n" in source and "row_squares" not in source and "_stream_programs" not in source, \
-        "narrow tiles are for unsplit GEMVs without statistics chunks"
+    assert "SPLIT_K = 1\n" in source and "_stream_programs" not in source and "b_hi_ptrs" not in source, \
+        "narrow tiles are for unsplit GEMVs without a GLU"
+    # statistics: a chunk's lanes must all be the tile's or all past it (their column N: no sum stored)
+    assert all(tile % int(chunk) == 0 for chunk in re.findall(r"offs_n // (\d+)", source)), "a tile of whole chunks"
     for old, new in edits:
         assert source.count(old) == 1, f"the template changed: {old.strip()}"
         source = source.replace(old, new)

@@ -70,7 +70,7 @@
 #   bash bench/gpu_session.sh prefetch-and-b32  # tail-prefetch's probe (shorter), embedding_rows' GPU tests, then
 #                                        # b32 / 2048 reduce-overhead and coopt-fp8 (~9.5 min: one call when devices are scarce)
 #   bash bench/gpu_session.sh prefetch-quick  # prefetch-b32 without the build: the prefetch's GPU tests and probe, then
-#                                        # q|k|v's points with 48-column tiles (~4.5 min)
+#                                        # the GEMV points with narrow tiles (q|k|v 48 columns, o and down 32; ~5 min)
 #   bash bench/gpu_session.sh prefetch-b32  # tail-prefetch's probe, then b32 / 2048 coopt-fp8-prefetch (the build
 #                                        # times its step without and with the next weights' L2 prefetch; ~8 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
@@ -486,13 +486,15 @@ case "${1:-}" in
         ;;
     prefetch-quick)  # issue 4, session 50: prefetch-b32 without its build, for a call with little device time
         # left: the prefetch's GPU tests, then the probe at 0 and 16 MB a launch, with PDL and without; then
-        # q|k|v's alternative points, 48-column tiles among them (~4.5 min)
+        # the GEMV points with narrow tiles among the alternatives (~5 min)
         step 40 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
             tests/templates/test_matmul_tail_prefetch.py
         step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,16 --pdl both --rounds 2 \
             --json "$OUT/tail_prefetch.json"
-        # session 50: q|k|v in 48-column tiles (128 programs, one wave) against the build's 64 (96 programs)
-        step 90 qkv-points python bench/gemv_timeline_probe.py --alternatives --shapes qkv+ --json "$OUT/qkv_points.json"
+        # session 50: narrow tiles (BLOCK_N 64 programs owning fewer columns): q|k|v in 48 (128 programs, one wave,
+        # against the build's 96), o and down in 32 without the split-K meeting (128 programs, SWAP_AB kept)
+        step 120 narrow-points python bench/gemv_timeline_probe.py --alternatives --shapes qkv+,o+,down+ \
+            --json "$OUT/narrow_points.json"
         ;;
     prefetch-and-b32)  # issue 4, session 49: tail-prefetch and points-fp8-b32's status-row steps in one call
         step 180 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --evict-first \

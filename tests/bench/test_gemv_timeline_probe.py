@@ -174,3 +174,26 @@ def test_the_narrow_form_compiles_for_sm90_pipelined_on_the_tensor_cores(tmp_pat
     plain, narrow = compiled["plain"]["_gemv_kernel"], compiled["narrow"]["_gemv_kernel"]
     assert narrow["launches"] == 1 and narrow["wgmma"] and narrow["pipelined"]
     assert (narrow["wgmma"], narrow["pipelined"]) == (plain["wgmma"], plain["pipelined"])
+
+
+def test_narrow_tiles_of_o_keep_every_output_and_chunk_sum_of_the_64_column_kernel(tmp_path):
+    """o and down without a meeting: 32 columns a program in BLOCK_N 64, the next norm's
+    statistics in 32-column chunks: h, h * g and every chunk sum as the 64-column kernel's (the
+    lanes past 32 store nothing, their chunk included); whole chunks only."""
+    import torch
+
+    from coopt.runtime.kernel_loader import load_module_from_source
+
+    family = MatmulEpilogueFamily()
+    region = probe.residual_region("o+", 128, 256, chunk=32)
+    point = {**probe.POINTS["o"], "SPLIT_K": 1, "BLOCK_K": 64, "num_stages": 2}
+    assert family.check(region, point, H200) is None
+    source = family.render(region, point)
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(s.shape, generator=gen).to(getattr(torch, s.dtype)) for s in region.inputs]
+    want = load_module_from_source(source, tmp_path, "plain").run(*inputs)
+    got = load_module_from_source(probe.narrow_tiles(source, 32), tmp_path, "narrow").run(*inputs)
+    assert len(got) == len(want) == 3 and all(torch.equal(g, w) for g, w in zip(got, want))
+    with pytest.raises(AssertionError, match="whole chunks"):
+        probe.narrow_tiles(family.render(probe.residual_region("o+", 128, 256, chunk=32), point), 48)
+    assert all(probe.programs(r, p) == 128 for r, p in probe.alternatives("o+") if "TILE_N" in p)
