@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -64,9 +63,9 @@ ROWS, CHUNK = 32, 64  # the batch; the statistics' chunk of columns (fuse-norm-s
 # their statistics in 32-column chunks), or with more splits. Values override the build's point.
 _UNSWAPPED_32 = {"BLOCK_N": 32, "SWAP_AB": False, "SPLIT_K": 1, "CHUNK": 32}  # (CHUNK: producers' only)
 # o and down without a meeting on 128 programs that keep SWAP_AB's 64-row side: 32 columns a
-# program in BLOCK_N 64 (narrow_tiles; session 48's unswapped 32-column tiles streamed slower)
+# program in BLOCK_N 64 (the template's TILE_N; session 48's unswapped 32-column tiles streamed slower)
 _NARROW_32 = {"TILE_N": 32, "SPLIT_K": 1, "CHUNK": 32}
-# "TILE_N": columns a program owns when fewer than its BLOCK_N (narrow_tiles; session 50): q|k|v's
+# "TILE_N": columns a program owns when fewer than its BLOCK_N (the template's narrow tiles, session 50): q|k|v's
 # 6144 columns in 48-column tiles are 128 programs, one wave on 132 SMs (64-column tiles: 96 busy
 # SMs at ~38 GB/s each, session 47; 32-column: 192 programs, 1.45 waves, slower in session 48).
 ALTERNATIVES = {
@@ -101,37 +100,6 @@ def alternatives(name: str) -> list[tuple]:
 def point_label(params: dict) -> str:
     return (f"BN {params['BLOCK_N']} BK {params['BLOCK_K']} split {params['SPLIT_K']} {params['num_stages']} stages"
             + ("" if params["SWAP_AB"] else " unswapped") + (f" {params['TILE_N']} columns a tile" if "TILE_N" in params else ""))
-
-
-def template_point(params: dict) -> dict:
-    """The template's knobs of an alternative (TILE_N is the probe's patch, narrow_tiles)."""
-    return {k: v for k, v in params.items() if k != "TILE_N"}
-
-
-def narrow_tiles(source: str, tile: int) -> str:
-    """A rendered GEMV module (SPLIT_K 1, not stream-K, no statistics chunks) whose programs own
-    `tile` columns each, fewer than BLOCK_N: the lanes past `tile` load no weight row (masked) and
-    store nothing (their column is N, which every store's mask drops); the grid is N / tile."""
-    edits = [
-        ("    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)\n",
-         f"    lane = tl.arange(0, BLOCK_N)\n    lane_in = lane < {tile}\n"
-         f"    offs_n = tl.where(lane_in, pid_n * {tile} + lane, N)\n"),
-        ("            b = tl.load(b_ptrs)\n", "            b = tl.load(b_ptrs, mask=lane_in[None, :], other=0.0)\n"),
-        ("            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)\n",
-         "            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & lane_in[None, :], other=0.0)\n"),
-        ("        tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)\n",
-         f"        tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, {tile})\n"),
-    ]
-    block_n = int(re.search(r"^BLOCK_N = (\d+)$", source, re.M).group(1))
-    assert tile % 16 == 0 and tile < block_n, f"a tile of 16-column multiples under BLOCK_N ({block_n})"
-    assert "SPLIT_K = 1\n" in source and "_stream_programs" not in source and "b_hi_ptrs" not in source, \
-        "narrow tiles are for unsplit GEMVs without a GLU"
-    # statistics: a chunk's lanes must all be the tile's or all past it (their column N: no sum stored)
-    assert all(tile % int(chunk) == 0 for chunk in re.findall(r"offs_n // (\d+)", source)), "a tile of whole chunks"
-    for old, new in edits:
-        assert source.count(old) == 1, f"the template changed: {old.strip()}"
-        source = source.replace(old, new)
-    return source
 
 
 def _spec(shape, dtype="bfloat16"):
@@ -305,15 +273,13 @@ def time_alternatives(name, build, sequence, inputs, weights, want, work, launch
     family, rows = MatmulEpilogueFamily(), []
     print(f"  {'point':44s} {'programs':>8s} {'µs':>7s} {'build µs':>9s}")
     for i, (region, params) in enumerate(alternatives(name)):
-        point = template_point(params)
-        problem = family.check(region, point, H200)
+        problem = family.check(region, params, H200)
         if problem is not None:
             print(f"  {point_label(params):44s} not legal: {problem}")
             rows.append({"params": params, "illegal": problem})
             continue
         path = work / f"{name}_alternative{i}.py"
-        source = family.render(region, point)
-        path.write_text(narrow_tiles(source, params["TILE_N"]) if "TILE_N" in params else source)
+        path.write_text(family.render(region, params))
         module = load_module_from_file(path)
         got = module.run(inputs[0], weights[0], *inputs[2:])
         for g, w in ((g, w) for g, w in zip(got, want) if g.shape == w.shape):  # (other chunks: other statistics)

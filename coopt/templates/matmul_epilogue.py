@@ -67,6 +67,16 @@ Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows 
                                NORM_FIRST and the producer's statistics serve). Unmeasured on a
                                GPU so far: the heuristic ranks it out of a build's top 3 until
                                bench/gemm.py --variants stream-k has measured it.
+    TILE_N (GEMV tl.dot points) columns a program owns when fewer than BLOCK_N (0: BLOCK_N;
+                               SPLIT_K=1, STREAM_K=0, a multiple of 16 and of the row statistics'
+                               chunk): N's tiles fill one wave without splitting K. The space
+                               offers the narrowest such tile where it is no plain BLOCK_N (q|k|v
+                               at 6144 columns: 128 programs of 48 against 96 of 64, which leave
+                               36 of 132 SMs idle; session 47's stamps: 96 programs stream at
+                               3.6 TB/s). The lanes past TILE_N load no weight row and store
+                               nothing. Unmeasured in a build so far: ranked right behind its
+                               plain twin, so a GPU build times both (bench/gemv_timeline_probe.py
+                               --alternatives times them alone).
 
 Fused forms of the GEMV kernel (attrs "prologue" / "glu" / "row_squares", regions of
 fuse-decode-gemv and fuse-norm-statistics): only
@@ -151,7 +161,7 @@ _MAX_FP32_ACC_AND_OPERAND_REGS = 144
 
 # The variants' knobs; a point without them (older advice, caches) is the plain kernel.
 VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1, "GEMV": False, "NORM_FIRST": False,
-                    "SWAP_AB": False, "STREAM_K": 0}
+                    "SWAP_AB": False, "STREAM_K": 0, "TILE_N": 0}
 # Programs an SM of the stream-K GEMV (0: one program a tile and K split).
 STREAM_K_PROGRAMS_PER_SM = (1, 2, 4)
 # GEMV is offered where the region is planned for at most this many rows: beyond it the weight
@@ -337,7 +347,25 @@ class MatmulEpilogueFamily(TemplateFamily):
                 space["NORM_FIRST"] = [False, True]
             space["SWAP_AB"] = [False, True]  # tl.dot tiles: activation rows or weight rows on the 64-row side
             space["STREAM_K"] = [0, *STREAM_K_PROGRAMS_PER_SM]  # a form of the GEMV points of SPLIT_K=1
+            narrow = self._narrow_tile(region, target)
+            if narrow:
+                space["TILE_N"] = [0, narrow]  # a form of the GEMV tl.dot points of SPLIT_K=1
         return space
+
+    def _narrow_tile(self, region: RegionSummary, target: Target) -> int | None:
+        """The narrowest tile (a multiple of 16 and of the row statistics' chunk) whose column
+        tiles fit one wave on the target's SMs at one row tile: q|k|v's 6144 columns in 48-column
+        tiles are 128 programs on 132 SMs, where 64-column tiles leave 36 idle. None where N is
+        not static, or where the tile would be under 32 columns, a power of two or past 256."""
+        (_, (n_lo, n_hi), _), _ = self._shape_facts(region)
+        if n_hi is None or n_lo != n_hi:
+            return None
+        row_squares = _row_squares(region)
+        unit = math.lcm(16, int(row_squares["chunk"])) if row_squares is not None else 16
+        tile = -(-n_hi // target.num_sms)
+        tile = -(-tile // unit) * unit
+        # a power of two is a plain BLOCK_N already; past 256 no BLOCK_N is wider
+        return tile if 32 <= tile < 256 and tile & (tile - 1) else None
 
     def legal_points(self, region: RegionSummary, target: Target, space: dict[str, list] | None = None) -> list[dict]:
         """The legal points of the space less STREAM_K (each with STREAM_K=0 where the space has
@@ -348,11 +376,12 @@ class MatmulEpilogueFamily(TemplateFamily):
         if "STREAM_K" not in space:
             return super().legal_points(region, target, space)
         stream_k = [n for n in space.pop("STREAM_K") if n]
+        narrow = [t for t in space.pop("TILE_N", []) if t]
         points = []
         for point in super().legal_points(region, target, space):
             points.append({**point, "STREAM_K": 0})
             if point.get("GEMV") and point["SPLIT_K"] == 1:
-                twins = ({**point, "STREAM_K": n} for n in stream_k)
+                twins = [*({**point, "STREAM_K": n} for n in stream_k), *({**point, "STREAM_K": 0, "TILE_N": t} for t in narrow)]
                 points.extend(twin for twin in twins if self.check(region, twin, target) is None)
         return points
 
@@ -360,6 +389,10 @@ class MatmulEpilogueFamily(TemplateFamily):
         knobs = {**VARIANT_DEFAULTS, **params}
         if knobs["STREAM_K"] and not knobs["GEMV"]:
             return "STREAM_K is a form of the GEMV kernel (GEMV=True)"
+        if knobs["TILE_N"]:
+            reason = self._check_narrow(region, params, knobs, target)
+            if reason:
+                return reason
         if knobs["NORM_FIRST"] and not (knobs["GEMV"] and _norm_prologue(region) is not None):
             return "NORM_FIRST runs a region's RMSNorm prologue ahead of the GEMV kernel (GEMV=True and a norm prologue)"
         if knobs["SWAP_AB"] and not (knobs["GEMV"] and params["BLOCK_M"] >= 16 and params["BLOCK_N"] >= 64):
@@ -371,6 +404,24 @@ class MatmulEpilogueFamily(TemplateFamily):
         if knobs["GEMV"]:
             return self._check_gemv(region, params, target)
         return self._check_tiles(region, params, target)
+
+    def _check_narrow(self, region: RegionSummary, params: dict, knobs: dict, target: Target) -> str | None:
+        """TILE_N: a GEMV tl.dot point whose programs own fewer columns than BLOCK_N, for more
+        programs (up to one wave) without splitting K."""
+        tile, bn = knobs["TILE_N"], params["BLOCK_N"]
+        if not (knobs["GEMV"] and params["BLOCK_M"] >= 16):
+            return "TILE_N narrows the GEMV kernel's tl.dot tiles (GEMV=True, BLOCK_M >= 16)"
+        if params["SPLIT_K"] != 1 or knobs["STREAM_K"]:
+            return "TILE_N gives more programs without splitting K (SPLIT_K=1, STREAM_K=0)"
+        if not (0 < tile < bn and tile % 16 == 0):
+            return f"TILE_N={tile} must be a multiple of 16 under BLOCK_N={bn}"
+        row_squares = _row_squares(region)
+        if row_squares is not None and tile % row_squares["chunk"]:
+            return f"row statistics in chunks of {row_squares['chunk']} columns need TILE_N a multiple of it"
+        ((m_lo, _), (n_lo, _), _), _ = self._shape_facts(region)
+        if -(-m_lo // params["BLOCK_M"]) * -(-n_lo // tile) > target.num_sms:
+            return f"TILE_N={tile} makes more programs than {target.num_sms} SMs (it is for one wave)"
+        return None
 
     def _check_tiles(self, region: RegionSummary, params: dict, target: Target) -> str | None:
         """The tensor-core kernels: the plain grid and the tile loop (PERSISTENT / USE_TMA)."""

@@ -112,11 +112,10 @@ def test_every_alternative_is_a_legal_point_and_o_and_down_get_some_without_a_me
     family = MatmulEpilogueFamily()
     for name in probe.ALTERNATIVES:
         pairs = probe.alternatives(name)
-        points = [(region, probe.template_point(params)) for region, params in pairs]
-        assert pairs and all(family.check(region, point, H200) is None for region, point in points), name
+        assert pairs and all(family.check(region, params, H200) is None for region, params in pairs), name
         # the probe calls each alternative with the build's inputs: the same launch arguments
         build_run = run_signature(family.render(*probe.shapes()[name]))
-        assert all(run_signature(family.render(region, point)) == build_run for region, point in points), name
+        assert all(run_signature(family.render(region, params)) == build_run for region, params in pairs), name
     for name in ("o+", "down+"):
         unsplit = [(r, p) for r, p in probe.alternatives(name) if p["SPLIT_K"] == 1]
         assert any(probe.programs(r, p) == 128 for r, p in unsplit)  # 32-column tiles: every SM busy, no meeting
@@ -124,76 +123,13 @@ def test_every_alternative_is_a_legal_point_and_o_and_down_get_some_without_a_me
     assert max(probe.programs(*pair) for pair in probe.alternatives("qkv+")) > probe.programs(*probe.shapes()["qkv+"])
 
 
-def test_narrow_tiles_cover_every_column_once_with_the_plain_kernels_values(tmp_path):
-    """q|k|v's 48-column alternative: 96 columns in two programs of BLOCK_N 64 (the lanes past 48
-    load and store nothing), every output as the 64-column kernel's (the same K loop a column),
-    and 128 programs at q|k|v's 6144 columns."""
-    import torch
 
-    from coopt.runtime.kernel_loader import load_module_from_source
-
-    family = MatmulEpilogueFamily()
-    region = probe.statistics_region("qkv+", 96, 256)
-    point = {**probe.POINTS["qkv"], "BLOCK_K": 64, "num_stages": 2}
-    assert family.check(region, point, H200) is None
-    source = family.render(region, point)
-    narrow = probe.narrow_tiles(source, 48)
-    assert "triton.cdiv(N, 48)" in narrow and narrow.count("lane_in[None, :]") == 2
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(probe.ROWS, 1, 256, generator=gen).to(torch.bfloat16)
-    w = (torch.randn(96, 256, generator=gen) / 16).to(torch.bfloat16)
-    squares = torch.full((256 // probe.CHUNK, probe.ROWS), float(probe.CHUNK))
-    (want,) = load_module_from_source(source, tmp_path, "plain").run(a, w, squares)
-    (got,) = load_module_from_source(narrow, tmp_path, "narrow").run(a, w, squares)
-    assert torch.equal(got, want)
-    ref = (a.float().reshape(probe.ROWS, 256) @ w.float().T).reshape(want.shape)  # rms 1: the norm scales by 1
-    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+def test_the_narrow_alternatives_are_one_wave_of_the_templates_narrow_tiles():
+    """q|k|v in 48-column tiles and o, down in 32 (statistics in 32-column chunks) are the
+    template's TILE_N points: 128 programs each, against the build's 96 (q|k|v) and 64 tiles
+    split in two (o, down)."""
+    for name, tile in (("qkv+", 48), ("o+", 32), ("down+", 32)):
+        narrow = [(r, p) for r, p in probe.alternatives(name) if p.get("TILE_N")]
+        assert narrow and all(p["TILE_N"] == tile and probe.programs(r, p) == 128 for r, p in narrow), name
+        assert f"{tile} columns a tile" in probe.point_label(narrow[0][1])
     assert probe.programs(*probe.shapes()["qkv+"]) == 96
-    assert probe.programs(probe.shapes()["qkv+"][0], {**probe.POINTS["qkv"], "TILE_N": 48}) == 128
-    with pytest.raises(AssertionError, match="unsplit"):
-        probe.narrow_tiles(family.render(*probe.shapes()["o+"]), 32)
-
-
-def test_the_narrow_form_compiles_for_sm90_pipelined_on_the_tensor_cores(tmp_path):
-    import sys
-    from pathlib import Path
-
-    import torch
-
-    pytest.importorskip("triton.backends.compiler")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the probe compiles it for real")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "templates"))
-    from template_helpers import compile_for_hopper
-
-    region, point = probe.shapes()["qkv+"]
-    inputs = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in region.inputs]
-    jobs = [(name, source, inputs) for name, source in (("plain", rendered("qkv+")),
-                                                         ("narrow", probe.narrow_tiles(rendered("qkv+"), 48)))]
-    compiled = compile_for_hopper(jobs, tmp_path)
-    plain, narrow = compiled["plain"]["_gemv_kernel"], compiled["narrow"]["_gemv_kernel"]
-    assert narrow["launches"] == 1 and narrow["wgmma"] and narrow["pipelined"]
-    assert (narrow["wgmma"], narrow["pipelined"]) == (plain["wgmma"], plain["pipelined"])
-
-
-def test_narrow_tiles_of_o_keep_every_output_and_chunk_sum_of_the_64_column_kernel(tmp_path):
-    """o and down without a meeting: 32 columns a program in BLOCK_N 64, the next norm's
-    statistics in 32-column chunks: h, h * g and every chunk sum as the 64-column kernel's (the
-    lanes past 32 store nothing, their chunk included); whole chunks only."""
-    import torch
-
-    from coopt.runtime.kernel_loader import load_module_from_source
-
-    family = MatmulEpilogueFamily()
-    region = probe.residual_region("o+", 128, 256, chunk=32)
-    point = {**probe.POINTS["o"], "SPLIT_K": 1, "BLOCK_K": 64, "num_stages": 2}
-    assert family.check(region, point, H200) is None
-    source = family.render(region, point)
-    gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(s.shape, generator=gen).to(getattr(torch, s.dtype)) for s in region.inputs]
-    want = load_module_from_source(source, tmp_path, "plain").run(*inputs)
-    got = load_module_from_source(probe.narrow_tiles(source, 32), tmp_path, "narrow").run(*inputs)
-    assert len(got) == len(want) == 3 and all(torch.equal(g, w) for g, w in zip(got, want))
-    with pytest.raises(AssertionError, match="whole chunks"):
-        probe.narrow_tiles(family.render(probe.residual_region("o+", 128, 256, chunk=32), point), 48)
-    assert all(probe.programs(r, p) == 128 for r, p in probe.alternatives("o+") if "TILE_N" in p)
