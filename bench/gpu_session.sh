@@ -487,8 +487,8 @@ case "${1:-}" in
     prefetch-quick)  # issue 4, session 50: prefetch-b32 without its build, for a call with little device time
         # left: the prefetch's GPU tests, then the probe at 0 and 16 MB a launch, with PDL and without; then
         # the GEMV points with narrow tiles among the alternatives (~5 min)
-        step 40 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
-            tests/templates/test_matmul_tail_prefetch.py
+        step 60 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+            tests/templates/test_matmul_tail_prefetch.py tests/templates/test_matmul_narrow_tiles.py
         step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,16 --pdl both --rounds 2 \
             --json "$OUT/tail_prefetch.json"
         # session 50: narrow tiles (BLOCK_N 64 programs owning fewer columns): q|k|v in 48 (128 programs, one wave,
