@@ -356,7 +356,7 @@ class MatmulEpilogueFamily(TemplateFamily):
         """The narrowest tile (a multiple of 16 and of the row statistics' chunk) whose column
         tiles fit one wave on the target's SMs at one row tile: q|k|v's 6144 columns in 48-column
         tiles are 128 programs on 132 SMs, where 64-column tiles leave 36 idle. None where N is
-        not static, or where the tile would be under 32 columns, a power of two or past 256."""
+        not static, or where the tile would be under 32 columns, a plain BLOCK_N or past 256."""
         (_, (n_lo, n_hi), _), _ = self._shape_facts(region)
         if n_hi is None or n_lo != n_hi:
             return None
@@ -364,8 +364,9 @@ class MatmulEpilogueFamily(TemplateFamily):
         unit = math.lcm(16, int(row_squares["chunk"])) if row_squares is not None else 16
         tile = -(-n_hi // target.num_sms)
         tile = -(-tile // unit) * unit
-        # a power of two is a plain BLOCK_N already; past 256 no BLOCK_N is wider
-        return tile if 32 <= tile < 256 and tile & (tile - 1) else None
+        # a power of two of 64 or more is a plain BLOCK_N already (32 is not on SWAP_AB's 64-row
+        # side: o and down with 32-column statistics chunks); past 256 no BLOCK_N is wider
+        return tile if 32 <= tile < 256 and (tile & (tile - 1) or tile < 64) else None
 
     def legal_points(self, region: RegionSummary, target: Target, space: dict[str, list] | None = None) -> list[dict]:
         """The legal points of the space less STREAM_K (each with STREAM_K=0 where the space has

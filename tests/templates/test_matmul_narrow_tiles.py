@@ -8,6 +8,7 @@ the GPU measures both.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -88,6 +89,11 @@ def test_the_space_offers_the_one_wave_tile_where_it_adds_programs():
                    fused_region((32,), 128256, 4096, "bfloat16", norm=False),  # the head: already many tiles
                    consumer_region(32, 96, 256)):  # a tile under 32 columns
         assert "TILE_N" not in FAMILY.param_space(region, H200)
+    # o and down with their statistics in 32-column chunks: 128 programs of 32 on SWAP_AB's 64-row side
+    o32 = producer_region(32, 4096, 4096)
+    o32 = dataclasses.replace(o32, attrs={**o32.attrs, "row_squares": {**o32.attrs["row_squares"], "chunk": 32}})
+    assert FAMILY.param_space(o32, H200)["TILE_N"] == [0, 32]
+    assert FAMILY.check(o32, {**gemv(32, 64, 128, stages=5), "SWAP_AB": True, "TILE_N": 32}, H200) is None
     legal = FAMILY.legal_points(consumer_region(32, 6144, 4096), H200)
     narrow = [p for p in legal if p.get("TILE_N")]
     assert narrow and all(p["SPLIT_K"] == 1 and p["BLOCK_M"] >= 16 and p["BLOCK_N"] > 48 for p in narrow)
