@@ -53,7 +53,8 @@ def parse_args():
                              "fuse-kv-write-attention; coopt-fp8-recent: --kv-cache fp8-recent (the newest 4 keys "
                              "unrounded, from rings beside the caches); coopt-fp8-prefetch: coopt-fp8 with "
                              "prefetch-next-weight (each GEMV pulls the next one's weight into L2; the build times "
-                             "its step without and with it)")
+                             "its step without and with it); coopt-fp8-narrow: coopt-fp8 with the norms' statistics in 32-column "
+                             "chunks, so that o and down are offered narrow 32-column tiles without a split-K meeting")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -276,6 +277,8 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
     for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
                                      ("coopt-fp8-recent", "fp8-recent", DEFAULT_PIPELINE),
                                      ("coopt-fp8-prefetch", "fp8", DEFAULT_PIPELINE + ",prefetch-next-weight"),
+                                     ("coopt-fp8-narrow", "fp8",
+                                      DEFAULT_PIPELINE.replace("fuse-norm-statistics", "fuse-norm-statistics{chunk=32}")),
                                      ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE),
                                      ("coopt-rownorms", "none", ROW_NORMS_PIPELINE),
                                      ("coopt-normstats32", "none",

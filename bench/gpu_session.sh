@@ -71,6 +71,7 @@
 #                                        # b32 / 2048 reduce-overhead and coopt-fp8 (~9.5 min: one call when devices are scarce)
 #   bash bench/gpu_session.sh prefetch-quick  # prefetch-b32 without the build: the prefetch's GPU tests and probe, then
 #                                        # the GEMV points with narrow tiles (q|k|v 48 columns, o and down 32; ~5 min)
+#   bash bench/gpu_session.sh narrow-b32  # b32 / 2048 fp8 with 64- and 32-column statistics chunks (o and down narrow; ~8 min)
 #   bash bench/gpu_session.sh prefetch-b32  # tail-prefetch's probe, then b32 / 2048 coopt-fp8-prefetch (the build
 #                                        # times its step without and with the next weights' L2 prefetch; ~8 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
@@ -495,6 +496,12 @@ case "${1:-}" in
         # against the build's 96), o and down in 32 without the split-K meeting (128 programs, SWAP_AB kept)
         step 120 narrow-points python bench/gemv_timeline_probe.py --alternatives --shapes qkv+,o+,down+ \
             --json "$OUT/narrow_points.json"
+        ;;
+    narrow-b32)  # issue 4, session 50: b32 / 2048 fp8 with the norms' statistics in 64- and 32-column chunks, where
+        # the 32-column build's o and down are offered narrow tiles without the split-K meeting (~8 min)
+        step 520 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-coopt-fp8,coopt-fp8-narrow}" \
+            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_narrow_b32.json" --build-dir /tmp/coopt-narrow
+        reports reports_narrow_b32 coopt-narrow
         ;;
     prefetch-and-b32)  # issue 4, session 49: tail-prefetch and points-fp8-b32's status-row steps in one call
         step 180 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --evict-first \
