@@ -274,15 +274,14 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
     from coopt.accuracy.builds import fp8_kv_pipeline
     from coopt.passes.registry import DEFAULT_PIPELINE, ROW_NORMS_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
 
+    stats_in_32 = DEFAULT_PIPELINE.replace("fuse-norm-statistics", "fuse-norm-statistics{chunk=32}")
     for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
                                      ("coopt-fp8-recent", "fp8-recent", DEFAULT_PIPELINE),
                                      ("coopt-fp8-prefetch", "fp8", DEFAULT_PIPELINE + ",prefetch-next-weight"),
-                                     ("coopt-fp8-narrow", "fp8",
-                                      DEFAULT_PIPELINE.replace("fuse-norm-statistics", "fuse-norm-statistics{chunk=32}")),
+                                     ("coopt-fp8-narrow", "fp8", stats_in_32),
                                      ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE),
                                      ("coopt-rownorms", "none", ROW_NORMS_PIPELINE),
-                                     ("coopt-normstats32", "none",
-                                      DEFAULT_PIPELINE.replace("fuse-norm-statistics", "fuse-norm-statistics{chunk=32}")),
+                                     ("coopt-normstats32", "none", stats_in_32),
                                      ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True)),
                                      ("coopt-fp8-unfolded", "fp8", UNFOLDED_KV_WRITE_PIPELINE),
                                      ("coopt-fp8-values-unfolded", "none",

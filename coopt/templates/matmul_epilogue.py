@@ -382,7 +382,8 @@ class MatmulEpilogueFamily(TemplateFamily):
         for point in super().legal_points(region, target, space):
             points.append({**point, "STREAM_K": 0})
             if point.get("GEMV") and point["SPLIT_K"] == 1:
-                twins = [*({**point, "STREAM_K": n} for n in stream_k), *({**point, "STREAM_K": 0, "TILE_N": t} for t in narrow)]
+                twins = [*({**point, "STREAM_K": n} for n in stream_k),
+                         *({**point, "STREAM_K": 0, "TILE_N": t} for t in narrow)]
                 points.extend(twin for twin in twins if self.check(region, twin, target) is None)
         return points
 

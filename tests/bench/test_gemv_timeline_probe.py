@@ -123,7 +123,6 @@ def test_every_alternative_is_a_legal_point_and_o_and_down_get_some_without_a_me
     assert max(probe.programs(*pair) for pair in probe.alternatives("qkv+")) > probe.programs(*probe.shapes()["qkv+"])
 
 
-
 def test_the_narrow_alternatives_are_one_wave_of_the_templates_narrow_tiles():
     """q|k|v in 48-column tiles and o, down in 32 (statistics in 32-column chunks) are the
     template's TILE_N points: 128 programs each, against the build's 96 (q|k|v) and 64 tiles
