@@ -51,10 +51,7 @@ def parse_args():
                              "coopt-normstats32: its sums over 32-column chunks (BLOCK_N 32 allowed in the o / down GEMVs); "
                              "coopt-fp8-unfolded / coopt-fp8-values-unfolded: those fp8 builds without "
                              "fuse-kv-write-attention; coopt-fp8-recent: --kv-cache fp8-recent (the newest 4 keys "
-                             "unrounded, from rings beside the caches); coopt-fp8-prefetch: coopt-fp8 with "
-                             "prefetch-next-weight (each GEMV pulls the next one's weight into L2; the build times "
-                             "its step without and with it); coopt-fp8-narrow: coopt-fp8 with the norms' statistics in 32-column "
-                             "chunks, so that o and down are offered narrow 32-column tiles without a split-K meeting")
+                             "unrounded, from rings beside the caches)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--build-dir", type=Path, default=None, help="keep each coopt build in DIR/<case>")
@@ -274,14 +271,12 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
     from coopt.accuracy.builds import fp8_kv_pipeline
     from coopt.passes.registry import DEFAULT_PIPELINE, ROW_NORMS_PIPELINE, UNFOLDED_KV_WRITE_PIPELINE
 
-    stats_in_32 = DEFAULT_PIPELINE.replace("fuse-norm-statistics", "fuse-norm-statistics{chunk=32}")
     for mode, kv_cache, pipeline in (("coopt", "none", DEFAULT_PIPELINE), ("coopt-fp8", "fp8", DEFAULT_PIPELINE),
                                      ("coopt-fp8-recent", "fp8-recent", DEFAULT_PIPELINE),
-                                     ("coopt-fp8-prefetch", "fp8", DEFAULT_PIPELINE + ",prefetch-next-weight"),
-                                     ("coopt-fp8-narrow", "fp8", stats_in_32),
                                      ("coopt-unfolded", "none", UNFOLDED_KV_WRITE_PIPELINE),
                                      ("coopt-rownorms", "none", ROW_NORMS_PIPELINE),
-                                     ("coopt-normstats32", "none", stats_in_32),
+                                     ("coopt-normstats32", "none",
+                                      DEFAULT_PIPELINE.replace("fuse-norm-statistics", "fuse-norm-statistics{chunk=32}")),
                                      ("coopt-fp8-values", "none", fp8_kv_pipeline("per-head", values_only=True)),
                                      ("coopt-fp8-unfolded", "fp8", UNFOLDED_KV_WRITE_PIPELINE),
                                      ("coopt-fp8-values-unfolded", "none",
@@ -320,10 +315,6 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         if launch:  # the build's own PDL choice, from its replayed step (coopt/tune/launch.py)
             print(f"  {mode}: launched with PDL for {launch['pdl'] or 'nothing'} (build's replays, ms: "
                   + ", ".join(f"{k} {v:.4f}" for k, v in launch["step_ms"].items()) + ")", flush=True)
-            if launch.get("prefetch"):  # the next weights' L2 prefetch (coopt/tune/prefetch.py)
-                print(f"  {mode}: next weights prefetched: {launch['prefetch']['label']} a launch (build's replays, "
-                      "ms: " + ", ".join(f"{k} {v:.4f}" for k, v in launch["prefetch"]["step_ms"].items()) + ")",
-                      flush=True)
         if kv_cache in ("fp8", "fp8-recent"):  # its own floor: the cache read at one byte per element (+ scales)
             row["fp8_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1, bandwidth=args.floor_bandwidth)
             print(f"  {mode}: {row['fp8_floor_ms'] / row['ms'][mode]:.0%} of its fp8 floor "

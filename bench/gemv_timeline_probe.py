@@ -62,20 +62,12 @@ ROWS, CHUNK = 32, 64  # the batch; the statistics' chunk of columns (fuse-norm-s
 # (32-column tiles, activation rows on the tensor cores' 64-row side: SWAP_AB needs 64 columns;
 # their statistics in 32-column chunks), or with more splits. Values override the build's point.
 _UNSWAPPED_32 = {"BLOCK_N": 32, "SWAP_AB": False, "SPLIT_K": 1, "CHUNK": 32}  # (CHUNK: producers' only)
-# "TILE_N": columns a program owns when fewer than its BLOCK_N (the template's narrow tiles, session
-# 50). q|k|v's 6144 columns in 48-column tiles are 128 programs, one wave on 132 SMs (64-column
-# tiles: 96 busy SMs at ~38 GB/s each, session 47; 32-column: 192 programs, 1.45 waves, slower in
-# session 48). o and down in 32 columns a program keep SWAP_AB's 64-row side without a meeting
-# (session 48's unswapped 32-column tiles streamed slower).
-_NARROW_32 = {"TILE_N": 32, "SPLIT_K": 1, "CHUNK": 32}
 ALTERNATIVES = {
-    "qkv+": [{"TILE_N": 48}, {"TILE_N": 48, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 5},
-             {"BLOCK_K": 256, "num_stages": 3}, {"SPLIT_K": 2, "num_stages": 4}, {"num_stages": 7}],
-    "o+": [{**_NARROW_32, "num_stages": 5}, {**_NARROW_32, "num_stages": 7},
-           {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3},
+    "qkv+": [{**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 5}, {"BLOCK_K": 256, "num_stages": 3},
+             {"SPLIT_K": 2, "num_stages": 4}, {"num_stages": 7}],
+    "o+": [{**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3},
            {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 7}, {"SPLIT_K": 1, "num_stages": 5}],
-    "down+": [{**_NARROW_32, "BLOCK_K": 256, "num_stages": 3}, {**_NARROW_32, "BLOCK_K": 128, "num_stages": 6},
-              {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 6},
+    "down+": [{**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 6},
               {"SPLIT_K": 4}, {"SPLIT_K": 1, "num_stages": 4}],
     "gate_up+": [{"BLOCK_N": 64, "num_stages": 4}, {"BLOCK_K": 64, "num_stages": 5}],
 }
@@ -99,8 +91,7 @@ def alternatives(name: str) -> list[tuple]:
 
 def point_label(params: dict) -> str:
     return (f"BN {params['BLOCK_N']} BK {params['BLOCK_K']} split {params['SPLIT_K']} {params['num_stages']} stages"
-            + ("" if params["SWAP_AB"] else " unswapped")
-            + (f" {params['TILE_N']} columns a tile" if "TILE_N" in params else ""))
+            + ("" if params["SWAP_AB"] else " unswapped"))
 
 
 def _spec(shape, dtype="bfloat16"):
@@ -208,7 +199,7 @@ def instrument(source: str, first_slab: bool = False) -> str:
 
 def programs(region, params: dict) -> int:
     n = region.outputs[0].shape[-1]
-    return -(-ROWS // params["BLOCK_M"]) * -(-n // params.get("TILE_N", params["BLOCK_N"])) * params["SPLIT_K"]
+    return -(-ROWS // params["BLOCK_M"]) * -(-n // params["BLOCK_N"]) * params["SPLIT_K"]
 
 
 def summarize(stamps: list[list[list[int]]], weight_bytes: int, bandwidth: float) -> dict:

@@ -65,15 +65,6 @@
 #                                        # early epilogue loads' GPU tests (~3 min)
 #   bash bench/gpu_session.sh points-fp8-b32  # gemv-points' probe, embedding_rows' GPU tests, b32 / 2048
 #                                        # reduce-overhead and coopt-fp8 (~7 min)
-#   bash bench/gpu_session.sh tail-prefetch  # each b32 GEMV pulls the next one's weight into L2 after its K loop:
-#                                        # 8 layers of the four GEMVs, prefetch budgets 0-32 MB (~3 min)
-#   bash bench/gpu_session.sh prefetch-and-b32  # tail-prefetch's probe (shorter), embedding_rows' GPU tests, then
-#                                        # b32 / 2048 reduce-overhead and coopt-fp8 (~9.5 min: one call when devices are scarce)
-#   bash bench/gpu_session.sh prefetch-quick  # prefetch-b32 without the build: the prefetch's GPU tests and probe, then
-#                                        # the GEMV points with narrow tiles (q|k|v 48 columns, o and down 32; ~5 min)
-#   bash bench/gpu_session.sh narrow-b32  # b32 / 2048 fp8 with 64- and 32-column statistics chunks (o and down narrow; ~8 min)
-#   bash bench/gpu_session.sh prefetch-b32  # tail-prefetch's probe, then b32 / 2048 coopt-fp8-prefetch (the build
-#                                        # times its step without and with the next weights' L2 prefetch; ~8 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
@@ -478,46 +469,6 @@ case "${1:-}" in
         step 40 embedding-rows-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging tests/templates/test_embedding_rows.py
         # (MODES=coopt-fp8 when device time is short: the build alone, against its floor)
         step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
-            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
-        reports reports_fp8_b32 coopt-fp8
-        ;;
-    tail-prefetch)  # issue 4, session 49: the next GEMV's weight prefetched into L2 by each b32 GEMV after
-        # its K loop (bench/tail_prefetch_probe.py), budgets 0-32 MB a launch, and with the stream marked evict_first
-        step 240 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,4,8,16,32 --evict-first --json "$OUT/tail_prefetch.json"
-        ;;
-    prefetch-quick)  # issue 4, session 50: prefetch-b32 without its build, for a call with little device time
-        # left: the prefetch's GPU tests, then the probe at 0 and 16 MB a launch, with PDL and without; then
-        # the GEMV points with narrow tiles among the alternatives (~5 min)
-        step 60 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
-            tests/templates/test_matmul_tail_prefetch.py tests/templates/test_matmul_narrow_tiles.py
-        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,16 --pdl both --rounds 2 \
-            --json "$OUT/tail_prefetch.json"
-        # session 50: narrow tiles (BLOCK_N 64 programs owning fewer columns): q|k|v in 48 (128 programs, one wave,
-        # against the build's 96), o and down in 32 without the split-K meeting (128 programs, SWAP_AB kept)
-        step 120 narrow-points python bench/gemv_timeline_probe.py --alternatives --shapes qkv+,o+,down+ \
-            --json "$OUT/narrow_points.json"
-        ;;
-    narrow-b32)  # issue 4, session 50: b32 / 2048 fp8 with the norms' statistics in 64- and 32-column chunks, where
-        # the 32-column build's o and down are offered narrow tiles without the split-K meeting (~8 min)
-        step 520 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-coopt-fp8,coopt-fp8-narrow}" \
-            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_narrow_b32.json" --build-dir /tmp/coopt-narrow
-        reports reports_narrow_b32 coopt-narrow
-        ;;
-    prefetch-and-b32)  # issue 4, session 49: tail-prefetch and points-fp8-b32's status-row steps in one call
-        step 180 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16,32 --evict-first \
-            --rounds 2 --json "$OUT/tail_prefetch.json"
-        step 40 embedding-rows-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging tests/templates/test_embedding_rows.py
-        step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
-            --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
-        reports reports_fp8_b32 coopt-fp8
-        ;;
-    prefetch-b32)  # issue 4, session 49: the probe, then a b32 / 2048 fp8 build with prefetch-next-weight, whose
-        # launch step times the replayed step without the prefetch and with 8 and 16 MB a launch (build.json)
-        step 150 tail-prefetch python bench/tail_prefetch_probe.py --budgets 0,8,16 --pdl both --rounds 2 \
-            --json "$OUT/tail_prefetch.json"
-        step 40 prefetch-tests python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
-            tests/templates/test_matmul_tail_prefetch.py tests/templates/test_embedding_rows.py
-        step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-coopt-fp8-prefetch}" \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
         ;;

@@ -620,14 +620,10 @@ def program_weights(module: ModuleOp, state: dict) -> dict:
     return weights
 
 
-def write_selection(out: Path, regions: list[RegionBuild], measured: bool, pdl: list[str] | None = None,
-                    prefetch: dict | None = None) -> None:
-    """out/selection.json: each region's candidates and the one selected, (`pdl`) the kinds of
-    kernel launched with PDL and (`prefetch`, tune/prefetch.py) the bytes a launch the GEMVs pull
-    of the next weight into L2 with each one's plan, as the build measured them (program.py reads
-    them all)."""
-    data = {"measured": measured, "regions": {r.summary.name: r.to_json() for r in regions}, "pdl": list(pdl or ()),
-            "prefetch": {"bytes": prefetch["bytes"], "plans": prefetch["plans"]} if prefetch else {}}
+def write_selection(out: Path, regions: list[RegionBuild], measured: bool, pdl: list[str] | None = None) -> None:
+    """out/selection.json: each region's candidates and the one selected, and (`pdl`) the kinds of
+    kernel launched with PDL, as the build measured them (program.py reads both)."""
+    data = {"measured": measured, "regions": {r.summary.name: r.to_json() for r in regions}, "pdl": list(pdl or ())}
     (out / "selection.json").write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
@@ -644,10 +640,9 @@ def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measur
 
     try:
         built = load(out)
-        timed = adapt(built) if adapt is not None else built
         switches = ready_switches(regions)
         with torch.no_grad():
-            launch = choose_pdl(timed, example_inputs,
+            launch = choose_pdl(adapt(built) if adapt is not None else built, example_inputs,
                                 switches={suffix: swap_runs(swaps, out) for suffix, swaps in switches.items()})
     except Exception as error:  # noqa: BLE001 - launching without PDL is always correct
         warnings.append(f"the step could not be timed with PDL ({one_line(error)}): launched without it")
@@ -656,27 +651,8 @@ def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measur
         return None
     # each switched kernel was verified with its region; the caller checks the mix end to end
     apply_reselection(regions, switches.get(switch_set(launch["label"]), {}), launch["step_ms"], launch["label"])
-    # 8c. with that launch, the GEMVs' L2 prefetch of the next weight (prefetch-next-weight), timed the same way
-    launch["prefetch"] = _choose_prefetch(timed, example_inputs, regions, warnings)
-    write_selection(out, regions, measured, pdl=launch["pdl"], prefetch=launch["prefetch"])
+    write_selection(out, regions, measured, pdl=launch["pdl"])
     return launch
-
-
-def _choose_prefetch(built, example_inputs, regions: list[RegionBuild], warnings: list[str]) -> dict | None:
-    """The step timed without and with the next weights' L2 prefetch (tune/prefetch.py), where
-    any selected kernel can prefetch; None (and a warning where timing failed): without it."""
-    from coopt.tune.prefetch import choose_prefetch, prefetch_plans
-
-    plans = prefetch_plans(regions)
-    if not plans:
-        return None
-    try:
-        with torch.no_grad():
-            return choose_prefetch(built, example_inputs, plans)
-    except Exception as error:  # noqa: BLE001 - no prefetch is always correct
-        warnings.append(f"the step could not be timed with the next weights' L2 prefetch ({one_line(error)}): "
-                        "launched without it")
-        return None
 
 
 def _check_reselection(end_to_end, before: tuple, launch: dict, alone: dict, regions: list[RegionBuild], out: Path,
@@ -689,14 +665,14 @@ def _check_reselection(end_to_end, before: tuple, launch: dict, alone: dict, reg
     e2e, accuracy = end_to_end(scratch)
     if e2e.get("ok"):
         warnings.extend(scratch)
-        write_selection(out, regions, measured, pdl=launch["pdl"], prefetch=launch.get("prefetch"))
+        write_selection(out, regions, measured, pdl=launch["pdl"])
         return e2e, accuracy, launch
     for region in regions:
         region.selected, region.reason = alone[region.summary.name]
     write_selection(out, regions, measured, pdl=[])
     warnings.append(f"the selection switched to PDL-ready kernels ({launch['label']}) failed the end-to-end check: "
                     "kept each region's own selection, launched without PDL")
-    return (*before, {**launch, "pdl": [], "label": "none", "reselected": {}, "prefetch": None,
+    return (*before, {**launch, "pdl": [], "label": "none", "reselected": {},
                       "reverted": "the switched selection failed the end-to-end check"})
 
 

@@ -79,22 +79,8 @@ def _chosen_label(launch: dict) -> str:
     return launch.get("label") or ",".join(launch["pdl"]) or "none"
 
 
-def _prefetch_line(prefetch: dict) -> str:
-    """The GEMVs' L2 prefetch of the next weight as chosen, e.g. '- prefetch: 16 MB of the next
-    weight a GEMV launch into L2 (6 GEMVs), measured (the replayed step 1.5100 ms; none 1.5300,
-    8 MB 1.5200)'."""
-    times, chosen = prefetch["step_ms"], prefetch["label"]
-    others = ", ".join(f"{label} {ms:.4f}" for label, ms in times.items() if label != chosen)
-    what = ("none of the next weights pulled into L2 by the GEMVs" if chosen == "none" else
-            f"{chosen} of the next weight a GEMV launch pulled into L2 ({len(prefetch['plans'])} GEMVs)")
-    return f"- prefetch: {what}, measured (the replayed step {times[chosen]:.4f} ms; {others})"
-
-
 def _replayed_ms(launch: dict | None) -> float | None:
-    """The replayed step's time under the launch (and prefetch) the build chose (None where it
-    timed none)."""
-    if launch and launch.get("prefetch"):
-        return launch["prefetch"]["step_ms"][launch["prefetch"]["label"]]
+    """The replayed step's time under the launch the build chose (None where it timed none)."""
     return launch["step_ms"].get(_chosen_label(launch)) if launch else None
 
 
@@ -282,8 +268,6 @@ def write_report(out: Path) -> None:
         lines.append(f"- launch: {selection['launch_note']}")
     elif build.get("launch"):
         lines.append(_launch_line(build["launch"]))
-        if build["launch"].get("prefetch"):
-            lines.append(_prefetch_line(build["launch"]["prefetch"]))
     if build["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- {w}" for w in build["warnings"]]
     (out / "report.md").write_text("\n".join(lines) + "\n")

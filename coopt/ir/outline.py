@@ -55,20 +55,17 @@ def outline(
     attrs: dict,
     inputs: list[SSAValue] | None = None,
     outputs: list[SSAValue] | None = None,
-    unread: tuple[SSAValue, ...] = (),
 ) -> KernelOp:
     """Replace `ops` by one KernelOp whose body holds clones of them; returns the kernel.
 
     `inputs` / `outputs` fix the order the family's schema wants (coopt.ir.region); they must
-    be exactly the region's boundary values, and `unread`: inputs the body never reads (the next
-    GEMV's weight of a tail prefetch, which only the kernel touches). Regions are named later
-    (name-regions).
+    be exactly the region's boundary values. Regions are named later (name-regions).
     """
     ops = _ordered(ops)
     found_inputs, found_outputs = region_boundary(ops)
     inputs = found_inputs if inputs is None else inputs
     outputs = found_outputs if outputs is None else outputs
-    assert set(inputs) == set(found_inputs) | set(unread) and set(outputs) >= set(found_outputs), "bad region boundary"
+    assert set(inputs) == set(found_inputs) and set(outputs) >= set(found_outputs), "bad region boundary"
     block = Block(arg_types=[v.type for v in inputs])
     mapping: dict[SSAValue, SSAValue] = dict(zip(inputs, block.args))
     for op in ops:

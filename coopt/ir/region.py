@@ -38,10 +38,6 @@ matmul_epilogue (C = A @ B' (+ bias) then an elementwise epilogue)
     means the region also takes g [N] as its last input (i) and returns two more outputs
     after its own: hg = h * g (h = output o, in its dtype) and sq [N / C, M] fp32, the sums
     of h^2 (h rounded to its dtype) over each C columns of each row.
-    "tail_prefetch": {"input": i, "layout": "nk" | "kn"} (prefetch-next-weight, GEMV only):
-    input i, the last, is the next GEMV's weight in that layout; the region reads nothing of it
-    (its value never matters) but may pull its first bytes into L2 once its own weight is
-    streamed (not counted in bytes_moved).
 
 attention (softmax(q k^T * scale [+ causal mask]) v)
     attrs = {"causal": bool, "scale": float, "num_heads": int, "num_kv_heads": int,
@@ -188,8 +184,7 @@ class RegionSummary:
         """Fewest bytes a kernel must move: every input read once, every output written once."""
         dims = dims or self.example_dims
         total = 0
-        prefetched = (self.attrs.get("tail_prefetch") or {}).get("input")  # only pulled into L2 for the next kernel
-        for spec in (*(s for i, s in enumerate(self.inputs) if i != prefetched), *self.outputs):
+        for spec in (*self.inputs, *self.outputs):
             n = 1
             for d in spec.concrete(dims):
                 n *= d

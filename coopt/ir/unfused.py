@@ -33,20 +33,17 @@ _NOT_COUNTED = (WeightOp, KernelOp, FallbackOp)
 _WRITES = (StateWriteOp, StateUpdateOp)
 
 
-def pytorch_target(op) -> str | None:
-    """The target of an op outside the kernel regions that runs through PyTorch and launches work
-    of its own (ATen name, or the IR op's name for a raised op no region took); None for views,
-    weights, coopt's kernels, fallbacks and ops that launch nothing (functions, returns)."""
-    if isinstance(op, (ModuleOp, *_NOT_COUNTED)) or (not op.results and not isinstance(op, _WRITES)):
-        return None
-    target = op.target.data if isinstance(op, (AtenOp, StateUpdateOp)) else op.name
-    return target if target.startswith(("aten.", "coopt.")) and target not in VIEW_TARGETS else None
-
-
 def unfused_ops(module: ModuleOp) -> dict[str, int]:
-    """Target -> count of every op outside the kernel regions that launches work of its own
-    (pytorch_target); views are left out."""
+    """Target (ATen name, or the IR op's name for a raised op no region took) -> count, for every
+    known op outside the kernel regions that launches work of its own; views are left out."""
     inside = {id(op) for kernel in module.walk() if isinstance(kernel, KernelOp) for op in kernel.walk()}
-    counts = Counter(target for op in module.walk()
-                     if id(op) not in inside and (target := pytorch_target(op)) is not None)
+    counts: Counter[str] = Counter()
+    for op in module.walk():
+        if id(op) in inside or isinstance(op, (ModuleOp, *_NOT_COUNTED)):
+            continue
+        if not op.results and not isinstance(op, _WRITES):
+            continue  # functions, returns: nothing to launch
+        target = op.target.data if isinstance(op, (AtenOp, StateUpdateOp)) else op.name
+        if target.startswith(("aten.", "coopt.")) and target not in VIEW_TARGETS:
+            counts[target] += 1
     return dict(sorted(counts.items()))

@@ -30,7 +30,6 @@ GEMV = ("GEMV",)
 NORM_FIRST = ("NORM_FIRST",)
 SWAP_AB = ("SWAP_AB",)
 STREAM_K = ("STREAM_K",)
-TILE_N = ("TILE_N",)
 
 # "Enough tiles" means at least this share of the SMs has a tile: a short last wave costs
 # less than tiles so small that each one does too little work to hide memory latency.
@@ -145,11 +144,6 @@ GEMV_MAX_PROGRAMS_PER_SM = 8  # of 4 warps: 32 warps an SM, registers to spare
 # bench/gemm.py --variants stream-k: o at b1 13.1 against 11.2 µs at best): each ranks a factor
 # of two behind its twin, out of the few points a build measures.
 GEMV_STREAM_K_SLOWER = 1.0
-# Narrow tiles (TILE_N: a program owns fewer columns than BLOCK_N, so that N's tiles fill one wave:
-# q|k|v's 6144 columns in 128 programs of 48, not 96 of 64). Not yet measured in a build (the probe:
-# bench/gemv_timeline_probe.py --alternatives, session 50): each ranks right behind its plain twin,
-# so that a build on the GPU times both and keeps the faster, and a build without one keeps the plain.
-GEMV_NARROW_UNMEASURED = 0.01
 
 
 def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tuple[CostFn, str]:
@@ -172,8 +166,6 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
     def cost(point: dict) -> float:
         if not knob(point, GEMV):
             return 4.0 + tiles_cost(point)  # the tensor-core kernels come after every GEMV point
-        if knob(point, TILE_N):
-            return cost({**point, "TILE_N": 0}) + GEMV_NARROW_UNMEASURED
         bm, bn, bk = knob(point, BLOCK_M), knob(point, BLOCK_N), knob(point, BLOCK_K)
         split, stages, warps = knob(point, SPLIT_K) or 1, knob(point, STAGES) or 3, knob(point, WARPS) or 4
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (bm, bn, bk, split, stages, warps)):

@@ -28,7 +28,6 @@ _BUILTIN = {
     "fuse-linear-epilogue": "coopt.passes.fuse_linear_epilogue:FuseLinearEpilogue",
     "fuse-norm-statistics": "coopt.passes.fuse_norm_statistics:FuseNormStatistics",
     "fuse-elementwise": "coopt.passes.fuse_elementwise:FuseElementwise",
-    "prefetch-next-weight": "coopt.passes.prefetch_next_weight:PrefetchNextWeight",
     "chunked-prefill": "coopt.passes.chunked_prefill:ChunkedPrefill",
     "paged-kv": "coopt.passes.paged_kv:PagedKv",
 }

@@ -84,8 +84,6 @@ def gemv_problem(region: RegionSummary) -> str | None:
         return "reads its weight and norm weight before its PDL wait: they must be the model's parameters"
     if attrs.get("row_squares") is not None:
         return "writes row statistics (fuse-norm-statistics' producer form)"
-    if attrs.get("tail_prefetch") is not None:
-        return "prefetches the next GEMV's weight (prefetch-next-weight's form)"
     if len(region.outputs) != 1 or len(attrs.get("outputs", [])) != 1:
         return "needs one output"
     width = region.outputs[0].shape[-1]

@@ -67,16 +67,6 @@ Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows 
                                NORM_FIRST and the producer's statistics serve). Unmeasured on a
                                GPU so far: the heuristic ranks it out of a build's top 3 until
                                bench/gemm.py --variants stream-k has measured it.
-    TILE_N (GEMV tl.dot points) columns a program owns when fewer than BLOCK_N (0: BLOCK_N;
-                               SPLIT_K=1, STREAM_K=0, a multiple of 16 and of the row statistics'
-                               chunk): N's tiles fill one wave without splitting K. The space
-                               offers the narrowest such tile where it is no plain BLOCK_N (q|k|v
-                               at 6144 columns: 128 programs of 48 against 96 of 64, which leave
-                               36 of 132 SMs idle; session 47's stamps: 96 programs stream at
-                               3.6 TB/s). The lanes past TILE_N load no weight row and store
-                               nothing. Unmeasured in a build so far: ranked right behind its
-                               plain twin, so a GPU build times both (bench/gemv_timeline_probe.py
-                               --alternatives times them alone).
 
 Fused forms of the GEMV kernel (attrs "prologue" / "glu" / "row_squares", regions of
 fuse-decode-gemv and fuse-norm-statistics): only
@@ -161,7 +151,7 @@ _MAX_FP32_ACC_AND_OPERAND_REGS = 144
 
 # The variants' knobs; a point without them (older advice, caches) is the plain kernel.
 VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1, "GEMV": False, "NORM_FIRST": False,
-                    "SWAP_AB": False, "STREAM_K": 0, "TILE_N": 0}
+                    "SWAP_AB": False, "STREAM_K": 0}
 # Programs an SM of the stream-K GEMV (0: one program a tile and K split).
 STREAM_K_PROGRAMS_PER_SM = (1, 2, 4)
 # GEMV is offered where the region is planned for at most this many rows: beyond it the weight
@@ -202,12 +192,6 @@ def _row_squares(region: RegionSummary) -> dict | None:
     return stats if isinstance(stats, dict) else None
 
 
-def _tail_prefetch(region: RegionSummary) -> dict | None:
-    """attrs["tail_prefetch"]: the last input is the next GEMV's weight, for its L2 prefetch."""
-    prefetch = region.attrs.get("tail_prefetch")
-    return prefetch if isinstance(prefetch, dict) else None
-
-
 def _inline_norm(region: RegionSummary, params: dict) -> dict | None:
     """The norm prologue the GEMV kernel applies itself (None with NORM_FIRST: a kernel before it does)."""
     return None if params.get("NORM_FIRST") else _norm_prologue(region)
@@ -222,10 +206,8 @@ def _first_extra(region: RegionSummary) -> int:
 
 
 def _n_extra(region: RegionSummary) -> int:
-    """How many extra epilogue inputs there are (after them: the row statistics' norm weight,
-    then the next weight of a tail prefetch)."""
-    return (len(region.inputs) - _first_extra(region) - int(_row_squares(region) is not None)
-            - int(_tail_prefetch(region) is not None))
+    """How many extra epilogue inputs there are (the row statistics' norm weight comes last)."""
+    return len(region.inputs) - _first_extra(region) - int(_row_squares(region) is not None)
 
 
 def _loaded_extras(region: RegionSummary) -> list[TensorSpec]:
@@ -241,8 +223,7 @@ def _gemv_only(region: RegionSummary) -> str | None:
     parts = [what for what, on in (("the RMSNorm prologue", _norm_prologue(region)),
                                    ("the RMSNorm statistics prologue", _stats_prologue(region)),
                                    ("the GLU epilogue", region.attrs.get("glu")),
-                                   ("the row statistics outputs", _row_squares(region)),
-                                   ("the next weight's L2 prefetch", _tail_prefetch(region))) if on]
+                                   ("the row statistics outputs", _row_squares(region))) if on]
     return " and ".join(parts) or None
 
 
@@ -279,10 +260,6 @@ class MatmulEpilogueFamily(TemplateFamily):
         row_squares = _row_squares(region)
         if row_squares is not None and not self._row_squares_fit(region, row_squares):
             return False
-        prefetch = _tail_prefetch(region)
-        if prefetch is not None and not (prefetch.get("input") == len(region.inputs) - 1
-                                         and len(region.inputs[-1].shape) == 2 and prefetch.get("layout") in ("nk", "kn")):
-            return False
         if region.attrs.get("glu"):
             # b holds both halves ([2N, K] "nk", [K, 2N] "kn"); no bias (the merged gate|up has none)
             n_b = b.shape[0] if region.attrs["b_layout"] == "nk" else b.shape[1]
@@ -295,12 +272,12 @@ class MatmulEpilogueFamily(TemplateFamily):
 
     @staticmethod
     def _row_squares_fit(region: RegionSummary, row_squares: dict) -> bool:
-        """The weight is the last input (but a tail prefetch's), [N]; N a static multiple of the chunk; h (the output
+        """The weight is the last input, [N]; N a static multiple of the chunk; h (the output
         it names) stays in its dtype; sq is fp32."""
         width = region.outputs[0].shape[-1] if region.outputs and region.outputs[0].shape else None
         chunk, which = row_squares.get("chunk"), row_squares.get("output", 0)
         return (isinstance(width, int) and isinstance(chunk, int) and chunk > 0 and width % chunk == 0
-                and row_squares.get("weight_input") == len(region.inputs) - 1 - int(_tail_prefetch(region) is not None)
+                and row_squares.get("weight_input") == len(region.inputs) - 1
                 and which < len(region.attrs.get("outputs", [])) and region.outputs[-1].dtype == "float32")
 
     @staticmethod
@@ -347,26 +324,7 @@ class MatmulEpilogueFamily(TemplateFamily):
                 space["NORM_FIRST"] = [False, True]
             space["SWAP_AB"] = [False, True]  # tl.dot tiles: activation rows or weight rows on the 64-row side
             space["STREAM_K"] = [0, *STREAM_K_PROGRAMS_PER_SM]  # a form of the GEMV points of SPLIT_K=1
-            narrow = self._narrow_tile(region, target)
-            if narrow:
-                space["TILE_N"] = [0, narrow]  # a form of the GEMV tl.dot points of SPLIT_K=1
         return space
-
-    def _narrow_tile(self, region: RegionSummary, target: Target) -> int | None:
-        """The narrowest tile (a multiple of 16 and of the row statistics' chunk) whose column
-        tiles fit one wave on the target's SMs at one row tile: q|k|v's 6144 columns in 48-column
-        tiles are 128 programs on 132 SMs, where 64-column tiles leave 36 idle. None where N is
-        not static, or where the tile would be under 32 columns, a plain BLOCK_N or past 256."""
-        (_, (n_lo, n_hi), _), _ = self._shape_facts(region)
-        if n_hi is None or n_lo != n_hi:
-            return None
-        row_squares = _row_squares(region)
-        unit = math.lcm(16, int(row_squares["chunk"])) if row_squares is not None else 16
-        tile = -(-n_hi // target.num_sms)
-        tile = -(-tile // unit) * unit
-        # a power of two of 64 or more is a plain BLOCK_N already (32 is not on SWAP_AB's 64-row
-        # side: o and down with 32-column statistics chunks); past 256 no BLOCK_N is wider
-        return tile if 32 <= tile < 256 and (tile & (tile - 1) or tile < 64) else None
 
     def legal_points(self, region: RegionSummary, target: Target, space: dict[str, list] | None = None) -> list[dict]:
         """The legal points of the space less STREAM_K (each with STREAM_K=0 where the space has
@@ -377,13 +335,11 @@ class MatmulEpilogueFamily(TemplateFamily):
         if "STREAM_K" not in space:
             return super().legal_points(region, target, space)
         stream_k = [n for n in space.pop("STREAM_K") if n]
-        narrow = [t for t in space.pop("TILE_N", []) if t]
         points = []
         for point in super().legal_points(region, target, space):
             points.append({**point, "STREAM_K": 0})
             if point.get("GEMV") and point["SPLIT_K"] == 1:
-                twins = [*({**point, "STREAM_K": n} for n in stream_k),
-                         *({**point, "STREAM_K": 0, "TILE_N": t} for t in narrow)]
+                twins = ({**point, "STREAM_K": n} for n in stream_k)
                 points.extend(twin for twin in twins if self.check(region, twin, target) is None)
         return points
 
@@ -391,10 +347,6 @@ class MatmulEpilogueFamily(TemplateFamily):
         knobs = {**VARIANT_DEFAULTS, **params}
         if knobs["STREAM_K"] and not knobs["GEMV"]:
             return "STREAM_K is a form of the GEMV kernel (GEMV=True)"
-        if knobs["TILE_N"]:
-            reason = self._check_narrow(region, params, knobs, target)
-            if reason:
-                return reason
         if knobs["NORM_FIRST"] and not (knobs["GEMV"] and _norm_prologue(region) is not None):
             return "NORM_FIRST runs a region's RMSNorm prologue ahead of the GEMV kernel (GEMV=True and a norm prologue)"
         if knobs["SWAP_AB"] and not (knobs["GEMV"] and params["BLOCK_M"] >= 16 and params["BLOCK_N"] >= 64):
@@ -406,24 +358,6 @@ class MatmulEpilogueFamily(TemplateFamily):
         if knobs["GEMV"]:
             return self._check_gemv(region, params, target)
         return self._check_tiles(region, params, target)
-
-    def _check_narrow(self, region: RegionSummary, params: dict, knobs: dict, target: Target) -> str | None:
-        """TILE_N: a GEMV tl.dot point whose programs own fewer columns than BLOCK_N, for more
-        programs (up to one wave) without splitting K."""
-        tile, bn = knobs["TILE_N"], params["BLOCK_N"]
-        if not (knobs["GEMV"] and params["BLOCK_M"] >= 16):
-            return "TILE_N narrows the GEMV kernel's tl.dot tiles (GEMV=True, BLOCK_M >= 16)"
-        if params["SPLIT_K"] != 1 or knobs["STREAM_K"]:
-            return "TILE_N gives more programs without splitting K (SPLIT_K=1, STREAM_K=0)"
-        if not (0 < tile < bn and tile % 16 == 0):
-            return f"TILE_N={tile} must be a multiple of 16 under BLOCK_N={bn}"
-        row_squares = _row_squares(region)
-        if row_squares is not None and tile % row_squares["chunk"]:
-            return f"row statistics in chunks of {row_squares['chunk']} columns need TILE_N a multiple of it"
-        ((m_lo, _), (n_lo, _), _), _ = self._shape_facts(region)
-        if -(-m_lo // params["BLOCK_M"]) * -(-n_lo // tile) > target.num_sms:
-            return f"TILE_N={tile} makes more programs than {target.num_sms} SMs (it is for one wave)"
-        return None
 
     def _check_tiles(self, region: RegionSummary, params: dict, target: Target) -> str | None:
         """The tensor-core kernels: the plain grid and the tile loop (PERSISTENT / USE_TMA)."""
@@ -624,7 +558,6 @@ class MatmulEpilogueFamily(TemplateFamily):
             norm=norm and {"eps": float(norm["eps"]), "has_weight": bool(norm.get("has_weight")),
                            "stats": norm["kind"] == "rms_norm_stats", **self._stats_render(region, norm)},
             row_squares=row_squares and self._row_squares_render(row_squares, outputs),
-            tail_prefetch=_tail_prefetch(region),
             glu=glu,
             extras=extras,
             loaded_extras=[e for e in extras if e in used],

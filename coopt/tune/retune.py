@@ -98,22 +98,12 @@ def _drop_stale_launch(selection: dict, summary: dict) -> None:
     PDL (always correct) and says why ("launch_note", shown by report.md) until a rebuild
     measures it again."""
     changed = sorted(name for name, info in summary.items() if info["old_selected"] != info["selected"])
-    prefetch = (selection.get("prefetch") or {}).get("bytes")
-    if not (selection.get("pdl") or prefetch) or not changed:
+    if not selection.get("pdl") or not changed:
         return
-    # the same for the next weights' L2 prefetch (tune/prefetch.py): measured over the build's selection
-    measured, without = [], []
-    if selection.get("pdl"):
-        measured.append(f"PDL for {', '.join(selection['pdl'])}")
-        without.append("PDL")
-    if prefetch:
-        measured.append(f"the GEMVs' L2 prefetch of the next weight ({prefetch / 2**20:g} MB a launch)")
-        without.append("that prefetch")
-    selection["launch_note"] = (f"launched without {' and '.join(without)}: the build measured {' and '.join(measured)} "
+    selection["launch_note"] = (f"launched without PDL: the build measured PDL for {', '.join(selection['pdl'])} "
                                 f"with its own selection, and `coopt tune` changed {len(changed)} regions' "
                                 f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); rebuild to measure it again")
     selection["pdl"] = []
-    selection["prefetch"] = {}
 
 
 def _built_for_cuda_graphs(out_dir: Path) -> bool:

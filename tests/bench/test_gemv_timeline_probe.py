@@ -121,14 +121,3 @@ def test_every_alternative_is_a_legal_point_and_o_and_down_get_some_without_a_me
         assert any(probe.programs(r, p) == 128 for r, p in unsplit)  # 32-column tiles: every SM busy, no meeting
         assert all(r.attrs["row_squares"]["chunk"] <= p["BLOCK_N"] for r, p in unsplit)
     assert max(probe.programs(*pair) for pair in probe.alternatives("qkv+")) > probe.programs(*probe.shapes()["qkv+"])
-
-
-def test_the_narrow_alternatives_are_one_wave_of_the_templates_narrow_tiles():
-    """q|k|v in 48-column tiles and o, down in 32 (statistics in 32-column chunks) are the
-    template's TILE_N points: 128 programs each, against the build's 96 (q|k|v) and 64 tiles
-    split in two (o, down)."""
-    for name, tile in (("qkv+", 48), ("o+", 32), ("down+", 32)):
-        narrow = [(r, p) for r, p in probe.alternatives(name) if p.get("TILE_N")]
-        assert narrow and all(p["TILE_N"] == tile and probe.programs(r, p) == 128 for r, p in narrow), name
-        assert f"{tile} columns a tile" in probe.point_label(narrow[0][1])
-    assert probe.programs(*probe.shapes()["qkv+"]) == 96

@@ -159,8 +159,6 @@ def _compile_launches(path: str, inputs, machine_code: bool) -> dict:
             "f16_to_bf16": ptx.count("cvt.bf16.f16"),
             # L2 prefetches issued before that wait (the GEMV's weights, which no kernel writes)
             "prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"),
-            # bulk L2 prefetches (the TMA unit's; matmul_epilogue's tail prefetch of the next weight)
-            "bulk_prefetch": ptx.count("cp.async.bulk.prefetch.L2"),
             "shared": compiled.metadata.shared,
             **(_machine_code_facts(compiled.asm["cubin"]) if machine_code else {}),
         }

@@ -159,15 +159,3 @@ def test_an_unchanged_selection_keeps_the_launch_choice(build_dir):
     tune_build_dir(build_dir, **FAST)
     selection = json.loads(path.read_text())
     assert selection["pdl"] == ["gemv"] and "launch_note" not in selection
-
-
-def test_a_changed_selection_drops_the_prefetch_measured_for_the_old_one(build_dir):
-    """The next weights' L2 prefetch was timed over the build's selection too (tune/prefetch.py)."""
-    path = build_dir / "selection.json"
-    prefetch = {"bytes": 16 << 20, "plans": {"r0": {"split_k": 1, "block_k": 128}}}
-    path.write_text(json.dumps({**json.loads(path.read_text()), "pdl": [], "prefetch": prefetch}))
-    tune_build_dir(build_dir, **FAST)
-    selection = json.loads(path.read_text())
-    assert selection["prefetch"] == {} and selection["pdl"] == []
-    assert selection["launch_note"].startswith("launched without that prefetch: the build measured the GEMVs' "
-                                               "L2 prefetch of the next weight (16 MB a launch)")
