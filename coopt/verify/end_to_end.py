@@ -30,6 +30,7 @@ distance from the reference program.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Mapping, Sequence
 
@@ -346,10 +347,27 @@ def _fresh_like(example, sizes: dict[int, int] | None, generator: torch.Generato
         return values.to(example.dtype).to(example.device)
     if example.dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=generator).bool().to(example.device)
-    lo = int(example.min()) if example.numel() else 0
-    hi = int(example.max()) if example.numel() else 1
-    values = torch.randint(lo, hi + 1, shape, generator=generator, dtype=torch.int64)
-    return values.to(example.dtype).to(example.device)
+    return _integers_like(example, shape, generator).to(example.dtype).to(example.device)
+
+
+def _integers_like(example: torch.Tensor, shape: list[int], generator: torch.Generator) -> torch.Tensor:
+    """Integers in the example's range [min, max], keeping two of its properties a model may rely
+    on: distinct values stay distinct (drawn without replacement; the range widened upwards where
+    a larger dynamic size needs more values) and ascending ones ascend. Positions are why: a
+    prompt's positions arange(T) drawn with repeats would make its cache write an index_put with
+    duplicate indices, whose winner is undefined on a GPU (eager, its float64 copy and the build
+    then each keep another row, and the check judges noise)."""
+    flat = example.detach().flatten().to(torch.int64).cpu()
+    lo = int(flat.min()) if flat.numel() else 0
+    hi = int(flat.max()) if flat.numel() else 1
+    count = math.prod(shape)
+    if flat.numel() < 2 or int(flat.unique().numel()) < flat.numel():
+        return torch.randint(lo, hi + 1, shape, generator=generator, dtype=torch.int64)
+    hi = max(hi, lo + count - 1)
+    values = lo + torch.randperm(hi - lo + 1, generator=generator)[:count]
+    if bool((flat[1:] > flat[:-1]).all()):
+        values = values.sort().values
+    return values.reshape(shape)
 
 
 def _leaves(value, path: str = "output") -> list[tuple[str, object]]:
