@@ -16,6 +16,7 @@ import pytest
 import torch
 
 MODEL_PATH = Path(__file__).resolve().parents[2] / "examples" / "llama" / "model.py"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where coopt.load puts a build
 
 
 @contextmanager

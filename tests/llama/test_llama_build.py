@@ -14,7 +14,7 @@ import torch
 import coopt
 from coopt.emit.state_file import stored_state
 from coopt.frontend.model_file import load_model_file
-from llama_helpers import MODEL_PATH, cli_build
+from llama_helpers import DEVICE, MODEL_PATH, cli_build
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,9 @@ def built_dir(tmp_path_factory):
 
 def test_cli_build_of_the_tiny_decode_step_matches_eager(built_dir):
     eager = load_model_file(MODEL_PATH)  # same seeds: the weights and cache history of the build
+    eager.model.to(DEVICE)
     built = coopt.load(built_dir)
-    tokens, input_pos = eager.example_inputs
+    tokens, input_pos = (t.to(DEVICE) for t in eager.example_inputs)
     with torch.no_grad():  # two steps: the second attends to the keys the first one wrote
         for step in range(2):
             position = input_pos + step
@@ -108,12 +109,13 @@ def test_prefill_entry_shares_weights_and_cache_with_the_decode_step(built_dir):
     assert prefill.state_tensor(cache) is built.state_tensor(cache) and prefill.state_tensor(cache).dtype == torch.float64
     built.float()
 
-    eager = load_model_file(MODEL_PATH).model
-    prompt = torch.randint(0, eager.args.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5))
+    eager = load_model_file(MODEL_PATH).model.to(DEVICE)
+    prompt = torch.randint(0, eager.args.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    positions = torch.arange(11, device=DEVICE)
     with torch.no_grad():  # prompt length 11 differs from the example's 16: the entry is dynamic in T
-        torch.testing.assert_close(prefill(prompt, torch.arange(11)), eager(prompt, torch.arange(11)), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(prefill(prompt, positions), eager(prompt, positions), rtol=1e-4, atol=1e-4)
         # the decode step continues from the cache the prefill wrote
-        step = torch.tensor([[7]]), torch.tensor([11])
+        step = torch.tensor([[7]], device=DEVICE), torch.tensor([11], device=DEVICE)
         torch.testing.assert_close(built(*step), eager(*step), rtol=1e-4, atol=1e-4)
 
 

@@ -16,10 +16,9 @@ import torch
 
 import coopt
 from coopt.frontend.model_file import load_model_file
-from llama_helpers import MODEL_PATH
+from llama_helpers import DEVICE, MODEL_PATH
 
 CHUNK, PROMPT, NEW_TOKENS = 16, 40, 8
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where coopt.load puts a build
 PLAIN = {"cuda_graphs": False}
 
 

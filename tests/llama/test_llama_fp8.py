@@ -13,7 +13,7 @@ import torch
 
 import coopt
 from coopt.frontend.model_file import load_model_file
-from llama_helpers import MODEL_PATH, cli_build
+from llama_helpers import DEVICE, MODEL_PATH, cli_build
 
 CACHES = [f"layers.{layer}.attention.{kind}_cache" for layer in range(2) for kind in "kv"]
 # Top-1 bound over the 16 teacher-forced decode steps. Per-head e4m3 keeps 3 mantissa bits (a
@@ -33,7 +33,7 @@ def built_dir(tmp_path_factory):
 
 
 def test_weights_hold_fp8_caches_and_their_scales_once(built_dir):
-    main = torch.load(built_dir / "weights.pt", weights_only=True)
+    main = torch.load(built_dir / "weights.pt", weights_only=True, map_location="cpu")
     for name in CACHES:
         assert main[name].dtype == torch.float8_e4m3fn and main[name].shape == (1, 2, 128, 16)
         assert main[name + ".scale"].dtype == torch.float32 and main[name + ".scale"].shape == (2,)
@@ -52,8 +52,9 @@ def test_weights_hold_fp8_caches_and_their_scales_once(built_dir):
 
 def test_decode_step_writes_rows_quantized_with_the_calibrated_scales(built_dir):
     eager = load_model_file(MODEL_PATH)
+    eager.model.to(DEVICE)
     built = coopt.load(built_dir)
-    tokens, position = eager.example_inputs
+    tokens, position = (t.to(DEVICE) for t in eager.example_inputs)
     with torch.no_grad():
         built(tokens, position)
         eager.model(tokens, position)
@@ -82,12 +83,13 @@ def test_prefill_entry_shares_fp8_caches_and_scales(built_dir):
     assert summary["attrs"]["kv_scale"] == "per-head"
     assert [i["dtype"] for i in summary["inputs"]] == ["float32", "float8_e4m3fn", "float8_e4m3fn", "int64", "float32", "float32"]
     # a prompt through the prefill entry, then a decode step over what it wrote: fp8-close to eager
-    eager = load_model_file(MODEL_PATH).model
-    prompt = torch.randint(0, eager.args.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5))
+    eager = load_model_file(MODEL_PATH).model.to(DEVICE)
+    prompt = torch.randint(0, eager.args.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    positions = torch.arange(11, device=DEVICE)
     with torch.no_grad():
-        got, want = prefill(prompt, torch.arange(11)), eager(prompt, torch.arange(11))
+        got, want = prefill(prompt, positions), eager(prompt, positions)
         assert float((got - want).abs().max()) < 0.1 * float(want.abs().max())
-        assert torch.isfinite(built(torch.tensor([[7]]), torch.tensor([11]))).all()
+        assert torch.isfinite(built(torch.tensor([[7]], device=DEVICE), torch.tensor([11], device=DEVICE))).all()
 
 
 def test_build_json_and_report_state_the_measured_accuracy_cost(built_dir):
@@ -140,7 +142,7 @@ def test_fp8_writes_are_one_launch_with_rope_and_checked_against_the_reference_p
 
 def test_generate_runs_on_the_fp8_build(built_dir):
     built = coopt.load(built_dir)
-    prompt = torch.tensor([[3, 17, 42, 9]])
+    prompt = torch.tensor([[3, 17, 42, 9]], device=DEVICE)
     tokens = coopt.generate(built, prompt, 6)
     assert tokens.shape == (1, 10) and torch.equal(tokens[:, :4], prompt)
     assert int(tokens.min()) >= 0 and int(tokens.max()) < 256

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import coopt
-from llama_helpers import cli_build
+from llama_helpers import DEVICE, cli_build
 
 CACHES = [f"layers.{layer}.attention.{kind}_cache" for layer in range(2) for kind in "kv"]
 
@@ -55,11 +55,11 @@ def test_the_prefill_write_outputs_the_keys_it_rounds(built_dir):
 
 
 def test_the_rings_are_state_and_generate_runs(built_dir):
-    main = torch.load(built_dir / "weights.pt", weights_only=True)
+    main = torch.load(built_dir / "weights.pt", weights_only=True, map_location="cpu")
     for name in CACHES:
         ring = main[name + ".recent"]
         assert ring.shape == (1, 2, 4, 16) and main[name].dtype == torch.float8_e4m3fn
     built = coopt.load(built_dir)
-    prompt = torch.tensor([[3, 17, 42, 9]])
+    prompt = torch.tensor([[3, 17, 42, 9]], device=DEVICE)
     tokens = coopt.generate(built, prompt, 6)
     assert tokens.shape == (1, 10) and torch.equal(tokens[:, :4], prompt)

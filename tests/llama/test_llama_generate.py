@@ -18,11 +18,10 @@ import torch
 
 import coopt
 from coopt.frontend.model_file import load_model_file
-from llama_helpers import MODEL_PATH
+from llama_helpers import DEVICE, MODEL_PATH
 
 DYNAMIC_PATH = Path(__file__).resolve().parent / "dynamic_llama.py"
 NEW_TOKENS = 16
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where coopt.load puts a build
 # call counting sees every step only without CUDA graphs (a replay runs no forward)
 PLAIN = {"cuda_graphs": False}
 

@@ -20,10 +20,9 @@ import coopt
 from coopt.frontend.model_file import load_model_file
 from coopt.runtime.paged_layout import identity_page_table
 from coopt.runtime.serve import PagedDecoder, PoolExhausted, UnknownSequence
-from llama_helpers import MODEL_PATH, llama_env
+from llama_helpers import DEVICE, MODEL_PATH, llama_env
 
 BATCH, MAX_SEQ, POS, PAGE, CHUNK = 2, 64, 40, 16, 16
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,10 @@ import coopt
 from coopt.accuracy.builds import fp8_kv_pipeline
 from coopt.passes.registry import DEFAULT_PIPELINE
 from coopt.runtime.serve import PagedDecoder
-from llama_helpers import MODEL_PATH, llama_env
+from llama_helpers import DEVICE, MODEL_PATH, llama_env
 
 BATCH, MAX_SEQ, POS, PAGE, CHUNK = 2, 64, 40, 16, 16
 HEAD_DIM, KV_HEADS, LAYERS = 16, 2, 2  # the tiny preset
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")

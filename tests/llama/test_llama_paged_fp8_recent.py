@@ -22,10 +22,9 @@ import torch
 
 import coopt
 from coopt.runtime.serve import PagedDecoder, RingSlotsExhausted
-from llama_helpers import MODEL_PATH, llama_env
+from llama_helpers import DEVICE, MODEL_PATH, llama_env
 
 BATCH, MAX_SEQ, POS, PAGE, CHUNK = 2, 64, 40, 16, 16
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,9 @@ import torch
 
 import coopt
 from coopt.frontend.model_file import load_model_file
-from llama_helpers import MODEL_PATH
+from llama_helpers import DEVICE, MODEL_PATH
 
 BATCH, MAX_SEQ, POS = 3, 64, 40
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def tiny(llama, batch=BATCH, max_seq=MAX_SEQ):
