@@ -4,6 +4,7 @@ from its range, and the built model runs at sizes other than the example's."""
 import json
 import textwrap
 
+import pytest
 import torch
 
 import coopt
@@ -49,3 +50,15 @@ def test_dynamic_batch_end_to_end(tmp_path):
         x = torch.randn(batch, 32)
         with torch.no_grad():
             torch.testing.assert_close(built(x), original(x), rtol=1e-4, atol=1e-4)
+
+
+def test_inputs_on_another_device_get_a_one_line_error(tmp_path):
+    """A built model called with tensors off its weights' device (CPU tensors for a build on the
+    GPU) is refused before any launch, naming the input and the device to move it to."""
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(MODEL))
+    coopt.build(path, tmp_path / "out", top_k=1)
+    built = coopt.load(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"^x: on meta, but the model's weights are on (cpu|cuda:0); move the inputs "
+                                         r"there \(\.to\('(cpu|cuda:0)'\)\)$"):
+        built(torch.randn(3, 32, device="meta"))
