@@ -40,7 +40,11 @@ def test_dynamic_batch_end_to_end(tmp_path):
         assert isinstance(summary["inputs"][0]["shape"][0], str), "batch dim lost its symbol"
         (symbol,) = summary["dims"]
         assert summary["dims"][symbol] == [1, 64] and summary["example_dims"][symbol] == 6
-    assert all(r.selected != "reference" for r in result.regions)
+    # every region verified a kernel at the drawn sizes; without a GPU (selection by advisor rank)
+    # the kernels run below, on a GPU the faster of kernel and reference does (measured latency)
+    assert all(any(c.verified and c.family != "reference" for c in r.candidates) for r in result.regions)
+    if not torch.cuda.is_available():
+        assert all(r.selected != "reference" for r in result.regions)
     from coopt.frontend.model_file import load_model_file
 
     original = load_model_file(path).model
