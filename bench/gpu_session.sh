@@ -65,6 +65,7 @@
 #                                        # early epilogue loads' GPU tests (~3 min)
 #   bash bench/gpu_session.sh points-fp8-b32  # gemv-points' probe, embedding_rows' GPU tests, b32 / 2048
 #                                        # reduce-overhead and coopt-fp8 (~7 min)
+#   bash bench/gpu_session.sh e2e-tests  # tests/e2e on the GPU, never run whole there (~9 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
@@ -471,6 +472,10 @@ case "${1:-}" in
         step 330 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
+        ;;
+    e2e-tests)  # session 51: tests/e2e on the GPU (the Llama build tests left CPU tensors beside GPU builds until
+        # this session; the e2e files now go through built_calls.beside_eager): the failures' names and first lines
+        step 560 e2e-tests python -m pytest -q -p no:cacheprovider --tb=line -p no:logging tests/e2e
         ;;
     lengths-fold)  # issue 4, session 47: the decode attentions add the lengths' + 1 (fuse-attention's lengths_add):
         # the CUDA and Triton kernels' GPU tests, the builds reading positions (plain, fp8, fp8-recent, paged; ~4 min)
