@@ -65,6 +65,8 @@
 #                                        # early epilogue loads' GPU tests (~3 min)
 #   bash bench/gpu_session.sh points-fp8-b32  # gemv-points' probe, embedding_rows' GPU tests, b32 / 2048
 #                                        # reduce-overhead and coopt-fp8 (~7 min)
+#   bash bench/gpu_session.sh status-fp8-b32  # b32 / 2048 reduce-overhead and coopt-fp8, the step profiled without
+#                                        # PDL and with it for the GEMVs (~8 min)
 #   bash bench/gpu_session.sh e2e-tests  # tests/e2e on the GPU, never run whole there (~9 min)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
@@ -138,7 +140,8 @@ step() {  # step SECONDS NAME COMMAND...: run, log to $OUT/NAME.log, print the l
     local limit=$1 name=$2
     shift 2
     echo "== $name (limit ${limit}s)"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    # SIGINT first: pytest then prints its summary (the failures' names), a script its traceback
+    timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name: exit $?"
     grep -v "^    \|AUTOTUNE\|triton_\|^  mm\|^  bmm\|Warning\|return cls" "$OUT/$name.log" | tail -15
 }
@@ -475,7 +478,7 @@ case "${1:-}" in
         ;;
     e2e-tests)  # session 51: tests/e2e on the GPU (the Llama build tests left CPU tensors beside GPU builds until
         # this session; the e2e files now go through built_calls.beside_eager): the failures' names and first lines
-        step 560 e2e-tests python -m pytest -q -p no:cacheprovider --tb=line -p no:logging tests/e2e
+        step 560 e2e-tests python -m pytest -q -rf -p no:cacheprovider --tb=line -p no:logging tests/e2e
         ;;
     lengths-fold)  # issue 4, session 47: the decode attentions add the lengths' + 1 (fuse-attention's lengths_add):
         # the CUDA and Triton kernels' GPU tests, the builds reading positions (plain, fp8, fp8-recent, paged; ~4 min)
@@ -484,6 +487,16 @@ case "${1:-}" in
             tests/passes/test_decode_attention_raise.py tests/verify/test_verify_lengths.py tests/templates/test_decode_attention_mma.py
         step 380 lengths-builds python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
             tests/llama/test_llama_build.py tests/llama/test_llama_fp8.py tests/llama/test_llama_fp8_recent.py tests/llama/test_llama_paged_fp8_recent.py
+        ;;
+    status-fp8-b32)  # issue 4, session 52: the status row (b32 / 2048, reduce-overhead and coopt-fp8), then the
+        # build's step profiled launch by launch without PDL and with it for the GEMVs (where PDL loses on an H200; ~8 min)
+        step 360 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
+            --prefill 0 --agreement-steps 8 --keep-weights --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
+        reports reports_fp8_b32 coopt-fp8
+        for pdl in 0 gemv; do
+            COOPT_PDL=$pdl step 75 "profile_fp8_b32_pdl_$pdl" python bench/profile_step.py /tmp/coopt-fp8/b32-pos2048-fp8 \
+                --batch 32 --launches --out "$OUT/profile_fp8_b32_pdl_$pdl.json"
+        done
         ;;
     profile-fp8-b32)  # issue 4, session 46: the b32 / 2048 --kv-cache fp8 build's replayed step, kernel by kernel
         # (each launch's time and the gap before it; ~4 min)

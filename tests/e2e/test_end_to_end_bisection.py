@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from built_calls import beside_eager
+from built_calls import DEVICE, pin_verified_kernels
 
 import coopt
 from coopt.candidates import REFERENCE
@@ -29,8 +29,10 @@ class TwoBlocks(torch.nn.Module):
 
 def test_bisection_drops_only_the_kernel_that_breaks_the_model(tmp_path):
     torch.manual_seed(0)
-    model, inputs, out = TwoBlocks(), (torch.randn(4, 16),), tmp_path / "out"
+    # (on the build's device: the check runs the model beside the loaded build)
+    model, inputs, out = TwoBlocks().to(DEVICE), (torch.randn(4, 16, device=DEVICE),), tmp_path / "out"
     result = coopt.Pipeline(top_k=1).build(model, inputs, out)
+    pin_verified_kernels(out, result)
     kernels = [r for r in result.regions if r.selected != REFERENCE]
     assert len(kernels) == 2, [(r.summary.name, r.selected) for r in result.regions]
     broken, kept = kernels
@@ -52,7 +54,7 @@ def test_bisection_drops_only_the_kernel_that_breaks_the_model(tmp_path):
     selection = json.loads((out / "selection.json").read_text())["regions"]
     assert selection[broken.summary.name]["selected"] == REFERENCE
     with torch.no_grad():
-        torch.testing.assert_close(beside_eager(coopt.load(out))(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(coopt.load(out)(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
 
 
 class CachedBlocks(torch.nn.Module):
@@ -73,8 +75,10 @@ def test_a_stateful_check_runs_the_callers_model_and_puts_its_buffers_back(tmp_p
     import coopt.verify.end_to_end as e2e
 
     torch.manual_seed(0)
-    model, inputs, out = CachedBlocks(), (torch.randn(4, 16), torch.arange(4)), tmp_path / "out"
+    model, out = CachedBlocks().to(DEVICE), tmp_path / "out"
+    inputs = (torch.randn(4, 16, device=DEVICE), torch.arange(4, device=DEVICE))
     result = coopt.Pipeline(top_k=1).build(model, inputs, out)
+    pin_verified_kernels(out, result)
     kernels = [r for r in result.regions if r.selected != REFERENCE]
     assert kernels, [(r.summary.name, r.selected) for r in result.regions]
     broken = kernels[-1]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from built_calls import beside_eager
+from built_calls import beside_eager, verified_kernel
 
 import coopt
 from coopt.emit.state_file import stored_state
@@ -48,7 +48,11 @@ def test_example_builds_verified_and_matches_the_original(builds, name):
     for region, entry in selection["regions"].items():
         chosen = next(c for c in entry["candidates"] if c["label"] == entry["selected"])
         assert chosen["verified"], f"{region} selected an unverified candidate"
-    assert any(r.selected != "reference" for r in result.regions), "no generated kernel survived"
+    # a generated kernel verified; without a GPU (selection by advisor rank) one is selected, on a
+    # GPU the faster of kernel and reference is (the H100 kept ATen for every region of mlp)
+    assert any(verified_kernel(r) for r in result.regions), "no generated kernel verified"
+    if not torch.cuda.is_available():
+        assert any(r.selected != "reference" for r in result.regions), "no generated kernel survived"
     assert result.e2e["ok"]
     # the loaded module reproduces the original model (same weights, fresh inputs)
     loaded = load_model_file(EXAMPLES / f"{name}.py")

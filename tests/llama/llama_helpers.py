@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from built_calls import beside_eager
+from built_calls import DEVICE, beside_eager  # noqa: F401 (DEVICE: the Llama tests import it from here)
 
 MODEL_PATH = Path(__file__).resolve().parents[2] / "examples" / "llama" / "model.py"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where coopt.load puts a build
 
 
 @contextmanager
