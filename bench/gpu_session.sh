@@ -507,6 +507,7 @@ case "${1:-}" in
             COOPT_PDL=$pdl step 75 "profile_fp8_b32_pdl_$pdl" python bench/profile_step.py /tmp/coopt-fp8/b32-pos2048-fp8 \
                 --batch 32 --launches --out "$OUT/profile_fp8_b32_pdl_$pdl.json"
         done
+        step 30 pdl-boundaries python bench/pdl_boundaries.py "$OUT/profile_fp8_b32_pdl_0.json" "$OUT/profile_fp8_b32_pdl_gemv.json"
         ;;
     profile-fp8-b32)  # issue 4, session 46: the b32 / 2048 --kv-cache fp8 build's replayed step, kernel by kernel
         # (each launch's time and the gap before it; ~4 min)
