@@ -315,6 +315,10 @@ def run_case(case: str, args, save=lambda row: None) -> dict:
         if launch:  # the build's own PDL choice, from its replayed step (coopt/tune/launch.py)
             print(f"  {mode}: launched with PDL for {launch['pdl'] or 'nothing'} (build's replays, ms: "
                   + ", ".join(f"{k} {v:.4f}" for k, v in launch["step_ms"].items()) + ")", flush=True)
+            refined = launch.get("refined") or {}
+            if refined.get("step_ms"):  # then module by module: each module switched the other way
+                print(f"  {mode}: module by module, kept {refined['chosen']} (regions {launch.get('pdl_regions') or {}}; "
+                      "ms: " + ", ".join(f"{k} {v:.4f}" for k, v in refined["step_ms"].items()) + ")", flush=True)
         if kv_cache in ("fp8", "fp8-recent"):  # its own floor: the cache read at one byte per element (+ scales)
             row["fp8_floor_ms"] = floor_ms(model, batch, pos, kv_element_bytes=1, bandwidth=args.floor_bandwidth)
             print(f"  {mode}: {row['fp8_floor_ms'] / row['ms'][mode]:.0%} of its fp8 floor "

@@ -620,10 +620,13 @@ def program_weights(module: ModuleOp, state: dict) -> dict:
     return weights
 
 
-def write_selection(out: Path, regions: list[RegionBuild], measured: bool, pdl: list[str] | None = None) -> None:
-    """out/selection.json: each region's candidates and the one selected, and (`pdl`) the kinds of
-    kernel launched with PDL, as the build measured them (program.py reads both)."""
-    data = {"measured": measured, "regions": {r.summary.name: r.to_json() for r in regions}, "pdl": list(pdl or ())}
+def write_selection(out: Path, regions: list[RegionBuild], measured: bool, pdl: list[str] | None = None,
+                    pdl_regions: dict[str, bool] | None = None) -> None:
+    """out/selection.json: each region's candidates and the one selected, (`pdl`) the kinds of
+    kernel launched with PDL and (`pdl_regions`) the regions launched otherwise than their kind,
+    as the build measured them (program.py reads all three)."""
+    data = {"measured": measured, "regions": {r.summary.name: r.to_json() for r in regions}, "pdl": list(pdl or ()),
+            "pdl_regions": dict(pdl_regions or {})}
     (out / "selection.json").write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
@@ -651,7 +654,7 @@ def _choose_launch(out: Path, example_inputs, regions: list[RegionBuild], measur
         return None
     # each switched kernel was verified with its region; the caller checks the mix end to end
     apply_reselection(regions, switches.get(switch_set(launch["label"]), {}), launch["step_ms"], launch["label"])
-    write_selection(out, regions, measured, pdl=launch["pdl"])
+    write_selection(out, regions, measured, pdl=launch["pdl"], pdl_regions=launch.get("pdl_regions"))
     return launch
 
 
@@ -665,14 +668,14 @@ def _check_reselection(end_to_end, before: tuple, launch: dict, alone: dict, reg
     e2e, accuracy = end_to_end(scratch)
     if e2e.get("ok"):
         warnings.extend(scratch)
-        write_selection(out, regions, measured, pdl=launch["pdl"])
+        write_selection(out, regions, measured, pdl=launch["pdl"], pdl_regions=launch.get("pdl_regions"))
         return e2e, accuracy, launch
     for region in regions:
         region.selected, region.reason = alone[region.summary.name]
     write_selection(out, regions, measured, pdl=[])
     warnings.append(f"the selection switched to PDL-ready kernels ({launch['label']}) failed the end-to-end check: "
                     "kept each region's own selection, launched without PDL")
-    return (*before, {**launch, "pdl": [], "label": "none", "reselected": {},
+    return (*before, {**launch, "pdl": [], "label": "none", "reselected": {}, "pdl_regions": {},
                       "reverted": "the switched selection failed the end-to-end check"})
 
 

@@ -71,7 +71,17 @@ def _launch_line(launch: dict) -> str:
     switched = launch.get("reselected") or {}
     if switched:
         what += f" ({len(switched)} regions switched: see their reasons)"
-    return f"- launch: {what}, measured (the replayed step {times[chosen]:.4f} ms; {others or 'no other option applied'})"
+    line = f"- launch: {what}, measured (the replayed step {times[chosen]:.4f} ms; {others or 'no other option applied'})"
+    refined = launch.get("refined") or {}
+    if refined.get("chosen", "base") != "base":  # tune/launch.py refine_modules: some modules launched the other way
+        regions = launch.get("pdl_regions") or {}
+        on, off = ([r for r, pdl in regions.items() if pdl is flag] for flag in (True, False))
+        parts = [f"{what} for {len(names)} regions ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                 for what, names in (("with PDL", on), ("without PDL", off)) if names]
+        ms = refined["step_ms"]
+        line += (f"; then, module by module, {' and '.join(parts)}: the replayed step {ms[refined['chosen']]:.4f} ms "
+                 f"(unswitched {ms['base']:.4f})")
+    return line
 
 
 def _chosen_label(launch: dict) -> str:
@@ -80,8 +90,14 @@ def _chosen_label(launch: dict) -> str:
 
 
 def _replayed_ms(launch: dict | None) -> float | None:
-    """The replayed step's time under the launch the build chose (None where it timed none)."""
-    return launch["step_ms"].get(_chosen_label(launch)) if launch else None
+    """The replayed step's time under the launch the build chose, refined module by module where it
+    was (None where it timed none)."""
+    if not launch:
+        return None
+    refined = launch.get("refined") or {}
+    if refined.get("chosen", "base") != "base":
+        return refined["step_ms"][refined["chosen"]]
+    return launch["step_ms"].get(_chosen_label(launch))
 
 
 def _step_times(steps: dict) -> str:

@@ -11,6 +11,13 @@ option only where it beats launching without PDL by more than `MIN_GAIN` (run-to
 one process is ~0.2 %). The choice goes into selection.json ("pdl": the kinds), which the
 built program.py applies when it loads its kernels.
 
+A kind is still coarse: in a b32 / 2048 step on an H100 (session 52, bench/pdl_boundaries.py)
+PDL gained 2-3 µs a layer at q|k|v and gate|up and lost 0.8 at o, all three GEMVs of one kind. So
+the chosen option is then refined module by module (`refine_modules`): each generated module of a
+kind some option names (one per distinct kernel; a layer's twins share theirs) is timed switched
+the other way, and the switches that win are kept (selection.json "pdl_regions": {region: on}
+for their regions, which program.py applies over the kinds).
+
     >>> choose_pdl(built, inputs)  # doctest: +SKIP
     {'pdl': ['gemv'], 'step_ms': {'none': 1.7802, 'gemv': 1.7655}, 'timing': '...'}
 """
@@ -33,6 +40,10 @@ import torch
 PDL_OPTIONS: tuple[tuple[str, ...], ...] = (("gemv",), ("gemv", "decode_attention"), ("gemv_cuda",),
                                             ("gemv_cuda", "gemv"))
 MIN_GAIN = 0.005
+# A module's switch against its kind's choice must win by this much: the spread of one process's
+# alternating rounds (~0.2 %), not MIN_GAIN's margin for launching with PDL at all; a module's
+# share of a step is small (o's 0.8 µs a layer is 0.3 % of an 8-layer b32 step).
+REFINE_GAIN = 0.002
 
 
 def pdl_capable() -> bool:
@@ -50,11 +61,18 @@ def kernel_modules(built) -> list[dict]:
     return list(spaces.values())
 
 
-def set_pdl(built, kinds: Iterable[str]) -> int:
-    """Launch the built program's kernels of `kinds` with PDL and the others without (from their
-    next launch: capture a new graph after this); how many modules now launch with it."""
-    kinds = set(kinds)
-    return sum(bool(space["use_pdl"](space["PDL_KIND"] in kinds)) for space in kernel_modules(built))
+def set_pdl(built, kinds: Iterable[str], switched: Iterable[int] = ()) -> int:
+    """Launch the built program's kernels of `kinds` with PDL and the others without, except the
+    modules whose id(namespace) is in `switched`, launched the other way (from their next launch:
+    capture a new graph after this); how many modules now launch with it."""
+    kinds, switched = set(kinds), set(switched)
+    return sum(bool(space["use_pdl"]((space["PDL_KIND"] in kinds) != (id(space) in switched)))
+               for space in kernel_modules(built))
+
+
+def module_regions(built, space: dict) -> list[str]:
+    """The regions that run a kernel module (a layer's twins share one)."""
+    return [region for region, run in built._kernels.items() if getattr(run, "__globals__", None) is space]
 
 
 def switch_set(label: str) -> str:
@@ -65,7 +83,7 @@ def switch_set(label: str) -> str:
 
 def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | None = None,
                graph: Callable | None = None,
-               switches: dict[str, dict[str, tuple[str, Callable]]] | None = None) -> dict | None:
+               switches: dict[str, dict[str, tuple[str, Callable]]] | None = None, refine: bool = True) -> dict | None:
     """Time `built`'s step replayed as a CUDA graph launched without PDL and under each option,
     leave `built` launching the fastest (an option must win by MIN_GAIN), and return
     {"pdl": kinds, "label": the winner's, "step_ms": {label: ms}, "timing": how, "reselected":
@@ -73,7 +91,8 @@ def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | 
     every kind of any option. `switches` ({suffix: {region: (label, run)}}, tune/pdl_ready.py)
     are sets of kernels ready for PDL: each option that launches all of a set's kinds with PDL is
     timed again with the set switched in (its label + the suffix), and a switched selection must
-    beat the best without switches by MIN_GAIN too. `timer` (coopt.tune.interleaved's
+    beat the best without switches by MIN_GAIN too. With `refine`, the chosen option is then refined
+    module by module (refine_modules; "pdl_regions" and "refined" in the result). `timer` (coopt.tune.interleaved's
     time_interleaved by default) takes {label: fn}; `graph` (GraphedStep by default) captures the
     step: both are parameters so that tests can stand in for the GPU."""
     from coopt.runtime.cuda_graph import GraphedStep
@@ -120,6 +139,51 @@ def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | 
     built._kernels.update(selected)
     built._kernels.update(runs.get(chosen, {}))
     set_pdl(built, kinds_of[best])
+    considered = {kind for option in applicable() for kind in option}
+    steps.clear()  # (the options' graphs: their memory back before the refinement captures its own)
+    try:
+        refined = (refine_modules(built, example_inputs, kinds_of[best], considered, timer=timer, graph=graph)
+                   if refine else {"regions": {}, "step_ms": {}, "chosen": "base"})
+    except BaseException:
+        set_pdl(built, kinds_of[best])  # the option as chosen: measured, always correct
+        raise
     return {"pdl": list(kinds_of[best]), "label": best, "step_ms": dict(ms),
             "reselected": {region: label for region, (label, _) in (switches or {}).get(chosen, {}).items()},
+            "pdl_regions": refined["regions"], "refined": refined,
             "timing": "the step replayed as a CUDA graph per option, in alternating rounds (median)"}
+
+
+def refine_modules(built, example_inputs, kinds: Iterable[str], considered: Iterable[str], *, timer: Callable,
+                   graph: Callable) -> dict:
+    """From `kinds` launched with PDL, time the step with each module of a `considered` kind switched
+    the other way (its label: "+" or "-" and the module's first region), all in one timer call;
+    keep every switch that beats the unswitched step by REFINE_GAIN, and where several do, time
+    them together against the best one alone and keep the faster. Leaves `built` launching the
+    result; returns {"regions": {region: launched with PDL} for every region of a switched module,
+    "step_ms": {label: ms} ("base": unswitched; "together" and "best alone" where timed), "chosen":
+    the label of what it keeps ("base", a module's, or "together")}."""
+    kinds, considered = tuple(kinds), set(considered)
+    spaces = [space for space in kernel_modules(built) if space["PDL_KIND"] in considered and module_regions(built, space)]
+    if not spaces or not set_pdl(built, considered):  # nothing to switch, or no PDL on this GPU
+        set_pdl(built, kinds)
+        return {"regions": {}, "step_ms": {}, "chosen": "base"}
+
+    def label(space) -> str:
+        return ("-" if space["PDL_KIND"] in kinds else "+") + module_regions(built, space)[0]
+
+    def captured(switched: set[int]) -> Callable:
+        set_pdl(built, kinds, switched)
+        step = graph()  # captured with these launch attributes
+        return lambda: step(*example_inputs)
+
+    ms = dict(timer({"base": captured(set()), **{label(space): captured({id(space)}) for space in spaces}}))
+    winners = [space for space in spaces if ms[label(space)] < ms["base"] * (1 - REFINE_GAIN)]
+    keep = winners[:1]
+    if len(winners) > 1:
+        best = min(winners, key=lambda space: ms[label(space)])
+        ms.update(timer({"together": captured({id(space) for space in winners}), "best alone": captured({id(best)})}))
+        keep = winners if ms["together"] < ms["best alone"] else [best]
+    set_pdl(built, kinds, {id(space) for space in keep})
+    regions = {region: space["PDL_KIND"] not in kinds for space in keep for region in module_regions(built, space)}
+    chosen = "together" if len(keep) > 1 else label(keep[0]) if keep else "base"
+    return {"regions": regions, "step_ms": ms, "chosen": chosen}

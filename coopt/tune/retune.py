@@ -98,12 +98,14 @@ def _drop_stale_launch(selection: dict, summary: dict) -> None:
     PDL (always correct) and says why ("launch_note", shown by report.md) until a rebuild
     measures it again."""
     changed = sorted(name for name, info in summary.items() if info["old_selected"] != info["selected"])
-    if not selection.get("pdl") or not changed:
+    switched_on = sum(selection.get("pdl_regions", {}).values())  # regions launched with PDL outside the kinds
+    launched = ", ".join(selection.get("pdl", ())) or (f"{switched_on} regions" if switched_on else "")
+    if not launched or not changed:
         return
-    selection["launch_note"] = (f"launched without PDL: the build measured PDL for {', '.join(selection['pdl'])} "
+    selection["launch_note"] = (f"launched without PDL: the build measured PDL for {launched} "
                                 f"with its own selection, and `coopt tune` changed {len(changed)} regions' "
                                 f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); rebuild to measure it again")
-    selection["pdl"] = []
+    selection["pdl"], selection["pdl_regions"] = [], {}
 
 
 def _built_for_cuda_graphs(out_dir: Path) -> bool:

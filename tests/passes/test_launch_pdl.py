@@ -90,7 +90,7 @@ def test_choose_pdl_keeps_an_option_only_when_it_wins_by_the_margin(built_dir, c
         return lambda *inputs: None
 
     timer = lambda steps: {"none": 1.80, "gemv": gemv_ms}  # noqa: E731 - the GPU's medians
-    launch_choice = choose_pdl(built, (torch.randn(3, 1, 64),), timer=timer, graph=graph)
+    launch_choice = choose_pdl(built, (torch.randn(3, 1, 64),), timer=timer, graph=graph, refine=False)
     assert captured == [{False}, {True}]  # each option captured with its own launch attributes
     assert launch_choice["pdl"] == chosen and launch_choice["step_ms"] == {"none": 1.80, "gemv": gemv_ms}
     assert pdl_by_kind(built)["gemv"] == {bool(chosen)}  # the model is left launching the choice
@@ -102,7 +102,7 @@ def test_choose_pdl_skips_options_naming_kinds_the_step_does_not_have(built_dir,
     built = capable(load(built_dir, device="cpu"))
     timed = []
     choice = choose_pdl(built, (), options=(("no_such_kind",), ("gemv", "decode_attention"), ("gemv",)),
-                        graph=lambda: (lambda *a: None),
+                        graph=lambda: (lambda *a: None), refine=False,
                         timer=lambda steps: timed.append(sorted(steps)) or {k: 1.0 for k in steps})
     assert timed == [["gemv", "none"]] and choice["pdl"] == []
     assert ("gemv", "decode_attention") in launch.PDL_OPTIONS  # the default options name it
@@ -216,7 +216,7 @@ def test_the_default_options_time_the_cuda_gemvs_alone_and_with_the_triton_ones(
         timed.append(sorted(steps))
         return {label: 0.9 if label == "gemv_cuda" else 1.0 for label in steps}
 
-    choice = choose_pdl(built, (), graph=lambda: (lambda *a: None), timer=timer)
+    choice = choose_pdl(built, (), graph=lambda: (lambda *a: None), timer=timer, refine=False)
     assert timed == [["gemv", "gemv_cuda", "gemv_cuda,gemv", "none"]]  # no decode attention: not its option
     assert choice["pdl"] == ["gemv_cuda"]
     assert {space["PDL_KIND"]: space["PDL"] for space in kernel_modules(built)} == {"gemv": False, "gemv_cuda": True}
@@ -240,7 +240,7 @@ def test_a_pdl_option_is_timed_again_with_the_pdl_ready_kernels_switched_in():
     def timer(steps):
         return {label: 0.95 if label == "gemv_cuda+ready" else 1.0 for label in steps}
 
-    choice = choose_pdl(built, (), graph=graph, timer=timer, switches={"+ready": {"o": ("c4", ready)}})
+    choice = choose_pdl(built, (), graph=graph, timer=timer, switches={"+ready": {"o": ("c4", ready)}}, refine=False)
     # switched, the step has no Triton GEMV left: gemv_cuda,gemv would time gemv_cuda+ready again
     assert sorted(choice["step_ms"]) == ["gemv", "gemv_cuda", "gemv_cuda+ready", "gemv_cuda,gemv", "none"]
     assert sum(switched for switched, _ in captured.values()) == 1
@@ -257,7 +257,7 @@ def test_a_switched_selection_must_beat_the_best_without_switches_by_the_margin(
     selected = {"q": fake_kernel("gemv_cuda"), "o": fake_kernel("gemv_cuda")}
     built = SimpleNamespace(_kernels=dict(selected))
     times = {"none": 1.0, "gemv_cuda": 0.99, "gemv_cuda+ready": switched_ms}
-    choice = choose_pdl(built, (), options=(("gemv_cuda",),), graph=lambda: (lambda *a: None),
+    choice = choose_pdl(built, (), options=(("gemv_cuda",),), graph=lambda: (lambda *a: None), refine=False,
                         timer=lambda steps: {label: times[label] for label in steps},
                         switches={"+ready": {"o": ("c4", fake_kernel("gemv_cuda"))}})
     assert choice["label"] == "gemv_cuda" and choice["reselected"] == {}
@@ -283,10 +283,127 @@ def test_each_switch_set_is_timed_and_the_winning_sets_regions_are_switched():
     ready_q, ready_up = fake_kernel("gemv_cuda"), fake_kernel("gemv_cuda")
     built = SimpleNamespace(_kernels=dict(selected))
     times = {"none": 1.0, "gemv_cuda": 1.0, "gemv_cuda+ready": 0.99, "gemv_cuda+allready": 0.97}
-    choice = choose_pdl(built, (), options=(("gemv_cuda",),), graph=lambda: (lambda *a: None),
+    choice = choose_pdl(built, (), options=(("gemv_cuda",),), graph=lambda: (lambda *a: None), refine=False,
                         timer=lambda steps: {label: times[label] for label in steps},
                         switches={"+ready": {"q": ("c5", ready_q)},
                                   "+allready": {"q": ("c5", ready_q), "up": ("c6", ready_up)}})
     assert sorted(choice["step_ms"]) == sorted(times)
     assert choice["label"] == "gemv_cuda+allready" and choice["reselected"] == {"q": "c5", "up": "c6"}
     assert built._kernels == {"q": ready_q, "up": ready_up}
+
+
+def three_gemvs():
+    """A step of three GEMV modules; "o" has a twin ("o2", another layer) sharing its module."""
+    from types import SimpleNamespace
+
+    q, o, up = fake_kernel("gemv"), fake_kernel("gemv"), fake_kernel("gemv")
+    return SimpleNamespace(_kernels={"q": q, "o": o, "o2": o, "up": up})
+
+
+def pdl_of(built) -> dict[str, bool]:
+    return {region: run.__globals__["PDL"] for region, run in built._kernels.items()}
+
+
+def timer_of(kinds_ms: dict, modules_ms: dict, together_ms: dict | None = None):
+    """A stand-in GPU timer answering choose_pdl's call (labels "none", ...), refine_modules' call
+    ("base" and one label a module) and its "together" call from the dicts given; records the calls."""
+    calls = []
+
+    def timer(steps):
+        calls.append(sorted(steps))
+        table = kinds_ms if "none" in steps else modules_ms if "base" in steps else together_ms
+        return {label: table[label] for label in steps}
+    timer.calls = calls
+    return timer
+
+
+def test_refinement_switches_off_the_module_that_loses_under_pdl():
+    """Session 52 in small: PDL for the GEMVs wins, but one module (o, with its twin) loses by more
+    than REFINE_GAIN: it is launched without PDL, its twin with it, the others keep PDL."""
+    from coopt.tune.launch import REFINE_GAIN
+
+    built = three_gemvs()
+    timer = timer_of({"none": 1.0, "gemv": 0.98},
+                     {"base": 0.98, "-q": 0.99, "-o": 0.98 * (1 - 2 * REFINE_GAIN), "-up": 0.98 * (1 - REFINE_GAIN / 2)})
+    choice = choose_pdl(built, (), options=(("gemv",),), graph=lambda: (lambda *a: None), timer=timer)
+    assert timer.calls == [["gemv", "none"], ["-o", "-q", "-up", "base"]]  # one module once: o's twin shares it
+    assert choice["pdl"] == ["gemv"] and choice["pdl_regions"] == {"o": False, "o2": False}
+    assert choice["refined"]["chosen"] == "-o"
+    assert pdl_of(built) == {"q": True, "o": False, "o2": False, "up": True}
+
+
+@pytest.mark.parametrize("together, kept", [(0.960, {"o": False, "o2": False, "up": False}), (0.975, {"o": False, "o2": False})])
+def test_several_winning_switches_are_timed_together_against_the_best_alone(together, kept):
+    built = three_gemvs()
+    timer = timer_of({"none": 1.0, "gemv": 0.98}, {"base": 0.98, "-q": 0.99, "-o": 0.970, "-up": 0.972},
+                     {"together": together, "best alone": 0.970})
+    choice = choose_pdl(built, (), options=(("gemv",),), graph=lambda: (lambda *a: None), timer=timer)
+    assert timer.calls[-1] == ["best alone", "together"]
+    assert choice["pdl_regions"] == kept
+    assert pdl_of(built) == {"q": True, **{region: region not in kept for region in ("o", "o2", "up")}}
+
+
+def test_refinement_from_no_pdl_launches_the_module_that_gains_with_it():
+    """Where PDL for the whole kind loses (the H200's b32 step, session 47), a module that gains
+    alone is still launched with it."""
+    built = three_gemvs()
+    timer = timer_of({"none": 1.0, "gemv": 1.003}, {"base": 1.0, "+q": 0.99, "+o": 1.004, "+up": 0.9995})
+    choice = choose_pdl(built, (), options=(("gemv",),), graph=lambda: (lambda *a: None), timer=timer)
+    assert choice["pdl"] == [] and choice["pdl_regions"] == {"q": True}
+    assert pdl_of(built) == {"q": True, "o": False, "o2": False, "up": False}
+
+
+def test_each_refinement_capture_launches_its_own_switch():
+    built = three_gemvs()
+    captured = []
+
+    def graph():
+        captured.append(pdl_of(built))
+        return lambda *a: None
+
+    timer = timer_of({"none": 1.0, "gemv": 0.98}, {"base": 0.98, "-q": 0.98, "-o": 0.98, "-up": 0.98})
+    choice = choose_pdl(built, (), options=(("gemv",),), graph=graph, timer=timer)
+    assert captured[2:] == [  # (after the options' none and gemv)
+        {"q": True, "o": True, "o2": True, "up": True},
+        {"q": False, "o": True, "o2": True, "up": True},
+        {"q": True, "o": False, "o2": False, "up": True},
+        {"q": True, "o": True, "o2": True, "up": False}]
+    assert choice["pdl_regions"] == {} and pdl_of(built) == {"q": True, "o": True, "o2": True, "up": True}
+
+
+def test_program_applies_pdl_regions_over_the_kinds(built_dir, capable, monkeypatch):
+    monkeypatch.delenv("COOPT_PDL", raising=False)
+    built = capable(load(built_dir, device="cpu"))
+    gemv_space = next(space for space in kernel_modules(built) if space["PDL_KIND"] == "gemv")
+    off = [region for region, run in built._kernels.items() if run.__globals__ is gemv_space]
+    selection = built_dir / "selection.json"
+    original = selection.read_text()
+    try:
+        selection.write_text(json.dumps({**json.loads(original), "pdl": ["gemv"],
+                                         "pdl_regions": {region: False for region in off}}))
+        reloaded = load(built_dir, device="cpu")
+        launched = {region: run.__globals__["PDL"] for region, run in reloaded._kernels.items()
+                    if run.__globals__.get("PDL_KIND") == "gemv"}
+        assert {region for region, on in launched.items() if not on} == set(off)
+        assert any(launched.values()) or len(launched) == len(off)  # the kind's other modules keep PDL
+    finally:
+        selection.write_text(original)
+
+
+def test_a_retune_that_changes_a_selection_drops_the_regions_launch_too():
+    from coopt.tune.retune import _drop_stale_launch
+
+    selection = {"pdl": [], "pdl_regions": {"r1": True, "r5": True}}
+    _drop_stale_launch(selection, {"r1": {"old_selected": "c0", "selected": "c1"}})
+    assert selection["pdl_regions"] == {} and "PDL for 2 regions" in selection["launch_note"]
+
+
+def test_the_report_states_the_modules_switched():
+    from coopt.emit.report import _launch_line, _replayed_ms
+
+    launch = {"pdl": ["gemv"], "label": "gemv", "step_ms": {"none": 1.2, "gemv": 1.19},
+              "pdl_regions": {"r3": False, "r8": False},
+              "refined": {"chosen": "-r3", "step_ms": {"base": 1.19, "-r3": 1.185, "-r1": 1.192}}}
+    assert _launch_line(launch).endswith(
+        "; then, module by module, without PDL for 2 regions (r3, r8): the replayed step 1.1850 ms (unswitched 1.1900)")
+    assert _replayed_ms(launch) == 1.185
