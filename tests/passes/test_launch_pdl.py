@@ -192,7 +192,11 @@ def test_a_graph_replayed_build_measures_and_records_its_launch(tmp_path):
     times = launch_record["step_ms"]
     assert set(times) == {"none", "gemv"}
     expected = ["gemv"] if times["gemv"] < times["none"] * (1 - MIN_GAIN) else []
-    assert launch_record["pdl"] == expected == json.loads((out / "selection.json").read_text())["pdl"]
+    selection = json.loads((out / "selection.json").read_text())
+    assert launch_record["pdl"] == expected == selection["pdl"]
+    # then module by module: what the refinement kept is what the program applies
+    assert launch_record["pdl_regions"] == selection["pdl_regions"]
+    assert launch_record["refined"]["chosen"] == "base" or selection["pdl_regions"]
     assert "- launch: " in (out / "report.md").read_text()
 
 
