@@ -76,8 +76,8 @@ def _launch_line(launch: dict) -> str:
     if refined.get("chosen", "base") != "base":  # tune/launch.py refine_modules: some modules launched the other way
         regions = launch.get("pdl_regions") or {}
         on, off = ([r for r, pdl in regions.items() if pdl is flag] for flag in (True, False))
-        parts = [f"{what} for {len(names)} regions ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-                 for what, names in (("with PDL", on), ("without PDL", off)) if names]
+        parts = [f"{how} for {len(names)} regions ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                 for how, names in (("with PDL", on), ("without PDL", off)) if names]
         ms = refined["step_ms"]
         line += (f"; then, module by module, {' and '.join(parts)}: the replayed step {ms[refined['chosen']]:.4f} ms "
                  f"(unswitched {ms['base']:.4f})")
