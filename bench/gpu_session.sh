@@ -499,7 +499,8 @@ case "${1:-}" in
             tests/llama/test_llama_build.py tests/llama/test_llama_fp8.py tests/llama/test_llama_fp8_recent.py tests/llama/test_llama_paged_fp8_recent.py
         ;;
     status-fp8-b32)  # issue 4, session 52: the status row (b32 / 2048, reduce-overhead and coopt-fp8), then the
-        # build's step profiled launch by launch without PDL and with it for the GEMVs (where PDL loses on an H200; ~8 min)
+        # build's step profiled launch by launch without PDL and with it for the GEMVs (where PDL loses on an H200),
+        # PDL's gain at each place in a layer, and the launch choice's tests (~8 min)
         step 360 decode python bench/decode.py --cases 32:2048:4096 --modes "${MODES:-reduce-overhead,coopt-fp8}" \
             --prefill 0 --agreement-steps 8 --keep-weights --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
@@ -508,6 +509,9 @@ case "${1:-}" in
                 --batch 32 --launches --out "$OUT/profile_fp8_b32_pdl_$pdl.json"
         done
         step 30 pdl-boundaries python bench/pdl_boundaries.py "$OUT/profile_fp8_b32_pdl_0.json" "$OUT/profile_fp8_b32_pdl_gemv.json"
+        # (session 52's call ran the three steps above in 357 s) the launch choice's tests, the GPU one building with
+        # the per-module refinement
+        step 100 launch-tests python -m pytest -q -rf -p no:cacheprovider --tb=short -p no:logging tests/passes/test_launch_pdl.py
         ;;
     profile-fp8-b32)  # issue 4, session 46: the b32 / 2048 --kv-cache fp8 build's replayed step, kernel by kernel
         # (each launch's time and the gap before it; ~4 min)
