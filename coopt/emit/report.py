@@ -78,9 +78,8 @@ def _launch_line(launch: dict) -> str:
         on, off = ([r for r, pdl in regions.items() if pdl is flag] for flag in (True, False))
         parts = [f"{how} for {len(names)} regions ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
                  for how, names in (("with PDL", on), ("without PDL", off)) if names]
-        ms = refined["step_ms"]
-        line += (f"; then, module by module, {' and '.join(parts)}: the replayed step {ms[refined['chosen']]:.4f} ms "
-                 f"(unswitched {ms['base']:.4f})")
+        line += (f"; then, module by module, {' and '.join(parts)}: the replayed step {_replayed_ms(launch):.4f} ms "
+                 f"(unswitched {refined['step_ms']['base']:.4f})")
     return line
 
 

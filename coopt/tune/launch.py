@@ -142,14 +142,14 @@ def choose_pdl(built, example_inputs, *, options=PDL_OPTIONS, timer: Callable | 
     considered = {kind for option in applicable() for kind in option}
     steps.clear()  # (the options' graphs: their memory back before the refinement captures its own)
     try:
-        refined = (refine_modules(built, example_inputs, kinds_of[best], considered, timer=timer, graph=graph)
-                   if refine else {"regions": {}, "step_ms": {}, "chosen": "base"})
+        refined = refine_modules(built, example_inputs, kinds_of[best], considered if refine else (),
+                                 timer=timer, graph=graph)
     except BaseException:
         set_pdl(built, kinds_of[best])  # the option as chosen: measured, always correct
         raise
     return {"pdl": list(kinds_of[best]), "label": best, "step_ms": dict(ms),
             "reselected": {region: label for region, (label, _) in (switches or {}).get(chosen, {}).items()},
-            "pdl_regions": refined["regions"], "refined": refined,
+            "pdl_regions": refined.pop("regions"), "refined": refined,
             "timing": "the step replayed as a CUDA graph per option, in alternating rounds (median)"}
 
 
