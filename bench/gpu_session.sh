@@ -67,7 +67,7 @@
 #                                        # reduce-overhead and coopt-fp8 (~7 min)
 #   bash bench/gpu_session.sh status-fp8-b32  # b32 / 2048 reduce-overhead and coopt-fp8, the step profiled without
 #                                        # PDL and with it for the GEMVs (~8 min)
-#   bash bench/gpu_session.sh e2e-tests-1 / e2e-tests-2 / e2e-tests-3  # tests/e2e on the GPU in three calls (~6-8 min each)
+#   bash bench/gpu_session.sh e2e-tests-1 / e2e-tests-2 / e2e-tests-3 / e2e-tests-4  # tests/e2e on the GPU, four calls (~4-8 min each)
 #   bash bench/gpu_session.sh lengths-fold  # the lengths' + 1 in the attention kernels: their GPU tests and builds' (~8 min)
 #   bash bench/gpu_session.sh window-warps  # the window spread over warps: its GPU tests, then b1 / 32768 fp8 vs fp8-recent (~8 min)
 #   bash bench/gpu_session.sh fp8-recent-b32-profile  # fp8-recent-b32, then both fp8 builds' steps profiled (~8.5 min)
@@ -476,7 +476,7 @@ case "${1:-}" in
             --prefill 0 --agreement-steps 8 --out "$OUT/decode_fp8_b32.json" --build-dir /tmp/coopt-fp8
         reports reports_fp8_b32 coopt-fp8
         ;;
-    e2e-tests-1|e2e-tests-2|e2e-tests-3)  # sessions 51-52: tests/e2e on the GPU in three calls (the whole directory
+    e2e-tests-1|e2e-tests-2|e2e-tests-3|e2e-tests-4)  # sessions 51-53: tests/e2e on the GPU in four calls (the whole directory
         # took more than one call's 600 s in session 52: 29 of its 53 tests in 560 s); -rf names the failures
         E=tests/e2e
         case "$1" in
@@ -484,8 +484,9 @@ case "${1:-}" in
                          $E/test_elementwise_ops_build.py $E/test_end_to_end_bisection.py" ;;
             e2e-tests-2) files="$E/test_end_to_end_fp8_per_token.py $E/test_examples.py" ;;
             e2e-tests-3) files="$E/test_graph_timing_choice.py $E/test_grouped_state_writes.py $E/test_program_releases.py
-                         $E/test_state_file.py $E/test_transformers_llama.py $E/test_transformers_style_llama.py
-                         $E/test_twin_regions.py" ;;
+                         $E/test_state_file.py $E/test_transformers_style_llama.py $E/test_twin_regions.py" ;;
+            # (session 53: with transformers on the device, its file alone took ~7 of the old third call's 9.5 minutes)
+            e2e-tests-4) files="$E/test_transformers_llama.py" ;;
         esac
         # shellcheck disable=SC2086 # (the file list splits on purpose)
         step 560 "$1" python -m pytest -q -rf -p no:cacheprovider --tb=short -p no:logging $files

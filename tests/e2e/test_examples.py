@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from built_calls import beside_eager, verified_kernel
+from built_calls import DEVICE, beside_eager, verified_kernel
 
 import coopt
 from coopt.emit.state_file import stored_state
@@ -123,7 +123,7 @@ def test_built_model_loads_without_the_compiler(builds):
         sys.meta_path.insert(0, Block())
         import torch, coopt
         model = coopt.load({str(out)!r})
-        print(tuple(model(torch.randn(8, 64)).shape))
+        print(tuple(model(torch.randn(8, 64, device={str(DEVICE)!r})).shape))
         assert not any(m.split(".")[0] in ("xdsl", "jinja2", "hypothesis") for m in sys.modules)
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -135,9 +135,9 @@ def test_built_model_rejects_wrong_inputs(builds):
     out, _ = builds("mlp")
     model = coopt.load(out)
     with pytest.raises(TypeError, match="dtype"):
-        model(torch.randn(8, 64, dtype=torch.float64))
+        model(torch.randn(8, 64, dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match="shape"):
-        model(torch.randn(8, 65))
+        model(torch.randn(8, 65, device=DEVICE))
 
 
 def test_tune_remeasures_and_the_report_follows(builds, tmp_path):
