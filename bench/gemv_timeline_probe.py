@@ -60,15 +60,17 @@ ROWS, CHUNK = 32, 64  # the batch; the statistics' chunk of columns (fuse-norm-s
 # stamps: q|k|v's 96 programs stream at 3.6 TB/s, ~38 GB/s an SM; o's and down's split-K meeting
 # costs 2.1-2.3 µs after their loops). More programs for q|k|v; o and down without a meeting
 # (32-column tiles, activation rows on the tensor cores' 64-row side: SWAP_AB needs 64 columns;
-# their statistics in 32-column chunks), or with more splits. Values override the build's point.
+# their statistics in 32-column chunks), or with more splits; first, the build's split point with
+# the flag meeting (session 53: one round trip to L2 after the loop instead of three). Values
+# override the build's point.
 _UNSWAPPED_32 = {"BLOCK_N": 32, "SWAP_AB": False, "SPLIT_K": 1, "CHUNK": 32}  # (CHUNK: producers' only)
 ALTERNATIVES = {
     "qkv+": [{**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 5}, {"BLOCK_K": 256, "num_stages": 3},
              {"SPLIT_K": 2, "num_stages": 4}, {"num_stages": 7}],
-    "o+": [{**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3},
+    "o+": [{"MEET": "flag"}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 4}, {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3},
            {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 7}, {"SPLIT_K": 1, "num_stages": 5}],
-    "down+": [{**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3}, {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 6},
-              {"SPLIT_K": 4}, {"SPLIT_K": 1, "num_stages": 4}],
+    "down+": [{"MEET": "flag"}, {**_UNSWAPPED_32, "BLOCK_K": 256, "num_stages": 3},
+              {**_UNSWAPPED_32, "BLOCK_K": 128, "num_stages": 6}, {"SPLIT_K": 4}, {"SPLIT_K": 1, "num_stages": 4}],
     "gate_up+": [{"BLOCK_N": 64, "num_stages": 4}, {"BLOCK_K": 64, "num_stages": 5}],
 }
 
@@ -91,7 +93,7 @@ def alternatives(name: str) -> list[tuple]:
 
 def point_label(params: dict) -> str:
     return (f"BN {params['BLOCK_N']} BK {params['BLOCK_K']} split {params['SPLIT_K']} {params['num_stages']} stages"
-            + ("" if params["SWAP_AB"] else " unswapped"))
+            + ("" if params["SWAP_AB"] else " unswapped") + (" flag meeting" if params.get("MEET") == "flag" else ""))
 
 
 def _spec(shape, dtype="bfloat16"):

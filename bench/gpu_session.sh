@@ -65,6 +65,8 @@
 #                                        # early epilogue loads' GPU tests (~3 min)
 #   bash bench/gpu_session.sh points-fp8-b32  # gemv-points' probe, embedding_rows' GPU tests, b32 / 2048
 #                                        # reduce-overhead and coopt-fp8 (~7 min)
+#   bash bench/gpu_session.sh flag-fp8-b32  # the GEMV's flag meeting: its GPU tests, o and down with it against the
+#                                        # count meeting, then status-fp8-b32 (~8.5 min)
 #   bash bench/gpu_session.sh status-fp8-b32  # b32 / 2048 reduce-overhead and coopt-fp8, the step profiled without
 #                                        # PDL and with it for the GEMVs (~8 min)
 #   bash bench/gpu_session.sh e2e-tests-1 / e2e-tests-2 / e2e-tests-3 / e2e-tests-4  # tests/e2e on the GPU, four calls (~4-8 min each)
@@ -136,14 +138,16 @@ set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-step() {  # step SECONDS NAME COMMAND...: run, log to $OUT/NAME.log, print the log's tail
-    local limit=$1 name=$2
+step() {  # step SECONDS NAME COMMAND...: run, log to $OUT/NAME.log, print the log's tail; the command's status
+    local limit=$1 name=$2 status
     shift 2
     echo "== $name (limit ${limit}s)"
     # SIGINT first: pytest then prints its summary (the failures' names), a script its traceback
     timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "== $name: exit $?"
+    status=$?
+    echo "== $name: exit $status"
     grep -v "^    \|AUTOTUNE\|triton_\|^  mm\|^  bmm\|Warning\|return cls" "$OUT/$name.log" | tail -15
+    return $status
 }
 reports() {  # reports NAME DIR...: every build's report.md and build.json under DIRs as one $OUT/NAME.tar.gz
     # (at most 8 files come back from a device call: session 5 lost two reports to that limit)
@@ -498,6 +502,19 @@ case "${1:-}" in
             tests/passes/test_decode_attention_raise.py tests/verify/test_verify_lengths.py tests/templates/test_decode_attention_mma.py
         step 380 lengths-builds python -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
             tests/llama/test_llama_build.py tests/llama/test_llama_fp8.py tests/llama/test_llama_fp8_recent.py tests/llama/test_llama_paged_fp8_recent.py
+        ;;
+    flag-fp8-b32)  # issue 4, session 53: the GEMV's flag meeting (MEET="flag") on a GPU first, its GPU tests (a merger
+        # that never sees its flags would hang: short limit) and the build's o and down points with it against
+        # the count meeting; then, only where those pass, the status step (whose builds time both meetings of
+        # each split point; ~8.5 min in all)
+        if step 90 flag-tests python -m pytest -q -x -p no:cacheprovider --tb=short -p no:logging \
+                tests/templates/test_gemv_flag_meeting.py \
+            && step 120 flag-points python bench/gemv_timeline_probe.py --alternatives --shapes o+,down+ \
+                --json "$OUT/flag_points.json"; then
+            OUT=$OUT bash "$0" status-fp8-b32
+        else
+            echo "the flag meeting failed on this GPU: no build with it (fix it first)"
+        fi
         ;;
     status-fp8-b32)  # issue 4, session 52: the status row (b32 / 2048, reduce-overhead and coopt-fp8), then the
         # build's step profiled launch by launch without PDL and with it for the GEMVs (where PDL loses on an H200),

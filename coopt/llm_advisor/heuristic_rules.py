@@ -30,6 +30,7 @@ GEMV = ("GEMV",)
 NORM_FIRST = ("NORM_FIRST",)
 SWAP_AB = ("SWAP_AB",)
 STREAM_K = ("STREAM_K",)
+MEET = ("MEET",)
 
 # "Enough tiles" means at least this share of the SMs has a tile: a short last wave costs
 # less than tiles so small that each one does too little work to hide memory latency.
@@ -144,6 +145,10 @@ GEMV_MAX_PROGRAMS_PER_SM = 8  # of 4 warps: 32 warps an SM, registers to spare
 # bench/gemm.py --variants stream-k: o at b1 13.1 against 11.2 µs at best): each ranks a factor
 # of two behind its twin, out of the few points a build measures.
 GEMV_STREAM_K_SLOWER = 1.0
+# The flag meeting of a split point (MEET="flag": the merger polls flagged partials, one round trip
+# to L2 after its loop instead of the count meeting's three) is unmeasured on a GPU: it ranks right
+# behind its count twin, so a build's top points time both meetings of the best split point.
+GEMV_FLAG_MEET_RANK = 0.001
 
 
 def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tuple[CostFn, str]:
@@ -208,6 +213,8 @@ def _matmul_gemv(request: AdviceRequest, m: int, n: int, k: int, sms: int) -> tu
             # behind the separate norm.
             first = bool(knob(point, NORM_FIRST))
             c += (0.001 if first else 0.0) if bm == 1 else (0.0 if first else 0.05 if swap else 3.0)
+        if knob(point, MEET) == "flag":
+            c += GEMV_FLAG_MEET_RANK
         stream_k = knob(point, STREAM_K) or 0
         if stream_k:
             c += GEMV_STREAM_K_SLOWER + 0.001 * stream_k  # fewer programs an SM first

@@ -67,6 +67,15 @@ Skinny-GEMM variant (decode: M <= 64 rows against a weight of thousands of rows 
                                NORM_FIRST and the producer's statistics serve). Unmeasured on a
                                GPU so far: the heuristic ranks it out of a build's top 3 until
                                bench/gemm.py --variants stream-k has measured it.
+    MEET (GEMV points of       how a tile's splits meet: "count" (each stores its fp32 partial,
+    SPLIT_K > 1)               then bumps the tile's arrival counter; the last sums) or "flag"
+                               (the last split is the merger, fixed in advance: the others store
+                               each partial value beside a flag in one 64-bit word and leave, the
+                               merger polls the words until all carry the flag, empties them and
+                               sums; one L2 round trip after its loop instead of three). Same
+                               sums in the same order. "flag" runs only where the grid has at most
+                               one program an SM (else the launch takes the count meeting), and
+                               not with a GLU or the in-kernel norm's row sums.
 
 Fused forms of the GEMV kernel (attrs "prologue" / "glu" / "row_squares", regions of
 fuse-decode-gemv and fuse-norm-statistics): only
@@ -151,7 +160,7 @@ _MAX_FP32_ACC_AND_OPERAND_REGS = 144
 
 # The variants' knobs; a point without them (older advice, caches) is the plain kernel.
 VARIANT_DEFAULTS = {"PERSISTENT": False, "USE_TMA": False, "EPILOGUE_SUBTILE": 1, "GEMV": False, "NORM_FIRST": False,
-                    "SWAP_AB": False, "STREAM_K": 0}
+                    "SWAP_AB": False, "STREAM_K": 0, "MEET": "count"}
 # Programs an SM of the stream-K GEMV (0: one program a tile and K split).
 STREAM_K_PROGRAMS_PER_SM = (1, 2, 4)
 # GEMV is offered where the region is planned for at most this many rows: beyond it the weight
@@ -324,29 +333,40 @@ class MatmulEpilogueFamily(TemplateFamily):
                 space["NORM_FIRST"] = [False, True]
             space["SWAP_AB"] = [False, True]  # tl.dot tiles: activation rows or weight rows on the 64-row side
             space["STREAM_K"] = [0, *STREAM_K_PROGRAMS_PER_SM]  # a form of the GEMV points of SPLIT_K=1
+            space["MEET"] = ["count", "flag"]  # how a GEMV point's K splits meet (SPLIT_K > 1)
         return space
 
     def legal_points(self, region: RegionSummary, target: Target, space: dict[str, list] | None = None) -> list[dict]:
-        """The legal points of the space less STREAM_K (each with STREAM_K=0 where the space has
-        the knob: a point names every knob of its space), each legal GEMV point of SPLIT_K=1
-        followed by its legal stream-K twins. STREAM_K applies to those points only: in the
-        product it would quadruple the tens of thousands of points checked."""
+        """The legal points of the space less STREAM_K and MEET (each with STREAM_K=0 and
+        MEET="count" where the space has the knob: a point names every knob of its space), each
+        legal GEMV point of SPLIT_K=1 followed by its legal stream-K twins, each of SPLIT_K > 1 by
+        its flag-meeting twin. The twins apply to those points only: in the product they would
+        multiply the tens of thousands of points checked."""
         space = dict(self.param_space(region, target) if space is None else space)
-        if "STREAM_K" not in space:
+        if "STREAM_K" not in space and "MEET" not in space:
             return super().legal_points(region, target, space)
-        stream_k = [n for n in space.pop("STREAM_K") if n]
+        stream_k = [n for n in space.pop("STREAM_K", []) if n]
+        meets = [m for m in space.pop("MEET", []) if m != "count"]
+        plain = {"STREAM_K": 0} if stream_k else {}
+        plain.update({"MEET": "count"} if meets else {})
         points = []
         for point in super().legal_points(region, target, space):
-            points.append({**point, "STREAM_K": 0})
-            if point.get("GEMV") and point["SPLIT_K"] == 1:
-                twins = ({**point, "STREAM_K": n} for n in stream_k)
-                points.extend(twin for twin in twins if self.check(region, twin, target) is None)
+            points.append({**point, **plain})
+            if not point.get("GEMV"):
+                continue
+            twins = ([{**point, **plain, "STREAM_K": n} for n in stream_k] if point["SPLIT_K"] == 1
+                     else [{**point, **plain, "MEET": m} for m in meets])
+            points.extend(twin for twin in twins if self.check(region, twin, target) is None)
         return points
 
     def check(self, region: RegionSummary, params: dict, target: Target) -> str | None:
         knobs = {**VARIANT_DEFAULTS, **params}
         if knobs["STREAM_K"] and not knobs["GEMV"]:
             return "STREAM_K is a form of the GEMV kernel (GEMV=True)"
+        if knobs["MEET"] != "count":
+            reason = self._check_meet(region, {**knobs, **params})
+            if reason:
+                return reason
         if knobs["NORM_FIRST"] and not (knobs["GEMV"] and _norm_prologue(region) is not None):
             return "NORM_FIRST runs a region's RMSNorm prologue ahead of the GEMV kernel (GEMV=True and a norm prologue)"
         if knobs["SWAP_AB"] and not (knobs["GEMV"] and params["BLOCK_M"] >= 16 and params["BLOCK_N"] >= 64):
@@ -449,6 +469,17 @@ class MatmulEpilogueFamily(TemplateFamily):
             tiles = -(-m_lo // bm) * -(-n_lo // bn)
             if tiles >= 2 * target.num_sms:
                 return f"{tiles} GEMV programs already give {target.num_sms} SMs two each without SPLIT_K"
+        return None
+
+    @staticmethod
+    def _check_meet(region: RegionSummary, knobs: dict) -> str | None:
+        """MEET="flag": the GEMV's K splits meet through flagged 64-bit words (matmul_epilogue_gemv.py.j2)."""
+        if knobs["MEET"] != "flag":
+            return f"MEET is 'count' or 'flag', not {knobs['MEET']!r}"
+        if not knobs["GEMV"] or knobs["SPLIT_K"] < 2 or knobs["STREAM_K"]:
+            return "MEET='flag' is how a GEMV point's K splits meet (GEMV=True, SPLIT_K > 1, STREAM_K=0)"
+        if region.attrs.get("glu") or _inline_norm(region, knobs) is not None:
+            return "MEET='flag' carries one fp32 partial a split (no GLU, no RMSNorm summed in the kernel)"
         return None
 
     def _check_gemv_resources(self, region: RegionSummary, params: dict, target: Target) -> str | None:

@@ -496,7 +496,7 @@ def test_space_is_bounded():
     points = FAMILY.legal_points(region, H200)
     assert 0 < len(points) < 2000  # about 2/3 of them the tile-loop (PERSISTENT / USE_TMA) variants
     decode = FAMILY.legal_points(make_region((1,), 4096, 4096, "bfloat16"), H200)
-    assert 0 < len(decode) < 2500  # the GEMV points of a decode-sized region and their stream-K twins included
+    assert 0 < len(decode) < 3000  # the GEMV points of a decode-sized region, their stream-K and flag-meeting twins included
     plain = [p for p in decode if not p["GEMV"]]
     assert {p["BLOCK_M"] for p in plain} == {16} and {p["SPLIT_K"] for p in plain} == {1, 2, 4, 8}
     assert {p["BLOCK_M"] for p in decode if p["GEMV"]} == {1, 16}
