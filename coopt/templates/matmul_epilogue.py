@@ -364,7 +364,7 @@ class MatmulEpilogueFamily(TemplateFamily):
         if knobs["STREAM_K"] and not knobs["GEMV"]:
             return "STREAM_K is a form of the GEMV kernel (GEMV=True)"
         if knobs["MEET"] != "count":
-            reason = self._check_meet(region, {**knobs, **params})
+            reason = self._check_meet(region, knobs)
             if reason:
                 return reason
         if knobs["NORM_FIRST"] and not (knobs["GEMV"] and _norm_prologue(region) is not None):

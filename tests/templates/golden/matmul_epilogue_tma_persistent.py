@@ -173,13 +173,18 @@ def _tiles_kernel(
 _SM_COUNTS: dict = {}
 
 
+def _sm_count(device):
+    """The CUDA device's SMs, read once per device."""
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
 def _persistent_programs(device, num_tiles):
     """One program per SM; 3 under the interpreter, so that each program still walks several tiles."""
     if device.type != "cuda":
         return min(num_tiles, 3)
-    if device not in _SM_COUNTS:
-        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(num_tiles, _SM_COUNTS[device])
+    return min(num_tiles, _sm_count(device))
 
 
 def _tma_ready(*matrices):
